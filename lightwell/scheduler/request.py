@@ -1,0 +1,84 @@
+"""The scheduler's view of one sequence being generated."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from lightwell.types import FinishReason, SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue; its KV blocks were freed
+    FINISHED = enum.auto()
+
+
+class Request:
+    """One sequence: prompt tokens, generated tokens and progress through the KV cache.
+
+    ``num_computed_tokens`` counts tokens whose K/V are in the cache; the next step runs
+    ``num_tokens - num_computed_tokens`` of them at most.
+    """
+
+    def __init__(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        prefill_after: str | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        # A sibling (n > 1) whose prompt prefill this one waits for, to share its cached blocks.
+        self.prefill_after = prefill_after
+
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens found in the prefix cache at first schedule
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
+        # Tokens appended since the worker last saw this request (sent as a diff).
+        self.pending_token_ids: list[int] = []
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True until the prompt (and, after preemption, the regenerated part) is computed."""
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self.pending_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.req_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
