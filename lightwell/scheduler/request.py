@@ -51,6 +51,8 @@ class Request:
         # Tokens appended since the worker last saw this request (sent as a diff).
         self.pending_token_ids: list[int] = []
         self.first_scheduled_time: float | None = None
+        # Prompt positions whose logprobs were already returned (a resumed request recomputes them).
+        self.num_prompt_logprobs_sent = 0
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +78,25 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self.pending_token_ids.append(token_id)
+
+    def check_stop(self, token_id: int, max_model_len: int) -> bool:
+        """After appending ``token_id``: set finish_reason (and stop_reason) if it ends the request.
+
+        Order: EOS (unless ignore_eos), a stop token id (both only once min_tokens are out), then
+        max_tokens, then the context length.
+        """
+        params = self.sampling_params
+        past_min = self.num_output_tokens >= params.min_tokens
+        if token_id == self.eos_token_id and not params.ignore_eos and past_min:
+            self.finish_reason = FinishReason.STOP
+        elif token_id in (params.stop_token_ids or ()) and past_min:
+            self.finish_reason = FinishReason.STOP
+            self.stop_reason = token_id
+        elif params.max_tokens is not None and self.num_output_tokens >= params.max_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        elif self.num_tokens >= max_model_len:
+            self.finish_reason = FinishReason.LENGTH
+        return self.finish_reason is not None
 
     def __repr__(self) -> str:
         return (
