@@ -1,0 +1,52 @@
+"""Attention through the Triton kernels: store the new K/V, then one paged flash-attention pass.
+
+Runs wherever the kernels do: CUDA, or the CPU under ``TRITON_INTERPRET=1`` (tests). Without a
+KV cache (profiling runs), every request must be a fresh prefill; the new k/v are then read in
+place as a cache of one-token blocks, so the same kernel serves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lightwell.attention.metadata import AttentionMetadata
+from lightwell.kernels.kv_store import kv_store
+from lightwell.kernels.paged_attention import paged_attention
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor | None,  # [2, N, B, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        if kv_cache is None:
+            return _attend_without_cache(q, k, v, meta, scale)
+        kv_store(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta, scale)
+
+
+def _attend_without_cache(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        if meta.seq_lens_cpu[i] != qsl[i + 1] - qsl[i]:
+            raise ValueError("attention without a KV cache cannot serve cached tokens")
+    # token t of the batch is "block" t of a cache with block_size 1
+    offsets = torch.arange(max(meta.max_query_len, 1), dtype=torch.int32, device=q.device)
+    block_table = meta.query_start_loc[:-1, None] + offsets[None, :]  # [R, max_query_len]
+    flat = dataclasses.replace(meta, block_table=block_table.to(torch.int32))
+    return paged_attention(q, (k.unsqueeze(1), v.unsqueeze(1)), flat, scale)

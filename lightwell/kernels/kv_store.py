@@ -1,0 +1,119 @@
+"""Write new keys/values into the paged KV cache at their slots.
+
+Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V);
+token t goes to ``slot_mapping[t] = block_id * block_size + offset``. A negative slot means
+"skip this token" (the padding rows of a CUDA-graph batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_store_kernel(
+    k_ptr,  # [T, Hkv, D]
+    v_ptr,  # [T, Hkv, D]
+    cache_ptr,  # [2, N, B, Hkv, D]
+    slot_ptr,  # [T] int64
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_c_kv,
+    stride_c_blk,
+    stride_c_tok,
+    stride_c_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    src_k = k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
+    src_v = v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
+    dst = (
+        cache_ptr
+        + blk * stride_c_blk
+        + off * stride_c_tok
+        + h[:, None] * stride_c_head
+        + d[None, :]
+    )
+    k = tl.load(src_k, mask=mask)
+    v = tl.load(src_v, mask=mask)
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def kv_store(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
+) -> None:
+    """Write ``k``/``v`` into ``kv_cache`` in place (cast to the cache dtype)."""
+    _check(k, v, kv_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    block_h = triton.next_power_of_2(num_kv_heads)
+    block_d = triton.next_power_of_2(head_dim)
+    _kv_store_kernel[(num_tokens,)](
+        k,
+        v,
+        kv_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        kv_cache.stride(3),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=kv_cache.shape[2],
+        num_warps=4 if block_h * block_d >= 1024 else 1,
+    )
+
+
+def kv_store_ref(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    hkv, d = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, hkv, d)[slots] = k[keep].to(kv_cache.dtype)
+    kv_cache[1].view(-1, hkv, d)[slots] = v[keep].to(kv_cache.dtype)
+
+
+def _check(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(
+            f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != tuple(k.shape[1:]):
+        raise ValueError(f"kv_cache {tuple(cache.shape)} does not match k/v {tuple(k.shape)}")
+    if k.stride(2) != 1 or v.stride(2) != 1 or not cache.is_contiguous():
+        raise ValueError("k/v need a contiguous last dim and kv_cache must be contiguous")
+    if slots.shape != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be [T] int32/int64; got {tuple(slots.shape)}")
+    if not (k.device == v.device == cache.device == slots.device):
+        raise ValueError("k, v, kv_cache and slot_mapping must be on one device")

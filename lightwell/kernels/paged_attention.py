@@ -1,0 +1,391 @@
+"""Paged flash attention over a flat batch of requests (prefill, prefix-cached prefill, decode).
+
+Request i owns tokens ``query_start_loc[i]:query_start_loc[i+1]`` of ``q``; its query j sits at
+position ``p = seq_lens[i] - query_len_i + j`` and attends keys ``0..p`` of the request, read from
+the paged cache through ``block_table[i]`` (the new tokens' K/V are already stored there).
+
+One kernel serves every shape. A program owns one KV head and a tile of ``BLOCK_Q`` query tokens
+times the ``G = Hq / Hkv`` query heads that share it (``BLOCK_M >= 16`` rows, padded), so each K/V
+tile is loaded once per group and both products run on tensor cores even for decode. Keys stream
+in ``BLOCK_N`` tiles with an online softmax (fp32 accumulators, base-2 exponentials); tiles fully
+below the causal diagonal skip the masking. With ``SPLIT_KV`` (flash-decoding) the key range is
+cut into ``grid[2]`` chunks per request, each program writes a partial (max, sum, acc), and
+``split_kv.reduce_splits`` combines them.
+
+Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
+are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);
+when every request fits in one tile (decode) the tile id is the request index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lightwell.attention.metadata import AttentionMetadata
+from lightwell.kernels.split_kv import MAX_SPLITS, SplitPartials, auto_num_splits, reduce_splits
+
+_LOG2E = 1.4426950408889634
+# initial running max: finite, so fully masked rows never see inf - inf
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@triton.jit
+def _find_request(qsl_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
+    """The last request i with ``qsl[i] // BLOCK_Q + i <= tile_id``."""
+    lo = tile_id * 0  # int32 tensors (an int argument equal to 1 is specialised to a constant)
+    hi = lo + num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile_id:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _locate_tile(
+    qsl_ptr, tile_id, tile_base, num_reqs, BLOCK_Q: tl.constexpr, ONE_TILE: tl.constexpr
+):
+    """(request, first query index) of program ``tile_id``."""
+    if ONE_TILE:
+        req = tile_id
+        t0 = tile_id * 0
+    else:
+        vid = tile_id + tile_base
+        req = _find_request(qsl_ptr, vid, num_reqs, BLOCK_Q)
+        first = tl.load(qsl_ptr + req) // BLOCK_Q + req
+        num_slots = tl.load(qsl_ptr + req + 1) // BLOCK_Q + req + 1 - first
+        t0 = (num_slots - 1 - (vid - first)) * BLOCK_Q  # last (longest) tiles launch first
+    return req, t0
+
+
+@triton.jit
+def _load_tile(ptrs, n_ok, d_ok, MASK_N: tl.constexpr, PAD_D: tl.constexpr):
+    if MASK_N and PAD_D:
+        x = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+    elif MASK_N:
+        x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
+    elif PAD_D:
+        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _attend_tile(
+    acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32
+    l_i,  # [BLOCK_M] fp32
+    m_i,  # [BLOCK_M] fp32 (log2 domain)
+    q,  # [BLOCK_M, HEAD_DIM_PAD]
+    pos,  # [BLOCK_M] query positions
+    start_n,
+    hi,
+    bt_row_ptr,
+    k_base,
+    v_base,
+    stride_k_blk,
+    stride_k_tok,
+    stride_v_blk,
+    stride_v_tok,
+    qk_scale,
+    offs_d,
+    d_ok,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    PAD_D: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    if MASKED:
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    else:
+        blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
+    in_blk = offs_n % BLOCK_SIZE
+    k_off = blk * stride_k_blk + in_blk * stride_k_tok  # [BLOCK_N]
+    k = _load_tile(k_base + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v_off = blk * stride_v_blk + in_blk * stride_v_tok
+    v = _load_tile(v_base + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, Hq, D], [N, B, Hkv, D] x2, [T, Hq, D]
+    part_acc_ptr, part_m_ptr, part_l_ptr,  # split-KV partials (split_kv.SplitPartials)
+    qsl_ptr, seq_lens_ptr, block_table_ptr,  # [R+1] int32, [R] int32, [R, max_blocks] int32
+    num_reqs,
+    tok_base,  # first token of this launch (partials are indexed from it)
+    tile_base,  # tok_base // BLOCK_Q: virtual tile id of program 0
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
+    stride_bt,
+    GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_KV: tl.constexpr,  # grid[2] > 1: write partials for split_kv.reduce_splits
+    ONE_TILE_PER_REQ: tl.constexpr, PAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):  # fmt: skip
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    req, t0 = _locate_tile(
+        qsl_ptr, tl.program_id(0), tile_base, num_reqs, BLOCK_Q, ONE_TILE_PER_REQ
+    )
+    q_start = tl.load(qsl_ptr + req)
+    q_len = tl.load(qsl_ptr + req + 1) - q_start
+    if t0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    ctx = seq_len - q_len  # cached tokens before this request's new ones
+
+    # rows: (query token, query head of this KV group), token-major
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // GQA
+    head = kvh * GQA + offs_m % GQA
+    q_idx = t0 + tok
+    row_ok = (tok < BLOCK_Q) & (q_idx < q_len)
+    pos = ctx + q_idx  # [BLOCK_M]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = offs_d < HEAD_DIM
+    q_rows = (q_start + q_idx).to(tl.int64)
+    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # this program's keys: [lo, hi); keys <= ctx + t0 are visible to every row (no mask)
+    kv_end = tl.minimum(seq_len, ctx + t0 + BLOCK_Q)
+    if not SPLIT_KV:
+        lo = 0
+        hi = kv_end
+    else:
+        chunk = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(kv_end, lo + chunk)
+    full_end = lo + tl.maximum(tl.minimum(hi, ctx + t0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
+
+    bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    k_base = k_cache_ptr + kvh * stride_k_head
+    v_base = v_cache_ptr + kvh * stride_v_head
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for start_n in range(lo, full_end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
+            BLOCK_SIZE, BLOCK_N, False, PAD_D, DOT_PREC,
+        )  # fmt: skip
+    for start_n in range(full_end, hi, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
+            stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
+            BLOCK_SIZE, BLOCK_N, True, PAD_D, DOT_PREC,
+        )  # fmt: skip
+
+    if not SPLIT_KV:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        part = (q_rows - tok_base) * (tl.num_programs(1) * GQA) + head  # [BLOCK_M] (token, head)
+        _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, split, acc, l_i, m_i, row_ok,
+                        offs_d, HEAD_DIM_PAD)  # fmt: skip
+
+
+@triton.jit
+def _store_partials(
+    acc_ptr, m_ptr, l_ptr, row, split, acc, l_i, m_i, row_ok, offs_d, HEAD_DIM_PAD: tl.constexpr
+):
+    idx = row * tl.num_programs(2) + split  # [BLOCK_M] into [T_sub, Hq, S]
+    tl.store(acc_ptr + idx[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+    tl.store(m_ptr + idx, m_i, mask=row_ok)
+    tl.store(l_ptr + idx, l_i, mask=row_ok)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shape of one launch: ``block_m`` rows = query tokens x query heads of a KV group."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+MAX_HEAD_DIM = 256
+
+
+def default_config(head_dim: int, decode: bool) -> AttentionConfig:
+    """Tile shape for decode (query_len 1: 16 rows hold the query heads of one group) or for
+    prefill (128 rows), sized for Hopper's shared memory."""
+    if decode:
+        return AttentionConfig(16, 64 if head_dim <= 128 else 32, 4, 3)
+    if head_dim <= 128:
+        return AttentionConfig(128, 64, 8, 3)
+    return AttentionConfig(64, 32, 4, 2)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [2, N, B, Hkv, D] or K, V
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    *,
+    num_splits: int | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Causal paged attention of every request's new queries over its ``seq_lens[i]`` keys.
+
+    ``kv_cache`` is one ``[2, N, B, Hkv, D]`` tensor or a ``(k_cache, v_cache)`` pair of
+    ``[N, B, Hkv, D]`` views. ``num_splits``: None picks split-KV automatically for decode
+    batches, 1 forces it off, > 1 forces that many splits (any batch). ``config`` overrides the
+    tile shape (tests, tuning). When the first ``num_decodes`` requests are exactly the decodes,
+    they get their own decode-shaped launch. Tokens not covered by ``query_start_loc`` are left
+    unwritten (split path: zeroed)."""
+    k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
+    _check(q, k_cache, v_cache, meta, out)
+    out = torch.empty_like(q) if out is None else out
+    qsl, nreq, nd = meta.query_start_loc_cpu, meta.num_reqs, meta.num_decodes
+    if nreq == 0 or q.shape[0] == 0:
+        return out
+    if meta.max_query_len > 1 and 0 < nd < nreq and qsl[: nd + 1] == list(range(nd + 1)):
+        _launch(q, k_cache, v_cache, meta, scale, out, 0, nd, 1, num_splits, config)
+        rest = num_splits or 1  # auto split-KV is for decodes only
+        _launch(q, k_cache, v_cache, meta, scale, out, nd, nreq, meta.max_query_len, rest, config)
+    else:
+        _launch(
+            q, k_cache, v_cache, meta, scale, out, 0, nreq, meta.max_query_len, num_splits, config
+        )
+    return out
+
+
+def _launch(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [N, B, Hkv, D]
+    v_cache: torch.Tensor,  # [N, B, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]
+    r0: int,
+    r1: int,
+    max_query_len: int,
+    num_splits: int | None,
+    config: AttentionConfig | None,
+) -> None:
+    """One kernel launch over requests ``r0:r1`` (their tokens are contiguous in ``q``)."""
+    num_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_cache.shape[2]
+    gqa = num_heads // num_kv_heads
+    decode = max_query_len <= 1
+    cfg = config or default_config(head_dim, decode)
+    block_m = max(cfg.block_m, triton.next_power_of_2(gqa))
+    block_q = 1 if decode else block_m // gqa
+    tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
+    one_tile = max_query_len <= block_q
+    num_tiles = r1 - r0 if one_tile else tok1 // block_q - tok0 // block_q + (r1 - r0)
+    if num_splits is None:
+        programs = num_tiles * num_kv_heads
+        num_splits = auto_num_splits(programs, meta.max_seq_len, q.device) if decode else 1
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        parts = SplitPartials.empty(tok1 - tok0, num_heads, num_splits, d_pad, q.device)
+        part_acc, part_m, part_l = parts.acc, parts.row_max, parts.row_sum
+    else:
+        part_acc = part_m = part_l = out  # unused
+    qsl = meta.query_start_loc[r0:]
+    _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
+        qsl, meta.seq_lens[r0:], meta.block_table[r0:],
+        r1 - r0, tok0, tok0 // block_q, scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_table.stride(0),
+        GQA=gqa, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SPLIT_KV=num_splits > 1,
+        ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        reduce_splits(parts, out, meta.query_start_loc[r1 : r1 + 1], tok0)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 stays exact; 16-bit ignores it
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [2, N, B, Hkv, D] or K, V
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    """Plain torch, fp32, one request at a time: gather its blocks, causal mask with offset."""
+    k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
+    num_heads = q.shape[1]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    gqa = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        s, e, length = qsl[i], qsl[i + 1], meta.seq_lens_cpu[i]
+        if e == s:
+            continue
+        blocks = meta.block_table[i, : triton.cdiv(length, block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()  # [L, Hkv, D]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        k, v = k.repeat_interleave(gqa, dim=1), v.repeat_interleave(gqa, dim=1)  # [L, Hq, D]
+        scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale  # [Hq, n, L]
+        q_pos = torch.arange(length - (e - s), length, device=q.device)
+        hidden = torch.arange(length, device=q.device)[None, :] > q_pos[:, None]  # [n, L]
+        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def _check(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor | None,
+) -> None:
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"want q [T, Hq, D] and K/V caches [N, B, Hkv, D]; got {tuple(q.shape)}, "
+            f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_heads, head_dim = q.shape[1:]
+    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
+    if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q and the K/V caches need a contiguous last dim")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"{q.shape[0]} tokens given, metadata describes {meta.num_tokens}")
+    if meta.block_table.stride(1) != 1 or meta.query_start_loc.dtype != torch.int32:
+        raise ValueError("block_table needs a contiguous last dim; query_start_loc must be int32")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1):
+        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype}")

@@ -1,0 +1,122 @@
+"""RMSNorm, and RMSNorm fused with the residual add before it (one read, one write per tensor).
+
+Rounding follows HF Llama: the residual sum is rounded to the input dtype, the norm is taken in
+fp32 from that rounded sum, the normalised value is rounded to the input dtype, then multiplied by
+the weight and rounded once more.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr,  # [T, H]
+    res_ptr,  # [T, H] (read only when HAS_RESIDUAL)
+    w_ptr,  # [H]
+    out_ptr,  # [T, H]
+    res_out_ptr,  # [T, H] (written only when HAS_RESIDUAL)
+    stride_x,
+    stride_res,
+    stride_out,
+    stride_res_out,
+    eps,
+    HIDDEN: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def _launch(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor | None,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _check(x, residual, weight)
+    num_tokens, hidden = x.shape
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if num_tokens == 0:
+        return out, res_out
+    block = triton.next_power_of_2(hidden)
+    res_in = residual if residual is not None else x
+    res_o = res_out if res_out is not None else out
+    _rmsnorm_kernel[(num_tokens,)](
+        x, res_in, weight, out, res_o,
+        x.stride(0), res_in.stride(0), out.stride(0), res_o.stride(0), eps,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return out, res_out
+
+
+def rmsnorm(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [T, H]
+    """``weight * (x / rms(x))``, fp32 inside."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] normed, [T, H] new residual)
+    """``r = x + residual; return rmsnorm(r), r`` in one pass."""
+    out, res_out = _launch(x, residual, weight, eps)
+    assert res_out is not None
+    return out, res_out
+
+
+def rmsnorm_ref(
+    x: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> torch.Tensor:  # [T, H]
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def fused_add_rmsnorm_ref(
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
+    r = x + residual
+    return rmsnorm_ref(r, weight, eps), r
+
+
+def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"want x [T, H] and weight [H]; got {tuple(x.shape)}, {tuple(weight.shape)}"
+        )
+    if x.stride(1) != 1 or weight.stride(0) != 1:
+        raise ValueError("x and weight need a contiguous last dim")
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"residual must be like x {tuple(x.shape)} {x.dtype}")

@@ -1,0 +1,38 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# Two cores shared with other processes: avoid OpenMP spin-wait collapse.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
+def _cuda_visible() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+# Triton runs on CPU only as its interpreter, which must be chosen before triton is imported.
+if not _cuda_visible():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_visible():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    from lightwell.models.paths import default_model_path
+
+    return default_model_path()

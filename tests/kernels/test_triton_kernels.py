@@ -1,0 +1,217 @@
+"""Triton kernels vs their torch references: on CPU under TRITON_INTERPRET=1, compiled on CUDA.
+
+Shapes are tiny (the interpreter runs every program in Python); full sizes and bf16 run on the GPU
+through benchmarks/gpu_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported (or reloaded)
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):  # triton was imported before the env var
+        pytest.skip(
+            "triton was imported without TRITON_INTERPRET=1; run with TRITON_INTERPRET=1 set",
+            allow_module_level=True,
+        )
+
+from lightwell.attention.metadata import AttentionMetadata  # noqa: E402
+from lightwell.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from lightwell.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from lightwell.kernels import activation as act  # noqa: E402
+from lightwell.kernels import kv_store as ks  # noqa: E402
+from lightwell.kernels import paged_attention as pa  # noqa: E402
+from lightwell.kernels import rmsnorm as rn  # noqa: E402
+from lightwell.kernels import rotary as rot  # noqa: E402
+from lightwell.kernels import split_kv as sk  # noqa: E402
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+ATTN_TOL = {torch.float32: 1e-4, torch.float16: 4e-3}
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_kv_store(dtype):
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, hkv, d, bs, nblocks = 7, 3, 32, 4, 6
+    kv = _randn(num_tokens, 2 * hkv + 1, d, dtype=dtype, gen=gen)  # strided views, as from qkv
+    k, v = kv[:, :hkv], kv[:, hkv : 2 * hkv]
+    slots = torch.randperm(nblocks * bs, generator=gen)[:num_tokens].to(DEVICE)
+    slots[2] = -1  # padding token: skipped
+    cache = _randn(2, nblocks, bs, hkv, d, dtype=dtype, gen=gen)
+    expected = cache.clone()
+    ks.kv_store(k, v, cache, slots)
+    ks.kv_store_ref(k, v, expected, slots)
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("hidden", [96, 256])
+def test_rmsnorm(dtype, hidden):
+    gen = torch.Generator().manual_seed(1)
+    x = _randn(5, hidden, dtype=dtype, gen=gen)
+    res = _randn(5, hidden, dtype=dtype, gen=gen)
+    w = _randn(hidden, dtype=dtype, gen=gen)
+    tol = TOL[dtype]
+    torch.testing.assert_close(
+        rn.rmsnorm(x, w, 1e-6), rn.rmsnorm_ref(x, w, 1e-6), atol=tol, rtol=tol
+    )
+    out, new_res = rn.fused_add_rmsnorm(x, res, w, 1e-5)
+    ref_out, ref_res = rn.fused_add_rmsnorm_ref(x, res, w, 1e-5)
+    torch.testing.assert_close(new_res, ref_res, atol=0, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("neox,rot_dim", [(True, 32), (True, 16), (False, 32)])
+def test_rotary(dtype, neox, rot_dim):
+    gen = torch.Generator().manual_seed(2)
+    num_tokens, hq, hkv, d = 6, 4, 2, 32
+    qkv = _randn(num_tokens, (hq + 2 * hkv) * d, dtype=dtype, gen=gen)
+    q, k = qkv[:, : hq * d], qkv[:, hq * d : (hq + hkv) * d]  # strided views
+    cache = torch.rand(64, rot_dim, generator=gen).to(DEVICE) * 2 - 1
+    pos = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    ref_q, ref_k = rot.rotary_embedding_ref(pos, q, k, cache, d, neox)
+    v_before = qkv[:, (hq + hkv) * d :].clone()
+    rot.rotary_embedding(pos, q, k, cache, d, neox)
+    tol = TOL[dtype]
+    torch.testing.assert_close(q, ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
+    assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_silu_and_mul(dtype):
+    gen = torch.Generator().manual_seed(3)
+    x = _randn(3, 2 * 1100, dtype=dtype, gen=gen) * 3  # 1100 > one 1024-wide block
+    tol = TOL[dtype]
+    torch.testing.assert_close(act.silu_and_mul(x), act.silu_and_mul_ref(x), atol=tol, rtol=tol)
+
+
+# ---- paged attention -------------------------------------------------------------------------
+
+
+def _paged_batch(qlens, ctxs, hkv, gqa, d, dtype, block_size=16, seed=0):
+    """Random q and cache, scattered non-contiguous block ids, metadata for the batch."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = [c + n for c, n in zip(ctxs, qlens)]
+    nblocks = [-(-s // block_size) for s in seq]
+    total = sum(nblocks) + 3
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    table = torch.zeros(len(qlens), max(nblocks), dtype=torch.int32)
+    used = 0
+    for i, nb in enumerate(nblocks):
+        table[i, :nb] = perm[used : used + nb]
+        used += nb
+    cache = _randn(2, total, block_size, hkv, d, dtype=dtype, gen=gen)
+    q = _randn(sum(qlens), hkv * gqa, d, dtype=dtype, gen=gen)
+    qsl = [0]
+    for n in qlens:
+        qsl.append(qsl[-1] + n)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq, dtype=torch.int32, device=DEVICE),
+        block_table=table.to(DEVICE),
+        slot_mapping=torch.zeros(sum(qlens), dtype=torch.int64, device=DEVICE),
+        max_query_len=max(qlens),
+        max_seq_len=max(seq),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq,
+        num_decodes=sum(n == 1 for n in qlens),
+    )
+    return q, cache, meta
+
+
+# (query lens, cached lens, Hkv, G, D, num_splits, (block_m, block_n) or None = default tiles);
+# a query len of 0 is a padding request (CUDA-graph batches)
+ATTN_CASES = {
+    "decode_gqa4": ([1, 1, 1], [5, 40, 70], 2, 4, 64, None, None),
+    "decode_split3_gqa2": ([1, 1, 0, 1], [3, 40, 95, 17], 2, 2, 32, 3, (16, 16)),
+    "prefill_gqa1_ragged_tiles": ([37, 0, 9], [0, 4, 0], 2, 1, 32, None, (16, 16)),
+    "mixed_prefix_gqa4_split2": ([1, 1, 20, 5], [10, 33, 17, 0], 1, 4, 32, 2, (32, 16)),
+    "prefix_gqa2_default_tiles": ([19, 1, 6], [21, 30, 0], 2, 2, 64, None, None),
+    "head_dim24_gqa3": ([5, 3, 1], [14, 29, 8], 2, 3, 24, None, (16, 16)),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+def test_paged_attention(case, dtype):
+    qlens, ctxs, hkv, gqa, d, splits, tiles = ATTN_CASES[case]
+    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, dtype)
+    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
+    out = pa.paged_attention(q, cache, meta, d**-0.5, num_splits=splits, config=config)
+    ref = pa.paged_attention_ref(q, cache, meta, d**-0.5)
+    tol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+def test_reduce_splits():
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, hq, splits, d = 3, 4, 5, 24
+    parts = sk.SplitPartials.empty(num_tokens, hq, splits, 32, DEVICE)
+    parts.row_max.copy_(_randn(num_tokens, hq, splits, dtype=torch.float32, gen=gen) * 4)
+    parts.row_sum.copy_(_randn(num_tokens, hq, splits, dtype=torch.float32, gen=gen).abs() + 0.5)
+    parts.acc.copy_(_randn(num_tokens, hq, splits, 32, dtype=torch.float32, gen=gen))
+    parts.row_max[:, :, 1], parts.row_sum[:, :, 1], parts.acc[:, :, 1] = -1e30, 0, 0  # empty
+    out = torch.full((num_tokens + 1, hq, d), 7.0, device=DEVICE)
+    covered = torch.tensor([2], dtype=torch.int32, device=DEVICE)  # token 2 is padding
+    sk.reduce_splits(parts, out[1:], covered, tok_base=0)
+    ref = sk.reduce_splits_ref(parts, d)
+    torch.testing.assert_close(out[1:3], ref[:2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.equal(out[0], out[0] * 0 + 7)
+
+
+def test_paged_attention_ref_matches_sdpa():
+    q, cache, meta = _paged_batch([13], [0], 2, 2, 32, torch.float32, block_size=4)
+    ref = pa.paged_attention_ref(q, cache, meta, 0.2)
+    blocks = meta.block_table[0, :4].long()
+    k, v = (cache[i][blocks].reshape(-1, 2, 32)[:13] for i in (0, 1))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=0.2,
+        enable_gqa=True,
+    )  # fmt: skip
+    torch.testing.assert_close(ref, sdpa.transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_paged_attention_rejects_bad_input():
+    q, cache, meta = _paged_batch([2], [3], 1, 2, 32, torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        pa.paged_attention(q.half(), cache, meta, 1.0)
+    with pytest.raises(ValueError, match="tokens"):
+        pa.paged_attention(q[:1], cache, meta, 1.0)
+
+
+@pytest.mark.parametrize("with_cache", [True, False])
+def test_triton_backend_matches_torch_backend(with_cache):
+    qlens, ctxs = ([1, 7, 4], [20, 9, 0]) if with_cache else ([6, 3], [0, 0])
+    q, cache, meta = _paged_batch(qlens, ctxs, 2, 2, 32, torch.float32, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    k = _randn(q.shape[0], 2, 32, dtype=torch.float32, gen=gen)
+    v = _randn(q.shape[0], 2, 32, dtype=torch.float32, gen=gen)
+    # slot of each new token: its position in its request's blocks
+    slots = []
+    for i, (n, c) in enumerate(zip(qlens, ctxs)):
+        for p in range(c, c + n):
+            slots.append(int(meta.block_table[i, p // 16]) * 16 + p % 16)
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    c1, c2 = (cache.clone(), cache.clone()) if with_cache else (None, None)
+    out = TritonAttentionBackend().forward(q, k, v, c1, meta, 0.25)
+    ref = TorchAttentionBackend().forward(q, k, v, c2, meta, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    if with_cache:
+        torch.testing.assert_close(c1, c2, atol=0, rtol=0)
