@@ -182,3 +182,24 @@ def option_names() -> set[str]:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def resolve_config(
+    cfg: EngineConfig, *, on_gpu: bool, model_max_len: int, kv_capacity_tokens: int | None = None
+) -> EngineConfig:
+    """Replace every "auto"/None value by the concrete one for this device and model."""
+    m, s = cfg.model, cfg.scheduler
+    max_len = model_max_len if m.max_model_len is None else m.max_model_len
+    if kv_capacity_tokens is not None:
+        max_len = min(max_len, kv_capacity_tokens)
+    batched = s.max_num_batched_tokens or (8192 if on_gpu else 512)
+    if not s.enable_chunked_prefill:
+        batched = max(batched, max_len)
+    seqs = s.max_num_seqs or (256 if on_gpu else 64)
+    return cfg.replace(
+        model=dataclasses.replace(m, max_model_len=max_len),
+        scheduler=dataclasses.replace(
+            s, max_num_batched_tokens=batched, max_num_seqs=min(seqs, batched)
+        ),
+        device=dataclasses.replace(cfg.device, device="cuda" if on_gpu else "cpu"),
+    )

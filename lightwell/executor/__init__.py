@@ -1,0 +1,27 @@
+"""Executors drive the worker(s): one process per rank, rank 0 in the engine's process."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from lightwell.config import EngineConfig
+from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+class Executor(Protocol):
+    def load_model(self): ...
+    def determine_num_blocks(self, resolved: EngineConfig) -> int: ...
+    def kv_bytes_per_block(self) -> int: ...
+    def init_kv_cache(self, num_blocks: int) -> None: ...
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+    def shutdown(self) -> None: ...
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    if config.parallel.tensor_parallel_size == 1:
+        from lightwell.executor.uniproc import UniProcExecutor
+
+        return UniProcExecutor(config)
+    raise NotImplementedError(
+        "tensor_parallel_size > 1 is not available yet in this build (single-process only)"
+    )

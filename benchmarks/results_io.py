@@ -1,0 +1,49 @@
+"""Write benchmark results as JSON with date, machine, commit and command (PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+        ).strip()
+    except Exception:
+        return "unknown"
+
+
+def machine() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return f"CPU {platform.processor() or platform.machine()} x{os.cpu_count()}"
+
+
+def record(metric: str, value: float, **fields) -> dict:
+    return {
+        "metric": metric,
+        "value": round(value, 4),
+        "gpu": machine(),
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        **fields,
+    }
+
+
+def write_results(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"wrote {len(rows)} results to {path}")

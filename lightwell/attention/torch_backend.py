@@ -1,0 +1,192 @@
+"""Reference attention in plain torch: the correctness oracle, and the CPU path.
+
+Decodes (query_len 1) of a batch are served together by one padded gather over their block
+tables and two batched matmuls; prefill chunks go one request at a time through
+``scaled_dot_product_attention`` (causal, offset by the request's cached length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lightwell.attention.metadata import AttentionMetadata
+
+
+def write_kv_cache(
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64: block_id * B + offset
+) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def gather_kv(
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    block_ids: torch.Tensor,  # [nb]
+    length: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([L, Hkv, D], [L, Hkv, D])
+    """The first ``length`` cached tokens of one request, in order."""
+    kv = kv_cache[:, block_ids]  # [2, nb, B, Hkv, D]
+    kv = kv.flatten(1, 2)[:, :length]  # [2, L, Hkv, D]
+    return kv[0], kv[1]
+
+
+@dataclass
+class _StepPlan:
+    """How one step's requests split, computed once per metadata and shared by all layers."""
+
+    prefills: list[int]  # requests with query_len > 1
+    decodes: list[int]  # requests with query_len == 1
+    decode_rows: torch.Tensor | None  # [R_dec] their rows in block_table / seq_lens
+    decode_tokens: torch.Tensor | None  # [R_dec] their token index in the flat batch
+    max_decode_len: int
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+        qsl = meta.query_start_loc_cpu
+        decodes = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        prefills = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] > 1]
+        if not decodes:
+            return cls(prefills, decodes, None, None, 0)
+        rows = torch.tensor(decodes, device=device)
+        tokens = torch.tensor([qsl[i] for i in decodes], device=device)
+        return cls(prefills, decodes, rows, tokens, max(meta.seq_lens_cpu[i] for i in decodes))
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: tuple[tuple, _StepPlan] | None = None
+
+    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+        """Built by the first layer of a step, reused by the others (host copies compared, so
+        a metadata object refilled in place for the next step is never served a stale plan)."""
+        key = (list(meta.query_start_loc_cpu), list(meta.seq_lens_cpu), device)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, _StepPlan.build(meta, device))
+        return self._plan[1]
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor | None,  # [2, N, B, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        _check_shapes(q, k, v, meta)
+        out = torch.empty_like(q)
+        if kv_cache is None:
+            _attend_without_cache(q, k, v, meta, scale, out)
+            return out
+        write_kv_cache(kv_cache, k, v, meta.slot_mapping)
+        plan = self._plan_for(meta, q.device)
+        if plan.decodes:
+            _attend_decodes(q, kv_cache, meta, plan, scale, out)
+        for i in plan.prefills:
+            _attend_prefill(q, k, v, kv_cache, meta, i, scale, out)
+        return out
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q/k/v shapes disagree: {q.shape}, {k.shape}, {v.shape}")
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+    if q.shape[0] != meta.num_tokens:
+        raise ValueError(f"{q.shape[0]} tokens given, metadata describes {meta.num_tokens}")
+
+
+def _sdpa(
+    q: torch.Tensor,  # [n, Hq, D]
+    k: torch.Tensor,  # [L, Hkv, D]
+    v: torch.Tensor,  # [L, Hkv, D]
+    num_cached: int,
+    scale: float,
+) -> torch.Tensor:  # [n, Hq, D]
+    """Causal attention of n new queries over L = num_cached + n keys."""
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    gqa = qh.shape[0] != kh.shape[0]
+    if num_cached == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        n, length = q.shape[0], k.shape[0]
+        key_pos = torch.arange(length, device=q.device)
+        query_pos = torch.arange(num_cached, num_cached + n, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return o.transpose(0, 1)
+
+
+def _attend_without_cache(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]
+) -> None:
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        s, e = qsl[i], qsl[i + 1]
+        if meta.seq_lens_cpu[i] != e - s:
+            raise ValueError("attention without a KV cache cannot serve cached tokens")
+        out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], 0, scale)
+
+
+def _attend_prefill(
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    meta: AttentionMetadata,
+    i: int,
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]
+) -> None:
+    s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
+    length = meta.seq_lens_cpu[i]
+    num_cached = length - (e - s)
+    if num_cached == 0:  # nothing before this chunk: the new k/v are the whole sequence
+        out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], 0, scale)
+        return
+    block_size = kv_cache.shape[2]
+    num_blocks = -(-length // block_size)
+    keys, values = gather_kv(kv_cache, meta.block_table[i, :num_blocks], length)
+    out[s:e] = _sdpa(q[s:e], keys.to(q.dtype), values.to(q.dtype), num_cached, scale)
+
+
+def _attend_decodes(
+    q: torch.Tensor,  # [T, Hq, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    meta: AttentionMetadata,
+    plan: _StepPlan,
+    scale: float,
+    out: torch.Tensor,  # [T, Hq, D]
+) -> None:
+    """All query_len-1 requests at once: gather their blocks padded to the longest."""
+    device, block_size = q.device, kv_cache.shape[2]
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    rows, tokens, num_reqs = plan.decode_rows, plan.decode_tokens, len(plan.decodes)
+    num_blocks = -(-plan.max_decode_len // block_size)
+    blocks = meta.block_table[rows, :num_blocks]  # [R, nb]
+    kv = kv_cache[:, blocks].flatten(2, 3).to(q.dtype)  # [2, R, L, Hkv, D]
+    length = kv.shape[2]
+    pad = torch.arange(length, device=device)[None, :] >= meta.seq_lens[rows, None]  # [R, L]
+    keys = kv[0].permute(0, 2, 3, 1)  # [R, Hkv, D, L]
+    values = kv[1].masked_fill(pad[:, :, None, None], 0).transpose(1, 2)  # [R, Hkv, L, D]
+    group = q.shape[1] // num_kv_heads
+    qd = q[tokens].view(num_reqs, num_kv_heads, group, head_dim)  # [R, Hkv, G, D]
+    scores = torch.matmul(qd, keys).float() * scale  # [R, Hkv, G, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    o = torch.matmul(probs, values)  # [R, Hkv, G, D]
+    out[tokens] = o.reshape(num_reqs, -1, head_dim)

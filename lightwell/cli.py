@@ -1,0 +1,240 @@
+"""`lightwell generate | chat | serve | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from lightwell.cli_args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_config_from_args,
+    sampling_overrides_from_args,
+)
+
+logger = logging.getLogger("lightwell")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightwell",
+        description="Lightwell: LLM inference and serving. Default model: SmolLM2-135M-Instruct.",
+    )
+    parser.add_argument("--version", action="store_true", help="Print the version and exit.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    gen = sub.add_parser("generate", help="Generate text for one prompt, streamed.")
+    gen.add_argument(
+        "prompt",
+        nargs="?",
+        default="Write a haiku about the sea.",
+        help="The prompt (a user chat message unless --raw-prompt).",
+    )
+    gen.add_argument(
+        "--raw-prompt",
+        action="store_true",
+        help="Send the prompt as plain text, without the model's chat template.",
+    )
+    gen.add_argument("--system", default=None, help="System message for the chat template.")
+    gen.add_argument("--no-stream", action="store_true", help="Print the text only at the end.")
+    gen.add_argument(
+        "--show-stats",
+        action="store_true",
+        help="Print token counts, TTFT and decode speed to stderr at the end.",
+    )
+    _common(gen)
+
+    chat = sub.add_parser("chat", help="Interactive chat with history (/reset, /exit).")
+    chat.add_argument("--system", default=None, help="System message.")
+    _common(chat)
+
+    for name, (helptext, adder) in _EXTRA_COMMANDS.items():
+        extra = sub.add_parser(name, help=helptext, formatter_class=fmt)
+        adder(extra)
+    return parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Logging level.",
+    )
+    add_sampling_args(p)
+    add_engine_args(p)
+
+
+# Subcommands registered by other modules (serve, bench) to keep this file small.
+_EXTRA_COMMANDS: dict[str, tuple[str, Any]] = {}
+
+
+def _register_extra() -> None:
+    try:
+        from lightwell.server.cli import register as register_serve
+    except ImportError:
+        register_serve = None
+    if register_serve:
+        register_serve(_EXTRA_COMMANDS)
+    try:
+        from lightwell.bench.cli import register as register_bench
+    except ImportError:
+        register_bench = None
+    if register_bench:
+        register_bench(_EXTRA_COMMANDS)
+
+
+def stream_request(engine: Any, request_id: str) -> Iterator[Any]:
+    """Step the engine until request_id finishes, yielding each of its RequestOutputs."""
+    while True:
+        for out in engine.step():
+            if out.request_id == request_id:
+                yield out
+                if out.finished:
+                    return
+        if not engine.has_unfinished_requests():
+            return
+
+
+def _make_engine(args: argparse.Namespace) -> Any:
+    from lightwell.engine.llm_engine import LLMEngine
+
+    cfg = engine_config_from_args(args)
+    t0 = time.perf_counter()
+    engine = LLMEngine(cfg)
+    info = engine.model_info
+    logger.info(
+        "loaded %s (%s, %s on %s) in %.1fs; KV cache %d blocks x %d tokens",
+        info.name,
+        info.architecture,
+        info.dtype,
+        info.device,
+        time.perf_counter() - t0,
+        engine.num_kv_blocks,
+        cfg.cache.block_size,
+    )
+    return engine
+
+
+def _prompt_ids(engine: Any, args: argparse.Namespace, messages: list[dict] | None) -> Any:
+    if messages is None:
+        return args.prompt
+    return {"prompt_token_ids": engine.tokenizer.apply_chat_template(messages)}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = _make_engine(args)
+    params = engine.default_sampling_params(**sampling_overrides_from_args(args))
+    messages = None
+    if not args.raw_prompt and engine.tokenizer.chat_template:
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+    t0 = time.perf_counter()
+    rid = engine.add_request(None, _prompt_ids(engine, args, messages), params)
+    final = _print_stream(engine, rid, stream=not args.no_stream and params.n == 1)
+    if final is not None and (args.no_stream or params.n > 1):
+        for c in final.outputs:
+            prefix = f"[{c.index}] " if params.n > 1 else ""
+            print(prefix + c.text)
+    if args.show_stats and final is not None:
+        _print_stats(final, time.perf_counter() - t0)
+    return 0
+
+
+def _print_stream(engine: Any, rid: str, stream: bool) -> Any:
+    final = None
+    printed = 0
+    for out in stream_request(engine, rid):
+        final = out
+        if stream:
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    if stream:
+        sys.stdout.write("\n")
+    return final
+
+
+def _print_stats(out: Any, wall: float) -> None:
+    m = out.metrics
+    n = sum(len(c.token_ids) for c in out.outputs)
+    ttft = (m.first_token_time - m.arrival_time) if m and m.first_token_time else float("nan")
+    decode = wall - ttft
+    rate = (n - 1) / decode if n > 1 and decode > 0 else float("nan")
+    print(
+        f"prompt {len(out.prompt_token_ids)} tokens (cached {out.num_cached_tokens}), "
+        f"output {n} tokens, TTFT {ttft * 1e3:.1f} ms, decode {rate:.1f} tok/s, "
+        f"finish {[str(c.finish_reason) for c in out.outputs]}",
+        file=sys.stderr,
+    )
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = _make_engine(args)
+    if not engine.tokenizer.chat_template:
+        print(
+            "this model has no chat template; use `lightwell generate --raw-prompt`",
+            file=sys.stderr,
+        )
+        return 2
+    params = engine.default_sampling_params(**sampling_overrides_from_args(args))
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict] = []
+    print("Lightwell chat: /reset clears the history, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            history.clear()
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        try:
+            rid = engine.add_request(None, _prompt_ids(engine, args, system + history), params)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        final = _print_stream(engine, rid, stream=True)
+        history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
+
+
+def main(argv: list[str] | None = None) -> int:
+    _register_extra()
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from lightwell import __version__
+
+        print(__version__)
+        return 0
+    if not args.command:
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=getattr(args, "log_level", "WARNING"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handlers = {"generate": cmd_generate, "chat": cmd_chat}
+    handler = handlers.get(args.command) or args.handler
+    try:
+        return handler(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lightwell: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""LLMEngine: add_request / abort_request / step. The control plane: no torch imports here."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from lightwell.config import EngineConfig, resolve_config
+from lightwell.engine.output_processor import OutputProcessor
+from lightwell.engine.tokenizer import Tokenizer
+from lightwell.executor import make_executor
+from lightwell.models.paths import ModelFiles, resolve_model
+from lightwell.scheduler.output import ModelRunnerOutput
+from lightwell.scheduler.request import Request
+from lightwell.scheduler.scheduler import Scheduler
+from lightwell.types import FinishReason, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptInput = str | list[int] | dict
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        config.validate()
+        self.files: ModelFiles = resolve_model(config.model.model, config.model.load_format)
+        self.tokenizer = Tokenizer.load(self.files, config.model.tokenizer)
+        self.executor = make_executor(config)
+        self.model_info = info = self.executor.load_model()
+        on_gpu = info.device.startswith("cuda")
+        resolved = resolve_config(config, on_gpu=on_gpu, model_max_len=info.max_position_embeddings)
+        self.num_kv_blocks = self.executor.determine_num_blocks(resolved)
+        capacity = self.num_kv_blocks * config.cache.block_size
+        self.config = resolve_config(
+            config,
+            on_gpu=on_gpu,
+            model_max_len=info.max_position_embeddings,
+            kv_capacity_tokens=capacity,
+        )
+        if self.config.model.max_model_len < (resolved.model.max_model_len or 0):
+            logger.warning(
+                "max_model_len lowered to %d: the KV cache holds only %d tokens",
+                self.config.model.max_model_len,
+                capacity,
+            )
+        self.executor.init_kv_cache(self.num_kv_blocks)
+        s = self.config.scheduler
+        self.scheduler = Scheduler(
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.cache.block_size,
+            max_model_len=self.config.model.max_model_len,
+            enable_prefix_caching=self.config.cache.enable_prefix_caching,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        if self.eos_token_id is None:
+            self.eos_token_id = info.eos_token_id
+        self.generation_defaults = load_generation_defaults(self.files)
+        self._extra_eos = [
+            t for t in self.generation_defaults.pop("eos_token_ids", []) if t != self.eos_token_id
+        ]
+        self._ids = itertools.count()
+
+    # ---- requests ---------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        """Text, token ids, or {"prompt": ...} / {"prompt_token_ids": [...]} -> (text, ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError("a prompt must be a string, a list of token ids, or a prompt dict")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.tokenizer.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but this model's context is "
+                f"{self.max_model_len} tokens, and at least one must be left for the output"
+            )
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate and queue one request (n > 1: n sequences). Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        request_id = request_id or self.new_request_id()
+        if self.output_processor.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        params.check_vocab(self.tokenizer.vocab_size)
+        params = self._with_engine_stops(params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        )
+        self.output_processor.add_request(request_id, child_ids, text, token_ids, params, arrival)
+        for i, cid in enumerate(child_ids):
+            child_params = params if params.n == 1 else params.for_child(i)
+            share = child_ids[0] if i > 0 and self.config.cache.enable_prefix_caching else None
+            req = Request(cid, token_ids, child_params, self.eos_token_id, arrival, share)
+            self.scheduler.add_request(req)
+        return request_id
+
+    def _with_engine_stops(self, params: SamplingParams) -> SamplingParams:
+        if not self._extra_eos or params.ignore_eos:
+            return params
+        import dataclasses
+
+        extra = [t for t in self._extra_eos if t not in params.stop_token_ids]
+        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a request (all its n sequences) in any state; its KV blocks are freed now."""
+        self.scheduler.abort_requests(self.output_processor.child_ids(request_id))
+        return self.output_processor.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.total_num_scheduled_tokens or sched.finished_req_ids:
+            runner_out = self.executor.execute_model(sched)
+        else:
+            runner_out = ModelRunnerOutput()
+        core_outputs = self.scheduler.update(sched, runner_out)
+        outputs, stopped = self.output_processor.process(core_outputs)
+        if stopped:
+            self.scheduler.abort_requests(stopped, reason=FinishReason.STOP)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        s = self.scheduler
+        return EngineStats(
+            s.num_running,
+            s.num_waiting,
+            s.kv_cache_usage,
+            s.prefix_cache_queries,
+            s.prefix_cache_hits,
+            s.num_preemptions,
+        )
+
+    def default_sampling_params(self, **overrides: object) -> SamplingParams:
+        """SamplingParams with the model's generation_config.json defaults, then overrides."""
+        return SamplingParams(**{**self.generation_defaults, **overrides})
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+_GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(files: ModelFiles) -> dict:
+    """Sampling defaults from an HF folder's generation_config.json (eos ids included)."""
+    path = os.path.join(files.folder, "generation_config.json")
+    if files.kind != "hf" or not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        gen = json.load(f)
+    out = {k: gen[k] for k in _GEN_KEYS if gen.get(k) is not None}
+    if gen.get("do_sample") is False:
+        out["temperature"] = 0.0  # the checkpoint asks for greedy decoding
+    eos = gen.get("eos_token_id")
+    if eos is not None:
+        out["eos_token_ids"] = eos if isinstance(eos, list) else [eos]
+    return out

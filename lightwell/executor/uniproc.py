@@ -1,0 +1,30 @@
+"""The single-process executor: the worker lives in the engine's own process."""
+
+from __future__ import annotations
+
+from lightwell.config import EngineConfig
+from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.worker.worker import ModelInfo, Worker
+
+
+class UniProcExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config, rank=0)
+
+    def load_model(self) -> ModelInfo:
+        return self.worker.load_model()
+
+    def determine_num_blocks(self, resolved: EngineConfig) -> int:
+        return self.worker.determine_num_blocks(resolved)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.worker.runner.kv_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.worker.init_kv_cache(num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.worker = None

@@ -1,0 +1,65 @@
+"""The attention layer: holds its KV-cache tensor and hands the work to a backend.
+
+The model runner allocates one cache per layer after the model is built and binds it:
+``for layer in (m for m in model.modules() if isinstance(m, Attention)): layer.kv_cache = t``
+(in ``model.modules()`` order, which is layer order). Each forward reads the step's
+``AttentionMetadata`` from ``forward_context``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightwell.attention.backend import get_attention_backend
+from lightwell.attention.metadata import get_attention_metadata
+
+
+class Attention(nn.Module):
+    kv_cache: torch.Tensor | None  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        scale: float,
+        num_kv_heads: int | None = None,
+        backend_name: str = "torch",
+    ):
+        """``num_heads`` / ``num_kv_heads`` are this rank's heads (after tensor parallelism)."""
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{num_heads} heads are not a multiple of {num_kv_heads} KV heads")
+        self.head_dim = head_dim
+        self.scale = scale
+        self.backend = get_attention_backend(backend_name)
+        self.kv_cache = None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq * D]
+        k: torch.Tensor,  # [T, Hkv * D]
+        v: torch.Tensor,  # [T, Hkv * D]
+    ) -> torch.Tensor:  # [T, Hq * D]
+        meta = get_attention_metadata()
+        num_tokens = q.shape[0]
+        out = self.backend.forward(
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            self.kv_cache,
+            meta,
+            self.scale,
+        )
+        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"backend={self.backend.name}"
+        )

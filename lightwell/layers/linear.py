@@ -1,0 +1,301 @@
+"""Tensor-parallel linear layers. Each allocates only its rank's shard and owns its loader.
+
+Column-parallel layers split the output features across ranks (no communication in forward);
+row-parallel layers split the input features and all-reduce their partial sums. Fused layers
+(``MergedColumnParallelLinear`` for gate/up, ``QKVParallelLinear`` for q/k/v) hold several
+checkpoint tensors side by side; their ``weight_loader`` takes a ``shard_id`` saying which one
+(an index, or "q"/"k"/"v"), or ``None`` for a checkpoint that already stores the fused tensor.
+
+The parameters themselves come from the layer's ``QuantMethod``; a loader only reads the
+``output_dim`` / ``input_dim`` / ``packed_dim`` attributes the method put on them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightwell.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tp_all_gather,
+    tp_all_reduce,
+)
+from lightwell.quant.base import QuantMethod, UnquantizedLinearMethod, set_weight_attrs
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by {denominator}")
+    return numerator // denominator
+
+
+def _stored(param: torch.Tensor, dim: int, n: int) -> int:
+    """Logical size ``n`` along ``dim`` -> stored size (packed quantized formats store less)."""
+    if getattr(param, "packed_dim", None) == dim:
+        return n // param.pack_factor
+    return n
+
+
+def _check_shape(loaded: torch.Tensor, expected: list[int] | torch.Size, what: str) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(
+            f"shape mismatch{what}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+            f"expected {tuple(expected)}"
+        )
+
+
+def _load_sharded(
+    param: torch.Tensor,  # this rank's parameter
+    loaded: torch.Tensor,  # the full checkpoint tensor (or one shard of a fused one)
+    dim: int | None,  # the sharded dimension, None when replicated
+    offset: int,  # where the shard starts in param along dim (stored units)
+    size: int,  # shard size along dim (stored units)
+    num_parts: int,  # how many shards the checkpoint tensor splits into along dim
+    part: int,  # which of them this rank holds
+    what: str = "",
+) -> None:
+    if dim is None:
+        _check_shape(loaded, param.shape, what)
+        param.data.copy_(loaded)
+        return
+    expected = list(param.shape)
+    expected[dim] = size * num_parts
+    _check_shape(loaded, expected, what)
+    param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, part * size, size))
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, quant_method: QuantMethod | None):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.quant_method = quant_method or UnquantizedLinearMethod()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+
+    def _create_params(
+        self, input_per_partition: int, output_sizes: list[int], bias: bool, bias_sharded: bool
+    ) -> None:
+        dtype = torch.get_default_dtype()
+        self.quant_method.create_weights(
+            self, input_per_partition, output_sizes, dtype, self.weight_loader
+        )
+        if not bias:
+            self.register_parameter("bias", None)
+            return
+        b = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False)
+        set_weight_attrs(b, {"output_dim": 0 if bias_sharded else None})
+        set_weight_attrs(b, {"weight_loader": self.weight_loader})
+        self.bias = b
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        return self.quant_method.apply(self, x, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}"
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        quant_method: QuantMethod | None = None,
+    ):
+        super().__init__(input_size, output_size, quant_method)
+        self._create_params(input_size, [output_size], bias, bias_sharded=False)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        _check_shape(loaded_weight, param.shape, "")
+        param.data.copy_(loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        gather_output: bool = False,
+        quant_method: QuantMethod | None = None,
+        output_sizes: list[int] | None = None,
+    ):
+        super().__init__(input_size, output_size, quant_method)
+        self.gather_output = gather_output
+        self.output_sizes = list(output_sizes or [output_size])
+        self.output_partition_sizes = [
+            divide(s, self.tp_size, "output size") for s in self.output_sizes
+        ]
+        self.output_size_per_partition = sum(self.output_partition_sizes)
+        self._create_params(input_size, self.output_partition_sizes, bias, bias_sharded=True)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        dim = getattr(param, "output_dim", None)
+        size = param.shape[dim] if dim is not None else 0
+        _load_sharded(param, loaded_weight, dim, 0, size, self.tp_size, self.tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out(/tp)]
+        out = self.quant_method.apply(self, x, self.bias)
+        return tp_all_gather(out, dim=-1) if self.gather_output else out
+
+
+class _FusedColumnLinear(ColumnParallelLinear):
+    """Column-parallel matrices side by side in one weight; ``weight_loader`` takes which one.
+
+    Subclasses say how checkpoint shards are named (``_shard_index``), how big each is in the
+    checkpoint (``_checkpoint_sizes``), and which slice of it this rank holds (``_partition``).
+    """
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        index = int(shard_id)
+        if not 0 <= index < len(self.output_sizes):
+            raise ValueError(f"shard id {shard_id!r} out of range for {len(self.output_sizes)}")
+        return index
+
+    def _checkpoint_sizes(self) -> list[int]:
+        return self.output_sizes
+
+    def _partition(self, index: int) -> tuple[int, int]:
+        """(number of slices the checkpoint shard splits into, the one this rank holds)."""
+        return self.tp_size, self.tp_rank
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        dim = getattr(param, "output_dim", None)
+        if dim is None:  # a replicated parameter (a per-tensor scale ...): copy whole
+            _load_sharded(param, loaded_weight, None, 0, 0, 1, 0)
+            return
+        if shard_id is None:  # the checkpoint already stores the fused tensor
+            full = [_stored(param, dim, s) for s in self._checkpoint_sizes()]
+            _check_shape(loaded_weight, _with(param.shape, dim, sum(full)), " (fused)")
+            for i, part in enumerate(loaded_weight.split(full, dim=dim)):
+                self.weight_loader(param, part, i)
+            return
+        index = self._shard_index(shard_id)
+        sizes = [_stored(param, dim, s) for s in self.output_partition_sizes]
+        parts, part = self._partition(index)
+        what = f" (shard {shard_id!r})"
+        _load_sharded(
+            param, loaded_weight, dim, sum(sizes[:index]), sizes[index], parts, part, what
+        )
+
+
+class MergedColumnParallelLinear(_FusedColumnLinear):
+    """Several column-parallel matrices side by side (gate and up): shard_id = their index."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        gather_output: bool = False,
+        quant_method: QuantMethod | None = None,
+    ):
+        super().__init__(
+            input_size, sum(output_sizes), bias, gather_output, quant_method, output_sizes
+        )
+
+
+class QKVParallelLinear(_FusedColumnLinear):
+    """Fused q/k/v projection, split by heads; shard_id "q", "k", "v" (or 0, 1, 2).
+
+    GQA-aware: with more ranks than KV heads, each KV head is replicated on
+    ``tp_size // total_num_kv_heads`` ranks."""
+
+    SHARD_IDS = {"q": 0, "k": 1, "v": 2}
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int | None = None,
+        bias: bool = False,
+        quant_method: QuantMethod | None = None,
+    ):
+        tp = get_tp_size()
+        kv = total_num_kv_heads or total_num_heads
+        self.head_size = head_size
+        self.total_num_heads, self.total_num_kv_heads = total_num_heads, kv
+        self.num_heads = divide(total_num_heads, tp, "number of attention heads")
+        if tp >= kv:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp, kv, "tensor-parallel size over KV heads")
+        else:
+            self.num_kv_heads = divide(kv, tp, "number of KV heads")
+            self.num_kv_head_replicas = 1
+        q, k = total_num_heads * head_size, self.num_kv_heads * tp * head_size
+        super().__init__(hidden_size, q + 2 * k, bias, False, quant_method, [q, k, k])
+        self.q_size = self.num_heads * head_size
+        self.kv_size = self.num_kv_heads * head_size
+
+    def _shard_index(self, shard_id: int | str) -> int:
+        index = self.SHARD_IDS.get(shard_id) if isinstance(shard_id, str) else shard_id
+        if index not in (0, 1, 2):
+            raise ValueError(f"QKV shard id must be q, k, v or 0-2, got {shard_id!r}")
+        return index
+
+    def _checkpoint_sizes(self) -> list[int]:
+        kv = self.total_num_kv_heads * self.head_size
+        return [self.total_num_heads * self.head_size, kv, kv]
+
+    def _partition(self, index: int) -> tuple[int, int]:
+        if index == 0:
+            return self.tp_size, self.tp_rank
+        replicas = self.num_kv_head_replicas
+        return self.tp_size // replicas, self.tp_rank // replicas
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial outputs are all-reduced (bias added once).
+
+    With ``reduce_results=False`` the caller owns the reduction (e.g. fused with a norm)."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        reduce_results: bool = True,
+        quant_method: QuantMethod | None = None,
+    ):
+        super().__init__(input_size, output_size, quant_method)
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
+        self._create_params(self.input_size_per_partition, [output_size], bias, bias_sharded=False)
+
+    def weight_loader(
+        self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        dim = getattr(param, "input_dim", None)
+        size = param.shape[dim] if dim is not None else 0
+        _load_sharded(param, loaded_weight, dim, 0, size, self.tp_size, self.tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in/tp] -> [T, out]
+        # Rank 0 alone adds the bias, so the sum over ranks holds it once.
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.reduce_results and self.tp_size > 1:
+            out = tp_all_reduce(out)
+        return out
+
+
+def _with(shape: torch.Size, dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out

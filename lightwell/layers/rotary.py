@@ -1,0 +1,167 @@
+"""Rotary position embeddings (RoPE) with a precomputed cos/sin cache.
+
+``get_rope`` picks the class by ``rope_scaling["rope_type"]`` (or the older ``"type"`` key).
+A scaling family plugs in by subclassing ``RotaryEmbedding`` and overriding one of its hooks,
+then adding itself to ``_ROPE_CLASSES``:
+  ``_compute_inv_freq``: the per-pair inverse frequencies [rotary_dim / 2] (llama3, NTK ...),
+  ``_cache_length``: how many positions the cache holds (linear / dynamic scaling extend it),
+  ``_attention_scaling``: a factor on cos and sin (yarn's mscale).
+The cache is kept in float32 and the rotation computed in float32, then cast back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_position: int,
+        base: float,
+        is_neox_style: bool = True,
+        scaling: dict[str, Any] | None = None,
+    ):
+        super().__init__()
+        if rotary_dim > head_dim or rotary_dim % 2:
+            raise ValueError(f"rotary_dim {rotary_dim} must be even and <= head_dim {head_dim}")
+        self.head_dim, self.rotary_dim = head_dim, rotary_dim
+        self.max_position, self.base = max_position, float(base)
+        self.is_neox_style = is_neox_style
+        self.scaling = dict(scaling or {})
+        self.register_buffer("cos_sin_cache", self._compute_cos_sin_cache(), persistent=False)
+
+    # ---- hooks for scaling families ----
+    def _compute_inv_freq(self) -> torch.Tensor:  # [rotary_dim / 2] float32
+        exponents = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float()
+        return 1.0 / (self.base ** (exponents / self.rotary_dim))
+
+    def _cache_length(self) -> int:
+        return self.max_position
+
+    def _attention_scaling(self) -> float:
+        return 1.0
+
+    # ---- shared machinery ----
+    def _compute_cos_sin_cache(self) -> torch.Tensor:  # [max_pos, rotary_dim] float32
+        inv_freq = self._compute_inv_freq()
+        t = torch.arange(self._cache_length(), dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        mscale = self._attention_scaling()
+        return torch.cat((freqs.cos() * mscale, freqs.sin() * mscale), dim=-1)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, Hq * D]
+        key: torch.Tensor,  # [T, Hkv * D]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim / 2] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim / 2]
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(
+        self,
+        x: torch.Tensor,  # [T, H * D]
+        cos: torch.Tensor,  # [T, 1, rotary_dim / 2]
+        sin: torch.Tensor,  # [T, 1, rotary_dim / 2]
+    ) -> torch.Tensor:  # [T, H * D]
+        shape, dtype = x.shape, x.dtype
+        x = x.reshape(shape[0], -1, self.head_dim)
+        rot = x[..., : self.rotary_dim].float()
+        if self.is_neox_style:
+            x1, x2 = rot.chunk(2, dim=-1)
+            rot = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        else:  # GPT-J style: interleaved pairs (x0, x1), (x2, x3) ...
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            rot = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        if self.rotary_dim < self.head_dim:
+            rot = torch.cat((rot.to(dtype), x[..., self.rotary_dim :]), dim=-1)
+        return rot.to(dtype).reshape(shape)
+
+    def extra_repr(self) -> str:
+        kind = self.scaling.get("rope_type", "default")
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, base={self.base}, {kind}"
+
+
+class LinearScalingRotaryEmbedding(RotaryEmbedding):
+    """Position interpolation: frequencies divided by ``factor``; the cache covers
+    ``max_position * factor`` positions."""
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        return super()._compute_inv_freq() / float(self.scaling["factor"])
+
+    def _cache_length(self) -> int:
+        return int(self.max_position * float(self.scaling["factor"]))
+
+
+class Llama3RotaryEmbedding(RotaryEmbedding):
+    """Llama 3.1 scaling: long wavelengths divided by ``factor``, short ones kept, a smooth
+    blend between ``original_max_position_embeddings / low_freq_factor`` and ``/ high``."""
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        inv_freq = super()._compute_inv_freq()
+        s = self.scaling
+        factor, low, high = (
+            float(s["factor"]),
+            float(s["low_freq_factor"]),
+            float(s["high_freq_factor"]),
+        )
+        old_len = int(s["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, blended, scaled)
+
+
+class FreqFactorsRotaryEmbedding(RotaryEmbedding):
+    """Per-frequency divisors given explicitly (GGUF's ``rope_freqs`` tensor, as llama.cpp
+    stores Llama 3 scaling): ``inv_freq / factors``."""
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        factors = torch.tensor(self.scaling["factors"], dtype=torch.float32)
+        inv_freq = super()._compute_inv_freq()
+        if factors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope frequency factors have shape {tuple(factors.shape)}, expected "
+                f"{tuple(inv_freq.shape)}"
+            )
+        return inv_freq / factors
+
+
+_ROPE_CLASSES: dict[str, type[RotaryEmbedding]] = {
+    "default": RotaryEmbedding,
+    "linear": LinearScalingRotaryEmbedding,
+    "llama3": Llama3RotaryEmbedding,
+    "freq_factors": FreqFactorsRotaryEmbedding,
+    # "dynamic", "yarn", "longrope": to add (override the hooks above).
+}
+
+
+def get_rope(
+    head_dim: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: dict[str, Any] | None = None,
+    is_neox_style: bool = True,
+) -> RotaryEmbedding:
+    """Build the rotary embedding for ``rope_scaling`` (None or rope_type "default": plain)."""
+    scaling = dict(rope_scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type")) or "default"
+    cls = _ROPE_CLASSES.get(rope_type)
+    if cls is None:
+        raise ValueError(
+            f"RoPE scaling type {rope_type!r} is not supported (supported: "
+            f"{', '.join(sorted(_ROPE_CLASSES))})"
+        )
+    scaling["rope_type"] = rope_type
+    return cls(head_dim, rotary_dim, max_position, base, is_neox_style, scaling)

@@ -1,0 +1,149 @@
+"""A transformers config built from a GGUF file's metadata (no config.json needed).
+
+To support another llama.cpp architecture: add a row to ``GGUF_ARCHS`` (its transformers
+config class, HF architecture name, whether llama.cpp permuted its q/k rows) and, if its
+hyper-parameter keys differ, to ``_HPARAMS``. Qwen2/Qwen3 use the same keys as llama and no
+q/k permutation (they are NeoX-style RoPE in llama.cpp too).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    config_class: str  # transformers config class name
+    architecture: str  # HF architecture (the model registry key)
+    permute_qk: bool  # llama.cpp's converter permuted q/k rows for interleaved RoPE
+    optional_biases: bool = False  # set attention_bias / mlp_bias from the tensors present
+
+
+GGUF_ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("LlamaConfig", "LlamaForCausalLM", permute_qk=True, optional_biases=True),
+    # "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", permute_qk=False),
+    # "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", permute_qk=False),
+}
+
+# "{arch}.<key>" -> HF config field
+_HPARAMS: dict[str, str] = {
+    "block_count": "num_hidden_layers",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+    "context_length": "max_position_embeddings",
+    "vocab_size": "vocab_size",
+    "rope.freq_base": "rope_theta",
+}
+
+_TOKEN_IDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+
+
+def open_gguf(path: str) -> Any:
+    """A ``GGUFReader`` for ``path``, shared between config and weight loading (parsing the
+    metadata of a file with a large vocabulary takes seconds)."""
+    st = os.stat(path)
+    return _open_gguf(os.path.abspath(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _open_gguf(path: str, mtime_ns: int, size: int) -> Any:
+    from gguf import GGUFReader
+
+    return GGUFReader(path)
+
+
+def field_value(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_arch(reader: Any, path: str) -> tuple[str, GGUFArch]:
+    arch = field_value(reader, "general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise ValueError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+            f"{', '.join(sorted(GGUF_ARCHS))})"
+        )
+    return arch, GGUF_ARCHS[arch]
+
+
+def gguf_hf_config(path: str) -> Any:
+    """Read ``path``'s metadata into a transformers config of the matching class."""
+    import transformers
+
+    reader = open_gguf(path)
+    arch, spec = gguf_arch(reader, path)
+    kw: dict[str, Any] = {"architectures": [spec.architecture]}
+    for key, field in _HPARAMS.items():
+        value = field_value(reader, f"{arch}.{key}")
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise ValueError(f"{path}: per-layer {arch}.{key} values are not supported")
+            value = value[0]
+        if value is not None:
+            kw[field] = value
+    kw.update(_vocab_and_tokens(reader))
+    kw.update(_rope_settings(reader, arch, kw))
+    names = {t.name for t in reader.tensors}
+    kw["tie_word_embeddings"] = "output.weight" not in names
+    if spec.optional_biases:
+        kw["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
+        kw["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in names)
+    config = getattr(transformers, spec.config_class)(**kw)
+    if ROPE_FREQS_TENSOR in names:
+        config.rope_freq_factors = _rope_freq_factors(reader)
+    return config
+
+
+def _vocab_and_tokens(reader: Any) -> dict[str, Any]:
+    kw = {name: field_value(reader, key) for key, name in _TOKEN_IDS.items()}
+    kw = {k: int(v) for k, v in kw.items() if v is not None}
+    arch = field_value(reader, "general.architecture")
+    if field_value(reader, f"{arch}.vocab_size") is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            kw["vocab_size"] = len(tokens.data)
+        else:
+            embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+            kw["vocab_size"] = int(embd.shape[-1])
+    return kw
+
+
+def _rope_settings(reader: Any, arch: str, kw: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    head_dim = kw.get("head_dim") or kw["hidden_size"] // kw["num_attention_heads"]
+    rotary_dim = field_value(reader, f"{arch}.rope.dimension_count")
+    if rotary_dim is not None and rotary_dim != head_dim:
+        out["partial_rotary_factor"] = rotary_dim / head_dim
+    kind = field_value(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return out
+    scaling: dict[str, Any] = {"rope_type": kind}
+    factor = field_value(reader, f"{arch}.rope.scaling.factor")
+    if factor is not None:
+        scaling["factor"] = float(factor)
+    orig = field_value(reader, f"{arch}.rope.scaling.original_context_length")
+    if orig is not None:
+        scaling["original_max_position_embeddings"] = int(orig)
+    out["rope_scaling"] = scaling
+    return out
+
+
+def _rope_freq_factors(reader: Any) -> list[float]:
+    import numpy as np
+
+    tensor = next(t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR)
+    return [float(x) for x in np.asarray(tensor.data, dtype=np.float32).reshape(-1)]

@@ -1,0 +1,154 @@
+"""The model's HF config: from config.json, from GGUF metadata, or from a shape preset.
+
+``load_hf_config`` returns a ``transformers`` config object in every case, so model code reads
+one vocabulary of fields (``hidden_size``, ``num_key_value_heads``, ``rope_parameters`` ...).
+Overrides (``--hf-config-json``) are a dict, a JSON string, or a preset name; presets give the
+shapes of models whose weights we do not have, for dummy-weight benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lightwell.models.paths import ModelFiles
+
+_LLAMA3 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "tie_word_embeddings": False,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3-8b": {
+        **_LLAMA3,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "llama-3-70b": {
+        **_LLAMA3,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+    # Qwen2 architecture (QKV bias is implied by the architecture): loads once Qwen2 is registered.
+    "qwen2.5-7b": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def parse_overrides(overrides: dict[str, Any] | str | None) -> dict[str, Any]:
+    """A dict, a JSON object string, or a preset name -> a dict (``{"preset": name}`` ...)."""
+    if overrides is None:
+        return {}
+    if isinstance(overrides, str):
+        if overrides in PRESETS:
+            return {"preset": overrides}
+        try:
+            overrides = json.loads(overrides)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"HF config overrides must be a JSON object or a preset name "
+                f"({', '.join(PRESETS)}), got {overrides!r}"
+            ) from e
+    if not isinstance(overrides, dict):
+        raise ValueError(f"HF config overrides must be a JSON object, got {overrides!r}")
+    return dict(overrides)
+
+
+def load_hf_config(files: ModelFiles | None, overrides: dict[str, Any] | str | None = None) -> Any:
+    """The model's ``transformers.PretrainedConfig``, with ``overrides`` applied."""
+    from transformers import AutoConfig
+
+    ov = parse_overrides(overrides)
+    preset = ov.pop("preset", None)
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        spec = dict(PRESETS[preset])
+        config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    elif files is None:
+        raise ValueError("no model files and no preset: nothing to read a config from")
+    elif files.kind == "hf":
+        config = AutoConfig.from_pretrained(files.path, local_files_only=True)
+    elif files.kind == "gguf":
+        from lightwell.models.gguf_config import gguf_hf_config
+
+        config = gguf_hf_config(files.path)
+    else:
+        raise ValueError(f"unknown model file kind {files.kind!r}")
+    return apply_overrides(config, ov) if ov else config
+
+
+def apply_overrides(config: Any, overrides: dict[str, Any]) -> Any:
+    """A new config of the same class with ``overrides`` set (head_dim re-derived when the
+    hidden size or head count changes and head_dim is not given)."""
+    d = config.to_dict()
+    ov = dict(overrides)
+    if ({"hidden_size", "num_attention_heads"} & ov.keys()) and "head_dim" not in ov:
+        d.pop("head_dim", None)
+    if isinstance(d.get("rope_parameters"), dict):  # transformers 5 folds rope_* in here
+        rope = dict(d["rope_parameters"])
+        if "rope_scaling" in ov:
+            rope = {"rope_theta": rope.get("rope_theta"), **(ov.pop("rope_scaling") or {})}
+        if "rope_theta" in ov:
+            rope["rope_theta"] = ov.pop("rope_theta")
+        d["rope_parameters"] = rope
+    d.update(ov)
+    return type(config).from_dict(d)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    scaling: dict[str, Any] | None  # None: plain RoPE; else has "rope_type"
+    partial_rotary_factor: float = 1.0
+
+
+def get_rope_config(config: Any) -> RopeConfig:
+    """RoPE settings from either transformers 5 (``rope_parameters``) or 4.x (``rope_theta`` +
+    ``rope_scaling``) configs; GGUF's per-frequency factors become rope_type "freq_factors"."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and params:
+        params = dict(params)
+        theta = float(params.pop("rope_theta", getattr(config, "rope_theta", 10000.0)))
+    else:
+        theta = float(getattr(config, "rope_theta", None) or 10000.0)
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    partial = float(
+        params.pop("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+    )
+    rope_type = params.get("rope_type", params.get("type")) or "default"
+    scaling = None if rope_type == "default" else params
+    factors = getattr(config, "rope_freq_factors", None)
+    if factors is not None:
+        if scaling is not None:
+            raise ValueError(f"rope frequency factors cannot combine with {rope_type!r} scaling")
+        scaling = {"rope_type": "freq_factors", "factors": list(factors)}
+    return RopeConfig(theta, scaling, partial)

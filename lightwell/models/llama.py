@@ -1,0 +1,172 @@
+"""Llama (and Llama-shaped: SmolLM2, TinyLlama, Llama 2/3.x) decoder-only models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightwell.layers.activation import SiluAndMul
+from lightwell.layers.attention import Attention
+from lightwell.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from lightwell.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from lightwell.layers.norm import RMSNorm
+from lightwell.layers.rotary import RotaryEmbedding, get_rope
+from lightwell.models.hf_config import get_rope_config
+from lightwell.models.weight_utils import load_packed_weights
+from lightwell.quant.base import QuantMethod
+
+
+def head_dim_of(config: Any) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: Any, quant_method: QuantMethod | None):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(
+                f"Llama MLP supports hidden_act 'silu' only, not {config.hidden_act!r}"
+            )
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [inter, inter], bias=bias, quant_method=quant_method
+        )
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=bias, quant_method=quant_method
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, quant_method: QuantMethod | None):
+        super().__init__()
+        head_dim = head_dim_of(config)
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, heads, kv_heads, bias=bias, quant_method=quant_method
+        )
+        self.o_proj = RowParallelLinear(
+            heads * head_dim, config.hidden_size, bias=bias, quant_method=quant_method
+        )
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(
+            self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
+        )
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+    ) -> torch.Tensor:  # [T, H]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 * Hkv) * D / tp]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, quant_method: QuantMethod | None):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = LlamaAttention(config, rotary_emb, quant_method)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = LlamaMLP(config, quant_method)
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: Any, quant_method: QuantMethod | None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rope = get_rope_config(config)
+        head_dim = head_dim_of(config)
+        # One rotary table shared by every layer.
+        rotary_emb = get_rope(
+            head_dim,
+            int(head_dim * rope.partial_rotary_factor),
+            config.max_position_embeddings,
+            rope.theta,
+            rope.scaling,
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, quant_method)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+    ) -> torch.Tensor:  # [T, H]
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    packed_modules_mapping = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+    }
+
+    def __init__(self, hf_config: Any, quant_method: QuantMethod | None = None):
+        super().__init__()
+        self.config = hf_config
+        self.model = LlamaModel(hf_config, quant_method)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+    ) -> torch.Tensor:  # [T, H]
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
+        return self.lm_head.compute_logits(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load HF-named tensors; returns the names of the parameters fully loaded."""
+
+        def skip(name: str) -> bool:
+            if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
+                return True
+            return self.tie_word_embeddings and name.startswith("lm_head.")
+
+        return load_packed_weights(self, weights, self.packed_modules_mapping, skip)

@@ -1,0 +1,131 @@
+"""Build a model and fill its weights: routing between safetensors, GGUF and dummy weights.
+
+    files = resolve_model(path)                       # lightwell.models.paths
+    hf_config = load_hf_config(files, overrides)      # lightwell.models.hf_config
+    model = load_model(files, hf_config, torch.bfloat16, torch.device("cuda"))
+
+Call ``init_tp_group`` first under tensor parallelism: layers read rank and size at build time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightwell.distributed.parallel_state import get_tp_rank
+from lightwell.models.hf_config import load_hf_config
+from lightwell.models.paths import ModelFiles
+from lightwell.models.registry import get_model_class
+
+__all__ = ["load_hf_config", "load_model", "resolve_load_format"]
+
+
+def resolve_load_format(files: ModelFiles | None, load_format: str) -> str:
+    if load_format == "auto":
+        if files is None:
+            raise ValueError("load_format 'auto' needs model files")
+        return "safetensors" if files.kind == "hf" else "gguf"
+    if load_format not in ("safetensors", "gguf", "dummy"):
+        raise ValueError(f"unknown load_format {load_format!r}")
+    if load_format != "dummy" and (files is None or files.kind != _KIND[load_format]):
+        where = files.path if files is not None else "no model files"
+        raise ValueError(f"load_format {load_format!r} does not fit {where}")
+    return load_format
+
+
+_KIND = {"safetensors": "hf", "gguf": "gguf"}
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(prev)
+
+
+@torch.no_grad()
+def load_model(
+    files: ModelFiles | None,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    load_format: str = "auto",
+    seed: int = 0,
+) -> nn.Module:
+    """The model for ``hf_config``, built on ``device`` in ``dtype``, weights loaded, in eval
+    mode. ``files`` may be None for ``load_format="dummy"``."""
+    fmt = resolve_load_format(files, load_format)
+    cls = get_model_class(hf_config)
+    device = torch.device(device)
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(hf_config)
+    if fmt == "dummy":
+        from lightwell.models.dummy import init_dummy_weights
+
+        init_dummy_weights(model, seed)
+    else:
+        _load_checkpoint(model, _open_checkpoint(files, fmt, hf_config), files.path)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_after_loading(module)
+    return model.eval()
+
+
+def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any) -> Any:
+    """A sized iterable of ``(source, hf_name, tensor)``."""
+    if fmt == "gguf":
+        from lightwell.models.gguf_loader import GGUFCheckpoint
+
+        return GGUFCheckpoint(files.path, hf_config)
+    from lightwell.models.safetensors_loader import SafetensorsCheckpoint
+
+    return SafetensorsCheckpoint(files.path)
+
+
+class _Tracked:
+    """Yields ``(name, tensor)`` while remembering where the current tensor came from."""
+
+    def __init__(self, items: Iterable[tuple[str, str, torch.Tensor]], total: int):
+        self.items, self.total = items, total
+        self.current: tuple[str, str] | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            self.items,
+            total=self.total,
+            desc="Loading weights",
+            unit="tensor",
+            disable=None if get_tp_rank() == 0 else True,
+            leave=False,
+        )
+        for source, name, tensor in bar:
+            self.current = (source, name)
+            yield name, tensor
+        self.current = None
+
+
+def _load_checkpoint(model: nn.Module, checkpoint: Any, path: str) -> None:
+    tracked = _Tracked(checkpoint, len(checkpoint))
+    try:
+        loaded = model.load_weights(tracked)
+    except ValueError as e:
+        if tracked.current is None:
+            raise ValueError(f"{path}: {e}") from e
+        source, name = tracked.current
+        raise ValueError(f"{source}: tensor {name!r}: {e}") from e
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" ... ({len(missing)} in all)" if len(missing) > 8 else ""
+        )
+        raise ValueError(f"{path}: checkpoint is missing tensor(s) for parameter(s) {shown}")

@@ -1,0 +1,37 @@
+"""HF architecture name -> model class, imported only when that architecture is loaded."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from torch import nn
+
+# architecture (config.json "architectures") -> (module, class)
+_MODELS: dict[str, tuple[str, str]] = {
+    "LlamaForCausalLM": ("lightwell.models.llama", "LlamaForCausalLM"),
+    # MistralForCausalLM maps to Llama only once sliding-window attention exists.
+    # Qwen2ForCausalLM / Qwen3ForCausalLM: their own files (QKV bias, q/k norm).
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def get_model_class(hf_config: Any) -> type[nn.Module]:
+    """The class for the first architecture listed in ``hf_config`` that Lightwell supports."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs:
+        raise ValueError(
+            "the model config names no architecture (config.json 'architectures'); supported: "
+            + ", ".join(supported_architectures())
+        )
+    for arch in archs:
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(module), cls)
+    raise ValueError(
+        f"model architecture {', '.join(archs)} is not supported; supported: "
+        + ", ".join(supported_architectures())
+    )

@@ -1,0 +1,93 @@
+"""Quantization strategy protocol for linear layers, and the unquantized default.
+
+A linear layer owns a ``QuantMethod``: the method creates the layer's parameters (their
+shapes, dtypes and loading attributes), post-processes them once the checkpoint is loaded
+(repacking, transposing for a kernel ...), and runs the matmul. Layers never branch on the
+quantization type.
+
+Parameter attributes the layers' weight loaders read (set with ``set_weight_attrs``):
+  ``output_dim``: the dimension that holds output features (sharded by column-parallel layers),
+  ``input_dim``: the dimension that holds input features (sharded by row-parallel layers),
+  ``packed_dim`` / ``pack_factor``: a dimension stored packed (``pack_factor`` logical values per
+  stored element); weight loaders divide logical offsets along it by ``pack_factor``,
+  ``weight_loader``: the layer's ``weight_loader(param, loaded_weight, shard_id=None)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
+    """Attach loading metadata to a parameter (never overwriting an existing attribute)."""
+    for key, value in attrs.items():
+        if hasattr(param, key):
+            raise AttributeError(f"parameter already has attribute {key!r}")
+        setattr(param, key, value)
+
+
+@runtime_checkable
+class QuantMethod(Protocol):
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        """Register this rank's parameters on ``layer`` (``layer.weight`` at least).
+
+        ``output_partition_sizes`` lists the output features of each packed shard on this rank
+        (one entry for a plain linear; [q, k, v] or [gate, up] for fused layers).
+        """
+        ...
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Called once after every weight is loaded (repack for a kernel, drop scratch ...)."""
+        ...
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, in_per_partition]
+        bias: torch.Tensor | None,  # [out_per_partition]
+    ) -> torch.Tensor:  # [T, out_per_partition]
+        ...
+
+
+class UnquantizedLinearMethod:
+    """Plain ``weight [out, in]`` in the model dtype; ``F.linear``."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        out = sum(output_partition_sizes)
+        weight = nn.Parameter(
+            torch.empty(out, input_size_per_partition, dtype=params_dtype), requires_grad=False
+        )
+        set_weight_attrs(weight, {"output_dim": 0, "input_dim": 1, "weight_loader": weight_loader})
+        layer.register_parameter("weight", weight)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, in]
+        bias: torch.Tensor | None,  # [out]
+    ) -> torch.Tensor:  # [T, out]
+        return F.linear(x, layer.weight, bias)

@@ -1,0 +1,151 @@
+"""The worker's persistent per-request state, and the flat inputs of one step built from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from lightwell.attention.metadata import AttentionMetadata
+from lightwell.scheduler.output import SchedulerOutput
+from lightwell.types import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    req_id: str
+    token_ids: list[int]  # prompt + outputs known to the worker
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    req_ids: list[str]  # [R], batch order
+    # Requests whose last scheduled token is the last known token: they sample a new one.
+    sample_req_ids: list[str]
+    logits_indices: torch.Tensor  # [S] int64: flat index of each sampling request's last token
+    # Prompt-logprob rows: req_id -> (flat token indices [P], target token ids [P]).
+    prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+
+class InputBatch:
+    """Holds CachedRequestState per request and turns a SchedulerOutput into a ModelInput."""
+
+    def __init__(self, block_size: int, device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def apply(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in out.new_reqs:
+            self.requests[new.req_id] = CachedRequestState(
+                new.req_id,
+                list(new.token_ids),
+                new.num_prompt_tokens,
+                new.sampling_params,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+        for diff in out.cached_reqs:
+            state = self.requests[diff.req_id]
+            state.token_ids.extend(diff.new_token_ids)
+            state.block_ids.extend(diff.new_block_ids)
+            state.num_computed_tokens = diff.num_computed_tokens
+
+    def prepare(self, out: SchedulerOutput) -> ModelInput:
+        """Flat input ids, positions and attention metadata for the scheduled tokens."""
+        req_ids = list(out.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        counts = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        starts = np.array([s.num_computed_tokens for s in states], dtype=np.int64)
+        query_start = np.zeros(len(req_ids) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        total = int(query_start[-1])
+        # positions: start_i + (0..n_i-1) for every request, flattened
+        offsets = np.arange(total, dtype=np.int64) - np.repeat(query_start[:-1], counts)
+        positions = np.repeat(starts, counts) + offsets
+        input_ids = np.empty(total, dtype=np.int64)
+        for i, s in enumerate(states):
+            a, n = int(starts[i]), int(counts[i])
+            input_ids[query_start[i] : query_start[i] + n] = s.token_ids[a : a + n]
+        seq_lens = starts + counts
+        block_table = self._block_table(states, seq_lens)
+        req_index = np.repeat(np.arange(len(req_ids)), counts)
+        block_of_token = block_table[req_index, positions // self.block_size]
+        slots = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
+        meta = self._metadata(query_start, seq_lens, block_table, slots, counts)
+        sample_ids, logits_idx, prompt_rows = self._logit_rows(req_ids, states, query_start, counts)
+        dev = self.device
+        return ModelInput(
+            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
+            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            meta=meta,
+            req_ids=req_ids,
+            sample_req_ids=sample_ids,
+            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            prompt_logprob_rows=prompt_rows,
+        )
+
+    def _block_table(self, states: list[CachedRequestState], seq_lens: np.ndarray) -> np.ndarray:
+        width = max(1, int(-(-int(seq_lens.max(initial=1)) // self.block_size)))
+        table = np.zeros((len(states), width), dtype=np.int32)
+        for i, s in enumerate(states):
+            ids = s.block_ids[:width]
+            table[i, : len(ids)] = ids
+        return table
+
+    def _metadata(
+        self,
+        query_start: np.ndarray,
+        seq_lens: np.ndarray,
+        block_table: np.ndarray,
+        slots: np.ndarray,
+        counts: np.ndarray,
+    ) -> AttentionMetadata:
+        dev = self.device
+        return AttentionMetadata(
+            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            max_query_len=int(counts.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            query_start_loc_cpu=query_start.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            num_decodes=int((counts == 1).sum()),
+        )
+
+    def _logit_rows(
+        self,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        query_start: np.ndarray,
+        counts: np.ndarray,
+    ) -> tuple[list[str], list[int], dict[str, tuple[list[int], list[int]]]]:
+        sample_ids: list[str] = []
+        logits_idx: list[int] = []
+        prompt_rows: dict[str, tuple[list[int], list[int]]] = {}
+        for i, s in enumerate(states):
+            start, n = s.num_computed_tokens, int(counts[i])
+            if start + n == len(s.token_ids):
+                sample_ids.append(req_ids[i])
+                logits_idx.append(int(query_start[i]) + n - 1)
+            if s.sampling_params.prompt_logprobs is not None and start < s.num_prompt_tokens - 1:
+                # position p predicts token p+1; only prompt targets count
+                last = min(start + n, s.num_prompt_tokens - 1)
+                rows = [int(query_start[i]) + p - start for p in range(start, last)]
+                prompt_rows[req_ids[i]] = (rows, s.token_ids[start + 1 : last + 1])
+        return sample_ids, logits_idx, prompt_rows

@@ -1,0 +1,143 @@
+"""SchedulerOutput -> ModelInput -> logits -> sampled tokens, on one device."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from lightwell.attention.metadata import forward_context
+from lightwell.layers.attention import Attention
+from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.worker.input_batch import InputBatch, ModelInput
+from lightwell.worker.sampler import Sampler, compute_prompt_logprobs
+from lightwell.worker.sampling_metadata import build_sampling_metadata
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        block_size: int,
+        vocab_size: int,
+        eos_token_id: int | None,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.eos_token_id = eos_token_id
+        self.device = device
+        self.dtype = dtype
+        self.batch = InputBatch(block_size, device)
+        self.sampler = Sampler()
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        per_layer = [2 * self.block_size * a.num_kv_heads * a.head_dim for a in self.attn_layers]
+        return sum(per_layer) * elem
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate one [2, num_blocks, block_size, Hkv, D] tensor per layer and bind it."""
+        self.kv_caches = []
+        for layer in self.attn_layers:
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.kv_cache = cache
+            self.kv_caches.append(cache)
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.batch.apply(sched)
+        if sched.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput()
+        inp = self.batch.prepare(sched)
+        with forward_context(inp.meta):
+            hidden = self.model(inp.input_ids, inp.positions)  # [T, H]
+        out = ModelRunnerOutput()
+        if inp.sample_req_ids:
+            self._sample(inp, hidden, out)
+        if inp.prompt_logprob_rows:
+            self._prompt_logprobs(inp, hidden, out)
+        return out
+
+    def _sample(self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
+        states = [self.batch.requests[r] for r in inp.sample_req_ids]
+        meta = build_sampling_metadata(
+            [s.sampling_params for s in states],
+            [s.token_ids[: s.num_prompt_tokens] for s in states],
+            [s.output_token_ids for s in states],
+            self.eos_token_id,
+            logits.shape[-1],
+            self.device,
+            self.generator,
+        )
+        result = self.sampler(logits, meta)
+        tokens = result.token_ids.tolist()
+        for i, req_id in enumerate(inp.sample_req_ids):
+            out.sampled_token_ids[req_id] = [tokens[i]]
+            if result.logprobs is not None and states[i].sampling_params.logprobs is not None:
+                out.logprobs[req_id] = [result.logprobs[i]]
+
+    def _prompt_logprobs(
+        self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput
+    ) -> None:
+        for req_id, (rows, targets) in inp.prompt_logprob_rows.items():
+            if not rows:
+                continue
+            k = self.batch.requests[req_id].sampling_params.prompt_logprobs or 0
+            idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden[idx])  # [P, V]
+            target = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            out.prompt_logprobs[req_id] = compute_prompt_logprobs(logits, target, k)
+
+    @torch.inference_mode()
+    def profile_run(self, num_tokens: int, num_logit_rows: int = 256) -> None:
+        """A forward over a maximal batch with no KV cache, to measure peak activation memory."""
+        from lightwell.attention.metadata import AttentionMetadata
+
+        dev = self.device
+        ids = torch.randint(0, self.vocab_size, (num_tokens,), device=dev)
+        pos = torch.arange(num_tokens, device=dev)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            block_table=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+            slot_mapping=torch.zeros(num_tokens, dtype=torch.int64, device=dev),
+            max_query_len=num_tokens,
+            max_seq_len=num_tokens,
+            query_start_loc_cpu=[0, num_tokens],
+            seq_lens_cpu=[num_tokens],
+        )
+        with forward_context(meta):
+            hidden = self.model(ids, pos)  # [T, H]
+        logits = self.model.compute_logits(hidden[: min(num_tokens, num_logit_rows)])
+        torch.softmax(logits, dim=-1)
+        del hidden, logits
+
+    # ---- warm-up ----------------------------------------------------------------------------
+    def warmup(self) -> float:
+        """Run one tiny forward so first-request latency excludes lazy initialisation."""
+        t0 = time.perf_counter()
+        from lightwell.scheduler.output import NewRequestData
+        from lightwell.types import SamplingParams
+
+        req = NewRequestData("__warmup__", [1, 2, 3, 4], 4, SamplingParams(max_tokens=1), [0], 0)
+        sched = SchedulerOutput([req], [], {"__warmup__": 4}, 4)
+        self.execute_model(sched)
+        self.batch.requests.pop("__warmup__", None)
+        return time.perf_counter() - t0

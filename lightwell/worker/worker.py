@@ -1,0 +1,133 @@
+"""One rank: picks the device, loads the model, sizes and allocates the KV cache, runs steps."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lightwell.config import EngineConfig
+from lightwell.models.paths import ModelFiles, resolve_model
+from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_GB = 1.0
+
+
+@dataclass
+class ModelInfo:
+    """What the control plane needs to know about the loaded model (plain data)."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    max_position_embeddings: int
+    eos_token_id: int | None
+    dtype: str
+    device: str
+    num_params: int
+    load_seconds: float
+    extra: dict = field(default_factory=dict)
+
+
+def pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was asked for but no CUDA device is available")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def pick_dtype(choice: str, hf_config: object, device: torch.device) -> torch.dtype:
+    if choice != "auto":
+        return _DTYPES[choice]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt, str):
+        ckpt = _DTYPES.get(ckpt)
+    return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.rank = rank
+        self.files: ModelFiles = resolve_model(config.model.model, config.model.load_format)
+        self.device = pick_device(config.device.device)
+        if config.device.num_threads:
+            torch.set_num_threads(config.device.num_threads)
+        self.runner = None
+        self.hf_config = None
+
+    def load_model(self) -> ModelInfo:
+        from lightwell.models.loader import load_hf_config, load_model
+        from lightwell.worker.model_runner import ModelRunner
+
+        t0 = time.perf_counter()
+        m = self.config.model
+        overrides = m.hf_config_json
+        self.hf_config = hf = load_hf_config(self.files, overrides)
+        dtype = pick_dtype(m.dtype, hf, self.device)
+        fmt = m.load_format
+        model = load_model(self.files, hf, dtype, self.device, load_format=fmt, seed=m.seed)
+        eos = getattr(hf, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        self.runner = ModelRunner(
+            model,
+            block_size=self.config.cache.block_size,
+            vocab_size=hf.vocab_size,
+            eos_token_id=eos,
+            device=self.device,
+            dtype=dtype,
+            seed=m.seed,
+        )
+        return ModelInfo(
+            name=self.files.name,
+            architecture=(getattr(hf, "architectures", None) or ["?"])[0],
+            vocab_size=hf.vocab_size,
+            max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
+            eos_token_id=eos,
+            dtype=str(dtype).removeprefix("torch."),
+            device=str(self.device),
+            num_params=sum(p.numel() for p in model.parameters()),
+            load_seconds=time.perf_counter() - t0,
+        )
+
+    def determine_num_blocks(self, resolved: EngineConfig) -> int:
+        c = self.config.cache
+        if c.num_kv_blocks is not None:
+            return c.num_kv_blocks
+        per_block = self.runner.kv_bytes_per_block()
+        if self.device.type == "cpu" or c.kv_cache_memory_gb is not None:
+            budget = (c.kv_cache_memory_gb or CPU_DEFAULT_KV_GB) * (1 << 30)
+        else:
+            budget = self._gpu_kv_budget(resolved)
+        blocks = int(budget // per_block)
+        if blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB, "
+                f"{per_block} bytes per block): lower the model size or raise the budget"
+            )
+        return blocks
+
+    def _gpu_kv_budget(self, resolved: EngineConfig) -> float:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self.runner.profile_run(resolved.scheduler.max_num_batched_tokens)
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        return total * self.config.cache.gpu_memory_utilization - peak - max(used_by_others, 0)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.runner.init_kv_cache(num_blocks)
+        self.runner.warmup()
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(sched)
