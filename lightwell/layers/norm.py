@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``x = x + residual`` first, returning
         ``(norm(x), x)`` so the caller carries the new residual on."""
+        if x.is_cuda:
+            return self._forward_triton(x, residual)
         if residual is not None:
             x = x + residual
             residual = x
@@ -28,6 +30,17 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (self.weight * h.to(dtype)).to(dtype)
         return out if residual is None else (out, residual)
+
+    def _forward_triton(
+        self,
+        x: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,  # [T, H]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        from lightwell.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+
+        if residual is None:
+            return rmsnorm(x, self.weight, self.eps)
+        return fused_add_rmsnorm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

@@ -62,6 +62,12 @@ class RotaryEmbedding(nn.Module):
         query: torch.Tensor,  # [T, Hq * D]
         key: torch.Tensor,  # [T, Hkv * D]
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if query.is_cuda:
+            from lightwell.kernels.rotary import rotary_embedding
+
+            return rotary_embedding(
+                positions, query, key, self.cos_sin_cache, self.head_dim, self.is_neox_style
+            )
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim / 2] each
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim / 2]
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

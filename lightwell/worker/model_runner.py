@@ -8,9 +8,11 @@ import time
 import torch
 from torch import nn
 
+from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import forward_context
 from lightwell.layers.attention import Attention
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput
 from lightwell.worker.sampler import Sampler, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata
@@ -42,6 +44,21 @@ class ModelRunner:
         self.generator.manual_seed(seed)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: CudaGraphRunner | None = None
+
+    def set_attention_backend(self, name: str) -> None:
+        """auto: Triton kernels on GPU, the torch reference on CPU."""
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        backend = get_attention_backend(name)
+        for layer in self.attn_layers:
+            layer.backend = backend
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
+        self.graphs = CudaGraphRunner(
+            self.model, max_batch, max_model_len, self.block_size, self.device
+        )
+        return self.graphs.capture()
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -65,8 +82,11 @@ class ModelRunner:
         if sched.total_num_scheduled_tokens == 0:
             return ModelRunnerOutput()
         inp = self.batch.prepare(sched)
-        with forward_context(inp.meta):
-            hidden = self.model(inp.input_ids, inp.positions)  # [T, H]
+        if self.graphs is not None and self.graphs.can_run(inp.meta):
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)  # [R, H]
+        else:
+            with forward_context(inp.meta):
+                hidden = self.model(inp.input_ids, inp.positions)  # [T, H]
         out = ModelRunnerOutput()
         if inp.sample_req_ids:
             self._sample(inp, hidden, out)

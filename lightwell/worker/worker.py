@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightwell.config import EngineConfig
+from lightwell.config import EngineConfig, is_preset_dummy
 from lightwell.models.paths import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -57,7 +57,10 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.config = config
         self.rank = rank
-        self.files: ModelFiles = resolve_model(config.model.model, config.model.load_format)
+        m = config.model
+        self.files: ModelFiles | None = (
+            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format)
+        )
         self.device = pick_device(config.device.device)
         if config.device.num_threads:
             torch.set_num_threads(config.device.num_threads)
@@ -71,10 +74,12 @@ class Worker:
         t0 = time.perf_counter()
         m = self.config.model
         overrides = m.hf_config_json
-        self.hf_config = hf = load_hf_config(self.files, overrides)
+        # Dummy weights of a preset/JSON config need no model files at all.
+        files = self.files
+        self.hf_config = hf = load_hf_config(files, overrides)
         dtype = pick_dtype(m.dtype, hf, self.device)
         fmt = m.load_format
-        model = load_model(self.files, hf, dtype, self.device, load_format=fmt, seed=m.seed)
+        model = load_model(files, hf, dtype, self.device, load_format=fmt, seed=m.seed)
         eos = getattr(hf, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) and eos else eos
         self.runner = ModelRunner(
@@ -86,8 +91,9 @@ class Worker:
             dtype=dtype,
             seed=m.seed,
         )
+        self.runner.set_attention_backend(self.config.device.attention_backend)
         return ModelInfo(
-            name=self.files.name,
+            name=self.files.name if files is not None else str(overrides),
             architecture=(getattr(hf, "architectures", None) or ["?"])[0],
             vocab_size=hf.vocab_size,
             max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
@@ -125,9 +131,12 @@ class Worker:
         used_by_others = total - free - torch.cuda.memory_reserved()
         return total * self.config.cache.gpu_memory_utilization - peak - max(used_by_others, 0)
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
+        if self.device.type == "cuda" and not self.config.device.enforce_eager:
+            s = resolved.scheduler
+            self.runner.capture_cuda_graphs(s.max_num_seqs, resolved.model.max_model_len)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)

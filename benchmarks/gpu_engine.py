@@ -1,0 +1,225 @@
+"""The engine on one GPU: correctness checks, then W1 and W2 on llama-3-8b shapes, with HF
+transformers `generate` on the same shapes as the side-by-side peer. One device call:
+
+    python3 benchmarks/gpu_engine.py --out $OUT/engine.json [--stages check,w1,w2,hf]
+
+Correctness (stage "check"): a tiny random HF Llama in fp32 on the GPU (CUDA graphs on) gives
+HF's greedy tokens; the same in bf16 stays within bf16 tolerance of HF's fp32 logits; a
+SmolLM2-shaped random model gives the same greedy tokens on the GPU (fp32) as on the CPU path.
+(The real SmolLM2 GGUF is 98 MB, over the device tool's 64 MiB transfer limit.)
+Each stage appends its results to --out as it finishes, so a timeout keeps what was measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from results_io import record  # noqa: E402
+
+from lightwell import LLM, SamplingParams  # noqa: E402
+
+FLOOR_TOK_S = 281.0  # 15.01 GB / 4,221 GB/s
+PEAK_TFLOPS = 788.0
+PARAMS_8B = 8.03e9
+ROWS: list[dict] = []
+
+
+def emit(args: argparse.Namespace, metric: str, value: float, **fields) -> None:
+    row = record(metric, value, **fields)
+    ROWS.append(row)
+    with open(args.out, "w") as f:
+        json.dump(ROWS, f, indent=1)
+    print(f"  {metric} = {value:.4g}  {fields}", flush=True)
+
+
+def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]} for _ in range(n)]
+
+
+# ---- correctness --------------------------------------------------------------------------
+def save_hf_llama(folder: str, **cfg) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).float()
+    with torch.no_grad():  # larger weights than HF's init so greedy tokens are well separated
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(folder, safe_serialization=True)
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            g = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            outs.append(g[0, len(p):].tolist())
+    return outs
+
+
+def stage_check(args: argparse.Namespace) -> bool:
+    ok = True
+    tiny = dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
+                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+                architectures=["LlamaForCausalLM"])
+    smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
+                rope_theta=100000.0, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    for name, cfg in (("tiny-llama", tiny), ("smollm2-shaped", smol)):
+        folder = tempfile.mkdtemp(prefix=name)
+        save_hf_llama(folder, **cfg)
+        prompts = [p["prompt_token_ids"] for p in rand_prompts(4, 37, cfg["vocab_size"], 1)]
+        prompts[1] = prompts[1][:5]
+        ref = (hf_greedy(folder, prompts, 24) if name == "tiny-llama" else
+               _engine_tokens(folder, prompts, sp, device="cpu", dtype="float32"))
+        for dev, dtype in (("cuda", "float32"), ("cuda", "bfloat16")):
+            got = _engine_tokens(folder, prompts, sp, device=dev, dtype=dtype)
+            same = sum(a == b for a, b in zip(got, ref))
+            match = sum(x == y for a, b in zip(got, ref) for x, y in zip(a, b)) / (24 * 4)
+            emit(args, "greedy_token_match", match, workload="check", model=name, dtype=dtype,
+                 sequences_identical=f"{same}/4")
+            if dtype == "float32" and same != 4:
+                ok = False
+    return ok
+
+
+def _engine_tokens(folder, prompts, sp, device, dtype) -> list[list[int]]:
+    llm = LLM(folder, device=device, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=8,
+              max_num_batched_tokens=64, num_kv_blocks=256)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    llm.engine.shutdown()
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- W1 / W2 ------------------------------------------------------------------------------
+def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
+    t0 = time.perf_counter()
+    llm = LLM(load_format="dummy", hf_config_json="llama-3-8b", dtype="bfloat16",
+              max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
+              enforce_eager=args.eager)
+    print(f"engine ready in {time.perf_counter() - t0:.1f}s, {llm.engine.num_kv_blocks} blocks")
+    return llm
+
+
+def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
+    common = dict(workload="W1", model="llama-3-8b", dtype="bfloat16", tp=1, mode="single",
+                  eager=args.eager)
+    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
+    llm.generate(rand_prompts(1, 128, 128256, 99), sp, use_tqdm=False)  # warm-up
+    rates, ttfts = [], []
+    for seed in (1, 2, 3):
+        out = llm.generate(rand_prompts(1, 128, 128256, seed), sp, use_tqdm=False)[0]
+        m = out.metrics
+        ttfts.append(m.first_token_time - m.arrival_time)
+        rates.append(255 / (m.last_token_time - m.first_token_time))
+    rate = sorted(rates)[1]
+    emit(args, "decode_tok_s", rate, floor=FLOOR_TOK_S, pct_of_floor=100 * rate / FLOOR_TOK_S,
+         peer={"name": "gpt-fast", "value": 173.0}, runs=rates, **common)
+    emit(args, "ttft_ms", 1e3 * sorted(ttfts)[1], prompt_len=128, runs=ttfts, **common)
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    t = []
+    for seed in (4, 5, 6):
+        out = llm.generate(rand_prompts(1, 1024, 128256, seed), one, use_tqdm=False)[0]
+        t.append(out.metrics.first_token_time - out.metrics.arrival_time)
+    floor_ms = 1024 * 2 * PARAMS_8B / (PEAK_TFLOPS * 1e12) * 1e3
+    emit(args, "ttft_ms", 1e3 * sorted(t)[1], prompt_len=1024, floor=floor_ms, runs=t, **common)
+
+
+def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
+    n = args.w2_requests
+    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
+    prompts = rand_prompts(n, 1024, 128256, 7)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    total = out_toks + 1024 * n
+    common = dict(workload="W2", model="llama-3-8b", dtype="bfloat16", tp=1, requests=n,
+                  wall_s=wall, eager=args.eager)
+    emit(args, "output_tok_s", out_toks / wall, **common)
+    emit(args, "total_tok_s", total / wall, **common)
+    emit(args, "mfu", total * 2 * PARAMS_8B / wall / (PEAK_TFLOPS * 1e12), **common)
+
+
+# ---- HF peer --------------------------------------------------------------------------------
+def stage_hf(args: argparse.Namespace) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from lightwell.models.hf_config import load_hf_config
+
+    cfg = load_hf_config(None, "llama-3-8b")
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    for p in model.parameters():
+        p.data.normal_(0, 0.02)
+    common = dict(model="llama-3-8b", dtype="bfloat16", engine="hf-transformers")
+    ids = torch.randint(0, 128256, (1, 128), device="cuda")
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=8, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+        torch.cuda.synchronize()
+        emit(args, "decode_tok_s", 64 / (time.perf_counter() - t0), workload="W1", **common)
+        b = args.hf_batch
+        ids = torch.randint(0, 128256, (b, 1024), device="cuda")
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=256, min_new_tokens=256, do_sample=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        new = (out.shape[1] - 1024) * b
+        emit(args, "output_tok_s", new / wall, workload="W2", batch=b, wall_s=wall, **common)
+        emit(args, "total_tok_s", (new + 1024 * b) / wall, workload="W2", batch=b, **common)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--stages", default="check,w1,w2,hf")
+    ap.add_argument("--w2-requests", type=int, default=1000)
+    ap.add_argument("--max-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--eager", action="store_true")
+    args = ap.parse_args()
+    stages = args.stages.split(",")
+    ok = True
+    if "check" in stages:
+        print("== check", flush=True)
+        ok = stage_check(args)
+    if "w1" in stages or "w2" in stages:
+        llm = make_llm(args, args.max_num_seqs)
+        if "w1" in stages:
+            print("== W1", flush=True)
+            stage_w1(args, llm)
+        if "w2" in stages:
+            print("== W2", flush=True)
+            stage_w2(args, llm)
+        llm.engine.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    if "hf" in stages:
+        print("== HF peer", flush=True)
+        stage_hf(args)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
