@@ -119,8 +119,10 @@ def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
 
 
 def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
+    import lightwell.quant.base as qb
+
     common = dict(workload="W1", model="llama-3-8b", dtype="bfloat16", tp=1, mode="single",
-                  eager=args.eager)
+                  eager=args.eager, skinny_gemm_rows=qb.SKINNY_GEMM_MAX_ROWS)
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
     llm.generate(rand_prompts(1, 128, 128256, 99), sp, use_tqdm=False)  # warm-up
     rates, ttfts = [], []
@@ -156,6 +158,29 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
     emit(args, "output_tok_s", out_toks / wall, **common)
     emit(args, "total_tok_s", total / wall, **common)
     emit(args, "mfu", total * 2 * PARAMS_8B / wall / (PEAK_TFLOPS * 1e12), **common)
+
+
+def stage_profile(args: argparse.Namespace, llm: LLM) -> None:
+    """Where a step's time goes: torch.profiler over one 128-token prefill and one decode."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+    for label in ("prefill128", "decode"):
+        if label == "prefill128":
+            engine.add_request("prof", rand_prompts(1, 128, 128256, 42)[0], sp)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            engine.step()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+        with open(os.path.join(os.path.dirname(args.out), f"profile_{label}.txt"), "w") as f:
+            f.write(f"step wall {wall * 1e3:.2f} ms\n{table}")
+        print(f"profile {label}: step wall {wall * 1e3:.2f} ms", flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 # ---- HF peer --------------------------------------------------------------------------------
@@ -198,14 +223,22 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--skinny-rows", type=int, default=None,
+                    help="rows up to which decode linears use the Triton gemv (0: cuBLAS)")
     args = ap.parse_args()
     stages = args.stages.split(",")
     ok = True
     if "check" in stages:
         print("== check", flush=True)
         ok = stage_check(args)
-    if "w1" in stages or "w2" in stages:
+    if args.skinny_rows is not None:
+        import lightwell.quant.base as qb
+
+        qb.SKINNY_GEMM_MAX_ROWS = args.skinny_rows
+    if "w1" in stages or "w2" in stages or "profile" in stages:
         llm = make_llm(args, args.max_num_seqs)
+        if "profile" in stages:
+            stage_profile(args, llm)
         if "w1" in stages:
             print("== W1", flush=True)
             stage_w1(args, llm)

@@ -117,6 +117,8 @@ def _wall_us(fn, reps: int = 2) -> float:
 
 
 def _commit() -> str:
+    if os.environ.get("LIGHTWELL_COMMIT"):
+        return os.environ["LIGHTWELL_COMMIT"]
     try:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)

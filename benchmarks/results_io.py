@@ -11,6 +11,9 @@ import sys
 
 
 def git_commit() -> str:
+    """The commit under test: $LIGHTWELL_COMMIT (set when the tree is copied without .git)."""
+    if os.environ.get("LIGHTWELL_COMMIT"):
+        return os.environ["LIGHTWELL_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL

@@ -22,9 +22,11 @@ class AttentionBackend(Protocol):
         kv_cache: torch.Tensor | None,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """Write the new k/v into ``kv_cache`` at ``meta.slot_mapping``, then attend: request i's
-        queries see its ``seq_lens[i]`` tokens causally (cached prefix + new tokens so far).
+        queries see its ``seq_lens[i]`` tokens causally (cached prefix + new tokens so far);
+        with ``sliding_window`` w, a query at position p sees only keys p - w < j <= p.
         With ``kv_cache=None`` (profiling runs) every request is a fresh causal prefill."""
         ...
 

@@ -2,7 +2,9 @@
 
 Decodes (query_len 1) of a batch are served together by one padded gather over their block
 tables and two batched matmuls; prefill chunks go one request at a time through
-``scaled_dot_product_attention`` (causal, offset by the request's cached length).
+``scaled_dot_product_attention`` (causal, offset by the request's cached length). With a sliding
+window, keys more than ``window - 1`` positions behind a query are masked (prefill chunks slice
+them off first).
 """
 
 from __future__ import annotations
@@ -81,18 +83,20 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor | None,  # [2, N, B, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         _check_shapes(q, k, v, meta)
         out = torch.empty_like(q)
+        window = sliding_window
         if kv_cache is None:
-            _attend_without_cache(q, k, v, meta, scale, out)
+            _attend_without_cache(q, k, v, meta, scale, window, out)
             return out
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
         plan = self._plan_for(meta, q.device)
         if plan.decodes:
-            _attend_decodes(q, kv_cache, meta, plan, scale, out)
+            _attend_decodes(q, kv_cache, meta, plan, scale, window, out)
         for i in plan.prefills:
-            _attend_prefill(q, k, v, kv_cache, meta, i, scale, out)
+            _attend_prefill(q, k, v, kv_cache, meta, i, scale, window, out)
         return out
 
 
@@ -111,17 +115,23 @@ def _sdpa(
     v: torch.Tensor,  # [L, Hkv, D]
     num_cached: int,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [n, Hq, D]
-    """Causal attention of n new queries over L = num_cached + n keys."""
+    """Causal attention of n new queries over L = num_cached + n keys (the last ``window``
+    of them per query, with a sliding window)."""
+    n = q.shape[0]
+    first = 0 if window is None else max(num_cached - window + 1, 0)  # first key in reach
+    k, v = k[first:], v[first:]
     qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
     gqa = qh.shape[0] != kh.shape[0]
-    if num_cached == 0:
+    if num_cached == 0 and (window is None or window >= n):
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        n, length = q.shape[0], k.shape[0]
-        key_pos = torch.arange(length, device=q.device)
+        key_pos = torch.arange(first, num_cached + n, device=q.device)
         query_pos = torch.arange(num_cached, num_cached + n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L]
+        mask = key_pos[None, :] <= query_pos[:, None]  # [n, L - first]
+        if window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - window
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return o.transpose(0, 1)
 
@@ -132,6 +142,7 @@ def _attend_without_cache(
     v: torch.Tensor,  # [T, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    window: int | None,
     out: torch.Tensor,  # [T, Hq, D]
 ) -> None:
     qsl = meta.query_start_loc_cpu
@@ -139,7 +150,7 @@ def _attend_without_cache(
         s, e = qsl[i], qsl[i + 1]
         if meta.seq_lens_cpu[i] != e - s:
             raise ValueError("attention without a KV cache cannot serve cached tokens")
-        out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], 0, scale)
+        out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], 0, scale, window)
 
 
 def _attend_prefill(
@@ -150,18 +161,19 @@ def _attend_prefill(
     meta: AttentionMetadata,
     i: int,
     scale: float,
+    window: int | None,
     out: torch.Tensor,  # [T, Hq, D]
 ) -> None:
     s, e = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1]
     length = meta.seq_lens_cpu[i]
     num_cached = length - (e - s)
     if num_cached == 0:  # nothing before this chunk: the new k/v are the whole sequence
-        out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], 0, scale)
+        out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], 0, scale, window)
         return
     block_size = kv_cache.shape[2]
     num_blocks = -(-length // block_size)
     keys, values = gather_kv(kv_cache, meta.block_table[i, :num_blocks], length)
-    out[s:e] = _sdpa(q[s:e], keys.to(q.dtype), values.to(q.dtype), num_cached, scale)
+    out[s:e] = _sdpa(q[s:e], keys.to(q.dtype), values.to(q.dtype), num_cached, scale, window)
 
 
 def _attend_decodes(
@@ -170,9 +182,11 @@ def _attend_decodes(
     meta: AttentionMetadata,
     plan: _StepPlan,
     scale: float,
+    window: int | None,
     out: torch.Tensor,  # [T, Hq, D]
 ) -> None:
-    """All query_len-1 requests at once: gather their blocks padded to the longest."""
+    """All query_len-1 requests at once: gather their blocks padded to the longest (keys out
+    of the window are masked like the padding)."""
     device, block_size = q.device, kv_cache.shape[2]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     rows, tokens, num_reqs = plan.decode_rows, plan.decode_tokens, len(plan.decodes)
@@ -180,7 +194,10 @@ def _attend_decodes(
     blocks = meta.block_table[rows, :num_blocks]  # [R, nb]
     kv = kv_cache[:, blocks].flatten(2, 3).to(q.dtype)  # [2, R, L, Hkv, D]
     length = kv.shape[2]
-    pad = torch.arange(length, device=device)[None, :] >= meta.seq_lens[rows, None]  # [R, L]
+    key_pos = torch.arange(length, device=device)[None, :]
+    pad = key_pos >= meta.seq_lens[rows, None]  # [R, L]
+    if window is not None:  # the query sits at seq_len - 1
+        pad |= key_pos <= meta.seq_lens[rows, None] - 1 - window
     keys = kv[0].permute(0, 2, 3, 1)  # [R, Hkv, D, L]
     values = kv[1].masked_fill(pad[:, :, None, None], 0).transpose(1, 2)  # [R, Hkv, L, D]
     group = q.shape[1] // num_kv_heads

@@ -27,11 +27,12 @@ class TritonAttentionBackend:
         kv_cache: torch.Tensor | None,  # [2, N, B, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         if kv_cache is None:
-            return _attend_without_cache(q, k, v, meta, scale)
+            return _attend_without_cache(q, k, v, meta, scale, sliding_window)
         kv_store(k, v, kv_cache, meta.slot_mapping)
-        return paged_attention(q, kv_cache, meta, scale)
+        return paged_attention(q, kv_cache, meta, scale, sliding_window=sliding_window)
 
 
 def _attend_without_cache(
@@ -40,6 +41,7 @@ def _attend_without_cache(
     v: torch.Tensor,  # [T, Hkv, D]
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:  # [T, Hq, D]
     qsl = meta.query_start_loc_cpu
     for i in range(meta.num_reqs):
@@ -49,4 +51,5 @@ def _attend_without_cache(
     offsets = torch.arange(max(meta.max_query_len, 1), dtype=torch.int32, device=q.device)
     block_table = meta.query_start_loc[:-1, None] + offsets[None, :]  # [R, max_query_len]
     flat = dataclasses.replace(meta, block_table=block_table.to(torch.int32))
-    return paged_attention(q, (k.unsqueeze(1), v.unsqueeze(1)), flat, scale)
+    kv = (k.unsqueeze(1), v.unsqueeze(1))
+    return paged_attention(q, kv, flat, scale, sliding_window=sliding_window)

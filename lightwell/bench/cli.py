@@ -197,6 +197,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from lightwell.bench.serve import cmd_bench_serve
 
     _check_positive(args, "input_len", "output_len", "num_prompts", "max_concurrency")
+    if args.token_ids and args.endpoint == CHAT_ENDPOINT:
+        raise ValueError("--token-ids works with /v1/completions only (chat takes text)")
     args.workload = args.workload or "W3"
     return cmd_bench_serve(args)
 

@@ -143,6 +143,7 @@ def serve_records(args: argparse.Namespace, runs: Sequence[Any]) -> list[dict]:
         "range_ratio": args.range_ratio,
         "prefix_len": args.prefix_len,
         "ignore_eos": args.ignore_eos,
+        "goodput_slo_ms": args.goodput,
         "seed": args.seed,
     }
     common.update(parse_metadata(args.metadata))

@@ -66,8 +66,8 @@ def machine(device: str | None = None) -> str:
 
 
 def command_line() -> str:
-    prog = os.path.basename(sys.argv[0]) if sys.argv else "lightwell"
-    return shlex.join([prog, *sys.argv[1:]])
+    """The `lightwell ...` command that is running (however the CLI was launched)."""
+    return shlex.join(["lightwell", *sys.argv[1:]])
 
 
 def provenance(device: str | None = None) -> dict[str, Any]:

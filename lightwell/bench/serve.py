@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -95,8 +96,12 @@ async def run_once(
     return list(results), duration
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(tokenizer: str | None, model: str | None) -> Any:
-    """--tokenizer, else --model when it is a local path, else the default model's tokenizer."""
+    """--tokenizer, else --model when it is a local path, else the default model's tokenizer.
+
+    Cached: loading a GGUF tokenizer takes seconds, and a process may run several benchmarks.
+    """
     import os
 
     from lightwell.engine.tokenizer import Tokenizer

@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+
 from lightwell.engine.llm_engine import EngineStats, LLMEngine, PromptInput
 from lightwell.types import RequestMetrics, RequestOutput, SamplingParams
 
@@ -182,6 +183,8 @@ class AsyncEngine:
                     self._apply(command)
                 if self.engine.has_unfinished_requests():
                     self._step()
+                elif commands:
+                    self._stats = self.engine.stats()  # e.g. after the last request's abort
         except BaseException as e:  # noqa: BLE001 - the loop must report any failure
             logger.exception("the engine loop failed; no further requests can be served")
             self._error = e

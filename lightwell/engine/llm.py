@@ -82,7 +82,7 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp in zip(prompts, params):
-                ids.append(engine.add_request(None, p, sp))
+                ids.append(engine.add_request(None, p, sp, final_only=True))
         except Exception:
             for rid in ids:
                 engine.abort_request(rid)

@@ -127,8 +127,13 @@ class LLMEngine:
         prompt: PromptInput,
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        final_only: bool = False,
     ) -> str:
-        """Validate and queue one request (n > 1: n sequences). Raises ValueError on bad input."""
+        """Validate and queue one request (n > 1: n sequences). Raises ValueError on bad input.
+
+        ``final_only``: step() returns this request's output once, when it finishes (no
+        per-step snapshots: what offline generation wants).
+        """
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if self.output_processor.has(request_id):
@@ -143,7 +148,9 @@ class LLMEngine:
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         )
-        self.output_processor.add_request(request_id, child_ids, text, token_ids, params, arrival)
+        self.output_processor.add_request(
+            request_id, child_ids, text, token_ids, params, arrival, final_only
+        )
         for i, cid in enumerate(child_ids):
             child_params = params if params.n == 1 else params.for_child(i)
             share = child_ids[0] if i > 0 and self.config.cache.enable_prefix_caching else None

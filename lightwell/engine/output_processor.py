@@ -26,6 +26,7 @@ class _Parent:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    final_only: bool = False  # emit one RequestOutput, when finished (offline generate)
     children: list[_Child] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
@@ -57,8 +58,10 @@ class OutputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_time: float,
+        final_only: bool = False,
     ) -> None:
-        parent = _Parent(request_id, prompt, prompt_token_ids, params, RequestMetrics(arrival_time))
+        metrics = RequestMetrics(arrival_time)
+        parent = _Parent(request_id, prompt, prompt_token_ids, params, metrics, final_only)
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         for i, cid in enumerate(child_ids):
@@ -99,7 +102,8 @@ class OutputProcessor:
                 parent.prompt_logprobs.extend(self._convert(co.new_prompt_logprobs))
             if co.new_token_ids and self._update_child(child, co, now):
                 stopped.append(child.req_id)
-        return [self._emit(p) for p in touched.values()], stopped
+        emitted = [self._emit(p) for p in touched.values() if p.finished or not p.final_only]
+        return emitted, stopped
 
     def abort(self, request_id: str) -> RequestOutput | None:
         parent = self.parents.get(request_id)

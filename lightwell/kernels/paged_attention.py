@@ -8,7 +8,9 @@ One kernel serves every shape. A program owns one KV head and a tile of ``BLOCK_
 times the ``G = Hq / Hkv`` query heads that share it (``BLOCK_M >= 16`` rows, padded), so each K/V
 tile is loaded once per group and both products run on tensor cores even for decode. Keys stream
 in ``BLOCK_N`` tiles with an online softmax (fp32 accumulators, base-2 exponentials); tiles fully
-below the causal diagonal skip the masking. With ``SPLIT_KV`` (flash-decoding) the key range is
+below the causal diagonal skip the masking. With a sliding window ``W`` (``SLIDING``), query
+position p sees keys ``p - W < j <= p``: keys before the window of the tile's first row are never
+loaded, and tiles that start before the window of its last row are masked too. With ``SPLIT_KV`` (flash-decoding) the key range is
 cut into ``grid[2]`` chunks per request, each program writes a partial (max, sum, acc), and
 ``split_kv.reduce_splits`` combines them.
 
@@ -96,9 +98,11 @@ def _attend_tile(
     qk_scale,
     offs_d,
     d_ok,
+    window,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    SLIDING: tl.constexpr,
     PAD_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -114,6 +118,8 @@ def _attend_tile(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
+        if SLIDING:
+            visible = visible & (offs_n[None, :] > pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -134,6 +140,7 @@ def _paged_attention_kernel(
     tok_base,  # first token of this launch (partials are indexed from it)
     tile_base,  # tok_base // BLOCK_Q: virtual tile id of program 0
     qk_scale,  # softmax scale * log2(e)
+    window,  # sliding window (keys per query, itself included); read only when SLIDING
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
     stride_bt,
@@ -141,6 +148,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # grid[2] > 1: write partials for split_kv.reduce_splits
+    SLIDING: tl.constexpr,
     ONE_TILE_PER_REQ: tl.constexpr, PAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
 ):  # fmt: skip
     kvh = tl.program_id(1)
@@ -168,16 +176,27 @@ def _paged_attention_kernel(
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
-    # this program's keys: [lo, hi); keys <= ctx + t0 are visible to every row (no mask)
+    # this program's keys: [lo, hi) within [kv_start, kv_end), the keys some row can see
     kv_end = tl.minimum(seq_len, ctx + t0 + BLOCK_Q)
+    if SLIDING:
+        kv_start = tl.maximum(ctx + t0 - window + 1, 0)
+    else:
+        kv_start = ctx * 0
     if not SPLIT_KV:
-        lo = 0
+        lo = kv_start
         hi = kv_end
     else:
-        chunk = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-        lo = split * chunk
+        chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+        lo = kv_start + split * chunk
         hi = tl.minimum(kv_end, lo + chunk)
-    full_end = lo + tl.maximum(tl.minimum(hi, ctx + t0 + 1) - lo, 0) // BLOCK_N * BLOCK_N
+    # tiles [lo, win_end) start before the last row's window: masked; then unmasked tiles up to
+    # full_end (keys <= ctx + t0 are visible to every row); then masked tiles up to hi
+    if SLIDING:
+        edge = tl.minimum(tl.maximum(ctx + t0 + BLOCK_Q - window - lo, 0), tl.maximum(hi - lo, 0))
+        win_end = lo + tl.cdiv(edge, BLOCK_N) * BLOCK_N
+    else:
+        win_end = lo
+    full_end = win_end + tl.maximum(tl.minimum(hi, ctx + t0 + 1) - win_end, 0) // BLOCK_N * BLOCK_N
 
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
     k_base = k_cache_ptr + kvh * stride_k_head
@@ -185,17 +204,24 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    for start_n in range(lo, full_end, BLOCK_N):
+    if SLIDING:
+        for start_n in range(lo, win_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
+                stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
+                window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC,
+            )  # fmt: skip
+    for start_n in range(win_end, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
-            BLOCK_SIZE, BLOCK_N, False, PAD_D, DOT_PREC,
+            window, BLOCK_SIZE, BLOCK_N, False, SLIDING, PAD_D, DOT_PREC,
         )  # fmt: skip
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
-            BLOCK_SIZE, BLOCK_N, True, PAD_D, DOT_PREC,
+            window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC,
         )  # fmt: skip
 
     if not SPLIT_KV:
@@ -250,8 +276,10 @@ def paged_attention(
     *,
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal paged attention of every request's new queries over its ``seq_lens[i]`` keys.
+    """Causal paged attention of every request's new queries over its ``seq_lens[i]`` keys
+    (with ``sliding_window`` W: query position p over keys ``p - W < j <= p``).
 
     ``kv_cache`` is one ``[2, N, B, Hkv, D]`` tensor or a ``(k_cache, v_cache)`` pair of
     ``[N, B, Hkv, D]`` views. ``num_splits``: None picks split-KV automatically for decode
@@ -261,18 +289,19 @@ def paged_attention(
     unwritten (split path: zeroed)."""
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
     _check(q, k_cache, v_cache, meta, out)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     out = torch.empty_like(q) if out is None else out
     qsl, nreq, nd = meta.query_start_loc_cpu, meta.num_reqs, meta.num_decodes
     if nreq == 0 or q.shape[0] == 0:
         return out
+    args = (q, k_cache, v_cache, meta, scale, out)
     if meta.max_query_len > 1 and 0 < nd < nreq and qsl[: nd + 1] == list(range(nd + 1)):
-        _launch(q, k_cache, v_cache, meta, scale, out, 0, nd, 1, num_splits, config)
+        _launch(*args, 0, nd, 1, num_splits, config, sliding_window)
         rest = num_splits or 1  # auto split-KV is for decodes only
-        _launch(q, k_cache, v_cache, meta, scale, out, nd, nreq, meta.max_query_len, rest, config)
+        _launch(*args, nd, nreq, meta.max_query_len, rest, config, sliding_window)
     else:
-        _launch(
-            q, k_cache, v_cache, meta, scale, out, 0, nreq, meta.max_query_len, num_splits, config
-        )
+        _launch(*args, 0, nreq, meta.max_query_len, num_splits, config, sliding_window)
     return out
 
 
@@ -288,6 +317,7 @@ def _launch(
     max_query_len: int,
     num_splits: int | None,
     config: AttentionConfig | None,
+    sliding_window: int | None,
 ) -> None:
     """One kernel launch over requests ``r0:r1`` (their tokens are contiguous in ``q``)."""
     num_heads, head_dim = q.shape[1:]
@@ -302,7 +332,8 @@ def _launch(
     num_tiles = r1 - r0 if one_tile else tok1 // block_q - tok0 // block_q + (r1 - r0)
     if num_splits is None:
         programs = num_tiles * num_kv_heads
-        num_splits = auto_num_splits(programs, meta.max_seq_len, q.device) if decode else 1
+        keys = min(meta.max_seq_len, sliding_window or meta.max_seq_len)  # keys read per query
+        num_splits = auto_num_splits(programs, keys, q.device) if decode else 1
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     d_pad = max(16, triton.next_power_of_2(head_dim))
@@ -315,13 +346,14 @@ def _launch(
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         qsl, meta.seq_lens[r0:], meta.block_table[r0:],
-        r1 - r0, tok0, tok0 // block_q, scale * _LOG2E,
+        r1 - r0, tok0, tok0 // block_q, scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         meta.block_table.stride(0),
         GQA=gqa, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SPLIT_KV=num_splits > 1,
+        SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
@@ -338,8 +370,10 @@ def paged_attention_ref(
     kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [2, N, B, Hkv, D] or K, V
     meta: AttentionMetadata,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Plain torch, fp32, one request at a time: gather its blocks, causal mask with offset."""
+    """Plain torch, fp32, one request at a time: gather its blocks, causal mask with offset
+    (and the sliding window's lower edge)."""
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
     num_heads = q.shape[1]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -356,7 +390,10 @@ def paged_attention_ref(
         k, v = k.repeat_interleave(gqa, dim=1), v.repeat_interleave(gqa, dim=1)  # [L, Hq, D]
         scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale  # [Hq, n, L]
         q_pos = torch.arange(length - (e - s), length, device=q.device)
-        hidden = torch.arange(length, device=q.device)[None, :] > q_pos[:, None]  # [n, L]
+        key_pos = torch.arange(length, device=q.device)[None, :]
+        hidden = key_pos > q_pos[:, None]  # [n, L]
+        if sliding_window is not None:
+            hidden |= key_pos <= q_pos[:, None] - sliding_window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

@@ -85,6 +85,8 @@ class KVCacheManager:
         first, then fresh blocks), or None when too few blocks are free, changing nothing.
         """
         blocks = self._req_blocks.get(request.req_id, [])
+        if not new_computed_blocks and self._fits(request, blocks, num_new_tokens):
+            return []  # the common decode step: no new block, nothing newly full
         if new_computed_blocks and blocks:
             raise RuntimeError(f"prefix hits for {request.req_id}, which already owns blocks")
         num_hit_tokens = len(new_computed_blocks) * self.block_size
@@ -104,6 +106,15 @@ class KVCacheManager:
             num_full = min(total, request.num_tokens) // self.block_size
             self._cache_full_blocks(request, blocks, num_full)
         return [b.block_id for b in added]
+
+    def _fits(self, request: Request, blocks: list[KVBlock], num_new_tokens: int) -> bool:
+        total = request.num_computed_tokens + num_new_tokens
+        if total > len(blocks) * self.block_size:
+            return False
+        if not self.enable_prefix_caching:
+            return True
+        num_full = min(total, request.num_tokens) // self.block_size
+        return num_full <= self._num_cached.get(request.req_id, 0)
 
     def free(self, request: Request) -> None:
         """Return all the request's blocks, last block first, so its tail is evicted first."""

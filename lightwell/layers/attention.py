@@ -4,6 +4,10 @@ The model runner allocates one cache per layer after the model is built and bind
 ``for layer in (m for m in model.modules() if isinstance(m, Attention)): layer.kv_cache = t``
 (in ``model.modules()`` order, which is layer order). Each forward reads the step's
 ``AttentionMetadata`` from ``forward_context``.
+
+``sliding_window`` (Mistral, Qwen2's upper layers): a query at position ``i`` sees only keys
+``j`` with ``i - window < j <= i`` (HF transformers' convention: ``window`` keys, itself
+included). Every key stays in the cache; backends skip the ones out of reach.
 """
 
 from __future__ import annotations
@@ -25,9 +29,14 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int | None = None,
         backend_name: str = "torch",
+        *,
+        sliding_window: int | None = None,
     ):
         """``num_heads`` / ``num_kv_heads`` are this rank's heads (after tensor parallelism)."""
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        self.sliding_window = sliding_window
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads or num_heads
         if self.num_heads % self.num_kv_heads:
@@ -55,6 +64,7 @@ class Attention(nn.Module):
             self.kv_cache,
             meta,
             self.scale,
+            sliding_window=self.sliding_window,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
@@ -62,4 +72,4 @@ class Attention(nn.Module):
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"backend={self.backend.name}"
-        )
+        ) + (f", sliding_window={self.sliding_window}" if self.sliding_window else "")

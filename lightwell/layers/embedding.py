@@ -17,7 +17,7 @@ from lightwell.distributed.parallel_state import (
     tp_all_gather,
     tp_all_reduce,
 )
-from lightwell.quant.base import set_weight_attrs
+from lightwell.quant.base import dense_linear, set_weight_attrs
 
 DEFAULT_VOCAB_PADDING = 64
 
@@ -104,7 +104,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        logits = F.linear(hidden, self.weight, self.bias)  # [N, V_padded / tp]
+        logits = dense_linear(hidden, self.weight, self.bias)  # [N, V_padded / tp]
         logits = tp_all_gather(logits, dim=-1)  # [N, V_padded]
         return logits[..., : self.org_vocab_size]
 

@@ -1,8 +1,10 @@
-"""RMSNorm, optionally fused with the residual add that precedes it."""
+"""RMSNorm (and Cohere's bias-free LayerNorm), optionally fused with the residual add that
+precedes it."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -44,3 +46,30 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with a weight and no bias (Cohere), computed in float32; same residual
+    interface as ``RMSNorm``. ``shape`` may be ``(heads, head_dim)``: one weight row per head,
+    normalised over the last dimension (Command R+'s q/k norm)."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float = 1e-5):
+        super().__init__()
+        self.shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(self.shape), requires_grad=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H] or [T, heads, head_dim]
+        residual: torch.Tensor | None = None,  # like x
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
+        out = (self.weight.float() * h).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.shape}, eps={self.eps}, bias=False"

@@ -5,7 +5,10 @@ A scaling family plugs in by subclassing ``RotaryEmbedding`` and overriding one 
 then adding itself to ``_ROPE_CLASSES``:
   ``_compute_inv_freq``: the per-pair inverse frequencies [rotary_dim / 2] (llama3, NTK ...),
   ``_cache_length``: how many positions the cache holds (linear / dynamic scaling extend it),
-  ``_attention_scaling``: a factor on cos and sin (yarn's mscale).
+  ``_attention_scaling``: a factor on cos and sin (yarn's mscale),
+or, when the rotation depends on more than the position times a frequency, ``_compute_cos_sin_cache``
+itself (dynamic NTK). Every variant is a cache indexed by position, so the CUDA kernel
+(``kernels/rotary.py``) serves them all unchanged.
 The cache is kept in float32 and the rotation computed in float32, then cast back.
 """
 
@@ -143,12 +146,89 @@ class FreqFactorsRotaryEmbedding(RotaryEmbedding):
         return inv_freq / factors
 
 
+class DynamicNTKScalingRotaryEmbedding(RotaryEmbedding):
+    """Dynamic NTK scaling, position by position: position ``p`` is rotated with the base that
+    HF transformers uses for a sequence of ``n = max(p + 1, max_position)`` tokens,
+    ``base * (factor * n / max_position - (factor - 1)) ** (d / (d - 2))``.
+
+    HF recomputes one base per forward from the longest sequence in it, so its KV cache holds
+    keys rotated under older bases; a cache row per position reproduces exactly what HF's
+    token-by-token decoding computes once the prompt fits in ``max_position``, keeps a key's
+    rotation independent of the batch (prefix caching, paged blocks) and of the step, and keeps
+    short contexts on the unscaled base. (vLLM instead uses the base of ``max_position * factor``
+    for every position.) The cache covers ``max_position * factor`` positions."""
+
+    def _cache_length(self) -> int:
+        return int(self.max_position * float(self.scaling["factor"]))
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:  # [max_pos * factor, rotary_dim] float32
+        factor, d = float(self.scaling["factor"]), self.rotary_dim
+        t = torch.arange(self._cache_length(), dtype=torch.float32)
+        n = torch.clamp(t + 1, min=self.max_position)
+        bases = self.base * ((factor * n / self.max_position) - (factor - 1)) ** (d / (d - 2))
+        exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
+        inv_freq = 1.0 / (bases[:, None] ** exponents[None, :])  # [max_pos * factor, d / 2]
+        freqs = t[:, None] * inv_freq
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+class YaRNScalingRotaryEmbedding(RotaryEmbedding):
+    """YaRN: per frequency, a linear ramp between interpolation (``inv_freq / factor``) for
+    wavelengths longer than ``original_max_position_embeddings / beta_slow`` rotations and
+    extrapolation (unchanged) above ``beta_fast`` rotations; cos and sin are multiplied by the
+    attention factor (``0.1 * ln(factor) + 1`` unless given, or DeepSeek's mscale ratio).
+    The cache covers ``max(max_position, original * factor)`` positions."""
+
+    def _params(self) -> tuple[float, int]:
+        orig = int(self.scaling.get("original_max_position_embeddings") or self.max_position)
+        factor = self.scaling.get("factor") or self.max_position / orig
+        return float(factor), orig
+
+    def _compute_inv_freq(self) -> torch.Tensor:
+        factor, orig = self._params()
+        d, base = self.rotary_dim, self.base
+        beta_fast = self.scaling.get("beta_fast") or 32
+        beta_slow = self.scaling.get("beta_slow") or 1
+
+        def dim_of(rotations: float) -> float:  # the dimension that turns ``rotations`` times
+            return d * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if self.scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d - 1)
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        inv_freq = super()._compute_inv_freq()
+        extrapolate = 1 - ramp
+        return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+
+    def _cache_length(self) -> int:
+        factor, orig = self._params()
+        return max(self.max_position, int(orig * factor))
+
+    def _attention_scaling(self) -> float:
+        given = self.scaling.get("attention_factor")
+        if given is not None:
+            return float(given)
+        factor, _ = self._params()
+
+        def mscale(m: float) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+        m, m_all = self.scaling.get("mscale"), self.scaling.get("mscale_all_dim")
+        return mscale(m) / mscale(m_all) if m and m_all else mscale(1.0)
+
+
 _ROPE_CLASSES: dict[str, type[RotaryEmbedding]] = {
     "default": RotaryEmbedding,
     "linear": LinearScalingRotaryEmbedding,
+    "dynamic": DynamicNTKScalingRotaryEmbedding,
+    "yarn": YaRNScalingRotaryEmbedding,
     "llama3": Llama3RotaryEmbedding,
     "freq_factors": FreqFactorsRotaryEmbedding,
-    # "dynamic", "yarn", "longrope": to add (override the hooks above).
+    # "longrope" (Phi-3, MiniCPM4): to add (override the hooks above).
 }
 
 

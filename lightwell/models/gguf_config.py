@@ -24,8 +24,9 @@ class GGUFArch:
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("LlamaConfig", "LlamaForCausalLM", permute_qk=True, optional_biases=True),
-    # "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", permute_qk=False),
-    # "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", permute_qk=False),
+    # q/k/v biases are implied by the Qwen2 architecture; Qwen3's q/k norms map in gguf_loader.
+    "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", permute_qk=False),
+    "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", permute_qk=False),
 }
 
 # "{arch}.<key>" -> HF config field

@@ -9,6 +9,7 @@ shapes of models whose weights we do not have, for dummy-weight benchmarks.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +97,7 @@ def load_hf_config(files: ModelFiles | None, overrides: dict[str, Any] | str | N
     elif files is None:
         raise ValueError("no model files and no preset: nothing to read a config from")
     elif files.kind == "hf":
-        config = AutoConfig.from_pretrained(files.path, local_files_only=True)
+        config = _folder_config(files.path)
     elif files.kind == "gguf":
         from lightwell.models.gguf_config import gguf_hf_config
 
@@ -104,6 +105,43 @@ def load_hf_config(files: ModelFiles | None, overrides: dict[str, Any] | str | N
     else:
         raise ValueError(f"unknown model file kind {files.kind!r}")
     return apply_overrides(config, ov) if ov else config
+
+
+# model_type -> (transformers config class with the same field names, defaults of the model's
+# own config class): architectures that shipped as remote code transformers does not include.
+# Their config.json is read into that class (extra fields such as MiniCPM's scale_emb stay as
+# attributes); remote code is never run.
+OWN_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "minicpm": (
+        "LlamaConfig",
+        {"tie_word_embeddings": True, "scale_emb": 1, "scale_depth": 1, "dim_model_base": 1},
+    ),
+}
+
+
+def _folder_config(path: str) -> Any:
+    """config.json of an HF folder as a transformers config (never running remote code)."""
+    import transformers
+
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    own = OWN_CONFIGS.get(raw.get("model_type"))
+    if own is not None:
+        cls, defaults = own
+        skip = {"model_type", "auto_map", "transformers_version"}
+        return getattr(transformers, cls)(**{**defaults, **{k: v for k, v in raw.items() if k not in skip}})
+    try:
+        return transformers.AutoConfig.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False
+        )
+    except (ValueError, KeyError) as e:
+        from lightwell.models.registry import supported_architectures
+
+        archs = ", ".join(raw.get("architectures") or [repr(raw.get("model_type"))])
+        raise ValueError(
+            f"{path}: transformers cannot read this config ({archs}): {e}\nLightwell supports: "
+            + ", ".join(supported_architectures())
+        ) from e
 
 
 def apply_overrides(config: Any, overrides: dict[str, Any]) -> Any:

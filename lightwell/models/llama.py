@@ -1,4 +1,11 @@
-"""Llama (and Llama-shaped: SmolLM2, TinyLlama, Llama 2/3.x) decoder-only models."""
+"""Llama (and Llama-shaped: SmolLM2, TinyLlama, Llama 2/3.x) decoder-only models.
+
+Also the common blocks of the other dense families (mistral, qwen2, qwen3, minicpm, cohere):
+``LlamaAttention`` (biases, per-layer sliding window from the config, a ``norm_qk`` hook run
+before RoPE), ``LlamaMLP``, ``LlamaDecoderLayer`` and ``LlamaModel`` (which build the attention
+and layer classes they are given), and ``LlamaForCausalLM`` (``build_model`` and
+``compute_logits`` are the hooks a family overrides).
+"""
 
 from __future__ import annotations
 
@@ -27,8 +34,35 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_window_of(config: Any, layer_idx: int) -> int | None:
+    """Layer ``layer_idx``'s sliding window: from ``layer_types`` when the config lists them
+    (Qwen2/3: "sliding_attention" layers only), else ``sliding_window`` for every layer
+    (Mistral; None means full attention)."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+def build_rope(config: Any, is_neox_style: bool = True) -> RotaryEmbedding:
+    """The model's rotary table (shared by every layer) from its config's RoPE settings."""
+    rope = get_rope_config(config)
+    head_dim = head_dim_of(config)
+    return get_rope(
+        head_dim,
+        int(head_dim * rope.partial_rotary_factor),
+        config.max_position_embeddings,
+        rope.theta,
+        rope.scaling,
+        is_neox_style,
+    )
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config: Any, quant_method: QuantMethod | None):
+    def __init__(
+        self, config: Any, quant_method: QuantMethod | None, reduce_results: bool = True
+    ):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(
@@ -40,7 +74,7 @@ class LlamaMLP(nn.Module):
             config.hidden_size, [inter, inter], bias=bias, quant_method=quant_method
         )
         self.down_proj = RowParallelLinear(
-            inter, config.hidden_size, bias=bias, quant_method=quant_method
+            inter, config.hidden_size, bias, reduce_results, quant_method=quant_method
         )
         self.act_fn = SiluAndMul()
 
@@ -49,23 +83,50 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, quant_method: QuantMethod | None):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_method: QuantMethod | None,
+        *,
+        qkv_bias: bool | None = None,  # None: config.attention_bias (as o_bias)
+        o_bias: bool | None = None,
+        reduce_results: bool = True,
+    ):
         super().__init__()
-        head_dim = head_dim_of(config)
+        head_dim = self.head_dim = head_dim_of(config)
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = bias if qkv_bias is None else qkv_bias
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, heads, kv_heads, bias=bias, quant_method=quant_method
+            config.hidden_size, head_dim, heads, kv_heads, qkv_bias, quant_method
         )
         self.o_proj = RowParallelLinear(
-            heads * head_dim, config.hidden_size, bias=bias, quant_method=quant_method
+            heads * head_dim,
+            config.hidden_size,
+            bias if o_bias is None else o_bias,
+            reduce_results,
+            quant_method=quant_method,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.rotary_emb = rotary_emb
         self.attn = Attention(
-            self.qkv_proj.num_heads, head_dim, head_dim**-0.5, self.qkv_proj.num_kv_heads
+            self.qkv_proj.num_heads,
+            head_dim,
+            head_dim**-0.5,
+            self.qkv_proj.num_kv_heads,
+            sliding_window=sliding_window_of(config, layer_idx),
         )
+
+    def norm_qk(
+        self,
+        q: torch.Tensor,  # [T, Hq * D / tp]
+        k: torch.Tensor,  # [T, Hkv * D / tp]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k normalisation before RoPE (Qwen3, Command R+); none for Llama."""
+        return q, k
 
     def forward(
         self,
@@ -74,16 +135,24 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 * Hkv) * D / tp]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.norm_qk(q, k)
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, rotary_emb: RotaryEmbedding, quant_method: QuantMethod | None):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_method: QuantMethod | None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+    ):
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.self_attn = LlamaAttention(config, rotary_emb, quant_method)
+        self.self_attn = attention_cls(config, layer_idx, rotary_emb, quant_method)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config, quant_method)
 
@@ -104,31 +173,31 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, quant_method: QuantMethod | None):
+    def __init__(
+        self,
+        config: Any,
+        quant_method: QuantMethod | None,
+        attention_cls: type[LlamaAttention] = LlamaAttention,
+        layer_cls: type[nn.Module] = LlamaDecoderLayer,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rope = get_rope_config(config)
-        head_dim = head_dim_of(config)
-        # One rotary table shared by every layer.
-        rotary_emb = get_rope(
-            head_dim,
-            int(head_dim * rope.partial_rotary_factor),
-            config.max_position_embeddings,
-            rope.theta,
-            rope.scaling,
-        )
+        rotary_emb = build_rope(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, quant_method)
-            for _ in range(config.num_hidden_layers)
+            layer_cls(config, i, rotary_emb, quant_method, attention_cls)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.embed_tokens(input_ids)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
     ) -> torch.Tensor:  # [T, H]
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
@@ -145,11 +214,14 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, quant_method: QuantMethod | None = None):
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, quant_method)
+        self.model = self.build_model(hf_config, quant_method)
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
+
+    def build_model(self, hf_config: Any, quant_method: QuantMethod | None) -> nn.Module:
+        return LlamaModel(hf_config, quant_method)
 
     def forward(
         self,

@@ -10,8 +10,11 @@ from torch import nn
 # architecture (config.json "architectures") -> (module, class)
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("lightwell.models.llama", "LlamaForCausalLM"),
-    # MistralForCausalLM maps to Llama only once sliding-window attention exists.
-    # Qwen2ForCausalLM / Qwen3ForCausalLM: their own files (QKV bias, q/k norm).
+    "MistralForCausalLM": ("lightwell.models.mistral", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("lightwell.models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("lightwell.models.qwen3", "Qwen3ForCausalLM"),
+    "MiniCPMForCausalLM": ("lightwell.models.minicpm", "MiniCPMForCausalLM"),
+    "CohereForCausalLM": ("lightwell.models.cohere", "CohereForCausalLM"),
 }
 
 

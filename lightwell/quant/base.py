@@ -90,4 +90,21 @@ class UnquantizedLinearMethod:
         x: torch.Tensor,  # [T, in]
         bias: torch.Tensor | None,  # [out]
     ) -> torch.Tensor:  # [T, out]
-        return F.linear(x, layer.weight, bias)
+        return dense_linear(x, layer.weight, bias)
+
+
+# Rows up to which a CUDA bf16/fp16 matmul uses the Triton skinny GEMM instead of cuBLAS
+# (decode at small batch streams the weights; see kernels/gemv.py). 0 turns it off.
+SKINNY_GEMM_MAX_ROWS = 8
+
+
+def dense_linear(
+    x: torch.Tensor,  # [T, in]
+    weight: torch.Tensor,  # [out, in]
+    bias: torch.Tensor | None,  # [out]
+) -> torch.Tensor:  # [T, out]
+    if x.is_cuda and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS and x.dtype != torch.float32:
+        from lightwell.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)

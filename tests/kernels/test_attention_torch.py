@@ -17,6 +17,7 @@ def naive_attention(
     k: torch.Tensor,  # [L, Hkv, D] (the whole sequence)
     v: torch.Tensor,  # [L, Hkv, D]
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:  # [n, Hq, D]
     n, length = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
@@ -24,7 +25,11 @@ def naive_attention(
     v = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
     q_pos = torch.arange(length - n, length)[:, None]
-    scores = scores.masked_fill(torch.arange(length)[None, :] > q_pos, float("-inf"))
+    key_pos = torch.arange(length)[None, :]
+    hidden = key_pos > q_pos
+    if window is not None:  # HF's sliding window: a query sees itself and window - 1 before
+        hidden |= key_pos <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -66,6 +71,17 @@ def _random_batch(rng: random.Random, num_reqs: int) -> tuple[list[int], list[in
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (6, 1)])
 def test_torch_backend_vs_naive(seed: int, heads: tuple[int, int], device: str):
+    _check_vs_naive(seed, heads, device, window=None)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_torch_backend_sliding_window_vs_naive(seed: int, window: int):
+    """Contexts up to ~57 keys, windows far shorter: decodes, prefills and chunks."""
+    _check_vs_naive(seed, (8, 2), "cpu", window=window)
+
+
+def _check_vs_naive(seed: int, heads: tuple[int, int], device: str, window: int | None):
     torch.set_num_threads(1)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -95,14 +111,14 @@ def test_torch_backend_vs_naive(seed: int, heads: tuple[int, int], device: str):
     dev = torch.device(device)
     cache_dev = cache.to(dev)
     out = get_attention_backend("torch").forward(
-        q.to(dev), k.to(dev), v.to(dev), cache_dev, meta, scale
+        q.to(dev), k.to(dev), v.to(dev), cache_dev, meta, scale, sliding_window=window
     )
     out, cache = out.cpu(), cache_dev.cpu()
 
     assert out.shape == q.shape
     starts = meta.query_start_loc_cpu
     for i in range(len(query_lens)):
-        ref = naive_attention(q[starts[i] : starts[i + 1]], full_k[i], full_v[i], scale)
+        ref = naive_attention(q[starts[i] : starts[i + 1]], full_k[i], full_v[i], scale, window)
         torch.testing.assert_close(
             out[starts[i] : starts[i + 1]].double(), ref, atol=1e-5, rtol=1e-5
         )
@@ -111,7 +127,8 @@ def test_torch_backend_vs_naive(seed: int, heads: tuple[int, int], device: str):
     torch.testing.assert_close(flat_k[meta.slot_mapping.cpu()], k)
 
 
-def test_without_cache_is_causal_per_request():
+@pytest.mark.parametrize("window", [None, 4])
+def test_without_cache_is_causal_per_request(window):
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     lens = [5, 1, 9]
@@ -119,9 +136,9 @@ def test_without_cache_is_causal_per_request():
     k = torch.randn(sum(lens), 2, 16, generator=gen)
     v = torch.randn(sum(lens), 2, 16, generator=gen)
     meta = _metadata(lens, lens, [[0], [0], [0]], 16)
-    out = get_attention_backend("torch").forward(q, k, v, None, meta, 0.25)
+    out = get_attention_backend("torch").forward(q, k, v, None, meta, 0.25, sliding_window=window)
     for s, e in [(0, 5), (5, 6), (6, 15)]:
-        ref = naive_attention(q[s:e], k[s:e], v[s:e], 0.25)
+        ref = naive_attention(q[s:e], k[s:e], v[s:e], 0.25, window)
         torch.testing.assert_close(out[s:e].double(), ref, atol=1e-5, rtol=1e-5)
 
 

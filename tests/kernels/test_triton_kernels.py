@@ -160,6 +160,39 @@ def test_paged_attention(case, dtype):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+# (query lens, cached lens, Hkv, G, D, num_splits, tiles, sliding window): contexts longer than
+# the window, windows below, at and above the tile width, one-key windows
+WINDOW_CASES = {
+    "decode_w5": ([1, 1, 1], [3, 40, 70], 2, 2, 32, None, (16, 16), 5),
+    "decode_split3_w20": ([1, 1, 0, 1], [3, 40, 95, 17], 2, 2, 32, 3, (16, 16), 20),
+    "prefill_w7_ragged_tiles": ([37, 0, 9], [0, 4, 0], 2, 1, 32, None, (16, 16), 7),
+    "prefix_w20_edge_inside_tile": ([40, 25], [30, 0], 2, 1, 32, None, (16, 16), 20),
+    "mixed_prefix_w16_split2": ([1, 1, 20, 5], [10, 33, 17, 0], 1, 4, 32, 2, (32, 16), 16),
+    "prefix_w40_default_tiles": ([19, 1, 6], [61, 30, 0], 2, 2, 64, None, None, 40),
+    "w1_head_dim24": ([4, 1, 3], [6, 9, 0], 1, 3, 24, None, (16, 16), 1),
+}
+
+
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_paged_attention_sliding_window(case):
+    """Against the reference; keys before every query's window are NaN in the kernel's cache,
+    so a tile the kernel should have skipped would poison the output."""
+    qlens, ctxs, hkv, gqa, d, splits, tiles, window = WINDOW_CASES[case]
+    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=7)
+    ref = pa.paged_attention_ref(q, cache, meta, d**-0.5, sliding_window=window)
+    poisoned = cache.clone()
+    for i, (n, c) in enumerate(zip(qlens, ctxs)):
+        for p in range(max(c - window + 1, 0)):  # out of reach of the request's first query
+            poisoned[:, meta.block_table[i, p // 16], p % 16] = float("nan")
+    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
+    out = pa.paged_attention(
+        q, poisoned, meta, d**-0.5, num_splits=splits, config=config, sliding_window=window
+    )
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    full = pa.paged_attention_ref(q, cache, meta, d**-0.5)
+    assert not torch.allclose(ref, full, atol=1e-3)  # the window did cut something
+
+
 def test_reduce_splits():
     gen = torch.Generator().manual_seed(4)
     num_tokens, hq, splits, d = 3, 4, 5, 24
@@ -196,8 +229,9 @@ def test_paged_attention_rejects_bad_input():
         pa.paged_attention(q[:1], cache, meta, 1.0)
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("with_cache", [True, False])
-def test_triton_backend_matches_torch_backend(with_cache):
+def test_triton_backend_matches_torch_backend(with_cache, window):
     qlens, ctxs = ([1, 7, 4], [20, 9, 0]) if with_cache else ([6, 3], [0, 0])
     q, cache, meta = _paged_batch(qlens, ctxs, 2, 2, 32, torch.float32, seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -210,8 +244,23 @@ def test_triton_backend_matches_torch_backend(with_cache):
             slots.append(int(meta.block_table[i, p // 16]) * 16 + p % 16)
     meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
     c1, c2 = (cache.clone(), cache.clone()) if with_cache else (None, None)
-    out = TritonAttentionBackend().forward(q, k, v, c1, meta, 0.25)
-    ref = TorchAttentionBackend().forward(q, k, v, c2, meta, 0.25)
+    out = TritonAttentionBackend().forward(q, k, v, c1, meta, 0.25, sliding_window=window)
+    ref = TorchAttentionBackend().forward(q, k, v, c2, meta, 0.25, sliding_window=window)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     if with_cache:
         torch.testing.assert_close(c1, c2, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 48, 96), (3, 40, 300), (16, 64, 520)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gemv_matches_reference(m, n, k, dtype):
+    from lightwell.kernels.gemv import gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    for bias in (None, b):
+        out, ref = gemv(x, w, bias), gemv_ref(x, w, bias)
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)

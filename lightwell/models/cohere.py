@@ -1,0 +1,140 @@
+"""Cohere Command-R (``CohereForCausalLM``: Command-R v01, Command R+, Aya 23).
+
+How it differs from Llama:
+  - LayerNorm with a weight and no bias (mean subtracted), not RMSNorm;
+  - a parallel block: attention and MLP both read the same normed input and their sum joins the
+    residual (``x + attn(norm(x)) + mlp(norm(x))``; one norm per layer); under tensor
+    parallelism the two partial outputs are summed before a single all-reduce;
+  - GPT-J style (interleaved pairs) RoPE;
+  - logits multiplied by ``logit_scale``; embeddings tied by default;
+  - Command R+ (``use_qk_norm``): a per-head LayerNorm on q and k before RoPE, with one weight
+    row per head (sharded by head under tensor parallelism).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightwell.distributed.parallel_state import tp_all_reduce
+from lightwell.layers.embedding import VocabParallelEmbedding
+from lightwell.layers.norm import LayerNorm
+from lightwell.layers.rotary import RotaryEmbedding
+from lightwell.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, build_rope
+from lightwell.models.weight_utils import default_weight_loader
+from lightwell.quant.base import QuantMethod, set_weight_attrs
+
+
+def _head_norm(total_heads: int, first: int, count: int, head_dim: int, eps: float) -> LayerNorm:
+    """A per-head LayerNorm holding rows ``first:first + count`` of the checkpoint's
+    [total_heads, head_dim] weight."""
+    norm = LayerNorm((count, head_dim), eps)
+
+    def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
+        if tuple(loaded.shape) != (total_heads, head_dim):
+            raise ValueError(
+                f"shape mismatch: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                f"expected {(total_heads, head_dim)}"
+            )
+        default_weight_loader(param, loaded[first : first + count])
+
+    set_weight_attrs(norm.weight, {"weight_loader": load})
+    return norm
+
+
+class CohereAttention(LlamaAttention):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_method: QuantMethod | None,
+    ):
+        super().__init__(config, layer_idx, rotary_emb, quant_method, reduce_results=False)
+        self.use_qk_norm = bool(getattr(config, "use_qk_norm", False))
+        if self.use_qk_norm:
+            qkv, eps, d = self.qkv_proj, config.layer_norm_eps, self.head_dim
+            hq, hkv = qkv.num_heads, qkv.num_kv_heads
+            kv_rank = qkv.tp_rank // qkv.num_kv_head_replicas
+            self.q_norm = _head_norm(qkv.total_num_heads, qkv.tp_rank * hq, hq, d, eps)
+            self.k_norm = _head_norm(qkv.total_num_kv_heads, kv_rank * hkv, hkv, d, eps)
+
+    def norm_qk(
+        self,
+        q: torch.Tensor,  # [T, Hq * D / tp]
+        k: torch.Tensor,  # [T, Hkv * D / tp]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.use_qk_norm:
+            return q, k
+        t, d = q.shape[0], self.head_dim
+        q = self.q_norm(q.reshape(t, -1, d)).reshape(t, -1)  # via [T, Hq / tp, D]
+        k = self.k_norm(k.reshape(t, -1, d)).reshape(t, -1)
+        return q, k
+
+
+class CohereDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_method: QuantMethod | None,
+    ):
+        super().__init__()
+        self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+        self.self_attn = CohereAttention(config, layer_idx, rotary_emb, quant_method)
+        self.mlp = LlamaMLP(config, quant_method, reduce_results=False)
+        self.tp_size = self.self_attn.o_proj.tp_size
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]: the previous layer's output, not yet added
+        residual: torch.Tensor | None,  # [T, H]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] attn + mlp; [T, H] residual)
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        out = self.self_attn(positions, hidden) + self.mlp(hidden)  # partial sums under TP
+        return (tp_all_reduce(out) if self.tp_size > 1 else out), residual
+
+
+class CohereModel(nn.Module):
+    def __init__(self, config: Any, quant_method: QuantMethod | None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rotary_emb = build_rope(config, is_neox_style=False)
+        self.layers = nn.ModuleList(
+            CohereDecoderLayer(config, i, rotary_emb, quant_method)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+    ) -> torch.Tensor:  # [T, H]
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class CohereForCausalLM(LlamaForCausalLM):
+    def __init__(self, hf_config: Any, quant_method: QuantMethod | None = None):
+        super().__init__(hf_config, quant_method)
+        scale = getattr(hf_config, "logit_scale", None)
+        self.logit_scale = 1.0 if scale is None else float(scale)
+
+    def build_model(self, hf_config: Any, quant_method: QuantMethod | None) -> nn.Module:
+        return CohereModel(hf_config, quant_method)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
+        return self.lm_head.compute_logits(hidden).float() * self.logit_scale

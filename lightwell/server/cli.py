@@ -1,0 +1,108 @@
+"""`lightwell serve`: load the model, then open the OpenAI-compatible HTTP server.
+
+The port opens only after the model is loaded. SIGTERM (or Ctrl-C) stops accepting connections,
+lets in-flight requests finish for up to --shutdown-timeout seconds, aborts what is left, and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+from lightwell.cli_args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger("lightwell.server")
+
+
+def register(commands: dict[str, tuple[str, Any]]) -> None:
+    commands["serve"] = ("Serve a model over an OpenAI-compatible HTTP API.", add_serve_args)
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    p.add_argument("--port", type=int, default=8000, help="Port to listen on.")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="Require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise).",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="The model name clients send and see (default: the model's own name).",
+    )
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="Logging level (INFO: one line per finished request and periodic stats).",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="On SIGTERM, seconds to let in-flight requests finish before aborting them.",
+    )
+    p.add_argument(
+        "--stats-interval", type=float, default=10.0, help="Seconds between stats log lines."
+    )
+    add_engine_args(p)
+    p.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from lightwell.engine.async_engine import AsyncEngine
+    from lightwell.engine.llm_engine import LLMEngine
+    from lightwell.server.api_server import BannerServer, build_app
+    from lightwell.server.metrics import ServerMetrics
+
+    t0 = time.perf_counter()
+    engine = LLMEngine(engine_config_from_args(args))
+    name = args.served_model_name or engine.files.name
+    metrics = ServerMetrics(name)
+    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+    metrics.attach(lambda: async_engine.stats)
+    app = build_app(async_engine, name, metrics, args.api_key, args.stats_interval)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = BannerServer(config, banner=_banner(args, engine, name, time.perf_counter() - t0))
+    # uvicorn re-raises the signal it shut down on; make that a no-op so the exit code is 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        server.run()
+    finally:
+        async_engine.shutdown(timeout=min(args.shutdown_timeout, 5.0))
+    return 0 if server.started else 1
+
+
+def _banner(args: argparse.Namespace, engine: Any, name: str, load_s: float) -> str:
+    info, cfg = engine.model_info, engine.config
+    blocks, bs = engine.num_kv_blocks, cfg.cache.block_size
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return (
+        f"Lightwell serving {name} ({info.architecture}, {info.dtype} on {info.device}, loaded "
+        f"in {load_s:.1f}s) at http://{host}:{args.port}/v1\n"
+        f"KV cache: {blocks} blocks x {bs} tokens = {blocks * bs} tokens; context length "
+        f"{engine.max_model_len}; max {cfg.scheduler.max_num_seqs} sequences, "
+        f"{cfg.scheduler.max_num_batched_tokens} tokens per step"
+        + ("; API key required" if args.api_key else "")
+    )
+
+
+if __name__ == "__main__":
+    from lightwell.cli import main
+
+    sys.exit(main(["serve", *sys.argv[1:]]))

@@ -1,0 +1,189 @@
+"""POST /v1/chat/completions: the model's chat template, then the engine; SSE or whole."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lightwell.engine.async_engine import EngineDeadError
+from lightwell.server.protocol import (
+    ChatChoice,
+    ChatChoiceLogprobs,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+)
+from lightwell.server.serving_common import (
+    SSE_DONE,
+    APIError,
+    ServingContext,
+    SSEResponse,
+    bad_request,
+    check_prompt_fits,
+    collect,
+    finish_reason,
+    merged,
+    new_id,
+    ranked,
+    sampling_params,
+    sse,
+    sse_error,
+    submit,
+    until_disconnect,
+    usage,
+)
+from lightwell.types import CompletionOutput, PositionLogprobs, RequestOutput
+
+
+def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_gen: bool) -> list[int]:
+    """The model's chat template applied to the messages; template errors are 400s."""
+    rendered = [m.to_template() for m in messages]
+    try:
+        return ctx.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_gen)
+    except Exception as e:  # noqa: BLE001 - Jinja raises its own types; all are the client's
+        raise bad_request(f"could not apply the chat template: {e}", param="messages") from None
+
+
+async def create_chat_completion(
+    ctx: ServingContext, req: ChatCompletionRequest, raw: Request
+) -> ChatCompletionResponse | Response:
+    ctx.check_model(req.model)
+    prompt_ids = chat_prompt_ids(ctx, req.messages, add_gen=True)
+    check_prompt_fits(ctx, len(prompt_ids), req.max_output_tokens, "messages")
+    params = sampling_params(
+        ctx,
+        req,
+        max_tokens=req.max_output_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+    )
+    request_id = new_id("chatcmpl")
+    streams = await submit(ctx, request_id, [prompt_ids], params)
+    if req.stream:
+        return SSEResponse(_stream(ctx, req, request_id, streams))
+    (final,) = await until_disconnect(raw, collect(ctx, streams))
+    choices = [
+        ChatChoice(
+            index=c.index,
+            message=ChatResponseMessage(content=c.text),
+            logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs) if req.logprobs else None,
+            finish_reason=finish_reason(c.finish_reason),
+        )
+        for c in final.outputs
+    ]
+    return ChatCompletionResponse(
+        id=request_id, model=ctx.model_name, choices=choices, usage=usage([final])
+    )
+
+
+def _logprobs(
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    token_ids: list[int],
+    positions: list[PositionLogprobs] | None,
+) -> ChatChoiceLogprobs:
+    piece = ctx.tokenizer.id_to_piece
+    k = req.top_logprobs or 0
+    content = []
+    for tid, pos in zip(token_ids, positions or []):
+        chosen = pos.get(tid) or next(iter(pos.values()))
+        token = piece(tid)
+        top = [_top(piece(t), lp.logprob) for t, lp in ranked(pos, k)]
+        content.append(
+            ChatTokenLogprob(
+                token=token,
+                logprob=chosen.logprob,
+                bytes=list(token.encode("utf-8")),
+                top_logprobs=top,
+            )
+        )
+    return ChatChoiceLogprobs(content=content)
+
+
+def _top(token: str, logprob: float) -> TopLogprob:
+    return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+
+@dataclass
+class _ChoiceState:
+    chars: int = 0
+    tokens: int = 0
+    started: bool = False  # the role was sent (with the first text)
+    done: bool = False
+
+
+@dataclass
+class _StreamState:
+    request_id: str
+    include_usage: bool
+    choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+async def _stream(
+    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, streams: list
+) -> AsyncIterator[bytes]:
+    state = _StreamState(request_id, req.include_usage)
+    final: RequestOutput | None = None
+    try:
+        async with contextlib.aclosing(merged(ctx, streams)) as outputs:
+            async for _, out in outputs:
+                final = out
+                for c in out.outputs:
+                    choice = _delta_choice(ctx, req, c, state)
+                    if choice is not None:
+                        yield _chunk(ctx, state, [choice], None)
+        if req.include_usage and final is not None:
+            yield _chunk(ctx, state, [], usage([final]))
+    except EngineDeadError as e:
+        yield sse_error(APIError(503, str(e), type="server_error", code="engine_dead"))
+    yield SSE_DONE
+
+
+def _delta_choice(
+    ctx: ServingContext, req: ChatCompletionRequest, c: CompletionOutput, state: _StreamState
+) -> ChatStreamChoice | None:
+    st = state.choices.setdefault(c.index, _ChoiceState())
+    delta_text = c.text[st.chars :]
+    if st.done or (not delta_text and not c.finished):
+        return None  # nothing new, or text held back (partial character / possible stop)
+    if st.started:
+        delta = DeltaMessage(content=delta_text) if delta_text else DeltaMessage()
+    else:  # the first chunk of a choice carries the role and the first text together
+        delta = DeltaMessage(role="assistant", content=delta_text)
+    logprobs = None
+    if req.logprobs:
+        new_lps = (c.logprobs or [])[st.tokens :]
+        logprobs = _logprobs(ctx, req, c.token_ids[st.tokens :], new_lps)
+    st.chars, st.tokens, st.started, st.done = len(c.text), len(c.token_ids), True, c.finished
+    return ChatStreamChoice(
+        index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason(c.finish_reason)
+    )
+
+
+def _chunk(ctx: ServingContext, state: _StreamState, choices: list, use: Any) -> bytes:
+    chunk = ChatCompletionChunk(
+        id=state.request_id,
+        created=state.created,
+        model=ctx.model_name,
+        choices=choices,
+        usage=use,
+    )
+    data = chunk.model_dump(mode="json")
+    if not state.include_usage:
+        data.pop("usage")
+    for choice in data["choices"]:
+        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return sse(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
