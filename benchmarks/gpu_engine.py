@@ -181,6 +181,34 @@ def stage_profile(args: argparse.Namespace, llm: LLM) -> None:
         print(f"profile {label}: step wall {wall * 1e3:.2f} ms", flush=True)
     while engine.has_unfinished_requests():
         engine.step()
+    _cprofile_steps(args, engine)
+
+
+def _cprofile_steps(args: argparse.Namespace, engine) -> None:
+    """Host-side view of a warmed-up prefill step and decode step (cProfile, by self time)."""
+    import cProfile
+    import io
+    import pstats
+
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    for i, label in enumerate(("cprof_prefill128", "cprof_decode")):
+        if i == 0:
+            engine.add_request("cprof", rand_prompts(1, 128, 128256, 43)[0], sp)
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        prof.enable()
+        engine.step()
+        torch.cuda.synchronize()
+        prof.disable()
+        wall = time.perf_counter() - t0
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+        with open(os.path.join(os.path.dirname(args.out), f"{label}.txt"), "w") as f:
+            f.write(f"step wall {wall * 1e3:.2f} ms\n{buf.getvalue()}")
+        print(f"{label}: step wall {wall * 1e3:.2f} ms", flush=True)
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 # ---- HF peer --------------------------------------------------------------------------------

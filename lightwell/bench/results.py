@@ -86,7 +86,7 @@ def make_record(metric: str, value: float, common: dict[str, Any], **extra: Any)
 def _round(v: float) -> float | None:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return None
-    return round(float(v), 4)
+    return float(f"{float(v):.6g}")  # 6 significant digits: an MFU of 3e-5 stays non-zero
 
 
 def parse_metadata(items: list[str] | None) -> dict[str, Any]:

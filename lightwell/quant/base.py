@@ -93,9 +93,10 @@ class UnquantizedLinearMethod:
         return dense_linear(x, layer.weight, bias)
 
 
-# Rows up to which a CUDA bf16/fp16 matmul uses the Triton skinny GEMM instead of cuBLAS
-# (decode at small batch streams the weights; see kernels/gemv.py). 0 turns it off.
-SKINNY_GEMM_MAX_ROWS = 8
+# Rows up to which a CUDA bf16/fp16 matmul uses the Triton skinny GEMM instead of cuBLAS.
+# Off (0): on the H200, cuBLAS streams llama-3-8b's decode weights at 3.2-4.2 TB/s, faster
+# than kernels/gemv.py's 1.9-3.7 TB/s (benchmarks/results/gpu_gemv_2026-11-29.json).
+SKINNY_GEMM_MAX_ROWS = 0
 
 
 def dense_linear(

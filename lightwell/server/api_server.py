@@ -23,7 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightwell import __version__
-from lightwell.engine.async_engine import AsyncEngine
+from lightwell.engine.async_engine import AsyncEngine, EngineDeadError
 from lightwell.server.metrics import ServerMetrics
 from lightwell.server.protocol import (
     ChatCompletionRequest,
@@ -185,6 +185,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        err = APIError(503, str(exc), type="server_error", code="engine_dead")
+        return JSONResponse(err.body(), status_code=503)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -119,8 +119,8 @@ def check_prompt_fits(
     limit = ctx.max_model_len
     if num_prompt_tokens >= limit:
         raise bad_request(
-            f"This model's maximum context length is {limit} tokens, but the prompt has "
-            f"{num_prompt_tokens} tokens (at least one token must be left for the output).",
+            f"This model's maximum context length is {limit} tokens, but '{prompt_param}' is "
+            f"{num_prompt_tokens} tokens long (at least one token must be left for the output).",
             param=prompt_param,
         )
     if max_tokens is not None and num_prompt_tokens + max_tokens > limit:

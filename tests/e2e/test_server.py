@@ -63,7 +63,8 @@ class Server:
             return f.read()
 
     def post(self, path: str, **kw) -> httpx.Response:
-        return self.http.post(path, headers=self.auth, **kw)
+        headers = {**self.auth, **kw.pop("headers", {})}
+        return self.http.post(path, headers=headers, **kw)
 
     def metric(self, name: str, labels: str = "") -> float:
         text = self.http.get("/metrics").text
@@ -311,7 +312,7 @@ _LONG = "hello " * (MAX_MODEL_LEN + 10)
 )
 def test_error_paths(server, path, body, status, param):
     kw = {"content": body} if isinstance(body, str) else {"json": body}
-    r = server.post(path, headers={**server.auth, "Content-Type": "application/json"}, **kw)
+    r = server.post(path, headers={"Content-Type": "application/json"}, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]

@@ -1,0 +1,201 @@
+"""Tiny random checkpoints of the dense families beyond Llama, with HF transformers' model as the
+reference, and a word-level tokenizer saved alongside so ``LLM(model=folder)`` loads them.
+
+Each ``Family`` builds (reference model, HF folder). Sizes are odd on purpose (vocab 300 is no
+multiple of the 64-row padding, intermediate 100, head_dim 24 where the config allows one), and
+every family turns on its features: sliding windows shorter than the prompts, rope scalings whose
+original length the contexts pass, biases, q/k norms, tied embeddings, logit scales.
+
+MiniCPM 1/2 is not in transformers (it shipped as remote code), so its reference is HF's
+``LlamaForCausalLM`` with MiniCPM's scalings folded into the weights: embeddings times
+``scale_emb``, o_proj and down_proj times ``scale_depth / sqrt(num_layers)``, and an untied LM
+head equal to the embeddings divided by ``hidden_size / dim_model_base``. The folder we load
+holds the unfolded weights under a MiniCPM config.json (model_type "minicpm", remote-code auto_map).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tests.models.tiny import randomize
+
+COMMON = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=100,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+WINDOW = 8  # sliding window of the Mistral and Qwen2 variants
+ORIGINAL_MAX = 32  # yarn's original_max_position_embeddings; dynamic NTK's max_position
+MINICPM = dict(scale_emb=12.0, scale_depth=1.4, dim_model_base=16)
+
+
+@dataclass(frozen=True)
+class Family:
+    cls_name: str  # our model class
+    build: Callable[[str, int], Any]  # (folder, seed) -> HF reference model; writes the folder
+    prefill_lens: list[int] = field(default_factory=lambda: [7, 45, 4])
+    llm_options: dict[str, Any] = field(default_factory=dict)
+
+
+def _hf_model(config, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    randomize(model, seed)
+    return model
+
+
+def _saved(config, folder: str, seed: int):
+    model = _hf_model(config, seed)
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    return model
+
+
+def mistral(folder: str, seed: int):
+    from transformers import MistralConfig
+
+    cfg = MistralConfig(**COMMON, head_dim=24, sliding_window=WINDOW)
+    return _saved(cfg, folder, seed)
+
+
+def qwen2(folder: str, seed: int):
+    """Tied, q/k/v biases, YaRN x4 over 32 positions, sliding window on layers 1 and 2."""
+    from transformers import Qwen2Config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_MAX}
+    cfg = Qwen2Config(
+        **{**COMMON, "num_hidden_layers": 3},
+        tie_word_embeddings=True,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
+        rope_scaling=yarn,
+    )
+    return _saved(cfg, folder, seed)
+
+
+def qwen3(folder: str, seed: int):
+    """q/k norms, head_dim 24 != 64 / 4, GQA 4:1, dynamic NTK x2 over 32 positions."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(
+        **{**COMMON, "num_key_value_heads": 1, "max_position_embeddings": ORIGINAL_MAX},
+        head_dim=24,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+    )
+    return _saved(cfg, folder, seed)
+
+
+def cohere(folder: str, seed: int, **overrides):
+    """Command R+ shape: per-head q/k LayerNorm, biases, tied, logit_scale."""
+    from transformers import CohereConfig
+
+    kw = {k: v for k, v in COMMON.items() if k != "rms_norm_eps"}
+    kw.update(overrides)
+    cfg = CohereConfig(**kw, layer_norm_eps=1e-5, logit_scale=0.25, use_qk_norm=True)
+    cfg.attention_bias = True
+    return _saved(cfg, folder, seed)
+
+
+def minicpm(folder: str, seed: int):
+    """Our folder: MiniCPM config + its weights; returned: the folded HF Llama reference."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"type": "linear", "factor": 2.0}  # the old key, as MiniCPM's configs spell it
+    base = {**COMMON, "num_hidden_layers": 3, "rope_scaling": rope}
+    weights = dict(_hf_model(LlamaConfig(**base, tie_word_embeddings=True), seed).state_dict())
+    del weights["lm_head.weight"]  # tied
+    # muP-style small embeddings (else embedding * scale_emb drowns the layers out and greedy
+    # decoding repeats the last token)
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] / MINICPM["scale_emb"]
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        **base,
+        **MINICPM,
+        "architectures": ["MiniCPMForCausalLM"],
+        "model_type": "minicpm",
+        "auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMConfig"},
+        "torch_dtype": "float32",
+    }  # tie_word_embeddings left out: MiniCPM's config class defaults it to True
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_tokenizer(folder)
+
+    ref = LlamaForCausalLM(LlamaConfig(**base, tie_word_embeddings=False)).eval()
+    depth = MINICPM["scale_depth"] / math.sqrt(base["num_hidden_layers"])
+    width = COMMON["hidden_size"] / MINICPM["dim_model_base"]
+    folded = {k: v * depth if ("o_proj" in k or "down_proj" in k) else v for k, v in weights.items()}
+    folded["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * MINICPM["scale_emb"]
+    folded["lm_head.weight"] = weights["model.embed_tokens.weight"] / width
+    ref.load_state_dict(folded)
+    return ref
+
+
+FAMILIES: dict[str, Family] = {
+    "mistral_window": Family("MistralForCausalLM", mistral),
+    "qwen2_yarn_window": Family("Qwen2ForCausalLM", qwen2),
+    # Dynamic NTK matches HF's decoding while the prompt fits in max_position (32), so prefill
+    # prompts stay within it; decoding runs past it. The engine needs max_model_len past it too.
+    "qwen3_dynamic": Family(
+        "Qwen3ForCausalLM", qwen3, prefill_lens=[7, 31, 4], llm_options={"max_model_len": 64}
+    ),
+    "minicpm_linear": Family("MiniCPMForCausalLM", minicpm),
+    "cohere_qk_norm": Family("CohereForCausalLM", cohere),
+}
+
+
+def save_tokenizer(folder: str, vocab_size: int = COMMON["vocab_size"]) -> None:
+    """A word-level tokenizer over ``w0 .. w{vocab_size - 1}`` (id i is "wi")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2"
+    )
+    fast.save_pretrained(folder)
+
+
+@torch.no_grad()
+def hf_decode_logits(model, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+    """HF's logits the way ``generate`` computes them: the prompt in one forward, then one token
+    at a time through its KV cache. [1 + len(continuation), V]: the prompt's last position,
+    then each continuation token's."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(torch.tensor([prompt]), cache=cache, use_cache=True)
+    rows = [out.logits[0, -1]]
+    for token in continuation:
+        out = model(torch.tensor([[token]]), cache=cache, use_cache=True)
+        rows.append(out.logits[0, -1])
+    return torch.stack(rows).float()
+
+
+@torch.no_grad()
+def hf_generate(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF ``generate``, greedy, one prompt at a time, never stopping early."""
+    model.generation_config.eos_token_id = None
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
