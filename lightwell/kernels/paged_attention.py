@@ -10,9 +10,9 @@ tile is loaded once per group and both products run on tensor cores even for dec
 in ``BLOCK_N`` tiles with an online softmax (fp32 accumulators, base-2 exponentials); tiles fully
 below the causal diagonal skip the masking. With a sliding window ``W`` (``SLIDING``), query
 position p sees keys ``p - W < j <= p``: keys before the window of the tile's first row are never
-loaded, and tiles that start before the window of its last row are masked too. With ``SPLIT_KV`` (flash-decoding) the key range is
-cut into ``grid[2]`` chunks per request, each program writes a partial (max, sum, acc), and
-``split_kv.reduce_splits`` combines them.
+loaded, and tiles that start before the window of its last row are masked too. With
+``SPLIT_KV`` (flash-decoding) the key range is cut into ``grid[2]`` chunks per request, each
+program writes a partial (max, sum, acc), and ``split_kv.reduce_splits`` combines them.
 
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);

@@ -287,9 +287,13 @@ class RowParallelLinear(LinearBase):
         size = param.shape[dim] if dim is not None else 0
         _load_sharded(param, loaded_weight, dim, 0, size, self.tp_size, self.tp_rank)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in/tp] -> [T, out]
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in/tp] -> [T, out]
+        """This rank's partial sum, not reduced (the caller reduces: e.g. on another stream)."""
         # Rank 0 alone adds the bias, so the sum over ranks holds it once.
-        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        return self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in/tp] -> [T, out]
+        out = self.partial(x)
         if self.reduce_results and self.tp_size > 1:
             out = tp_all_reduce(out)
         return out

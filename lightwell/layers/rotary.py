@@ -6,7 +6,7 @@ then adding itself to ``_ROPE_CLASSES``:
   ``_compute_inv_freq``: the per-pair inverse frequencies [rotary_dim / 2] (llama3, NTK ...),
   ``_cache_length``: how many positions the cache holds (linear / dynamic scaling extend it),
   ``_attention_scaling``: a factor on cos and sin (yarn's mscale),
-or, when the rotation depends on more than the position times a frequency, ``_compute_cos_sin_cache``
+or, when the rotation depends on more than position times frequency, ``_compute_cos_sin_cache``
 itself (dynamic NTK). Every variant is a cache indexed by position, so the CUDA kernel
 (``kernels/rotary.py``) serves them all unchanged.
 The cache is kept in float32 and the rotation computed in float32, then cast back.

@@ -100,7 +100,7 @@ class CohereDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         out = self.self_attn(positions, hidden) + self.mlp(hidden)  # partial sums under TP
-        return out, residual
+        return (tp_all_reduce(out) if self.tp_size > 1 else out), residual
 
 
 class CohereModel(nn.Module):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightwell.layers.norm import RMSNorm
+from lightwell.layers.norm import LayerNorm, RMSNorm
 
 DUMMY_STD = 0.02
-_NORMS = (RMSNorm, nn.LayerNorm)
+_NORMS = (RMSNorm, LayerNorm, nn.LayerNorm)
 
 
 @torch.no_grad()

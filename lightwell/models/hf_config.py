@@ -44,7 +44,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 64,
         "num_key_value_heads": 8,
     },
-    # Qwen2 architecture (QKV bias is implied by the architecture): loads once Qwen2 is registered.
+    # Qwen2 architecture (QKV bias is implied by the architecture).
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"],
         "model_type": "qwen2",
@@ -129,7 +129,9 @@ def _folder_config(path: str) -> Any:
     if own is not None:
         cls, defaults = own
         skip = {"model_type", "auto_map", "transformers_version"}
-        return getattr(transformers, cls)(**{**defaults, **{k: v for k, v in raw.items() if k not in skip}})
+        return getattr(transformers, cls)(
+            **{**defaults, **{k: v for k, v in raw.items() if k not in skip}}
+        )
     try:
         return transformers.AutoConfig.from_pretrained(
             path, local_files_only=True, trust_remote_code=False

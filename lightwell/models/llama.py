@@ -60,9 +60,7 @@ def build_rope(config: Any, is_neox_style: bool = True) -> RotaryEmbedding:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(
-        self, config: Any, quant_method: QuantMethod | None, reduce_results: bool = True
-    ):
+    def __init__(self, config: Any, quant_method: QuantMethod | None, reduce_results: bool = True):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(
@@ -80,6 +78,9 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
+        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
@@ -128,16 +129,30 @@ class LlamaAttention(nn.Module):
         """Per-head q/k normalisation before RoPE (Qwen3, Command R+); none for Llama."""
         return q, k
 
+    def attend(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+    ) -> torch.Tensor:  # [T, Hq * D / tp]: the attention output, before o_proj
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 * Hkv) * D / tp]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.norm_qk(q, k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.attn(q, k, v)
+
     def forward(
         self,
         positions: torch.Tensor,  # [T]
         hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, H]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 * Hkv) * D / tp]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = self.norm_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attend(positions, hidden))
+
+    def partial(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+    ) -> torch.Tensor:  # [T, H]: this rank's o_proj partial sum, not all-reduced
+        return self.o_proj.partial(self.attend(positions, hidden))
 
 
 class LlamaDecoderLayer(nn.Module):

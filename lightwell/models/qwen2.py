@@ -25,9 +25,7 @@ class Qwen2Attention(LlamaAttention):
         rotary_emb: RotaryEmbedding,
         quant_method: QuantMethod | None,
     ):
-        super().__init__(
-            config, layer_idx, rotary_emb, quant_method, qkv_bias=True, o_bias=False
-        )
+        super().__init__(config, layer_idx, rotary_emb, quant_method, qkv_bias=True, o_bias=False)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -181,7 +181,7 @@ def test_paged_attention_sliding_window(case):
     q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=7)
     ref = pa.paged_attention_ref(q, cache, meta, d**-0.5, sliding_window=window)
     poisoned = cache.clone()
-    for i, (n, c) in enumerate(zip(qlens, ctxs)):
+    for i, c in enumerate(ctxs):
         for p in range(max(c - window + 1, 0)):  # out of reach of the request's first query
             poisoned[:, meta.block_table[i, p // 16], p % 16] = float("nan")
     config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None

@@ -125,7 +125,9 @@ def minicpm(folder: str, seed: int):
     del weights["lm_head.weight"]  # tied
     # muP-style small embeddings (else embedding * scale_emb drowns the layers out and greedy
     # decoding repeats the last token)
-    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] / MINICPM["scale_emb"]
+    weights["model.embed_tokens.weight"] = (
+        weights["model.embed_tokens.weight"] / MINICPM["scale_emb"]
+    )
     save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     config = {
         **base,
@@ -142,8 +144,12 @@ def minicpm(folder: str, seed: int):
     ref = LlamaForCausalLM(LlamaConfig(**base, tie_word_embeddings=False)).eval()
     depth = MINICPM["scale_depth"] / math.sqrt(base["num_hidden_layers"])
     width = COMMON["hidden_size"] / MINICPM["dim_model_base"]
-    folded = {k: v * depth if ("o_proj" in k or "down_proj" in k) else v for k, v in weights.items()}
-    folded["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * MINICPM["scale_emb"]
+    folded = {
+        k: v * depth if ("o_proj" in k or "down_proj" in k) else v for k, v in weights.items()
+    }
+    folded["model.embed_tokens.weight"] = (
+        weights["model.embed_tokens.weight"] * MINICPM["scale_emb"]
+    )
     folded["lm_head.weight"] = weights["model.embed_tokens.weight"] / width
     ref.load_state_dict(folded)
     return ref

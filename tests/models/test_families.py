@@ -113,7 +113,7 @@ def test_llm_greedy_matches_hf_generate(family):
         **fam.llm_options,
     )
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    for run in range(2):
+    for _ in range(2):
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outs] == want
     assert all(o.num_cached_tokens >= 4 for o in outs)  # run 2 reused full prefix blocks

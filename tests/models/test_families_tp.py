@@ -10,8 +10,8 @@ import functools
 import torch
 
 from tests.models.families import cohere, qwen2
-from tests.models.tiny import hf_logits, rel_err
 from tests.models.test_tensor_parallel import PROMPTS, _free_port, _run_rank
+from tests.models.tiny import hf_logits, rel_err
 
 BUILDS = {"cohere_kv1": functools.partial(cohere, num_key_value_heads=1), "qwen2": qwen2}
 

@@ -136,11 +136,13 @@ def test_presets_build_real_shapes(preset, params):
     )
 
 
-def test_qwen_preset_is_a_config_only():
+def test_qwen_preset_builds_qwen2():
     config = load_hf_config(None, "qwen2.5-7b")
     assert config.hidden_size == 3584 and config.num_key_value_heads == 4
-    with pytest.raises(ValueError, match="Qwen2ForCausalLM"):
-        get_model_class(config)
+    assert get_model_class(config).__name__ == "Qwen2ForCausalLM"
+    model = load_model(None, config, torch.bfloat16, "meta", load_format="dummy")
+    assert sum(p.numel() for p in model.parameters()) == 7_615_616_512  # Qwen2.5-7B's count
+    assert model.model.layers[0].self_attn.qkv_proj.bias.shape == (3584 + 2 * 512,)
 
 
 def test_override_rope_theta_and_preset_with_overrides():
