@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+
 def is_preset_dummy(m: ModelConfig) -> bool:
     """Dummy weights for a config given in full by --hf-config-json: no model files needed."""
     return m.load_format == "dummy" and m.model is None and bool(m.hf_config_json)
@@ -108,7 +109,27 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks (one process each).")
     all_reduce: str = _opt(
-        "auto", "All-reduce strategy for tensor parallelism.", ALL_REDUCE
+        "auto",
+        "All-reduce strategy for tensor parallelism. auto: peer-memory one-shot/two-shot for "
+        "small messages on GPUs with peer access, NCCL otherwise (gloo on CPU); nccl: the "
+        "process group's own all-reduce; oneshot: torch symmetric memory (GPU); int8: "
+        "group-wise int8-quantized (lossy, halves the bytes); host: through shared host "
+        "memory; gloo: over the CPU group. See docs/parallelism.md.",
+        ALL_REDUCE,
+    )
+    custom_all_reduce: bool = _opt(
+        True,
+        "Allow the peer-memory (symmetric memory) all-reduce that auto picks for small "
+        "messages. Turn off on GPUs without peer-to-peer access.",
+    )
+    dual_stream: bool = _opt(
+        False,
+        "GPU, tensor parallel: split a step's tokens into two micro-batches so that one's "
+        "all-reduce runs on a second CUDA stream while the other computes (Llama-family "
+        "layers). Results are unchanged.",
+    )
+    dual_stream_min_tokens: int = _opt(
+        128, "Smallest step (in tokens) that --dual-stream splits into two micro-batches."
     )
 
 
@@ -175,6 +196,7 @@ class EngineConfig:
             _check(f in opts, f"{f!r} is not one of {', '.join(opts)}")
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")
         _check(p.all_reduce in ALL_REDUCE, f"all_reduce must be one of {', '.join(ALL_REDUCE)}")
+        _check(p.dual_stream_min_tokens >= 2, "dual_stream_min_tokens must be >= 2")
 
     def replace(self, **sections: Any) -> EngineConfig:
         return dataclasses.replace(self, **sections)
@@ -204,6 +226,11 @@ def resolve_config(
 ) -> EngineConfig:
     """Replace every "auto"/None value by the concrete one for this device and model."""
     m, s = cfg.model, cfg.scheduler
+    if m.max_model_len is not None and m.max_model_len > model_max_len:
+        raise ValueError(
+            f"max_model_len {m.max_model_len} exceeds the model's {model_max_len} positions "
+            "(max_position_embeddings, with any RoPE scaling)"
+        )
     max_len = model_max_len if m.max_model_len is None else m.max_model_len
     if kv_capacity_tokens is not None:
         max_len = min(max_len, kv_capacity_tokens)

@@ -53,17 +53,39 @@ def pick_dtype(choice: str, hf_config: object, device: torch.device) -> torch.dt
     return ckpt if ckpt in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
+def _max_positions(model: torch.nn.Module, hf_config: object) -> int:
+    """Positions the model can take: its RoPE tables' length (scaling included)."""
+    lengths = [
+        m.cos_sin_cache.shape[0] for m in model.modules() if hasattr(m, "cos_sin_cache")
+    ]
+    return min(lengths) if lengths else getattr(hf_config, "max_position_embeddings", 2048)
+
+
 class Worker:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
+        """``init_method`` (``tcp://host:port``): join the tensor-parallel group as ``rank``
+        (needed when tensor_parallel_size > 1; every rank constructs its Worker at once)."""
         self.config = config
         self.rank = rank
+        self.tp_size = tp = config.parallel.tensor_parallel_size
         m = config.model
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format)
         )
         self.device = pick_device(config.device.device)
-        if config.device.num_threads:
-            torch.set_num_threads(config.device.num_threads)
+        if tp > 1 and self.device.type == "cuda":
+            self.device = torch.device("cuda", rank)
+        threads = config.device.num_threads
+        if threads is None and tp > 1 and self.device.type == "cpu":
+            threads = 1  # ranks share the cores: OpenMP spin-waits would collapse throughput
+        if threads:
+            torch.set_num_threads(threads)
+        if tp > 1:
+            if init_method is None:
+                raise ValueError("tensor_parallel_size > 1 needs an init_method for the group")
+            from lightwell.distributed.launch import init_distributed
+
+            init_distributed(rank, tp, init_method, self.device)
         self.runner = None
         self.hf_config = None
 
@@ -90,13 +112,17 @@ class Worker:
             device=self.device,
             dtype=dtype,
             seed=m.seed,
+            is_driver=self.rank == 0,
         )
         self.runner.set_attention_backend(self.config.device.attention_backend)
+        from lightwell.worker.overlap import TwoBatchOverlap
+
+        self.runner.overlap = TwoBatchOverlap.create(model, self.config.parallel, self.device)
         return ModelInfo(
             name=self.files.name if files is not None else str(overrides),
             architecture=(getattr(hf, "architectures", None) or ["?"])[0],
             vocab_size=hf.vocab_size,
-            max_position_embeddings=getattr(hf, "max_position_embeddings", 2048),
+            max_position_embeddings=_max_positions(model, hf),
             eos_token_id=eos,
             dtype=str(dtype).removeprefix("torch."),
             device=str(self.device),
@@ -104,7 +130,19 @@ class Worker:
             load_seconds=time.perf_counter() - t0,
         )
 
+    def init_all_reduce(self, resolved: EngineConfig) -> None:
+        """Set up the all-reduce strategies, their buffers sized for the largest step."""
+        if self.tp_size == 1:
+            return
+        from lightwell.distributed.launch import init_all_reduce
+
+        p = self.config.parallel
+        elem = torch.tensor([], dtype=self.runner.dtype).element_size()
+        max_bytes = resolved.scheduler.max_num_batched_tokens * self.hf_config.hidden_size * elem
+        init_all_reduce(self.device, p.all_reduce, p.custom_all_reduce, max_bytes)
+
     def determine_num_blocks(self, resolved: EngineConfig) -> int:
+        self.init_all_reduce(resolved)
         c = self.config.cache
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
@@ -132,6 +170,7 @@ class Worker:
         return total * self.config.cache.gpu_memory_utilization - peak - max(used_by_others, 0)
 
     def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
+        self.init_all_reduce(resolved)
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
         if self.device.type == "cuda" and not self.config.device.enforce_eager:
@@ -140,3 +179,10 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def shutdown(self) -> None:
+        self.runner = None
+        if self.tp_size > 1:
+            from lightwell.distributed.launch import shutdown_distributed
+
+            shutdown_distributed()

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+
+from lightwell.config import EngineConfig, resolve_config
+
+
+def test_from_kwargs_routes_flat_names():
+    cfg = EngineConfig.from_kwargs(dtype="float32", max_num_seqs=8, block_size=32)
+    assert cfg.model.dtype == "float32"
+    assert cfg.scheduler.max_num_seqs == 8
+    assert cfg.cache.block_size == 32
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ValueError, match="max_num_seq\\b.*Known options"):
+        EngineConfig.from_kwargs(max_num_seq=8)
+
+
+@pytest.mark.parametrize(
+    "kwargs,msg",
+    [
+        ({"dtype": "float64"}, "float64"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+        ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ],
+)
+def test_invalid_values_rejected(kwargs, msg):
+    with pytest.raises(ValueError, match=msg):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_resolve_fills_device_defaults_and_caps_by_kv_capacity():
+    cfg = EngineConfig.from_kwargs()
+    cpu = resolve_config(cfg, on_gpu=False, model_max_len=8192, kv_capacity_tokens=4096)
+    assert cpu.device.device == "cpu"
+    assert cpu.model.max_model_len == 4096
+    assert cpu.scheduler.max_num_batched_tokens == 512
+    assert cpu.scheduler.max_num_seqs == 64
+    gpu = resolve_config(cfg, on_gpu=True, model_max_len=8192)
+    assert (gpu.scheduler.max_num_batched_tokens, gpu.scheduler.max_num_seqs) == (8192, 256)
+
+
+def test_resolve_refuses_context_beyond_the_model():
+    cfg = EngineConfig.from_kwargs(max_model_len=10000)
+    with pytest.raises(ValueError, match="exceeds the model's 8192 positions"):
+        resolve_config(cfg, on_gpu=False, model_max_len=8192)
+
+
+def test_chunked_prefill_off_budget_holds_the_longest_prompt():
+    cfg = EngineConfig.from_kwargs(enable_chunked_prefill=False, max_num_batched_tokens=256)
+    r = resolve_config(cfg, on_gpu=False, model_max_len=2048)
+    assert r.scheduler.max_num_batched_tokens == 2048
