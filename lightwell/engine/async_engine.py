@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from lightwell.engine.llm_engine import EngineStats, LLMEngine, PromptInput
-from lightwell.types import RequestMetrics, RequestOutput, SamplingParams
+from lightwell.types import RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -90,12 +90,11 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._commands: deque[_Add | _Abort] = deque()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
-        # request id -> (first child id, its RequestMetrics) until first scheduled
-        self._unscheduled: dict[str, tuple[str, RequestMetrics | None]] = {}
         self._stats = engine.stats()
         self._error: BaseException | None = None
         self._accepting = True
         self._closing = False
+        self._stopped = False  # set (under the lock) once the loop takes no more commands
         self._thread = threading.Thread(target=self._run, name="lightwell-engine", daemon=True)
         self._thread.start()
 
@@ -165,10 +164,17 @@ class AsyncEngine:
             self._closing = True
             self._cond.notify()
         self._thread.join(timeout=max(5.0, timeout))
+        if self._thread.is_alive():  # stuck in a step: the engine is still in use
+            logger.warning("the engine loop did not stop; leaving the engine as it is")
+            return
         self.engine.shutdown()
 
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cond:
+            if self._stopped:  # nobody will read it any more
+                if isinstance(command, _Add):
+                    raise EngineDeadError("the engine loop has stopped")
+                return
             self._commands.append(command)
             self._cond.notify()
 
@@ -205,7 +211,6 @@ class AsyncEngine:
     def _apply(self, command: _Add | _Abort) -> None:
         if isinstance(command, _Abort):
             stream = self._streams.pop(command.request_id, None)
-            self._unscheduled.pop(command.request_id, None)
             out = self.engine.abort_request(command.request_id)
             if out is not None:
                 self._finished(out)
@@ -215,25 +220,16 @@ class AsyncEngine:
         self._add(command)
 
     def _add(self, c: _Add) -> None:
-        engine = self.engine
-        known = engine.output_processor.has(c.request_id)
         try:
-            engine.add_request(c.request_id, c.prompt, c.params, c.arrival_time)
+            self.engine.add_request(c.request_id, c.prompt, c.params, c.arrival_time)
         except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
-            if not known and engine.output_processor.has(c.request_id):
-                engine.abort_request(c.request_id)  # undo a partial add
             self._deliver([(c.stream, e)])
             return
         self._streams[c.request_id] = c.stream
-        children = engine.output_processor.child_ids(c.request_id) or [c.request_id]
-        parent = engine.output_processor.parents.get(c.request_id)
-        self._unscheduled[c.request_id] = (children[0], parent.metrics if parent else None)
         c.stream.loop.call_soon_threadsafe(_accept, c.stream)
 
     def _step(self) -> None:
-        t0 = time.time()
         outputs = self.engine.step()
-        self._note_scheduled(t0)
         self._stats = self.engine.stats()
         deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for out in outputs:
@@ -245,22 +241,7 @@ class AsyncEngine:
                 deliveries.append((stream, out))
         self._deliver(deliveries)
 
-    def _note_scheduled(self, step_start: float) -> None:
-        """Copy each request's first-scheduled time into its metrics (for the queue-time metric).
-
-        Checked after every step, so a request no longer in the scheduler was scheduled (and
-        finished) in this very step."""
-        for rid, (child_id, metrics) in list(self._unscheduled.items()):
-            req = self.engine.scheduler.get_request(child_id)
-            when = step_start if req is None else req.first_scheduled_time
-            if when is None:
-                continue
-            del self._unscheduled[rid]
-            if metrics is not None and metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = when
-
     def _finished(self, out: RequestOutput) -> None:
-        self._unscheduled.pop(out.request_id, None)
         if self.on_finished is None:
             return
         try:
@@ -282,6 +263,7 @@ class AsyncEngine:
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cond:
+            self._stopped = True
             pending = [c.stream for c in self._commands if isinstance(c, _Add)]
             self._commands.clear()
         streams = pending + list(self._streams.values())

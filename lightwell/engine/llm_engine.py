@@ -148,14 +148,20 @@ class LLMEngine:
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
         )
+        added: list[str] = []
+        try:
+            for i, cid in enumerate(child_ids):
+                child_params = params if params.n == 1 else params.for_child(i)
+                share = child_ids[0] if i > 0 and self.config.cache.enable_prefix_caching else None
+                req = Request(cid, token_ids, child_params, self.eos_token_id, arrival, share)
+                self.scheduler.add_request(req)
+                added.append(cid)
+        except Exception:
+            self.scheduler.abort_requests(added)  # all or nothing
+            raise
         self.output_processor.add_request(
             request_id, child_ids, text, token_ids, params, arrival, final_only
         )
-        for i, cid in enumerate(child_ids):
-            child_params = params if params.n == 1 else params.for_child(i)
-            share = child_ids[0] if i > 0 and self.config.cache.enable_prefix_caching else None
-            req = Request(cid, token_ids, child_params, self.eos_token_id, arrival, share)
-            self.scheduler.add_request(req)
         return request_id
 
     def _with_engine_stops(self, params: SamplingParams) -> SamplingParams:
@@ -177,6 +183,8 @@ class LLMEngine:
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if sched.new_reqs:
+            self.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
         if sched.total_num_scheduled_tokens or sched.finished_req_ids:
             runner_out = self.executor.execute_model(sched)
         else:

@@ -85,6 +85,13 @@ class OutputProcessor:
         parent = self.parents.get(request_id)
         return [c.req_id for c in parent.children] if parent else []
 
+    def mark_scheduled(self, child_ids: list[str], now: float) -> None:
+        """Record when each request was first scheduled (its queue time ends there)."""
+        for cid in child_ids:
+            child = self.children.get(cid)
+            if child is not None and child.parent.metrics.first_scheduled_time is None:
+                child.parent.metrics.first_scheduled_time = now
+
     def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
         """Returns the changed RequestOutputs and child ids stopped by a stop string."""
         now = time.time()

@@ -170,7 +170,8 @@ class BannerServer(uvicorn.Server):
 
 
 def _card(ctx: ServingContext) -> ModelCard:
-    root = ctx.engine.engine.files.path
+    files = ctx.engine.engine.files
+    root = files.path if files is not None else None
     return ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
 
 
@@ -180,7 +181,7 @@ def _respond(result: BaseModel | Response) -> Response:
     return JSONResponse(result.model_dump(mode="json"))
 
 
-# ---- errors -------------------------------------------------------------------------------------
+# ---- errors ------------------------------------------------------------
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config_from_args(args))
-    name = args.served_model_name or engine.files.name
+    name = args.served_model_name or (engine.files.name if engine.files else engine.model_info.name)
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
     metrics.attach(lambda: async_engine.stats)

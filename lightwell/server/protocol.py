@@ -41,11 +41,11 @@ class StreamOptions(_Request):
     include_obfuscation: bool | None = None  # accepted, ignored: padding only, no effect on text
 
 
-class _SamplingRequest(_Request):
+class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: int | None = 1
+    n: int | None = Field(1, ge=1, le=128)  # OpenAI's own limit
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -79,7 +79,7 @@ class _SamplingRequest(_Request):
         return v
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> _SamplingRequest:
+    def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
         return self
@@ -89,7 +89,7 @@ class _SamplingRequest(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
@@ -163,12 +163,12 @@ _CHAT_HARMLESS: dict[str, Any] = {
 }
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     parallel_tool_calls: bool | None = None  # accepted, ignored: tools are refused anyway
     tools: Any = None
     functions: Any = None

@@ -51,8 +51,9 @@ from lightwell.types import CompletionOutput, PositionLogprobs, RequestOutput
 def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_gen: bool) -> list[int]:
     """The model's chat template applied to the messages; template errors are 400s."""
     rendered = [m.to_template() for m in messages]
+    tokenizer = ctx.tokenizer
     try:
-        return ctx.tokenizer.apply_chat_template(rendered, add_generation_prompt=add_gen)
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_gen)
     except Exception as e:  # noqa: BLE001 - Jinja raises its own types; all are the client's
         raise bad_request(f"could not apply the chat template: {e}", param="messages") from None
 
@@ -94,7 +95,7 @@ def _logprobs(
     token_ids: list[int],
     positions: list[PositionLogprobs] | None,
 ) -> ChatChoiceLogprobs:
-    piece = ctx.tokenizer.id_to_piece
+    piece = ctx.piece
     k = req.top_logprobs or 0
     content = []
     for tid, pos in zip(token_ids, positions or []):

@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from lightwell.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from lightwell.server.protocol import PromptTokensDetails, UsageInfo, _SamplingRequest
+from lightwell.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from lightwell.types import FinishReason, Logprob, RequestOutput, SamplingParams
 
 T = TypeVar("T")
@@ -53,13 +53,11 @@ class APIError(Exception):
         code: str | None = None,
     ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
 
     def body(self) -> dict[str, Any]:
         err = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
@@ -79,7 +77,26 @@ class ServingContext:
 
     @property
     def tokenizer(self) -> Any:
+        """The tokenizer; a 400 when the engine has none (--skip-tokenizer-init)."""
+        self.require_text()
         return self.engine.engine.tokenizer
+
+    @property
+    def has_text(self) -> bool:
+        return self.engine.engine.tokenizer is not None
+
+    def require_text(self) -> None:
+        if not self.has_text:
+            raise bad_request(
+                "this server runs without a tokenizer: send prompts as token ids; text, chat, "
+                "echo and tokenize are unavailable"
+            )
+
+    def piece(self, token_id: int) -> str:
+        """The text of one token (``token_id:N`` without a tokenizer, as vLLM writes it)."""
+        if not self.has_text:
+            return f"token_id:{token_id}"
+        return self.tokenizer.id_to_piece(token_id)
 
     @property
     def max_model_len(self) -> int:
@@ -99,7 +116,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(ctx: ServingContext, req: _SamplingRequest, **overrides: Any) -> SamplingParams:
+def sampling_params(ctx: ServingContext, req: SamplingRequest, **overrides: Any) -> SamplingParams:
     """The request's SamplingParams over the model's defaults; bad values are 400s."""
     kw = {k: getattr(req, k) for k in _SAMPLING_FIELDS if getattr(req, k) is not None}
     if req.logit_bias:
@@ -108,8 +125,16 @@ def sampling_params(ctx: ServingContext, req: _SamplingRequest, **overrides: Any
     try:
         return ctx.engine.engine.default_sampling_params(**kw)
     except (ValueError, TypeError) as e:
-        first = str(e).split(" ", 1)[0]
-        raise bad_request(str(e), param=first if first in kw else None) from None
+        raise bad_request(str(e), param=param_in(str(e))) from None
+
+
+_PARAMS = {*_SAMPLING_FIELDS, "logit_bias", "max_tokens", "logprobs", "prompt_logprobs", "prompt"}
+
+
+def param_in(message: str) -> str | None:
+    """The request field an engine error message starts with ("top_p must be ..."), if any."""
+    first = message.split(" ", 1)[0]
+    return first if first in _PARAMS else None
 
 
 def check_prompt_fits(
@@ -117,6 +142,8 @@ def check_prompt_fits(
 ) -> None:
     """400 unless the prompt leaves room for the output (and for max_tokens, when given)."""
     limit = ctx.max_model_len
+    if num_prompt_tokens == 0:
+        raise bad_request(f"'{prompt_param}' is empty: give at least one token", prompt_param)
     if num_prompt_tokens >= limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens, but '{prompt_param}' is "
@@ -135,21 +162,25 @@ def check_prompt_fits(
 async def submit(
     ctx: ServingContext, base_id: str, prompts: list[list[int]], params: SamplingParams
 ) -> list[RequestStream]:
-    """Add one engine request per prompt; if any is refused, abort the others and raise 400."""
-    streams: list[RequestStream] = []
-    try:
-        for i, ids in enumerate(prompts):
-            rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-            streams.append(await ctx.engine.add_request(rid, {"prompt_token_ids": ids}, params))
-    except BaseException as e:
-        for s in streams:
-            ctx.engine.abort(s.request_id)
-        if isinstance(e, EngineDeadError):
-            raise APIError(503, str(e), type="server_error", code="engine_dead") from None
-        if isinstance(e, ValueError):
-            raise bad_request(str(e)) from None
-        raise
-    return streams
+    """Add one engine request per prompt, all in the same engine iteration; if any is refused,
+    abort the others and raise (400 for a ValueError, 503 if the engine is gone)."""
+    ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+    adds = [
+        ctx.engine.add_request(r, {"prompt_token_ids": p}, params) for r, p in zip(ids, prompts)
+    ]
+    results = await asyncio.gather(*adds, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if not errors:
+        return results  # type: ignore[return-value]
+    for r in results:
+        if isinstance(r, RequestStream):
+            ctx.engine.abort(r.request_id)
+    e = errors[0]
+    if isinstance(e, EngineDeadError):
+        raise APIError(503, str(e), type="server_error", code="engine_dead")
+    if isinstance(e, ValueError):
+        raise bad_request(str(e), param=param_in(str(e)))
+    raise e
 
 
 async def merged(ctx: ServingContext, streams: list[RequestStream]) -> AsyncIterator[tuple]:

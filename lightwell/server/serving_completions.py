@@ -22,6 +22,7 @@ from lightwell.server.serving_common import (
     APIError,
     ServingContext,
     SSEResponse,
+    bad_request,
     check_prompt_fits,
     collect,
     finish_reason,
@@ -47,6 +48,8 @@ async def create_completion(
     ctx: ServingContext, req: CompletionRequest, raw: Request
 ) -> CompletionResponse | Response:
     ctx.check_model(req.model)
+    if req.echo:
+        ctx.require_text()
     prompts = [_tokenize(ctx, p) for p in req.prompt_list()]
     explicit_max = req.max_tokens if "max_tokens" in req.model_fields_set else None
     for p in prompts:
@@ -78,6 +81,10 @@ async def create_completion(
 def _tokenize(ctx: ServingContext, prompt: str | list[int]) -> _Prompt:
     if isinstance(prompt, str):
         return _Prompt(ctx.tokenizer.encode(prompt), prompt)
+    vocab = ctx.engine.engine.model_info.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
     return _Prompt(list(prompt), None)
 
 
@@ -121,7 +128,7 @@ def _add_logprobs(
     offset: int,
 ) -> int:
     """Append OpenAI's legacy logprobs for these tokens; returns the next text offset."""
-    piece = ctx.tokenizer.id_to_piece
+    piece = ctx.piece
     for i, tid in enumerate(token_ids):
         pos = positions[i] if i < len(positions) else None
         token = piece(tid)
@@ -203,7 +210,8 @@ def _delta_choice(
         return None
     delta = c.text[st.chars :]
     echo = req.echo and not st.started
-    if not delta and not c.finished and not echo:
+    no_news = not delta and not c.finished and not echo
+    if no_news and (ctx.has_text or len(c.token_ids) == st.tokens):
         return None  # text held back (partial character or possible stop string)
     prefix = _prompt_text(ctx, prompt) if echo else ""
     logprobs = None

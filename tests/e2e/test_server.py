@@ -115,7 +115,7 @@ def _chat(client, content="Name a colour.", **kw):
     )
 
 
-# ---- basics -----------------------------------------------------------------------------------
+# ---- basics ------------------------------------------------------------
 def test_startup_banner_models_health_version(server, client):
     out = server.output()
     assert f"{server.url}/v1" in out and MODEL in out and "KV cache:" in out
@@ -250,7 +250,7 @@ def test_token_id_prompts_and_tokenize_roundtrip(server, client):
     assert n == _chat(client, max_tokens=1).usage.prompt_tokens
 
 
-# ---- errors -----------------------------------------------------------------------------------
+# ---- errors ------------------------------------------------------------
 _CHAT_OK = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 _LONG = "hello " * (MAX_MODEL_LEN + 10)
 
@@ -269,9 +269,9 @@ _LONG = "hello " * (MAX_MODEL_LEN + 10)
         ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
         ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
-        ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400, None),
-        ("/v1/completions", {"prompt": [999999]}, 400, None),
-        ("/v1/completions", {"prompt": ""}, 400, None),
+        ("/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": [999999]}, 400, "prompt"),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"prompt": []}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
@@ -380,6 +380,18 @@ def test_disconnect_mid_stream_frees_blocks(server):
             break
         time.sleep(0.05)
     assert server.metric("num_requests_running") == 0
+    assert server.metric("kv_cache_usage_perc") == 0
+    assert server.metric("request_success_total", 'finished_reason="abort"') == aborted + 1
+
+
+def test_disconnect_while_waiting_nonstream_aborts(server):
+    aborted = server.metric("request_success_total", 'finished_reason="abort"')
+    body = {"prompt": "Tell me a long story.", "max_tokens": 500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/completions", json=body, timeout=1.5)
+    deadline = time.time() + 5
+    while time.time() < deadline and server.metric("num_requests_running") > 0:
+        time.sleep(0.05)
     assert server.metric("kv_cache_usage_perc") == 0
     assert server.metric("request_success_total", 'finished_reason="abort"') == aborted + 1
 
