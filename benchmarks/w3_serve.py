@@ -8,9 +8,12 @@ Full W3 on a GPU (500 requests of 1,024 in / 256 out, Poisson at 2, 8 and 32 req
 The scaled-down CPU run of docs/performance.md (SmolLM2 on 2 cores):
 
     python benchmarks/w3_serve.py --input-len 128 --output-len 32 --num-prompts 50 \
-        --request-rate 1,2,4 --serve-args "--num-threads 1" --out benchmarks/results/w3_cpu.json
+        --request-rate 0.5,1,2,4 --serve-args="--num-threads 1 --log-level WARNING" \
+        --bench-args=--no-progress --out benchmarks/results/w3_cpu.json
 
-Server options go in --serve-args (one string), extra client options in --bench-args.
+Server options go in --serve-args (one string), extra client options in --bench-args (write
+them with "=", e.g. --bench-args="--metadata dtype=bfloat16", so they are not read as options
+of this script). The client cannot see the server's dtype: pass it as metadata to record it.
 """
 
 from __future__ import annotations

@@ -41,9 +41,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--metadata",
         nargs="*",
+        action="extend",
         default=None,
         metavar="KEY=VALUE",
-        help="Extra fields for every result record, e.g. dtype=bfloat16 mode=nvlink.",
+        help="Extra fields for every result record, e.g. dtype=bfloat16 mode=nvlink "
+        "(repeatable; later values win).",
     )
     p.add_argument("--no-progress", action="store_true", help="No progress bar.")
     p.add_argument(

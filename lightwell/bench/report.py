@@ -121,6 +121,7 @@ def _run_fields(args: argparse.Namespace, run: Any) -> dict[str, Any]:
         "request_rate": rate_label(run.request_rate),
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
+        "max_in_flight": m.max_concurrency,
         "num_prompts": args.num_prompts,
         "completed": m.completed,
         "failed": m.failed,

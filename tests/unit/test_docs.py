@@ -1,0 +1,42 @@
+"""The docs stay true: every CLI option is in docs/cli.md, every module in docs/structure.md."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _all_parsers():
+    from scripts.gen_cli_docs import subparsers
+
+    from lightwell.cli import _register_extra, build_parser
+
+    _register_extra()
+    top = build_parser()
+    out = [("lightwell", top)]
+    for name, sub in subparsers(top):
+        out.append((name, sub))
+        out += [(f"{name} {n}", s) for n, s in subparsers(sub)]
+    return out
+
+
+def test_every_cli_option_is_documented():
+    text = (ROOT / "docs" / "cli.md").read_text()
+    missing = [
+        f"{name}: {opt}"
+        for name, parser in _all_parsers()
+        for action in parser._actions
+        for opt in action.option_strings
+        if opt.startswith("--") and opt not in text
+    ]
+    assert not missing, "run `python scripts/gen_cli_docs.py`; missing:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("module", sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "lightwell").rglob("*.py") if p.name != "__init__.py"
+))
+def test_module_listed_in_structure_doc(module):
+    assert module in (ROOT / "docs" / "structure.md").read_text(), f"{module} not in structure.md"
