@@ -1,12 +1,14 @@
 """Tensor-parallel state: this process's rank, the group size, and the collectives layers use.
 
 Set once per process by the worker (``init_tp_group``) before the model is built; without it
-every layer behaves as rank 0 of 1 and the collectives are identities. The communication
-strategies (NCCL, one-shot, int8 ...) plug in behind ``tp_all_reduce`` later.
+every layer behaves as rank 0 of 1 and the collectives are identities. ``tp_all_reduce``
+dispatches through the all-reduce strategy set by ``set_tp_all_reduce`` (normally the selector
+of ``lightwell.distributed.comm``), or the process group's own all-reduce when none is set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,17 +20,29 @@ class _TPState:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup, or None for the default group
+    cpu_group: Any = None  # a gloo group over the same ranks (host-side control), or None
+    all_reduce: Any = None  # an AllReduceStrategy, or None: the group's own all-reduce
 
 
 _STATE = _TPState()
 
 
-def init_tp_group(rank: int, size: int, group: Any = None) -> None:
-    """Record this process's tensor-parallel rank, size and process group."""
+def init_tp_group(rank: int, size: int, group: Any = None, cpu_group: Any = None) -> None:
+    """Record this process's tensor-parallel rank, size and process groups."""
     global _STATE
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"invalid tensor-parallel rank {rank} for size {size}")
-    _STATE = _TPState(rank, size, group)
+    _STATE = _TPState(rank, size, group, cpu_group if cpu_group is not None else group)
+
+
+def set_tp_all_reduce(strategy: Any) -> None:
+    """Route ``tp_all_reduce`` through ``strategy`` (``strategy.all_reduce(x) -> sum``)."""
+    global _STATE
+    _STATE = dataclasses.replace(_STATE, all_reduce=strategy)
+
+
+def get_tp_all_reduce() -> Any:
+    return _STATE.all_reduce
 
 
 def reset_tp_group() -> None:
@@ -45,10 +59,21 @@ def get_tp_size() -> int:
     return _STATE.size
 
 
+def get_tp_group() -> Any:
+    return _STATE.group
+
+
+def get_tp_cpu_group() -> Any:
+    return _STATE.cpu_group
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the tensor-parallel group (in place when size > 1); returns the sum."""
+    """Sum ``x`` over the tensor-parallel group; returns the sum (``x`` itself, reduced in
+    place, or a new tensor, depending on the strategy: always use the returned tensor)."""
     if _STATE.size == 1:
         return x
+    if _STATE.all_reduce is not None:
+        return _STATE.all_reduce.all_reduce(x)
     import torch.distributed as dist
 
     dist.all_reduce(x, group=_STATE.group)

@@ -22,6 +22,6 @@ def make_executor(config: EngineConfig) -> Executor:
         from lightwell.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)
-    raise NotImplementedError(
-        "tensor_parallel_size > 1 is not available yet in this build (single-process only)"
-    )
+    from lightwell.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config)

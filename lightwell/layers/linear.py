@@ -51,8 +51,8 @@ def _load_sharded(
     dim: int | None,  # the sharded dimension, None when replicated
     offset: int,  # where the shard starts in param along dim (stored units)
     size: int,  # shard size along dim (stored units)
-    num_parts: int,  # how many shards the checkpoint tensor splits into along dim
-    part: int,  # which of them this rank holds
+    src_start: int,  # where this rank's slice starts in the checkpoint tensor (stored units)
+    src_total: int,  # the checkpoint tensor's size along dim (stored units)
     what: str = "",
 ) -> None:
     if dim is None:
@@ -60,9 +60,16 @@ def _load_sharded(
         param.data.copy_(loaded)
         return
     expected = list(param.shape)
-    expected[dim] = size * num_parts
+    expected[dim] = src_total
     _check_shape(loaded, expected, what)
-    param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, part * size, size))
+    param.data.narrow(dim, offset, size).copy_(loaded.narrow(dim, src_start, size))
+
+
+def balanced_split(total: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of part ``index`` when ``total`` items split into ``parts`` near-equal
+    contiguous parts (the first ``total % parts`` parts one larger)."""
+    base, extra = divmod(total, parts)
+    return index * base + min(index, extra), base + (index < extra)
 
 
 class LinearBase(nn.Module):
@@ -132,11 +139,14 @@ class ColumnParallelLinear(LinearBase):
         gather_output: bool = False,
         quant_method: QuantMethod | None = None,
         output_sizes: list[int] | None = None,
+        partition_sizes: list[int] | None = None,
     ):
+        """``partition_sizes``: this rank's share of each of ``output_sizes`` when the split is
+        not even (QKV by heads); default ``size / tp`` each."""
         super().__init__(input_size, output_size, quant_method)
         self.gather_output = gather_output
         self.output_sizes = list(output_sizes or [output_size])
-        self.output_partition_sizes = [
+        self.output_partition_sizes = partition_sizes or [
             divide(s, self.tp_size, "output size") for s in self.output_sizes
         ]
         self.output_size_per_partition = sum(self.output_partition_sizes)
@@ -147,7 +157,8 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         dim = getattr(param, "output_dim", None)
         size = param.shape[dim] if dim is not None else 0
-        _load_sharded(param, loaded_weight, dim, 0, size, self.tp_size, self.tp_rank)
+        rank, tp = self.tp_rank, self.tp_size
+        _load_sharded(param, loaded_weight, dim, 0, size, rank * size, tp * size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out(/tp)]
         out = self.quant_method.apply(self, x, self.bias)
@@ -170,16 +181,16 @@ class _FusedColumnLinear(ColumnParallelLinear):
     def _checkpoint_sizes(self) -> list[int]:
         return self.output_sizes
 
-    def _partition(self, index: int) -> tuple[int, int]:
-        """(number of slices the checkpoint shard splits into, the one this rank holds)."""
-        return self.tp_size, self.tp_rank
+    def _partition(self, index: int) -> int:
+        """Where this rank's slice of checkpoint shard ``index`` starts (logical units)."""
+        return self.tp_rank * self.output_partition_sizes[index]
 
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
         dim = getattr(param, "output_dim", None)
         if dim is None:  # a replicated parameter (a per-tensor scale ...): copy whole
-            _load_sharded(param, loaded_weight, None, 0, 0, 1, 0)
+            _load_sharded(param, loaded_weight, None, 0, 0, 0, 0)
             return
         if shard_id is None:  # the checkpoint already stores the fused tensor
             full = [_stored(param, dim, s) for s in self._checkpoint_sizes()]
@@ -189,10 +200,11 @@ class _FusedColumnLinear(ColumnParallelLinear):
             return
         index = self._shard_index(shard_id)
         sizes = [_stored(param, dim, s) for s in self.output_partition_sizes]
-        parts, part = self._partition(index)
+        start = _stored(param, dim, self._partition(index))
+        total = _stored(param, dim, self._checkpoint_sizes()[index])
         what = f" (shard {shard_id!r})"
         _load_sharded(
-            param, loaded_weight, dim, sum(sizes[:index]), sizes[index], parts, part, what
+            param, loaded_weight, dim, sum(sizes[:index]), sizes[index], start, total, what
         )
 
 
@@ -216,7 +228,10 @@ class QKVParallelLinear(_FusedColumnLinear):
     """Fused q/k/v projection, split by heads; shard_id "q", "k", "v" (or 0, 1, 2).
 
     GQA-aware: with more ranks than KV heads, each KV head is replicated on
-    ``tp_size // total_num_kv_heads`` ranks."""
+    ``tp_size // total_num_kv_heads`` ranks. When the KV heads outnumber the ranks but do not
+    divide among them (SmolLM2-135M: 3 KV heads, 9 query heads, on 2 ranks), ranks take
+    near-equal runs of whole KV groups (2 and 1), each with its query heads (6 and 3): the
+    o_proj that follows must use the same split (``q_partition``)."""
 
     SHARD_IDS = {"q": 0, "k": 1, "v": 2}
 
@@ -229,21 +244,31 @@ class QKVParallelLinear(_FusedColumnLinear):
         bias: bool = False,
         quant_method: QuantMethod | None = None,
     ):
-        tp = get_tp_size()
+        tp, rank = get_tp_size(), get_tp_rank()
         kv = total_num_kv_heads or total_num_heads
+        group = divide(total_num_heads, kv, "number of attention heads over KV heads")
         self.head_size = head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, kv
-        self.num_heads = divide(total_num_heads, tp, "number of attention heads")
+        self.num_kv_head_replicas = 1
         if tp >= kv:
-            self.num_kv_heads = 1
+            self.num_heads = divide(total_num_heads, tp, "number of attention heads")
             self.num_kv_head_replicas = divide(tp, kv, "tensor-parallel size over KV heads")
-        else:
-            self.num_kv_heads = divide(kv, tp, "number of KV heads")
-            self.num_kv_head_replicas = 1
-        q, k = total_num_heads * head_size, self.num_kv_heads * tp * head_size
-        super().__init__(hidden_size, q + 2 * k, bias, False, quant_method, [q, k, k])
+            self.kv_head_start, self.num_kv_heads = rank // self.num_kv_head_replicas, 1
+            self.q_head_start = rank * self.num_heads
+        else:  # whole KV groups per rank, as even as they come
+            self.kv_head_start, self.num_kv_heads = balanced_split(kv, tp, rank)
+            self.q_head_start = self.kv_head_start * group
+            self.num_heads = self.num_kv_heads * group
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
+        q, k = total_num_heads * head_size, kv * head_size
+        parts = [self.q_size, self.kv_size, self.kv_size]
+        super().__init__(hidden_size, q + 2 * k, bias, False, quant_method, [q, k, k], parts)
+
+    @property
+    def q_partition(self) -> tuple[int, int]:
+        """(start, size) of this rank's query features: the input split of the o_proj."""
+        return self.q_head_start * self.head_size, self.q_size
 
     def _shard_index(self, shard_id: int | str) -> int:
         index = self.SHARD_IDS.get(shard_id) if isinstance(shard_id, str) else shard_id
@@ -255,17 +280,17 @@ class QKVParallelLinear(_FusedColumnLinear):
         kv = self.total_num_kv_heads * self.head_size
         return [self.total_num_heads * self.head_size, kv, kv]
 
-    def _partition(self, index: int) -> tuple[int, int]:
-        if index == 0:
-            return self.tp_size, self.tp_rank
-        replicas = self.num_kv_head_replicas
-        return self.tp_size // replicas, self.tp_rank // replicas
+    def _partition(self, index: int) -> int:
+        start = self.q_head_start if index == 0 else self.kv_head_start
+        return start * self.head_size
 
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial outputs are all-reduced (bias added once).
 
-    With ``reduce_results=False`` the caller owns the reduction (e.g. fused with a norm)."""
+    With ``reduce_results=False`` the caller owns the reduction (e.g. fused with a norm).
+    ``input_partition``: (start, size) of this rank's input features when the split is not
+    even (an o_proj after uneven heads); default ``size / tp`` each."""
 
     def __init__(
         self,
@@ -274,10 +299,14 @@ class RowParallelLinear(LinearBase):
         bias: bool = False,
         reduce_results: bool = True,
         quant_method: QuantMethod | None = None,
+        input_partition: tuple[int, int] | None = None,
     ):
         super().__init__(input_size, output_size, quant_method)
         self.reduce_results = reduce_results
-        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
+        if input_partition is None:
+            per = divide(input_size, self.tp_size, "input size")
+            input_partition = (self.tp_rank * per, per)
+        self.input_start, self.input_size_per_partition = input_partition
         self._create_params(self.input_size_per_partition, [output_size], bias, bias_sharded=False)
 
     def weight_loader(
@@ -285,7 +314,9 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         dim = getattr(param, "input_dim", None)
         size = param.shape[dim] if dim is not None else 0
-        _load_sharded(param, loaded_weight, dim, 0, size, self.tp_size, self.tp_rank)
+        start = _stored(param, dim, self.input_start) if dim is not None else 0
+        total = _stored(param, dim, self.input_size) if dim is not None else 0
+        _load_sharded(param, loaded_weight, dim, 0, size, start, total)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in/tp] -> [T, out]
         """This rank's partial sum, not reduced (the caller reduces: e.g. on another stream)."""

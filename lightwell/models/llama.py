@@ -110,6 +110,7 @@ class LlamaAttention(nn.Module):
             bias if o_bias is None else o_bias,
             reduce_results,
             quant_method=quant_method,
+            input_partition=self.qkv_proj.q_partition,
         )
         self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         self.rotary_emb = rotary_emb

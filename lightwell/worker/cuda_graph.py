@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -34,8 +35,13 @@ class CudaGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
+        forward_fn: Callable[..., torch.Tensor] | None = None,
     ) -> None:
+        """``forward_fn(input_ids, positions, meta) -> hidden``: what to capture (default: the
+        model under ``forward_context(meta)``; the runner passes its own, which may split the
+        batch for the dual-stream overlap)."""
         self.model = model
+        self.forward_fn = forward_fn or self._plain_forward
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -71,13 +77,13 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):
             meta = self._meta(size)
-            with forward_context(meta):
-                for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                    self.model(self.input_ids[:size], self.positions[:size])
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    out = self.model(self.input_ids[:size], self.positions[:size])
+            args = (self.input_ids[:size], self.positions[:size], meta)
+            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+                self.forward_fn(*args)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward_fn(*args)
             self.graphs[size] = graph
             self.outputs[size] = out
         torch.cuda.synchronize()
@@ -85,6 +91,15 @@ class CudaGraphRunner:
         logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s",
                     len(self.sizes), self.sizes, elapsed)
         return elapsed
+
+    def _plain_forward(
+        self,
+        input_ids: torch.Tensor,  # [B]
+        positions: torch.Tensor,  # [B]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [B, H]
+        with forward_context(meta):
+            return self.model(input_ids, positions)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return (

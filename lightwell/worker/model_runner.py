@@ -9,11 +9,12 @@ import torch
 from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
-from lightwell.attention.metadata import forward_context
+from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.layers.attention import Attention
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput
+from lightwell.worker.overlap import TwoBatchOverlap
 from lightwell.worker.sampler import Sampler, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata
 
@@ -31,8 +32,14 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
+        is_driver: bool = True,
     ) -> None:
+        """``is_driver``: this rank samples. Under tensor parallelism only rank 0 does; the
+        others compute the same logits (their share of the LM head's all-gather) and drop them:
+        the engine uses rank 0's tokens, and every rank learns them from the next step's
+        SchedulerOutput, so there is nothing for ranks to disagree on."""
         self.model = model
+        self.is_driver = is_driver
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -45,6 +52,7 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
+        self.overlap: TwoBatchOverlap | None = None  # set by the worker (--dual-stream)
 
     def set_attention_backend(self, name: str) -> None:
         """auto: Triton kernels on GPU, the torch reference on CPU."""
@@ -56,7 +64,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
         self.graphs = CudaGraphRunner(
-            self.model, max_batch, max_model_len, self.block_size, self.device
+            self.model, max_batch, max_model_len, self.block_size, self.device, self.forward
         )
         return self.graphs.capture()
 
@@ -85,8 +93,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inp.meta):
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)  # [R, H]
         else:
-            with forward_context(inp.meta):
-                hidden = self.model(inp.input_ids, inp.positions)  # [T, H]
+            hidden = self.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
         out = ModelRunnerOutput()
         if inp.sample_req_ids:
             self._sample(inp, hidden, out)
@@ -94,8 +101,21 @@ class ModelRunner:
             self._prompt_logprobs(inp, hidden, out)
         return out
 
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H]
+        if self.overlap is not None and self.overlap.applies(meta):
+            return self.overlap.forward(input_ids, positions, meta)
+        with forward_context(meta):
+            return self.model(input_ids, positions)
+
     def _sample(self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
+        if not self.is_driver:
+            return
         states = [self.batch.requests[r] for r in inp.sample_req_ids]
         meta = build_sampling_metadata(
             [s.sampling_params for s in states],
@@ -122,6 +142,8 @@ class ModelRunner:
             k = self.batch.requests[req_id].sampling_params.prompt_logprobs or 0
             idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
             logits = self.model.compute_logits(hidden[idx])  # [P, V]
+            if not self.is_driver:
+                continue
             target = torch.tensor(targets, dtype=torch.int64, device=self.device)
             out.prompt_logprobs[req_id] = compute_prompt_logprobs(logits, target, k)
 

@@ -34,11 +34,17 @@ class ModelInfo:
     extra: dict = field(default_factory=dict)
 
 
-def pick_device(choice: str) -> torch.device:
+def pick_device(choice: str, index: int | None = None) -> torch.device:
+    """``index``: the GPU to use (a tensor-parallel rank's own); default the current one."""
     if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise RuntimeError("--device cuda was asked for but no CUDA device is available")
-        return torch.device("cuda", torch.cuda.current_device())
+        if index is not None and index >= torch.cuda.device_count():
+            raise RuntimeError(
+                f"tensor-parallel rank {index} needs GPU {index}, but only "
+                f"{torch.cuda.device_count()} are visible"
+            )
+        return torch.device("cuda", torch.cuda.current_device() if index is None else index)
     return torch.device("cpu")
 
 
@@ -72,9 +78,8 @@ class Worker:
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format)
         )
-        self.device = pick_device(config.device.device)
-        if tp > 1 and self.device.type == "cuda":
-            self.device = torch.device("cuda", rank)
+        # Under TP rank r owns cuda:r (decided before any CUDA call, so no context on cuda:0).
+        self.device = pick_device(config.device.device, rank if tp > 1 else None)
         threads = config.device.num_threads
         if threads is None and tp > 1 and self.device.type == "cpu":
             threads = 1  # ranks share the cores: OpenMP spin-waits would collapse throughput

@@ -1,0 +1,291 @@
+"""Tensor parallelism on 2 GPUs (nvidia-h200-x2): all-reduce strategies, W1 at TP=1 and TP=2,
+TTFT of a 2,048-token prompt and decode step time at batch 64, per communication option, in two
+modes. One device call, about 8 minutes:
+
+    python3 benchmarks/gpu_tp.py --out $OUT/tp
+
+Modes (NCCL reads its environment at init, so every mode runs in its own subprocesses):
+- ``nvlink``: the machine as it is;
+- ``pcie-emulated``: NCCL_P2P_DISABLE=1 (NCCL goes through host memory, like a PCIe box
+  without peer access) and the peer-memory all-reduce off (``custom_all_reduce=False``).
+Per mode: the all-reduce table and a model-level check of every strategy (2 spawned ranks,
+``tp_allreduce.py``), then one subprocess per engine configuration (llama-3-8b shapes, dummy
+weights, bf16, max_num_seqs=64, max_num_batched_tokens=2048, 16 GiB of KV cache a rank).
+Every subprocess is time-boxed against one overall budget (--budget-s); each writes its rows
+to its own JSON file under --out as it goes, so a timeout keeps what was measured. The merged
+rows go to --out/gpu_tp.json and a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+FLOOR_TOK_S = 281.0  # W1 at TP=1: 15.01 GB / 4,221 GB/s
+MODE_ENV = {
+    "nvlink": {},
+    "pcie-emulated": {"NCCL_P2P_DISABLE": "1"},
+}
+COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# (label, engine options, stages), most important first: the budget cuts from the end.
+ENGINES = {
+    "nvlink": [
+        ("tp1", dict(tensor_parallel_size=1), ("w1", "ttft", "decode")),
+        ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
+        ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
+        ("tp2-auto-dual", dict(all_reduce="auto", dual_stream=True), ("w1", "ttft", "decode")),
+        ("tp2-oneshot", dict(all_reduce="oneshot"), ("ttft", "decode")),
+    ],
+    "pcie-emulated": [
+        ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
+        ("tp2-int8", dict(all_reduce="int8"), ("w1", "ttft", "decode")),
+        ("tp2-int8-dual", dict(all_reduce="int8", dual_stream=True), ("ttft", "decode")),
+        ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "decode")),
+        ("tp2-host", dict(all_reduce="host"), ("ttft", "decode")),
+    ],
+}
+ENGINE_CAP_S = 150  # one engine subprocess at most
+SHARE = {"nvlink": 0.55, "pcie-emulated": 0.45}
+
+
+# ---- one engine configuration (subprocess) -----------------------------------------------
+def rand_prompts(n: int, length: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(128256) for _ in range(length)]} for _ in range(n)]
+
+
+def make_llm(mode: str, options: dict, dual_min_tokens: int):
+    from lightwell import LLM
+
+    kw = dict(
+        load_format="dummy",
+        hf_config_json="llama-3-8b",
+        dtype="bfloat16",
+        max_num_seqs=64,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_gb=16.0,
+    )
+    if options.get("tensor_parallel_size", 2) == 2:
+        kw.update(
+            tensor_parallel_size=2,
+            custom_all_reduce=mode == "nvlink",
+            dual_stream_min_tokens=dual_min_tokens,
+        )
+    kw.update(options)
+    return LLM(**kw)
+
+
+def stage_w1(llm, emit) -> None:
+    from lightwell import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
+    llm.generate(
+        rand_prompts(1, 128, 99),
+        SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False),
+        use_tqdm=False,
+    )
+    rates, ttfts, tokens = [], [], None
+    for seed in (1, 2, 3):
+        out = llm.generate(rand_prompts(1, 128, seed), sp, use_tqdm=False)[0]
+        m = out.metrics
+        ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
+        rates.append(255 / (m.last_token_time - m.first_token_time))
+        tokens = tokens or out.outputs[0].token_ids[:32]
+    rate = statistics.median(rates)
+    emit("decode_tok_s", rate, workload="W1", floor=FLOOR_TOK_S, runs=rates, tokens=tokens)
+    emit("ttft_ms", statistics.median(ttfts), workload="W1", prompt_len=128, runs=ttfts)
+
+
+def stage_ttft(llm, emit) -> None:
+    from lightwell import SamplingParams
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    llm.generate(rand_prompts(1, 2048, 50), one, use_tqdm=False)  # warm-up
+    t = []
+    for seed in (51, 52, 53):
+        m = llm.generate(rand_prompts(1, 2048, seed), one, use_tqdm=False)[0].metrics
+        t.append(1e3 * (m.first_token_time - m.arrival_time))
+    emit("ttft_ms", statistics.median(t), workload="TTFT-2048", prompt_len=2048, runs=t)
+
+
+def stage_decode(llm, emit, batch: int = 64, steps: int = 24) -> None:
+    """Median wall time of one engine step with ``batch`` requests all decoding."""
+    from lightwell import SamplingParams
+
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(rand_prompts(batch, 128, 70)):
+        engine.add_request(f"dec{i}", p, sp, final_only=True)
+    while engine.scheduler.waiting or _prefilling(engine):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(1e3 * (time.perf_counter() - t0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    emit(
+        "decode_step_ms",
+        statistics.median(times),
+        workload="decode-batch64",
+        batch=batch,
+        runs=[round(x, 3) for x in times],
+    )
+
+
+def _prefilling(engine) -> bool:
+    return any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
+
+
+def run_engine(args: argparse.Namespace) -> int:
+    from results_io import record
+
+    mode, label = args.mode, args.engine
+    _, options, stages = next(e for e in ENGINES[mode] if e[0] == label)
+    rows: list[dict] = []
+    path = os.path.join(args.out, f"gpu_tp_{mode}_{label}.json")
+    tp = options.get("tensor_parallel_size", 2)
+    common = dict(
+        model="llama-3-8b",
+        dtype="bfloat16",
+        tp=tp,
+        mode=mode,
+        config=label,
+        options={k: v for k, v in options.items() if k != "tensor_parallel_size"},
+    )
+
+    def emit(metric: str, value: float, **fields) -> None:
+        rows.append(record(metric, value, **common, **fields))
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+        print(f"  [{mode} {label}] {metric} = {value:.4g}", flush=True)
+
+    t0 = time.perf_counter()
+    llm = make_llm(mode, options, args.dual_min_tokens)
+    emit("engine_start_s", time.perf_counter() - t0, workload="startup")
+    for stage in stages:
+        {"w1": stage_w1, "ttft": stage_ttft, "decode": stage_decode}[stage](llm, emit)
+    llm.engine.shutdown()
+    return 0
+
+
+# ---- all-reduce table + model check (subprocess, 2 spawned ranks) --------------------------
+def run_allreduce(args: argparse.Namespace) -> int:
+    import socket
+
+    import torch.multiprocessing as mp
+    from tp_allreduce import run_rank
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(args.out, f"gpu_tp_{args.mode}_allreduce.json")
+    mp.spawn(run_rank, args=(port, args.mode, out, args.deadline, args.stages), nprocs=2)
+    return 0
+
+
+# ---- driver ----------------------------------------------------------------------------------
+def child(args: argparse.Namespace, what: list[str], deadline: float, cap: float) -> None:
+    env = {**os.environ, **COMMON_ENV, **MODE_ENV[args.mode_now]}
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--out",
+        args.out,
+        "--mode",
+        args.mode_now,
+        "--deadline",
+        str(deadline),
+        "--stages",
+        args.stages,
+        "--dual-min-tokens",
+        str(args.dual_min_tokens),
+        *what,
+    ]
+    timeout = max(5.0, min(cap, deadline - time.time()))
+    t0 = time.time()
+    # Its own session, so a timeout ends it together with the rank processes it spawned.
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = "timeout"
+    print(
+        f"-- {args.mode_now} {' '.join(what) or 'allreduce'}: rc={rc} ({time.time() - t0:.0f} s)",
+        flush=True,
+    )
+
+
+def drive(args: argparse.Namespace) -> int:
+    os.makedirs(args.out, exist_ok=True)
+    start, modes = time.time(), args.modes.split(",")
+    end = start + args.budget_s
+    for i, mode in enumerate(modes):
+        args.mode_now = mode
+        share = sum(SHARE[m] for m in modes[: i + 1]) / sum(SHARE[m] for m in modes)
+        mode_end = start + args.budget_s * share
+        print(f"== mode {mode} (until +{mode_end - start:.0f} s)", flush=True)
+        if {"allreduce", "check"} & set(args.stages.split(",")):
+            child(args, [], min(mode_end, time.time() + args.allreduce_s), args.allreduce_s + 30)
+        for label, _, _ in ENGINES[mode]:
+            if label not in args.engines.split(",") and args.engines != "all":
+                continue
+            if mode_end - time.time() < 40:
+                print(f"-- {mode} {label}: skipped (budget)", flush=True)
+                continue
+            child(args, ["--engine", label], min(end, mode_end + 20), ENGINE_CAP_S)
+    rows = []
+    for path in sorted(glob.glob(os.path.join(args.out, "gpu_tp_*.json"))):
+        with open(path) as f:
+            rows.extend(json.load(f))
+    with open(os.path.join(args.out, "gpu_tp.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    from tp_report import print_tables
+
+    print_tables(rows)
+    print(f"total {time.time() - start:.0f} s; {len(rows)} rows in {args.out}/gpu_tp.json")
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", required=True, help="folder for the JSON results")
+    ap.add_argument("--modes", default="nvlink,pcie-emulated")
+    ap.add_argument(
+        "--stages",
+        default="allreduce,check",
+        help="stages of the 2-rank subprocess: allreduce, check",
+    )
+    ap.add_argument("--engines", default="all", help="engine labels to run (default all)")
+    ap.add_argument("--budget-s", type=float, default=470.0, help="the whole run's time box")
+    ap.add_argument("--allreduce-s", type=float, default=60.0)
+    ap.add_argument("--dual-min-tokens", type=int, default=64)
+    ap.add_argument("--mode", help=argparse.SUPPRESS)
+    ap.add_argument("--engine", help=argparse.SUPPRESS)
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.mode is None:
+        return drive(args)
+    if args.engine is None:
+        return run_allreduce(args)
+    return run_engine(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""Stage of benchmarks/gpu_tp.py run in 2 spawned processes (one per GPU): the all-reduce table
+and a model-level check of every strategy and of the dual-stream forward.
+
+Table: per strategy and message size (tokens x 4096 bf16), eager and (up to 512 tokens) inside
+a CUDA graph, the median time per all-reduce, with the error against the exact fp32 sum.
+Check: a small random Llama (fp32) at TP=2; each strategy's logits against NCCL's, and the
+two-micro-batch forward on a second CUDA stream against the plain forward.
+Rank 0 appends rows to ``out`` (a JSON list) as it goes; every part is time-boxed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from results_io import record  # noqa: E402
+
+HIDDEN = 4096
+TOKENS = [1, 8, 32, 128, 512, 2048, 8192]
+GRAPH_MAX_TOKENS = 512
+CHECK_MODEL = json.dumps(  # llama-3-8b's config with small shapes
+    {
+        "preset": "llama-3-8b",
+        "hidden_size": 1024,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+    }
+)
+
+
+def emit(out: str, rows: list, metric: str, value: float, **fields) -> None:
+    rows.append(record(metric, value, **fields))
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+
+
+def _inputs(tokens: int, rank: int) -> torch.Tensor:  # [tokens, HIDDEN] bf16 on this GPU
+    g = torch.Generator(device="cuda").manual_seed(17 + 1000 * rank + tokens)
+    return torch.randn(tokens, HIDDEN, device="cuda", generator=g).to(torch.bfloat16)
+
+
+def _time_eager(fn, x: torch.Tensor, iters: int) -> float:  # us per call
+    import torch.distributed as dist
+
+    for _ in range(3):
+        fn(x.clone())
+    samples = []
+    for _ in range(3):
+        xs = [x.clone() for _ in range(iters)]
+        dist.barrier()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for xi in xs:
+            fn(xi)
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(samples)
+
+
+def _time_graph(fn, x: torch.Tensor, per_graph: int = 8) -> float:  # us per call, replayed
+    xs = [x.clone() for _ in range(per_graph)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for xi in xs:  # warm-up outside the capture (lazy init, NCCL registration)
+            fn(xi)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for xi in xs:
+            fn(xi)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (10 * per_graph)
+
+
+def _strategies(ctx, mode: str) -> dict:
+    from lightwell.distributed.comm import create_strategy, is_available
+
+    big = 8192 * HIDDEN * 2
+    out = {"nccl": create_strategy("nccl", ctx)}
+    if mode == "nvlink" and is_available("oneshot", ctx):
+        peer = create_strategy("oneshot", ctx, max_bytes=big)
+        out["oneshot-1shot"], out["oneshot-2shot"] = peer.one_shot, peer.two_shot
+    out["int8"] = create_strategy("int8", ctx)
+    out["host"] = create_strategy("host", ctx, max_bytes=big)
+    return {k: (v.all_reduce if hasattr(v, "all_reduce") else v) for k, v in out.items()}
+
+
+def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: float) -> None:
+    for name, fn in _strategies(ctx, mode).items():
+        for tokens in TOKENS:
+            if time.time() > deadline:
+                return
+            x = _inputs(tokens, rank)
+            exact = _inputs(tokens, 0).float() + _inputs(tokens, 1).float()
+            err = fn(x.clone()).float() - exact
+            rel = (err.norm() / exact.norm()).item()
+            ok = rel < (0.03 if name == "int8" else 5e-3)
+            iters = 50 if tokens <= 512 else 10
+            timings = {"eager": _time_eager(fn, x, iters)}
+            if tokens <= GRAPH_MAX_TOKENS and name != "host":
+                timings["graph"] = _time_graph(fn, x)
+            if rank == 0:
+                for how, us in timings.items():
+                    emit(
+                        out,
+                        rows,
+                        "allreduce_us",
+                        us,
+                        workload="allreduce",
+                        mode=mode,
+                        tp=2,
+                        strategy=name,
+                        launch=how,
+                        tokens=tokens,
+                        bytes=tokens * HIDDEN * 2,
+                        dtype="bfloat16",
+                        rel_err=rel,
+                        max_abs_err=err.abs().max().item(),
+                        correct=ok,
+                    )
+                print(
+                    f"  {mode} {name:14s} {tokens:5d} tok  "
+                    + "  ".join(f"{k} {v:8.1f} us" for k, v in timings.items())
+                    + f"  rel_err {rel:.1e}",
+                    flush=True,
+                )
+
+
+def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
+    """Logits of one prefill batch (3 requests, 700 tokens) per strategy, vs NCCL's."""
+    from lightwell.distributed.comm.selector import AllReduceSelector
+    from lightwell.distributed.parallel_state import set_tp_all_reduce
+    from lightwell.models.hf_config import load_hf_config
+    from lightwell.models.loader import load_model
+    from lightwell.worker.model_runner import ModelRunner
+    from lightwell.worker.overlap import TwoBatchOverlap
+
+    hf = load_hf_config(None, CHECK_MODEL)
+    model = load_model(None, hf, torch.float32, ctx.device, load_format="dummy", seed=5)
+    runner = ModelRunner(
+        model,
+        block_size=16,
+        vocab_size=hf.vocab_size,
+        eos_token_id=None,
+        device=ctx.device,
+        dtype=torch.float32,
+    )
+    runner.set_attention_backend("triton")
+    runner.init_kv_cache(128)
+    choices = ["nccl", "auto", "oneshot", "int8", "host", "nccl+dual"]
+    if mode != "nvlink":
+        choices = [c for c in choices if c not in ("auto", "oneshot")]
+    ref = None
+    for step, choice in enumerate(choices):
+        name = choice.split("+")[0]
+        set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20))
+        runner.overlap = (
+            TwoBatchOverlap(model, 2, torch.cuda.Stream()) if choice.endswith("+dual") else None
+        )
+        logits = _prefill_logits(runner, step)  # [3, V]
+        if ref is None:
+            ref = logits
+        rel = ((logits - ref).norm() / ref.norm()).item()
+        same = bool((logits.argmax(-1) == ref.argmax(-1)).all())
+        if rank == 0:
+            emit(
+                out,
+                rows,
+                "logits_rel_err",
+                rel,
+                workload="check",
+                mode=mode,
+                tp=2,
+                strategy=choice,
+                argmax_equal=same,
+                model="llama-1024x4-random",
+                dtype="float32",
+            )
+            print(
+                f"  check {mode} {choice:10s} logits rel err vs nccl {rel:.2e}  "
+                f"argmax equal {same}",
+                flush=True,
+            )
+
+
+def _prefill_logits(runner, step: int) -> torch.Tensor:
+    from lightwell.scheduler.output import NewRequestData, SchedulerOutput
+    from lightwell.types import SamplingParams
+
+    lens, reqs, blocks = [300, 150, 250], [], 0
+    g = torch.Generator().manual_seed(3)
+    for i, n in enumerate(lens):
+        ids = torch.randint(0, 32000, (n,), generator=g).tolist()
+        need = -(-n // 16)
+        reqs.append(
+            NewRequestData(
+                f"s{step}r{i}",
+                ids,
+                n,
+                SamplingParams(max_tokens=1),
+                list(range(blocks, blocks + need)),
+                0,
+            )
+        )
+        blocks += need
+    done = {f"s{step - 1}r{i}" for i in range(3)} if step else set()
+    sched = SchedulerOutput(reqs, [], {r.req_id: len(r.token_ids) for r in reqs}, sum(lens), done)
+    with torch.inference_mode():
+        runner.batch.apply(sched)
+        inp = runner.batch.prepare(sched)
+        hidden = runner.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+        return runner.model.compute_logits(hidden[inp.logits_indices])  # [3, V]
+
+
+def run_rank(rank: int, port: int, mode: str, out: str, deadline: float, stages: str) -> None:
+    import torch.distributed as dist
+
+    from lightwell.distributed.comm import CommContext
+    from lightwell.distributed.launch import init_distributed
+    from lightwell.distributed.parallel_state import get_tp_cpu_group, get_tp_group
+
+    device = torch.device("cuda", rank)
+    init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", device)
+    ctx = CommContext(rank, 2, get_tp_group(), get_tp_cpu_group(), device)
+    rows: list = []
+    if "allreduce" in stages:
+        allreduce_table(rank, ctx, mode, out, rows, deadline - 25)
+    if "check" in stages and time.time() < deadline - 10:
+        model_check(rank, ctx, mode, out, rows)
+    dist.barrier()
+    dist.destroy_process_group()

@@ -1,0 +1,42 @@
+"""The all-reduce strategy interface and the context every strategy is built from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class CommContext:
+    """Where a strategy runs: this rank, the group size, the groups and the device."""
+
+    rank: int
+    size: int
+    group: Any  # the device group: NCCL on GPU, gloo on CPU
+    cpu_group: Any  # a gloo group over the same ranks (host-side handshakes)
+    device: torch.device
+
+
+class AllReduceStrategy(Protocol):
+    """Sums a tensor over the tensor-parallel group.
+
+    Every rank calls ``all_reduce`` with a tensor of the same shape and dtype, in the same
+    order; the result is identical on every rank. ``all_reduce`` may reduce ``x`` in place or
+    return a new tensor: callers use the returned one. ``graph_safe``: the strategy may be
+    captured in a CUDA graph (no host synchronisation inside).
+    """
+
+    name: str
+    graph_safe: bool
+
+    def supports(self, x: torch.Tensor) -> bool: ...
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def message_bytes(x: torch.Tensor) -> int:
+    return x.numel() * x.element_size()

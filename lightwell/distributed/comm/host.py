@@ -1,0 +1,121 @@
+"""Host all-reduce: through a shared-memory buffer that every rank maps (2-8 ranks).
+
+Per call, with the buffers of this call's parity (calls alternate between two sets, so a rank
+that runs ahead into the next call never overwrites what a slower rank still reads):
+    1. device -> host: each rank copies its tensor into its slot (pinned, /dev/shm-backed)
+    2. barrier
+    3. rank r sums chunk r of every slot in fp32 (vectorised torch on CPU; the ranks sum their
+       chunks in parallel, one CPU thread each) and writes it to the result buffer
+    4. barrier
+    5. host -> device: each rank copies the whole result back
+Barriers are per-rank counters in the same shared memory, spun on with ``sched_yield`` (no
+sockets on the hot path), with a timeout so a dead peer raises instead of hanging.
+
+Not capturable in a CUDA graph (host synchronisation): the selector uses NCCL inside captures.
+The counters rely on the host's store order (x86 TSO): data is written before the counter.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from lightwell.distributed.comm.base import CommContext, message_bytes
+
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+BARRIER_TIMEOUT_S = 120.0
+_FLAG_STRIDE = 8  # int64s per rank counter: one 64-byte cache line each
+
+
+class HostAllReduce:
+    name = "host"
+    graph_safe = False
+
+    def __init__(self, ctx: CommContext, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.rank, self.size = ctx.rank, ctx.size
+        self.max_bytes = -(-max_bytes // 64) * 64
+        self.flag_bytes = 64 * self.size
+        self.set_bytes = (self.size + 1) * self.max_bytes  # n input slots + 1 result
+        total = self.flag_bytes + 2 * self.set_bytes
+        self.memory = _map_shared(ctx, total)  # uint8 [total]
+        self.flags = self.memory[: self.flag_bytes].view(torch.int64).numpy()
+        self.flags = self.flags.reshape(self.size, _FLAG_STRIDE)
+        self.registered = _pin(self.memory) if ctx.device.type == "cuda" else False
+        self.calls = 0
+
+    @staticmethod
+    def available(ctx: CommContext) -> bool:
+        return 2 <= ctx.size <= 8
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return x.is_floating_point() and message_bytes(x) <= self.max_bytes
+
+    def _view(self, parity: int, slot: int, x: torch.Tensor) -> torch.Tensor:  # [N] x.dtype
+        start = self.flag_bytes + parity * self.set_bytes + slot * self.max_bytes
+        return self.memory[start : start + message_bytes(x)].view(x.dtype)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parity, n = self.calls % 2, x.numel()
+        self.calls += 1
+        self._view(parity, self.rank, x).copy_(x.reshape(-1))  # device -> host
+        self._barrier(2 * self.calls - 1)
+        chunk = -(-n // self.size)
+        a, b = min(self.rank * chunk, n), min((self.rank + 1) * chunk, n)
+        if b > a:
+            acc = self._view(parity, 0, x)[a:b].float()
+            for peer in range(1, self.size):
+                acc += self._view(parity, peer, x)[a:b]
+            self._view(parity, self.size, x)[a:b].copy_(acc)
+        self._barrier(2 * self.calls)
+        out = torch.empty_like(x)
+        out.view(-1).copy_(self._view(parity, self.size, x))  # host -> device
+        return out
+
+    def _barrier(self, target: int) -> None:
+        self.flags[self.rank, 0] = target
+        deadline = None
+        for peer in range(self.size):
+            while self.flags[peer, 0] < target:
+                if deadline is None:
+                    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+                elif time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"host all-reduce: rank {peer} did not arrive within "
+                        f"{BARRIER_TIMEOUT_S:.0f} s (is it alive?)"
+                    )
+                os.sched_yield()
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
+            self.registered = False
+        self.flags = None
+        self.memory = None
+
+
+def _map_shared(ctx: CommContext, nbytes: int) -> torch.Tensor:
+    """A zeroed file-backed buffer mapped by every rank; the file is gone once all have it."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    names = [os.path.join(folder, f"lightwell-ar-{uuid.uuid4().hex}")] if ctx.rank == 0 else [None]
+    if ctx.rank == 0:
+        with open(names[0], "wb") as f:
+            f.truncate(nbytes)
+    dist.broadcast_object_list(
+        names, src=dist.get_global_rank(ctx.cpu_group, 0), group=ctx.cpu_group
+    )
+    memory = torch.from_file(names[0], shared=True, size=nbytes, dtype=torch.uint8)
+    dist.barrier(group=ctx.cpu_group)
+    if ctx.rank == 0:
+        os.unlink(names[0])
+    return memory
+
+
+def _pin(memory: torch.Tensor) -> bool:
+    """Page-lock the mapping so device<->host copies run at full PCIe speed."""
+    err = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+    return int(getattr(err, "value", err)) == 0

@@ -1,0 +1,99 @@
+"""Pick the all-reduce strategy per call, by the option asked for, message size and backend.
+
+The rule (``--all-reduce``):
+- auto, GPU: messages of at most ``AUTO_PEER_MAX_BYTES`` go to the peer-memory strategy
+  (``oneshot``: one-shot up to 256 KB, two-shot above) when it is available and
+  ``--custom-all-reduce`` is on; everything else to NCCL. int8 (lossy) and host are never
+  chosen by auto: on a box without peer access they are the options to try (docs/parallelism.md).
+- auto, CPU: the gloo process group's all-reduce.
+- nccl / gloo: always that one.
+- oneshot: peer memory for every message that fits its buffer (sized to the largest step),
+  NCCL for the rest.
+- int8: always int8.
+- host: always host, except inside a CUDA-graph capture (it synchronises with the host), where
+  NCCL is used: decode steps replayed from graphs then run NCCL.
+A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
+sees the same shape, dtype and capture state, so every rank picks the same strategy.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from lightwell.distributed.comm import create_strategy, is_available
+from lightwell.distributed.comm.base import AllReduceStrategy, CommContext
+
+logger = logging.getLogger(__name__)
+
+AUTO_PEER_MAX_BYTES = 1 << 20  # 128 tokens x 4096 bf16; tune from benchmarks/gpu_tp.py
+
+
+class AllReduceSelector:
+    """An ``AllReduceStrategy`` that forwards each call to the strategy the rule picks."""
+
+    name = "selector"
+    graph_safe = True
+
+    def __init__(
+        self,
+        ctx: CommContext,
+        choice: str = "auto",
+        custom_all_reduce: bool = True,
+        max_bytes: int = 16 << 20,
+    ) -> None:
+        """``max_bytes``: the largest message expected (the step's token budget x hidden x
+        dtype size); buffers of the strategies that need one are sized from it."""
+        self.choice = choice
+        self.fallback: AllReduceStrategy = create_strategy(
+            "gloo" if choice == "gloo" else "nccl", ctx
+        )
+        self.preferred: list[AllReduceStrategy] = []
+        for name, options in _preferred(ctx, choice, custom_all_reduce, max_bytes):
+            if is_available(name, ctx):
+                self.preferred.append(create_strategy(name, ctx, **options))
+            elif choice == name:
+                logger.warning(
+                    "all-reduce %r is not available on %s: using %s instead",
+                    name,
+                    ctx.device,
+                    self.fallback.name,
+                )
+
+    def pick(self, x: torch.Tensor) -> AllReduceStrategy:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        for strategy in self.preferred:
+            if strategy.supports(x) and (strategy.graph_safe or not capturing):
+                return strategy
+        return self.fallback
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return True
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pick(x).all_reduce(x)
+
+    def describe(self) -> str:
+        return " > ".join(s.name for s in [*self.preferred, self.fallback])
+
+    def close(self) -> None:
+        for strategy in [*self.preferred, self.fallback]:
+            strategy.close()
+        self.preferred = []
+
+
+def _preferred(
+    ctx: CommContext, choice: str, custom: bool, max_bytes: int
+) -> list[tuple[str, dict]]:
+    if choice == "auto":
+        if ctx.device.type != "cuda" or not custom:
+            return []
+        return [("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
+    if choice == "oneshot":
+        return [("oneshot", {"max_bytes": max_bytes})]
+    if choice == "host":
+        return [("host", {"max_bytes": max_bytes})]
+    if choice == "int8":
+        return [("int8", {})]
+    return []  # nccl, gloo: the fallback itself

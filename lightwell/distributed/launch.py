@@ -1,0 +1,85 @@
+"""Join this process to the tensor-parallel group and set up its all-reduce strategies.
+
+Called by each rank's worker (rank 0 in the engine's process, the others in their own):
+NCCL for device tensors on GPU plus a gloo group for host-side handshakes; gloo alone on CPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+from lightwell.distributed import parallel_state as ps
+
+# Set before the process group exists: never NVLink SHARP / multicast (NCCL's NVLS and torch
+# symmetric memory's multimem), which the lent machines cannot use.
+COMM_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def init_distributed(rank: int, size: int, init_method: str, device: torch.device) -> None:
+    """``init_process_group`` for rank ``rank`` of ``size`` and record the TP groups."""
+    import torch.distributed as dist
+
+    os.environ.update(COMM_ENV)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(
+            "nccl",
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=TIMEOUT,
+            device_id=device,
+        )
+        cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+    else:
+        dist.init_process_group(
+            "gloo", init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT
+        )
+        cpu_group = dist.group.WORLD
+    ps.init_tp_group(rank, size, dist.group.WORLD, cpu_group)
+
+
+def init_all_reduce(
+    device: torch.device, choice: str, custom_all_reduce: bool, max_bytes: int
+) -> None:
+    """Build the selector of ``lightwell.distributed.comm`` and route ``tp_all_reduce`` to it
+    (a collective: every rank calls it at the same point)."""
+    from lightwell.distributed.comm import CommContext
+    from lightwell.distributed.comm.selector import AllReduceSelector
+
+    if ps.get_tp_size() == 1 or ps.get_tp_all_reduce() is not None:
+        return
+    ctx = CommContext(
+        ps.get_tp_rank(), ps.get_tp_size(), ps.get_tp_group(), ps.get_tp_cpu_group(), device
+    )
+    ps.set_tp_all_reduce(AllReduceSelector(ctx, choice, custom_all_reduce, max_bytes))
+
+
+def shutdown_distributed() -> None:
+    """Close the strategies' buffers and leave the process group."""
+    import torch.distributed as dist
+
+    strategy = ps.get_tp_all_reduce()
+    if strategy is not None:
+        strategy.close()
+    ps.reset_tp_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort_distributed() -> None:
+    """Make pending collectives of this process fail now (a peer died): best effort."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()
+        except Exception:  # noqa: BLE001 - already failing; nothing better to do
+            pass

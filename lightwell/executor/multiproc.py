@@ -1,0 +1,232 @@
+"""The tensor-parallel executor: one process per rank, rank 0 in the engine's process.
+
+Rank r > 0 runs ``worker_proc.worker_main`` in a spawned process and takes typed commands
+(``messages``) from a pipe; rank 0 sends each command to every worker, runs it itself, and
+collects the replies. Steps (``ExecuteModel``) get no reply: the ranks meet in the model's
+collectives, and rank 0's sampled tokens are the step's output (only rank 0 samples).
+
+Failures: a worker that raises sends its traceback and exits; a monitor thread notices any
+worker process ending and, under NCCL, aborts rank 0's process group so a collective blocked on
+the dead peer fails (gloo fails on its own when the peer's sockets close). Rank 0 then raises a
+``WorkerError`` carrying the worker's traceback instead of hanging. At start-up rank 0 joins the
+process group only once every worker has reported ``Started`` (so a worker that cannot even
+import, e.g. a script without the ``if __name__ == "__main__"`` guard that spawn needs, fails
+fast instead of leaving rank 0 in the rendezvous).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from lightwell.config import EngineConfig
+from lightwell.executor.messages import (
+    Command,
+    DetermineNumBlocks,
+    ExecuteModel,
+    Failure,
+    InitKVCache,
+    LoadModel,
+    Ready,
+    Result,
+    Shutdown,
+    Started,
+    WorkerError,
+)
+from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+FAILURE_GRACE_S = 2.0  # after rank 0 fails: how long a worker has to show it failed too
+FAILURE_WAIT_S = 10.0  # how long to wait for a dead worker's traceback
+SHUTDOWN_WAIT_S = 15.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        import torch.multiprocessing as mp
+
+        from lightwell.distributed.launch import COMM_ENV
+        from lightwell.executor.worker_proc import worker_main
+
+        _check_devices(config)
+        os.environ.update(COMM_ENV)  # inherited by the spawned workers, set before any init
+        self.config = config
+        self.worker = None
+        self.closing = False
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        for rank in range(1, config.parallel.tensor_parallel_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(config, rank, init_method, child),
+                name=f"lightwell-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        threading.Thread(target=self._watch, name="lightwell-tp-monitor", daemon=True).start()
+        try:
+            self._wait_started()
+            self.worker = self._run_local(lambda: _make_worker(config, init_method))
+            for conn in self.conns:
+                self._recv(conn, Ready)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- the Executor interface ---------------------------------------------------------------
+    def load_model(self) -> Any:
+        info, _ = self._call(LoadModel(), self.worker.load_model)
+        return info
+
+    def determine_num_blocks(self, resolved: EngineConfig) -> int:
+        """The smallest count over the ranks: every rank must hold every block."""
+        mine, theirs = self._call(
+            DetermineNumBlocks(resolved), lambda: self.worker.determine_num_blocks(resolved)
+        )
+        return min([mine, *theirs])
+
+    def kv_bytes_per_block(self) -> int:
+        return self.worker.runner.kv_bytes_per_block()
+
+    def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
+        self._call(
+            InitKVCache(num_blocks, resolved),
+            lambda: self.worker.init_kv_cache(num_blocks, resolved),
+        )
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._send_all(ExecuteModel(sched))
+        return self._run_local(lambda: self.worker.execute_model(sched))
+
+    def shutdown(self) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        for conn in self.conns:
+            try:
+                conn.send(Shutdown())
+            except OSError:
+                pass
+        if self.worker is not None:
+            self.worker.shutdown()
+            self.worker = None
+        for proc, conn in zip(self.procs, self.conns):
+            proc.join(SHUTDOWN_WAIT_S)
+            if proc.is_alive():
+                logger.warning("tensor-parallel worker %s did not stop: terminating", proc.name)
+                proc.terminate()
+                proc.join(2.0)
+            conn.close()
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    def _wait_started(self) -> None:
+        """A worker that cannot start fails here, not later inside the group's rendezvous."""
+        try:
+            for conn in self.conns:
+                self._recv(conn, Started)
+        except WorkerError as e:
+            raise WorkerError(
+                f"{e}. A tensor-parallel worker could not start: workers are spawned, so a "
+                "script that builds the engine must do so under `if __name__ == '__main__':`"
+            ) from e
+
+    def _call(self, msg: Command, local: Callable[[], Any]) -> tuple[Any, list[Any]]:
+        """Send ``msg`` to every worker, run ``local`` here, then collect the workers' replies."""
+        self._send_all(msg)
+        mine = self._run_local(local)
+        return mine, [self._recv(conn, Result).value for conn in self.conns]
+
+    def _send_all(self, msg: Command) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(msg)
+            except OSError as e:
+                raise self._worker_failure() or WorkerError("a worker process is gone") from e
+
+    def _run_local(self, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:
+            failure = self._worker_failure()
+            if failure is None:
+                raise
+            raise failure from e
+
+    def _recv(self, conn: Connection, kind: type) -> Any:
+        try:
+            reply = conn.recv()
+        except (EOFError, OSError) as e:
+            raise self._worker_failure() or WorkerError("a worker process died") from e
+        if isinstance(reply, Failure):
+            raise reply.error()
+        if not isinstance(reply, kind):
+            raise WorkerError(f"expected {kind.__name__} from a worker, got {reply!r}")
+        return reply
+
+    def _worker_failure(self) -> WorkerError | None:
+        """The first failed worker's error, waiting briefly for it to arrive; None if every
+        worker stays alive and silent (the failure was rank 0's own)."""
+        sentinels = [p.sentinel for p in self.procs]
+        if not wait([*self.conns, *sentinels], timeout=FAILURE_GRACE_S):
+            return None
+        for conn, proc in zip(self.conns, self.procs):
+            gone = not proc.is_alive()
+            try:
+                if conn.poll(FAILURE_WAIT_S if gone else 0.0):
+                    msg = conn.recv()
+                    if isinstance(msg, Failure):
+                        return msg.error()
+            except (EOFError, OSError):
+                gone = True  # its end of the pipe closed: it is exiting
+            if gone:
+                proc.join(FAILURE_WAIT_S)
+                return WorkerError(f"worker {proc.name} exited with code {proc.exitcode}")
+        return None
+
+    def _watch(self) -> None:
+        """Monitor thread: when a worker process ends unexpectedly, unblock rank 0."""
+        wait([p.sentinel for p in self.procs])
+        if self.closing:
+            return
+        logger.error("a tensor-parallel worker process ended unexpectedly")
+        if self.worker is not None and self.worker.device.type == "cuda":
+            from lightwell.distributed.launch import abort_distributed
+
+            abort_distributed()
+
+
+def _make_worker(config: EngineConfig, init_method: str) -> Any:
+    from lightwell.worker.worker import Worker
+
+    return Worker(config, 0, init_method)
+
+
+def _check_devices(config: EngineConfig) -> None:
+    """Every rank needs its own GPU (checked here: a rank failing later would do so while
+    rank 0 waits in the group's rendezvous)."""
+    import torch
+
+    tp, device = config.parallel.tensor_parallel_size, config.device.device
+    if device == "cpu" or not torch.cuda.is_available():
+        return
+    if tp > torch.cuda.device_count():
+        raise ValueError(
+            f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible"
+        )

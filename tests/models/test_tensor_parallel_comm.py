@@ -1,0 +1,148 @@
+"""All-reduce strategies over 2 CPU processes (gloo): each one available on CPU against the exact
+sum of random tensors; int8's error within its bound; the selector's picks; and the two-micro-
+batch forward of a TP=2 model (row-parallel partial sums + all-reduce, biases on rank 0) equal
+to the plain forward."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.models.test_tensor_parallel import _free_port
+
+WORLD = 2
+SHAPES = [(1, 576), (7, 576), (33, 1000), (5,)]  # odd sizes: padding, uneven chunks
+EXACT = ("nccl", "gloo", "host")
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + sum(shape))
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _exact(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fp32 sum of all ranks
+    return sum(_inputs(shape, dtype, r).float() for r in range(WORLD))
+
+
+def int8_bound(shape: tuple[int, ...], exact: torch.Tensor) -> torch.Tensor:
+    """Per element: half a quantization step of every rank's input group, plus half a step of
+    the reduced group (whose absmax is at most the exact one plus the first error)."""
+    from lightwell.distributed.comm.int8 import GROUP
+
+    def group_amax(x: torch.Tensor) -> torch.Tensor:  # [N] -> [N]: absmax of x's group
+        n = x.numel()
+        padded = torch.nn.functional.pad(x.reshape(-1).abs(), (0, -n % GROUP))
+        return padded.view(-1, GROUP).amax(-1).repeat_interleave(GROUP)[:n]
+
+    first = sum(group_amax(_inputs(shape, torch.float32, r)) for r in range(WORLD)) / 254
+    second = (group_amax(exact) + first) / 254
+    return ((first + second) * 1.001 + 1e-6).view(shape)
+
+
+def _check_strategies(rank: int, ctx) -> None:
+    from lightwell.distributed.comm import create_strategy, is_available
+
+    assert not is_available("oneshot", ctx)  # peer memory is CUDA-only: skipped on CPU
+    for name in (*EXACT, "int8"):
+        strategy = create_strategy(name, ctx)
+        for shape in SHAPES:
+            for dtype in (torch.float32, torch.bfloat16):
+                exact = _exact(shape, dtype)
+                got = strategy.all_reduce(_inputs(shape, dtype, rank))
+                assert got.shape == shape and got.dtype == dtype, (name, shape)
+                if name in EXACT and dtype == torch.float32:
+                    assert torch.equal(got, exact), (name, shape)
+                elif name in EXACT:
+                    assert torch.equal(got, exact.to(dtype)), (name, shape)
+                elif dtype == torch.float32:
+                    err = (got - exact).abs()
+                    assert (err <= int8_bound(shape, exact)).all(), (shape, err.max())
+                    assert err.norm() / exact.norm() < 0.015, shape
+                else:
+                    assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
+        strategy.close()
+
+
+def _check_selector(rank: int, ctx) -> None:
+    from lightwell.distributed.comm.selector import AllReduceSelector
+
+    x = torch.ones(4, 576)
+    for choice, picked in (
+        ("auto", "nccl"),
+        ("int8", "int8"),
+        ("host", "host"),
+        ("oneshot", "nccl"),
+        ("gloo", "gloo"),
+    ):
+        sel = AllReduceSelector(ctx, choice, max_bytes=1 << 16)
+        assert sel.pick(x).name == picked, (choice, sel.describe())
+        assert torch.equal(sel.all_reduce(x.clone()), 2 * x), choice
+        sel.close()
+    host = AllReduceSelector(ctx, "host", max_bytes=1 << 10)
+    assert host.pick(x).name == "nccl"  # larger than its buffer: the fallback
+    host.close()
+
+
+# (query_lens, seq_lens) per step for requests a, b, c (blocks of 4 tokens, tables below):
+# prefill a + b (the split, token 8, falls inside a), decode a + b (split between requests),
+# then decode a + b with a prefill of c (split inside c).
+STEPS = [([11, 6], [11, 6]), ([1, 1], [12, 7]), ([1, 1, 9], [13, 8, 9])]
+TABLES = [[3, 9, 1, 12], [7, 2], [5, 0, 14]]
+
+
+def _check_two_batch(rank: int, folder: str) -> None:
+    from lightwell.attention.metadata import forward_context
+    from lightwell.attention.micro_batch import split_batch
+    from lightwell.distributed.overlap import CommStream
+    from lightwell.models.two_batch import supports_two_batch, two_batch_forward
+    from tests.models.paged import bind_kv_caches, build_metadata
+    from tests.models.tiny import load_ours
+
+    plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
+    assert supports_two_batch(split)
+    for model in (plain, split):
+        bind_kv_caches(model, 16, 4, torch.float32, torch.device("cpu"))
+    for step, (query_lens, seq_lens) in enumerate(STEPS):
+        tables = TABLES[: len(query_lens)]
+        meta, pos = build_metadata(query_lens, seq_lens, tables, 4, torch.device("cpu"))
+        ids = torch.arange(sum(query_lens)) + 3 * step
+        with torch.no_grad(), forward_context(meta):
+            want = plain(ids, pos)  # [T, H]
+        with torch.no_grad():
+            got = two_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _run(rank: int, port: int, folder: str) -> None:
+    import torch.distributed as dist
+
+    from lightwell.distributed.comm import CommContext
+    from lightwell.distributed.parallel_state import init_tp_group
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    group = dist.group.WORLD
+    init_tp_group(rank, WORLD, group)
+    ctx = CommContext(rank, WORLD, group, group, torch.device("cpu"))
+    _check_strategies(rank, ctx)
+    _check_selector(rank, ctx)
+    _check_two_batch(rank, folder)
+    dist.destroy_process_group()
+
+
+def test_all_reduce_strategies_and_two_batch_tp2(tmp_path):
+    import torch.multiprocessing as mp
+
+    from tests.models.tiny import hf_tiny_model, save_hf, tiny_config
+
+    cfg = tiny_config("base", num_key_value_heads=2, attention_bias=True, mlp_bias=True)
+    folder = save_hf(hf_tiny_model(cfg, seed=3), str(tmp_path / "tiny"))
+    torch.set_num_threads(1)
+    for attempt in range(2):  # a free port can be taken by another process before we bind it
+        try:
+            mp.spawn(_run, args=(_free_port(), folder), nprocs=WORLD, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if attempt or "address already in use" not in str(e).lower():
+                raise
