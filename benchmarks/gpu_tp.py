@@ -178,7 +178,8 @@ def run_engine(args: argparse.Namespace) -> int:
     for stage in stages:
         {"w1": stage_w1, "ttft": stage_ttft, "decode": stage_decode}[stage](llm, emit)
     llm.engine.shutdown()
-    return 0
+    sys.stdout.flush()
+    os._exit(0)  # results are on disk; never wait on NCCL/CUDA teardown at interpreter exit
 
 
 # ---- all-reduce table + model check (subprocess, 2 spawned ranks) --------------------------

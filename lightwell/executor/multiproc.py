@@ -124,9 +124,15 @@ class MultiprocExecutor:
                 conn.send(Shutdown())
             except OSError:
                 pass
-        if self.worker is not None:
-            self.worker.shutdown()
-            self.worker = None
+        worker, self.worker = self.worker, None
+        if worker is not None:
+            # Leaving the process group can block in NCCL teardown: never let it hang exit.
+            done = threading.Thread(target=worker.shutdown, name="lightwell-tp-exit", daemon=True)
+            done.start()
+            done.join(SHUTDOWN_WAIT_S)
+            if done.is_alive():
+                logger.warning("rank 0 did not leave the process group within %.0f s",
+                               SHUTDOWN_WAIT_S)
         for proc, conn in zip(self.procs, self.conns):
             proc.join(SHUTDOWN_WAIT_S)
             if proc.is_alive():
