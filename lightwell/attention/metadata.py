@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     num_decodes: int = 0  # requests with query_len == 1 come first in decode-heavy batches
+    # Per-step scratch for backends: what the first layer derives from this metadata (a plan,
+    # masks, gather indices) is kept here and reused by every other layer of the step.
+    backend_cache: dict = field(default_factory=dict)
 
     @property
     def num_reqs(self) -> int:

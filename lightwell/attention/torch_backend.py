@@ -34,9 +34,24 @@ def gather_kv(
     length: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([L, Hkv, D], [L, Hkv, D])
     """The first ``length`` cached tokens of one request, in order."""
-    kv = kv_cache[:, block_ids]  # [2, nb, B, Hkv, D]
-    kv = kv.flatten(1, 2)[:, :length]  # [2, L, Hkv, D]
+    kv = _take_blocks(kv_cache, block_ids)[:, :length]  # [2, L, Hkv, D]
     return kv[0], kv[1]
+
+
+def _consecutive_start(blocks: torch.Tensor) -> int | None:  # blocks [1, nb]
+    """The first block id if the ids are first, first+1, ... (fresh pools hand them out so)."""
+    ids = blocks[0].tolist()
+    return ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else None
+
+
+def _take_blocks(
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    block_ids: torch.Tensor,  # [*S] any shape
+) -> torch.Tensor:  # [2, *S[:-1], S[-1] * B, Hkv, D]
+    """Gather whole blocks with index_select (advanced indexing over dim 1 is ~10x slower)."""
+    two, _, block_size, heads, dim = kv_cache.shape
+    flat = kv_cache.view(two, kv_cache.shape[1], -1).index_select(1, block_ids.reshape(-1))
+    return flat.view(two, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, heads, dim)
 
 
 @dataclass
@@ -48,9 +63,13 @@ class _StepPlan:
     decode_rows: torch.Tensor | None  # [R_dec] their rows in block_table / seq_lens
     decode_tokens: torch.Tensor | None  # [R_dec] their token index in the flat batch
     max_decode_len: int
+    decode_blocks: torch.Tensor | None = None  # [R_dec, nb] their block ids
+    decode_pad: torch.Tensor | None = None  # [R_dec, L] True past a request's end; None: none
+    decode_len: int = 0  # L: keys gathered per decode request
+    decode_first_block: int | None = None  # one request on consecutive blocks: a view, no copy
 
     @classmethod
-    def build(cls, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
+    def build(cls, meta: AttentionMetadata, device: torch.device, block_size: int) -> _StepPlan:
         qsl = meta.query_start_loc_cpu
         decodes = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         prefills = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] > 1]
@@ -58,22 +77,29 @@ class _StepPlan:
             return cls(prefills, decodes, None, None, 0)
         rows = torch.tensor(decodes, device=device)
         tokens = torch.tensor([qsl[i] for i in decodes], device=device)
-        return cls(prefills, decodes, rows, tokens, max(meta.seq_lens_cpu[i] for i in decodes))
+        lens = [meta.seq_lens_cpu[i] for i in decodes]
+        max_len = max(lens)
+        num_blocks = -(-max_len // block_size)
+        blocks = meta.block_table[rows, :num_blocks]
+        if all(n == max_len for n in lens):  # e.g. batch 1: slice, nothing to mask
+            first = _consecutive_start(blocks) if len(decodes) == 1 else None
+            return cls(prefills, decodes, rows, tokens, max_len, blocks, None, max_len, first)
+        length = num_blocks * block_size
+        key_pos = torch.arange(length, device=device)[None, :]
+        pad = key_pos >= meta.seq_lens[rows, None]
+        return cls(prefills, decodes, rows, tokens, max_len, blocks, pad, length)
 
 
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
-        self._plan: tuple[tuple, _StepPlan] | None = None
-
-    def _plan_for(self, meta: AttentionMetadata, device: torch.device) -> _StepPlan:
-        """Built by the first layer of a step, reused by the others (host copies compared, so
-        a metadata object refilled in place for the next step is never served a stale plan)."""
-        key = (list(meta.query_start_loc_cpu), list(meta.seq_lens_cpu), device)
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, _StepPlan.build(meta, device))
-        return self._plan[1]
+    @staticmethod
+    def _plan_for(meta: AttentionMetadata, device: torch.device, block_size: int) -> _StepPlan:
+        """Built by the first layer of a step, kept on the step's metadata for the others."""
+        plan = meta.backend_cache.get("torch_plan")
+        if plan is None:
+            plan = meta.backend_cache["torch_plan"] = _StepPlan.build(meta, device, block_size)
+        return plan
 
     def forward(
         self,
@@ -92,7 +118,7 @@ class TorchAttentionBackend:
             _attend_without_cache(q, k, v, meta, scale, window, out)
             return out
         write_kv_cache(kv_cache, k, v, meta.slot_mapping)
-        plan = self._plan_for(meta, q.device)
+        plan = self._plan_for(meta, q.device, kv_cache.shape[2])
         if plan.decodes:
             _attend_decodes(q, kv_cache, meta, plan, scale, window, out)
         for i in plan.prefills:
@@ -187,23 +213,36 @@ def _attend_decodes(
 ) -> None:
     """All query_len-1 requests at once: gather their blocks padded to the longest (keys out
     of the window are masked like the padding)."""
-    device, block_size = q.device, kv_cache.shape[2]
+    device = q.device
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    rows, tokens, num_reqs = plan.decode_rows, plan.decode_tokens, len(plan.decodes)
-    num_blocks = -(-plan.max_decode_len // block_size)
-    blocks = meta.block_table[rows, :num_blocks]  # [R, nb]
-    kv = kv_cache[:, blocks].flatten(2, 3).to(q.dtype)  # [2, R, L, Hkv, D]
-    length = kv.shape[2]
-    key_pos = torch.arange(length, device=device)[None, :]
-    pad = key_pos >= meta.seq_lens[rows, None]  # [R, L]
+    tokens, num_reqs = plan.decode_tokens, len(plan.decodes)
+    owned = plan.decode_first_block is None  # False: kv is a view into the cache
+    if not owned:  # [2, 1, nb * B, Hkv, D]
+        nb = plan.decode_blocks.shape[1]
+        kv = kv_cache[:, plan.decode_first_block : plan.decode_first_block + nb]
+        kv = kv.reshape(2, 1, nb * kv_cache.shape[2], num_kv_heads, head_dim)
+    else:
+        kv = _take_blocks(kv_cache, plan.decode_blocks)  # [2, R, nb * B, Hkv, D]
+    kv = kv[:, :, : plan.decode_len]  # [2, R, L, Hkv, D]
+    if kv.dtype != q.dtype:
+        kv, owned = kv.to(q.dtype), True
+    pad = plan.decode_pad  # [R, L] or None
     if window is not None:  # the query sits at seq_len - 1
-        pad |= key_pos <= meta.seq_lens[rows, None] - 1 - window
-    keys = kv[0].permute(0, 2, 3, 1)  # [R, Hkv, D, L]
-    values = kv[1].masked_fill(pad[:, :, None, None], 0).transpose(1, 2)  # [R, Hkv, L, D]
+        key_pos = torch.arange(kv.shape[2], device=device)[None, :]
+        out_of_window = key_pos <= meta.seq_lens[plan.decode_rows, None] - 1 - window
+        pad = out_of_window if pad is None else pad | out_of_window
     group = q.shape[1] // num_kv_heads
-    qd = q[tokens].view(num_reqs, num_kv_heads, group, head_dim)  # [R, Hkv, G, D]
-    scores = torch.matmul(qd, keys).float() * scale  # [R, Hkv, G, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    o = torch.matmul(probs, values)  # [R, Hkv, G, D]
+    qd = q[tokens].view(num_reqs, -1, 1, head_dim)  # [R, Hq, 1, D]
+    mask = None
+    if pad is not None:
+        if not owned:
+            kv = kv.clone()  # never write into the cache
+        # Zero the keys/values past each request's end (they may hold anything, even NaN),
+        # then mask them: one fused attention kernel for the whole padded batch.
+        kv.masked_fill_(pad[None, :, :, None, None], 0)
+        mask = ~pad[:, None, None, :]  # [R, 1, 1, L] True = attend
+    kh, vh = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [R, Hkv, L, D]
+    o = F.scaled_dot_product_attention(
+        qd, kh, vh, attn_mask=mask, scale=scale, enable_gqa=group > 1
+    )  # [R, Hq, 1, D]
     out[tokens] = o.reshape(num_reqs, -1, head_dim)

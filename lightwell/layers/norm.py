@@ -27,6 +27,9 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)  # one fused op
+            return out if residual is None else (out, residual)
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

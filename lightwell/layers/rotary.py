@@ -39,6 +39,9 @@ class RotaryEmbedding(nn.Module):
         self.is_neox_style = is_neox_style
         self.scaling = dict(scaling or {})
         self.register_buffer("cos_sin_cache", self._compute_cos_sin_cache(), persistent=False)
+        # (positions, cos, sin) of the last forward. Step inputs are fresh tensors each step
+        # (never refilled in place on this path: CUDA graphs use the Triton kernel instead).
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # ---- hooks for scaling families ----
     def _compute_inv_freq(self) -> torch.Tensor:  # [rotary_dim / 2] float32
@@ -71,9 +74,17 @@ class RotaryEmbedding(nn.Module):
             return rotary_embedding(
                 positions, query, key, self.cos_sin_cache, self.head_dim, self.is_neox_style
             )
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # [T, rotary_dim / 2] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, rotary_dim / 2]
+        cos, sin = self._cos_sin(positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, rotary_dim / 2] cos and sin, gathered once per forward: every layer shares
+        this module and receives the same ``positions`` tensor object."""
+        last = self._last
+        if last is None or last[0] is not positions:
+            cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+            last = self._last = (positions, cos.unsqueeze(1), sin.unsqueeze(1))
+        return last[1], last[2]
 
     def _rotate(
         self,

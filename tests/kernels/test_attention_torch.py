@@ -81,15 +81,32 @@ def test_torch_backend_sliding_window_vs_naive(seed: int, window: int):
     _check_vs_naive(seed, (8, 2), "cpu", window=window)
 
 
-def _check_vs_naive(seed: int, heads: tuple[int, int], device: str, window: int | None):
+@pytest.mark.parametrize("num_decodes", [1, 3])
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_equal_length_decodes(num_decodes: int, consecutive: bool):
+    """The fast paths: decodes of one length (fused SDPA), one request on consecutive blocks
+    (read in place, no gather)."""
+    batch = ([1] * num_decodes, [37] * num_decodes)
+    _check_vs_naive(7, (6, 2), "cpu", window=None, batch=batch, shuffle=not consecutive)
+
+
+def _check_vs_naive(
+    seed: int,
+    heads: tuple[int, int],
+    device: str,
+    window: int | None,
+    batch: tuple[list[int], list[int]] | None = None,
+    shuffle: bool = True,
+):
     torch.set_num_threads(1)
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     num_q, num_kv = heads
     head_dim, block_size, num_blocks = 16, rng.choice([1, 4, 8]), 400
-    query_lens, seq_lens = _random_batch(rng, rng.randint(1, 6))
-    free = list(range(num_blocks))
-    rng.shuffle(free)
+    query_lens, seq_lens = batch or _random_batch(rng, rng.randint(1, 6))
+    free = list(range(num_blocks))[::-1]  # pop() hands out 0, 1, 2, ...
+    if shuffle:
+        rng.shuffle(free)
     tables = [[free.pop() for _ in range(-(-s // block_size))] for s in seq_lens]
 
     # Full per-request K/V; the cached prefix goes into the cache up front.
