@@ -69,40 +69,73 @@ def hf_greedy(folder: str, prompts: list[list[int]], n: int) -> list[list[int]]:
         for p in prompts:
             ids = torch.tensor([p])
             g = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            outs.append(g[0, len(p):].tolist())
+            outs.append(g[0, len(p) :].tolist())
     return outs
 
 
 def stage_check(args: argparse.Namespace) -> bool:
     ok = True
-    tiny = dict(vocab_size=512, hidden_size=128, intermediate_size=344, num_hidden_layers=3,
-                num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                architectures=["LlamaForCausalLM"])
-    smol = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048,
-                rope_theta=100000.0, tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+    tiny = dict(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        architectures=["LlamaForCausalLM"],
+    )
+    smol = dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=2048,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+        architectures=["LlamaForCausalLM"],
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     for name, cfg in (("tiny-llama", tiny), ("smollm2-shaped", smol)):
         folder = tempfile.mkdtemp(prefix=name)
         save_hf_llama(folder, **cfg)
         prompts = [p["prompt_token_ids"] for p in rand_prompts(4, 37, cfg["vocab_size"], 1)]
         prompts[1] = prompts[1][:5]
-        ref = (hf_greedy(folder, prompts, 24) if name == "tiny-llama" else
-               _engine_tokens(folder, prompts, sp, device="cpu", dtype="float32"))
+        ref = (
+            hf_greedy(folder, prompts, 24)
+            if name == "tiny-llama"
+            else _engine_tokens(folder, prompts, sp, device="cpu", dtype="float32")
+        )
         for dev, dtype in (("cuda", "float32"), ("cuda", "bfloat16")):
             got = _engine_tokens(folder, prompts, sp, device=dev, dtype=dtype)
             same = sum(a == b for a, b in zip(got, ref))
             match = sum(x == y for a, b in zip(got, ref) for x, y in zip(a, b)) / (24 * 4)
-            emit(args, "greedy_token_match", match, workload="check", model=name, dtype=dtype,
-                 sequences_identical=f"{same}/4")
+            emit(
+                args,
+                "greedy_token_match",
+                match,
+                workload="check",
+                model=name,
+                dtype=dtype,
+                sequences_identical=f"{same}/4",
+            )
             if dtype == "float32" and same != 4:
                 ok = False
     return ok
 
 
 def _engine_tokens(folder, prompts, sp, device, dtype) -> list[list[int]]:
-    llm = LLM(folder, device=device, dtype=dtype, skip_tokenizer_init=True, max_num_seqs=8,
-              max_num_batched_tokens=64, num_kv_blocks=256)
+    llm = LLM(
+        folder,
+        device=device,
+        dtype=dtype,
+        skip_tokenizer_init=True,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        num_kv_blocks=256,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     llm.engine.shutdown()
     return [o.outputs[0].token_ids for o in outs]
@@ -111,9 +144,14 @@ def _engine_tokens(folder, prompts, sp, device, dtype) -> list[list[int]]:
 # ---- W1 / W2 ------------------------------------------------------------------------------
 def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
     t0 = time.perf_counter()
-    llm = LLM(load_format="dummy", hf_config_json="llama-3-8b", dtype="bfloat16",
-              max_num_seqs=max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-              enforce_eager=args.eager)
+    llm = LLM(
+        load_format="dummy",
+        hf_config_json="llama-3-8b",
+        dtype="bfloat16",
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens,
+        enforce_eager=args.eager,
+    )
     print(f"engine ready in {time.perf_counter() - t0:.1f}s, {llm.engine.num_kv_blocks} blocks")
     return llm
 
@@ -121,8 +159,15 @@ def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
 def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
     import lightwell.quant.base as qb
 
-    common = dict(workload="W1", model="llama-3-8b", dtype="bfloat16", tp=1, mode="single",
-                  eager=args.eager, skinny_gemm_rows=qb.SKINNY_GEMM_MAX_ROWS)
+    common = dict(
+        workload="W1",
+        model="llama-3-8b",
+        dtype="bfloat16",
+        tp=1,
+        mode="single",
+        eager=args.eager,
+        skinny_gemm_rows=qb.SKINNY_GEMM_MAX_ROWS,
+    )
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
     llm.generate(rand_prompts(1, 128, 128256, 99), sp, use_tqdm=False)  # warm-up
     rates, ttfts = [], []
@@ -132,8 +177,16 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
         ttfts.append(m.first_token_time - m.arrival_time)
         rates.append(255 / (m.last_token_time - m.first_token_time))
     rate = sorted(rates)[1]
-    emit(args, "decode_tok_s", rate, floor=FLOOR_TOK_S, pct_of_floor=100 * rate / FLOOR_TOK_S,
-         peer={"name": "gpt-fast", "value": 173.0}, runs=rates, **common)
+    emit(
+        args,
+        "decode_tok_s",
+        rate,
+        floor=FLOOR_TOK_S,
+        pct_of_floor=100 * rate / FLOOR_TOK_S,
+        peer={"name": "gpt-fast", "value": 173.0},
+        runs=rates,
+        **common,
+    )
     emit(args, "ttft_ms", 1e3 * sorted(ttfts)[1], prompt_len=128, runs=ttfts, **common)
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     t = []
@@ -153,8 +206,15 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
     wall = time.perf_counter() - t0
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
     total = out_toks + 1024 * n
-    common = dict(workload="W2", model="llama-3-8b", dtype="bfloat16", tp=1, requests=n,
-                  wall_s=wall, eager=args.eager)
+    common = dict(
+        workload="W2",
+        model="llama-3-8b",
+        dtype="bfloat16",
+        tp=1,
+        requests=n,
+        wall_s=wall,
+        eager=args.eager,
+    )
     emit(args, "output_tok_s", out_toks / wall, **common)
     emit(args, "total_tok_s", total / wall, **common)
     emit(args, "mfu", total * 2 * PARAMS_8B / wall / (PEAK_TFLOPS * 1e12), **common)
@@ -251,8 +311,12 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
-    ap.add_argument("--skinny-rows", type=int, default=None,
-                    help="rows up to which decode linears use the Triton gemv (0: cuBLAS)")
+    ap.add_argument(
+        "--skinny-rows",
+        type=int,
+        default=None,
+        help="rows up to which decode linears use the Triton gemv (0: cuBLAS)",
+    )
     args = ap.parse_args()
     stages = args.stages.split(",")
     ok = True

@@ -38,8 +38,12 @@ def bench_lightwell(prompts: list[list[int]], out_len: int, batch: int) -> dict:
     ttft = m.first_token_time - m.arrival_time
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     decode_rate = (out_len - 1) / (m.last_token_time - m.first_token_time)
-    return {"wall_s": wall, "output_tok_s": n_out / wall, "ttft_s": ttft,
-            "decode_tok_s_per_seq": decode_rate}
+    return {
+        "wall_s": wall,
+        "output_tok_s": n_out / wall,
+        "ttft_s": ttft,
+        "decode_tok_s_per_seq": decode_rate,
+    }
 
 
 def bench_hf(prompts: list[list[int]], out_len: int, batch: int) -> dict:
@@ -62,8 +66,12 @@ def bench_hf(prompts: list[list[int]], out_len: int, batch: int) -> dict:
         out = model.generate(ids, **kw)
         wall = time.perf_counter() - t0
     n_out = (out.shape[1] - ids.shape[1]) * batch
-    return {"wall_s": wall, "output_tok_s": n_out / wall, "ttft_s": ttft,
-            "decode_tok_s_per_seq": (out_len - 1) / max(wall - ttft, 1e-9)}
+    return {
+        "wall_s": wall,
+        "output_tok_s": n_out / wall,
+        "ttft_s": ttft,
+        "decode_tok_s_per_seq": (out_len - 1) / max(wall - ttft, 1e-9),
+    }
 
 
 def main() -> None:
@@ -85,9 +93,16 @@ def main() -> None:
         for batch in (1, args.batch):
             r = fn(prompts, args.output_len, batch)
             table.append((name, batch, r))
-            common = dict(workload="W5", model="SmolLM2-135M-Instruct", dtype="float32",
-                          engine=name, batch=batch, threads=args.threads,
-                          prompt_len=args.prompt_len, output_len=args.output_len)
+            common = dict(
+                workload="W5",
+                model="SmolLM2-135M-Instruct",
+                dtype="float32",
+                engine=name,
+                batch=batch,
+                threads=args.threads,
+                prompt_len=args.prompt_len,
+                output_len=args.output_len,
+            )
             rows.append(record("output_tok_s", r["output_tok_s"], **common))
             rows.append(record("ttft_ms", r["ttft_s"] * 1e3, **common))
             if batch == 1:
@@ -95,8 +110,10 @@ def main() -> None:
     write_results(args.out, rows)
     print(f"{'engine':10} {'batch':>5} {'out tok/s':>10} {'TTFT ms':>9} {'decode tok/s/seq':>17}")
     for name, batch, r in table:
-        print(f"{name:10} {batch:5d} {r['output_tok_s']:10.1f} {r['ttft_s'] * 1e3:9.1f} "
-              f"{r['decode_tok_s_per_seq']:17.1f}")
+        print(
+            f"{name:10} {batch:5d} {r['output_tok_s']:10.1f} {r['ttft_s'] * 1e3:9.1f} "
+            f"{r['decode_tok_s_per_seq']:17.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -92,8 +92,7 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_batched_tokens: int | None = _opt(
         None,
-        "Token budget of one step (prefill chunks + decodes). Default: 8192 on GPU, "
-        "512 on CPU.",
+        "Token budget of one step (prefill chunks + decodes). Default: 8192 on GPU, 512 on CPU.",
     )
     max_num_seqs: int | None = _opt(
         None, "Most requests in one step. Default: 256 on GPU, 64 on CPU."
@@ -138,7 +137,8 @@ class DeviceConfig:
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available).", DEVICES)
     enforce_eager: bool = _opt(False, "Disable CUDA graphs (GPU only).")
     attention_backend: str = _opt(
-        "auto", "Attention implementation: auto (triton on GPU, torch on CPU), torch, triton.",
+        "auto",
+        "Attention implementation: auto (triton on GPU, torch on CPU), torch, triton.",
         ("auto", "torch", "triton"),
     )
     num_threads: int | None = _opt(

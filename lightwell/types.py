@@ -6,13 +6,10 @@ import enum
 from dataclasses import dataclass, field
 
 
-class FinishReason(str, enum.Enum):
+class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the context length reached
     ABORT = "abort"  # aborted by the caller (or the client went away)
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass
@@ -62,35 +59,63 @@ class SamplingParams:
             self.top_k,
         )
         _need(0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]", self.min_p)
-        _need(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty must be in [-2, 2]",
-              self.presence_penalty)
-        _need(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty must be in [-2, 2]",
-              self.frequency_penalty)
-        _need(self.repetition_penalty > 0.0, "repetition_penalty must be > 0",
-              self.repetition_penalty)
+        _need(
+            -2.0 <= self.presence_penalty <= 2.0,
+            "presence_penalty must be in [-2, 2]",
+            self.presence_penalty,
+        )
+        _need(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty must be in [-2, 2]",
+            self.frequency_penalty,
+        )
+        _need(
+            self.repetition_penalty > 0.0, "repetition_penalty must be > 0", self.repetition_penalty
+        )
         _need(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens must be an integer >= 1",
             self.max_tokens,
         )
-        _need(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
-              "min_tokens must be an integer >= 0", self.min_tokens)
+        _need(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+            "min_tokens must be an integer >= 0",
+            self.min_tokens,
+        )
         if self.max_tokens is not None:
-            _need(self.min_tokens <= self.max_tokens, "min_tokens must be <= max_tokens",
-                  self.min_tokens)
+            _need(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens must be <= max_tokens",
+                self.min_tokens,
+            )
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            _need(v is None or (isinstance(v, int) and 0 <= v <= 20),
-                  f"{name} must be an integer in [0, 20]", v)
-        _need(all(isinstance(s, str) and s for s in self.stop),
-              "stop strings must be non-empty strings", self.stop)
-        _need(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-              "stop_token_ids must be non-negative integers", self.stop_token_ids)
+            _need(
+                v is None or (isinstance(v, int) and 0 <= v <= 20),
+                f"{name} must be an integer in [0, 20]",
+                v,
+            )
+        _need(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop strings must be non-empty strings",
+            self.stop,
+        )
+        _need(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids must be non-negative integers",
+            self.stop_token_ids,
+        )
         if self.logit_bias:
-            _need(all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
-                  "logit_bias values must be in [-100, 100]", self.logit_bias)
-            _need(all(k >= 0 for k in self.logit_bias), "logit_bias keys must be token ids >= 0",
-                  self.logit_bias)
+            _need(
+                all(-100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                "logit_bias values must be in [-100, 100]",
+                self.logit_bias,
+            )
+            _need(
+                all(k >= 0 for k in self.logit_bias),
+                "logit_bias keys must be token ids >= 0",
+                self.logit_bias,
+            )
         if self.seed is not None:
             _need(isinstance(self.seed, int), "seed must be an integer", self.seed)
 

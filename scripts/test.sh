@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 . .venv/bin/activate
 export OMP_WAIT_POLICY=PASSIVE
+ruff check .
 python -m pytest -q -m "not gpu" "$@"

@@ -131,8 +131,9 @@ class MultiprocExecutor:
             done.start()
             done.join(SHUTDOWN_WAIT_S)
             if done.is_alive():
-                logger.warning("rank 0 did not leave the process group within %.0f s",
-                               SHUTDOWN_WAIT_S)
+                logger.warning(
+                    "rank 0 did not leave the process group within %.0f s", SHUTDOWN_WAIT_S
+                )
         for proc, conn in zip(self.procs, self.conns):
             proc.join(SHUTDOWN_WAIT_S)
             if proc.is_alive():

@@ -37,10 +37,16 @@ def _gemv_kernel(
     for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
         k = k0 + rk
         k_ok = k < K
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)  # [BM, BK]
-        w = tl.load(w_ptr + rn[None, :] * stride_wn + k[:, None],
-                    mask=n_ok[None, :] & k_ok[:, None], other=0.0)  # [BK, BN]
+        x = tl.load(
+            x_ptr + rm[:, None] * stride_xm + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        )  # [BM, BK]
+        w = tl.load(
+            w_ptr + rn[None, :] * stride_wn + k[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        )  # [BK, BN]
         acc += tl.dot(x, w)
     ptrs = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
     tl.store(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])

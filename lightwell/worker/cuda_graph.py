@@ -88,8 +88,12 @@ class CudaGraphRunner:
             self.outputs[size] = out
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
-        logger.info("captured %d CUDA graphs (batch sizes %s) in %.1f s",
-                    len(self.sizes), self.sizes, elapsed)
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s) in %.1f s",
+            len(self.sizes),
+            self.sizes,
+            elapsed,
+        )
         return elapsed
 
     def _plain_forward(

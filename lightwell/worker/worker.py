@@ -61,9 +61,7 @@ def pick_dtype(choice: str, hf_config: object, device: torch.device) -> torch.dt
 
 def _max_positions(model: torch.nn.Module, hf_config: object) -> int:
     """Positions the model can take: its RoPE tables' length (scaling included)."""
-    lengths = [
-        m.cos_sin_cache.shape[0] for m in model.modules() if hasattr(m, "cos_sin_cache")
-    ]
+    lengths = [m.cos_sin_cache.shape[0] for m in model.modules() if hasattr(m, "cos_sin_cache")]
     return min(lengths) if lengths else getattr(hf_config, "max_position_embeddings", 2048)
 
 

@@ -33,7 +33,7 @@ def hf_reference(smollm2_gguf):
         ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.inference_mode():
             gen = model.generate(ids, max_new_tokens=MAX_NEW, do_sample=False)
-        out[p] = (ids[0].tolist(), gen[0, ids.shape[1]:].tolist())
+        out[p] = (ids[0].tolist(), gen[0, ids.shape[1] :].tolist())
     return out
 
 

@@ -21,8 +21,9 @@ def llm():
 
 def _ok(llm: LLM) -> None:
     """The engine still serves a normal request."""
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=4), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 4
     assert not llm.engine.has_unfinished_requests()
 
@@ -78,8 +79,9 @@ def test_unknown_model_path():
 def test_n_samples_share_prompt_blocks_and_differ(llm):
     hits = llm.engine.stats().prefix_cache_hits
     prompt = {"prompt_token_ids": llm.get_tokenizer().apply_chat_template(CHAT) * 3}
-    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        prompt, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
     # siblings 1 and 2 waited for sibling 0's prefill and reused its full prompt blocks
@@ -91,8 +93,13 @@ def test_seed_gives_the_same_text_whatever_the_batch(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16)
     alone = llm.chat(CHAT, sp, use_tqdm=False)[0].outputs[0].token_ids
     others = [[{"role": "user", "content": f"Tell me about the number {i}."}] for i in range(3)]
-    batch = llm.chat(others[:2] + [CHAT] + others[2:], [SamplingParams(temperature=1.0,
-                     max_tokens=16)] * 2 + [sp] + [SamplingParams(max_tokens=16)], use_tqdm=False)
+    batch = llm.chat(
+        others[:2] + [CHAT] + others[2:],
+        [SamplingParams(temperature=1.0, max_tokens=16)] * 2
+        + [sp]
+        + [SamplingParams(max_tokens=16)],
+        use_tqdm=False,
+    )
     assert batch[2].outputs[0].token_ids == alone
 
 
@@ -100,12 +107,16 @@ def test_stop_string_is_cut_and_reported(llm):
     greedy = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0]
     text = greedy.outputs[0].text
     stop = text[8:11]  # somewhere in the middle, likely across a token boundary
-    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=30, stop=[stop]),
-                   use_tqdm=False)[0].outputs[0]
+    out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=30, stop=[stop]), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert out.text == text[: text.index(stop)]
     assert out.finish_reason == FinishReason.STOP and out.stop_reason == stop
-    kept = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=30, stop=[stop],
-                    include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    kept = llm.chat(
+        CHAT,
+        SamplingParams(temperature=0, max_tokens=30, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert kept.text == text[: text.index(stop) + len(stop)]
 
 
@@ -113,8 +124,9 @@ def test_length_finish_and_min_tokens(llm):
     out = llm.chat(CHAT, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == FinishReason.LENGTH
     eos = llm.get_tokenizer().eos_token_id
-    long = llm.chat(CHAT, SamplingParams(temperature=0, min_tokens=60, max_tokens=60),
-                    use_tqdm=False)[0].outputs[0]
+    long = llm.chat(
+        CHAT, SamplingParams(temperature=0, min_tokens=60, max_tokens=60), use_tqdm=False
+    )[0].outputs[0]
     assert len(long.token_ids) == 60 and eos not in long.token_ids
 
 
@@ -127,8 +139,11 @@ def test_logprobs_and_prompt_logprobs(llm):
         first = next(iter(pos))
         assert first == tok and pos[tok].rank == 1  # greedy: the chosen token is the top one
         assert 3 <= len(pos) <= 4 and all(lp.logprob <= 0 for lp in pos.values())
-    assert math.isclose(comp.cumulative_logprob, sum(p[t].logprob for t, p in
-                        zip(comp.token_ids, comp.logprobs)), rel_tol=1e-6)
+    assert math.isclose(
+        comp.cumulative_logprob,
+        sum(p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs)),
+        rel_tol=1e-6,
+    )
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(out.prompt_token_ids)
     for tok, pos in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:]):
@@ -151,9 +166,24 @@ def test_abort_frees_every_block(llm):
 def test_cli_generate_streams_text():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(
-        [sys.executable, "-m", "lightwell.cli", "generate", "What is 2+2?", "--temperature",
-         "0", "--max-tokens", "12", "--num-threads", "1", "--show-stats"],
-        capture_output=True, text=True, timeout=300, env=env,
+        [
+            sys.executable,
+            "-m",
+            "lightwell.cli",
+            "generate",
+            "What is 2+2?",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "12",
+            "--num-threads",
+            "1",
+            "--show-stats",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip()
@@ -163,6 +193,8 @@ def test_cli_generate_streams_text():
 def test_cli_reports_bad_input_cleanly():
     run = subprocess.run(
         [sys.executable, "-m", "lightwell.cli", "generate", "hi", "--top-p", "0"],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 2 and "top_p" in run.stderr and "Traceback" not in run.stderr

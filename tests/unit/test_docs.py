@@ -10,9 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _all_parsers():
-    from scripts.gen_cli_docs import subparsers
-
     from lightwell.cli import _register_extra, build_parser
+    from scripts.gen_cli_docs import subparsers
 
     _register_extra()
     top = build_parser()
@@ -35,8 +34,13 @@ def test_every_cli_option_is_documented():
     assert not missing, "run `python scripts/gen_cli_docs.py`; missing:\n" + "\n".join(missing)
 
 
-@pytest.mark.parametrize("module", sorted(
-    str(p.relative_to(ROOT)) for p in (ROOT / "lightwell").rglob("*.py") if p.name != "__init__.py"
-))
+@pytest.mark.parametrize(
+    "module",
+    sorted(
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "lightwell").rglob("*.py")
+        if p.name != "__init__.py"
+    ),
+)
 def test_module_listed_in_structure_doc(module):
     assert module in (ROOT / "docs" / "structure.md").read_text(), f"{module} not in structure.md"
