@@ -101,6 +101,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="Send prompts as token ids (completions only; exact lengths without re-tokenizing).",
     )
+    d.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="With --token-ids: draw ids below this and load no tokenizer (servers started "
+        "with --skip-tokenizer-init, e.g. dummy weights on a machine without the model).",
+    )
     d.add_argument("--num-prompts", type=int, default=500, help="Requests per request rate.")
     d.add_argument("--seed", type=int, default=0, help="Seed of prompts and arrival times.")
     t = p.add_argument_group("traffic")

@@ -97,6 +97,20 @@ async def run_once(
 
 
 @functools.lru_cache(maxsize=4)
+class IdsOnly:
+    """No tokenizer (--token-ids --vocab-size N): random ids in [0, N), counts from usage."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self.all_special_ids: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise ValueError("no tokenizer (--vocab-size): the server must report usage")
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return ""
+
+
 def load_tokenizer(tokenizer: str | None, model: str | None) -> Any:
     """--tokenizer, else --model when it is a local path, else the default model's tokenizer.
 
@@ -152,7 +166,12 @@ async def check_server(cfg: RequestConfig, req: SampleRequest) -> None:
 async def bench_serve(args: argparse.Namespace) -> list[RunResult]:
     rates = parse_rates(args.request_rate)
     model = args.served_model = await resolve_model_name(args)
-    tok = load_tokenizer(args.tokenizer, args.model)
+    if args.vocab_size:
+        if not args.token_ids:
+            raise ValueError("--vocab-size needs --token-ids (prompts are then random ids)")
+        tok = IdsOnly(args.vocab_size)
+    else:
+        tok = load_tokenizer(args.tokenizer, args.model)
     cfg = RequestConfig(
         args.base_url,
         args.endpoint,

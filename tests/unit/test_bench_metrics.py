@@ -239,3 +239,13 @@ def test_records_follow_performance_md():
     assert by[("2", "goodput_request_s")]["value"] == pytest.approx(1.0)
     assert rows[0]["dtype"] == "float32"
     json.dumps(rows)  # plain JSON (no inf)
+
+
+def test_token_id_prompts_without_a_tokenizer():
+    from lightwell.bench.serve import IdsOnly
+
+    reqs = datasets.random_requests(IdsOnly(1000), 5, 12, 3, prefix_len=4, as_token_ids=True)
+    assert len(reqs) == 5
+    for r in reqs:
+        assert len(r.prompt) == 16 and all(0 <= t < 1000 for t in r.prompt)
+    assert len({tuple(r.prompt[:4]) for r in reqs}) == 1  # the shared prefix
