@@ -163,7 +163,6 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         model,
         block_size=16,
         vocab_size=hf.vocab_size,
-        eos_token_id=None,
         device=ctx.device,
         dtype=torch.float32,
     )

@@ -13,6 +13,7 @@ from lightwell.attention.metadata import AttentionMetadata
 @runtime_checkable
 class AttentionBackend(Protocol):
     name: str
+    supports_cuda_graphs: bool  # may a decode step through it be captured in a CUDA graph?
 
     def forward(
         self,

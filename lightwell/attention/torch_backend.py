@@ -92,6 +92,8 @@ class _StepPlan:
 
 class TorchAttentionBackend:
     name = "torch"
+    # Host-side planning per step (and index_copy_ rejecting padded slots): eager only.
+    supports_cuda_graphs = False
 
     @staticmethod
     def _plan_for(meta: AttentionMetadata, device: torch.device, block_size: int) -> _StepPlan:

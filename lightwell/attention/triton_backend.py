@@ -18,6 +18,7 @@ from lightwell.kernels.paged_attention import paged_attention
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_cuda_graphs = True  # no host syncs; grid from capture-time metadata
 
     def forward(
         self,

@@ -73,6 +73,7 @@ class _Add:
     prompt: PromptInput
     params: SamplingParams
     stream: RequestStream
+    final_only: bool = False
     arrival_time: float = field(default_factory=time.time)
 
 
@@ -113,15 +114,22 @@ class AsyncEngine:
         return len(self._streams)
 
     async def add_request(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        final_only: bool = False,
     ) -> RequestStream:
-        """Queue a request; returns once the engine accepted it, or raises its ValueError."""
+        """Queue a request; returns once the engine accepted it, or raises its ValueError.
+
+        ``final_only``: the stream gets one output, when the request finishes (no per-step
+        snapshots: what a non-streaming HTTP request needs)."""
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError(f"the engine loop has stopped: {self._error!r}")
         if not self._accepting:
             raise EngineDeadError("the server is shutting down")
         stream = RequestStream(request_id, asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, stream))
+        self._submit(_Add(request_id, prompt, params, stream, final_only))
         try:
             await asyncio.shield(stream.accepted)
         except asyncio.CancelledError:
@@ -221,7 +229,9 @@ class AsyncEngine:
 
     def _add(self, c: _Add) -> None:
         try:
-            self.engine.add_request(c.request_id, c.prompt, c.params, c.arrival_time)
+            self.engine.add_request(
+                c.request_id, c.prompt, c.params, c.arrival_time, final_only=c.final_only
+            )
         except Exception as e:  # noqa: BLE001 - a refused request must not stop the loop
             self._deliver([(c.stream, e)])
             return
@@ -259,7 +269,8 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, batch)
             except RuntimeError:  # the loop is closed: nobody is listening any more
                 for stream, _ in batch:
-                    self._streams.pop(stream.request_id, None)
+                    if self._streams.pop(stream.request_id, None) and not self._stopped:
+                        self.engine.abort_request(stream.request_id)  # free its KV blocks
 
     def _fail_all(self, error: EngineDeadError) -> None:
         with self._cond:

@@ -45,6 +45,33 @@ class LLMEngine:
         skip = m.skip_tokenizer_init or (self.files is None and m.tokenizer is None)
         self.tokenizer = None if skip else Tokenizer.load(self.files, m.tokenizer)
         self.executor = make_executor(config)
+        try:
+            self._start_executor(config)
+        except BaseException:
+            self.executor.shutdown()  # no half-started workers or process groups left behind
+            raise
+        s = self.config.scheduler
+        self.scheduler = Scheduler(
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            max_num_seqs=s.max_num_seqs,
+            num_kv_blocks=self.num_kv_blocks,
+            block_size=self.config.cache.block_size,
+            max_model_len=self.config.model.max_model_len,
+            enable_prefix_caching=self.config.cache.enable_prefix_caching,
+            enable_chunked_prefill=s.enable_chunked_prefill,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
+        if self.eos_token_id is None:
+            self.eos_token_id = self.model_info.eos_token_id
+        self.generation_defaults = load_generation_defaults(self.files)
+        self._extra_eos = [
+            t for t in self.generation_defaults.pop("eos_token_ids", []) if t != self.eos_token_id
+        ]
+        self._ids = itertools.count()
+
+    def _start_executor(self, config: EngineConfig) -> None:
+        """Load the model, size the KV cache from what it left, then allocate the cache."""
         self.model_info = info = self.executor.load_model()
         on_gpu = info.device.startswith("cuda")
         resolved = resolve_config(config, on_gpu=on_gpu, model_max_len=info.max_position_embeddings)
@@ -63,25 +90,6 @@ class LLMEngine:
                 capacity,
             )
         self.executor.init_kv_cache(self.num_kv_blocks, self.config)
-        s = self.config.scheduler
-        self.scheduler = Scheduler(
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            max_num_seqs=s.max_num_seqs,
-            num_kv_blocks=self.num_kv_blocks,
-            block_size=self.config.cache.block_size,
-            max_model_len=self.config.model.max_model_len,
-            enable_prefix_caching=self.config.cache.enable_prefix_caching,
-            enable_chunked_prefill=s.enable_chunked_prefill,
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
-        if self.eos_token_id is None:
-            self.eos_token_id = info.eos_token_id
-        self.generation_defaults = load_generation_defaults(self.files)
-        self._extra_eos = [
-            t for t in self.generation_defaults.pop("eos_token_ids", []) if t != self.eos_token_id
-        ]
-        self._ids = itertools.count()
 
     # ---- requests ---------------------------------------------------------------------------
     @property

@@ -17,6 +17,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hits)
+    eos_token_id: int | None = None  # the EOS the engine stops on (min_tokens masks it)
 
 
 @dataclass

@@ -227,6 +227,7 @@ class Scheduler:
                 sampling_params=request.sampling_params,
                 block_ids=self.kv.get_block_ids(request.req_id),
                 num_computed_tokens=num_hit_tokens,
+                eos_token_id=request.eos_token_id,
             )
         )
         request.pending_token_ids = []

@@ -71,7 +71,7 @@ async def create_chat_completion(
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
     request_id = new_id("chatcmpl")
-    streams = await submit(ctx, request_id, [prompt_ids], params)
+    streams = await submit(ctx, request_id, [prompt_ids], params, stream=bool(req.stream))
     if req.stream:
         return SSEResponse(_stream(ctx, req, request_id, streams))
     (final,) = await until_disconnect(raw, collect(ctx, streams))

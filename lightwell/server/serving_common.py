@@ -160,13 +160,19 @@ def check_prompt_fits(
 
 
 async def submit(
-    ctx: ServingContext, base_id: str, prompts: list[list[int]], params: SamplingParams
+    ctx: ServingContext,
+    base_id: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stream: bool = True,
 ) -> list[RequestStream]:
     """Add one engine request per prompt, all in the same engine iteration; if any is refused,
-    abort the others and raise (400 for a ValueError, 503 if the engine is gone)."""
+    abort the others and raise (400 for a ValueError, 503 if the engine is gone). Without
+    ``stream`` each request yields only its final output."""
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
     adds = [
-        ctx.engine.add_request(r, {"prompt_token_ids": p}, params) for r, p in zip(ids, prompts)
+        ctx.engine.add_request(r, {"prompt_token_ids": p}, params, final_only=not stream)
+        for r, p in zip(ids, prompts)
     ]
     results = await asyncio.gather(*adds, return_exceptions=True)
     errors = [r for r in results if isinstance(r, BaseException)]

@@ -63,7 +63,8 @@ async def create_completion(
         prompt_logprobs=echo_logprobs,
     )
     request_id = new_id("cmpl")
-    streams = await submit(ctx, request_id, [p.token_ids for p in prompts], params)
+    token_ids = [p.token_ids for p in prompts]
+    streams = await submit(ctx, request_id, token_ids, params, stream=bool(req.stream))
     if req.stream:
         return SSEResponse(_stream(ctx, req, request_id, prompts, streams))
     finals = await until_disconnect(raw, collect(ctx, streams))

@@ -20,6 +20,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_id: int | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -58,6 +59,7 @@ class InputBatch:
                 new.sampling_params,
                 list(new.block_ids),
                 new.num_computed_tokens,
+                new.eos_token_id,
             )
         for diff in out.cached_reqs:
             state = self.requests[diff.req_id]

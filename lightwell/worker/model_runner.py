@@ -28,7 +28,6 @@ class ModelRunner:
         *,
         block_size: int,
         vocab_size: int,
-        eos_token_id: int | None,
         device: torch.device,
         dtype: torch.dtype,
         seed: int = 0,
@@ -42,7 +41,6 @@ class ModelRunner:
         self.is_driver = is_driver
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.eos_token_id = eos_token_id
         self.device = device
         self.dtype = dtype
         self.batch = InputBatch(block_size, device)
@@ -121,7 +119,7 @@ class ModelRunner:
             [s.sampling_params for s in states],
             [s.token_ids[: s.num_prompt_tokens] for s in states],
             [s.output_token_ids for s in states],
-            self.eos_token_id,
+            [s.eos_token_id for s in states],
             logits.shape[-1],
             self.device,
             self.generator,

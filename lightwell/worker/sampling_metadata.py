@@ -55,12 +55,14 @@ def build_sampling_metadata(
     params: list[SamplingParams],
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
-    eos_token_id: int | None,
+    eos_token_id: int | None | list[int | None],
     vocab_size: int,
     device: torch.device | str,
     default_generator: torch.Generator | None = None,
 ) -> SamplingMetadata:
-    """Tensors for one step's sampling; row i is ``params[i]`` with its prompt and outputs."""
+    """Tensors for one step's sampling; row i is ``params[i]`` with its prompt and outputs.
+
+    ``eos_token_id``: one id for every row, or one per row (what each request stops on)."""
     num_reqs = len(params)
     if not (len(prompt_token_ids) == len(output_token_ids) == num_reqs):
         raise ValueError(
@@ -219,17 +221,18 @@ def _logit_bias(params: list[SamplingParams], vocab_size: int, device: torch.dev
 def _min_tokens(
     params: list[SamplingParams],
     output_token_ids: list[list[int]],
-    eos_token_id: int | None,
+    eos_token_id: int | None | list[int | None],
     vocab_size: int,
     device: torch.device,
 ) -> dict:
     rows, tokens = [], []
+    eos_ids = eos_token_id if isinstance(eos_token_id, list) else [eos_token_id] * len(params)
     for i, (p, out) in enumerate(zip(params, output_token_ids)):
         if len(out) >= p.min_tokens:
             continue
         banned = set(p.stop_token_ids or [])
-        if eos_token_id is not None and not p.ignore_eos:
-            banned.add(eos_token_id)
+        if eos_ids[i] is not None and not p.ignore_eos:
+            banned.add(eos_ids[i])
         for token in sorted(banned):
             _check_token(token, vocab_size, "stop_token_ids")
             rows.append(i)

@@ -111,7 +111,6 @@ class Worker:
             model,
             block_size=self.config.cache.block_size,
             vocab_size=hf.vocab_size,
-            eos_token_id=eos,
             device=self.device,
             dtype=dtype,
             seed=m.seed,
@@ -176,9 +175,13 @@ class Worker:
         self.init_all_reduce(resolved)
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
-        if self.device.type == "cuda" and not self.config.device.enforce_eager:
-            s = resolved.scheduler
-            self.runner.capture_cuda_graphs(s.max_num_seqs, resolved.model.max_model_len)
+        if self.device.type != "cuda" or self.config.device.enforce_eager:
+            return
+        if not all(a.backend.supports_cuda_graphs for a in self.runner.attn_layers):
+            logger.warning("the attention backend cannot be captured: decode runs eagerly")
+            return
+        s = resolved.scheduler
+        self.runner.capture_cuda_graphs(s.max_num_seqs, resolved.model.max_model_len)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)

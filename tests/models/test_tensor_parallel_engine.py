@@ -95,3 +95,17 @@ def test_worker_exception_raises_with_its_traceback(tiny_folder):
     assert isinstance(error, WorkerError), repr(error)
     assert "ghost-req" in str(error) and "rank 1" in str(error)
     llm.engine.shutdown()
+
+
+def test_failed_start_leaves_nothing_behind(tiny_folder):
+    """An engine that fails after its workers started shuts them down: a new one can start."""
+    with pytest.raises(ValueError, match="exceeds the model's"):
+        LLM(
+            tiny_folder,
+            tensor_parallel_size=2,
+            num_threads=1,
+            skip_tokenizer_init=True,
+            max_model_len=10**6,
+        )
+    llm = _tiny_tp2(tiny_folder)  # would fail: "process group initialized twice"
+    llm.engine.shutdown()

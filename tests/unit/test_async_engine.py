@@ -31,7 +31,7 @@ class FakeEngine:
     def new_request_id(self) -> str:
         return f"r{len(self.reqs)}-{time.monotonic_ns()}"
 
-    def add_request(self, rid, prompt, params, arrival_time=None) -> str:
+    def add_request(self, rid, prompt, params, arrival_time=None, final_only=False) -> str:
         if prompt == "bad":
             raise ValueError("the prompt is bad")
         if rid in self.reqs:

@@ -210,6 +210,14 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert kept(lp.apply_min_tokens(logits.clone(), meta)) == [{0, 1, 2, 3, 4}]
 
 
+def test_min_tokens_masks_each_rows_own_eos():
+    """Rows stop on different EOS ids (e.g. Llama 3's <|eot_id|> vs <|end_of_text|>)."""
+    logits = torch.tensor([[0.0, 0.0, 0.0, 9.0, 0.0, 8.0]] * 2)
+    params = [SamplingParams(temperature=0.0, min_tokens=1)] * 2
+    meta = make_meta(params, outputs=[[], []], eos=[3, 5], vocab=6)
+    assert kept(lp.apply_min_tokens(logits.clone(), meta)) == [{0, 1, 2, 4, 5}, {0, 1, 2, 3, 4}]
+
+
 def test_logprobs_are_of_the_raw_logits_with_ranks():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 40, generator=g)
