@@ -109,10 +109,6 @@ class AsyncEngine:
         """Engine counters as of the end of the last step."""
         return self._stats
 
-    @property
-    def num_open_requests(self) -> int:
-        return len(self._streams)
-
     async def add_request(
         self,
         request_id: str,

@@ -102,9 +102,6 @@ class MultiprocExecutor:
         )
         return min([mine, *theirs])
 
-    def kv_bytes_per_block(self) -> int:
-        return self.worker.runner.kv_bytes_per_block()
-
     def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
         self._call(
             InitKVCache(num_blocks, resolved),

@@ -17,9 +17,6 @@ class UniProcExecutor:
     def determine_num_blocks(self, resolved: EngineConfig) -> int:
         return self.worker.determine_num_blocks(resolved)
 
-    def kv_bytes_per_block(self) -> int:
-        return self.worker.runner.kv_bytes_per_block()
-
     def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
         self.worker.init_kv_cache(num_blocks, resolved)
 

@@ -50,7 +50,6 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of all_token_ids
         # Tokens appended since the worker last saw this request (sent as a diff).
         self.pending_token_ids: list[int] = []
-        self.first_scheduled_time: float | None = None
         # Prompt positions whose logprobs were already returned (a resumed request recomputes them).
         self.num_prompt_logprobs_sent = 0
 
@@ -69,11 +68,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
-
-    @property
-    def is_prefilling(self) -> bool:
-        """True until the prompt (and, after preemption, the regenerated part) is computed."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_output_tokens == 0
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

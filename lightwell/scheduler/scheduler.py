@@ -11,7 +11,6 @@ scheduled, so a second ``schedule()`` before ``update()`` does not schedule the 
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -216,8 +215,6 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         if request.num_cached_tokens < 0:
             request.num_cached_tokens = num_hit_tokens
-        if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.time()
         request.num_computed_tokens = num_hit_tokens
         batch.new_reqs.append(
             NewRequestData(

@@ -28,6 +28,7 @@ from lightwell.server.serving_common import (
     finish_reason,
     merged,
     new_id,
+    ranked,
     sampling_params,
     sse,
     sse_error,
@@ -143,8 +144,7 @@ def _add_logprobs(
         chosen = pos.get(tid) or next(iter(pos.values()))
         into.token_logprobs.append(chosen.logprob)
         # The sampled token and the top num_top alternatives, as OpenAI (and vLLM) return them.
-        ranked = sorted(pos.items(), key=lambda kv: kv[1].rank)[:num_top]
-        top = {piece(t): lp.logprob for t, lp in ranked}
+        top = {piece(t): lp.logprob for t, lp in ranked(pos, num_top)}
         top.setdefault(token, chosen.logprob)
         into.top_logprobs.append(top)
     return offset

@@ -115,10 +115,17 @@ class ModelRunner:
         if not self.is_driver:
             return
         states = [self.batch.requests[r] for r in inp.sample_req_ids]
+        params = [s.sampling_params for s in states]
+        if any(p.uses_penalties for p in params):  # penalties read whole token histories
+            prompts = [s.token_ids[: s.num_prompt_tokens] for s in states]
+            outputs = [s.output_token_ids for s in states]
+        else:  # only the output lengths matter (min_tokens, seeds): no per-step copies
+            prompts = [()] * len(states)
+            outputs = [range(len(s.token_ids) - s.num_prompt_tokens) for s in states]
         meta = build_sampling_metadata(
-            [s.sampling_params for s in states],
-            [s.token_ids[: s.num_prompt_tokens] for s in states],
-            [s.output_token_ids for s in states],
+            params,
+            prompts,
+            outputs,
             [s.eos_token_id for s in states],
             logits.shape[-1],
             self.device,

@@ -6,6 +6,7 @@ Built once per step from the requests' ``SamplingParams``; features that no row 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,8 @@ class SamplingMetadata:
 
 def build_sampling_metadata(
     params: list[SamplingParams],
-    prompt_token_ids: list[list[int]],
-    output_token_ids: list[list[int]],
+    prompt_token_ids: Sequence[Sequence[int]],
+    output_token_ids: Sequence[Sequence[int]],
     eos_token_id: int | None | list[int | None],
     vocab_size: int,
     device: torch.device | str,
