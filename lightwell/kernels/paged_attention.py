@@ -21,14 +21,19 @@ when every request fits in one tile (decode) the tile id is the request index.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from lightwell.attention.metadata import AttentionMetadata
-from lightwell.kernels.split_kv import MAX_SPLITS, SplitPartials, auto_num_splits, reduce_splits
+from lightwell.kernels.attention_tiles import MAX_HEAD_DIM, AttentionConfig, default_config
+from lightwell.kernels.split_kv import (
+    MAX_SPLITS,
+    SplitPartials,
+    auto_num_splits,
+    reduce_splits,
+    store_partials,
+)
 
 _LOG2E = 1.4426950408889634
 # initial running max: finite, so fully masked rows never see inf - inf
@@ -230,41 +235,8 @@ def _paged_attention_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
     else:
         part = (q_rows - tok_base) * (tl.num_programs(1) * GQA) + head  # [BLOCK_M] (token, head)
-        _store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, split, acc, l_i, m_i, row_ok,
+        store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, split, acc, l_i, m_i, row_ok,
                         offs_d, HEAD_DIM_PAD)  # fmt: skip
-
-
-@triton.jit
-def _store_partials(
-    acc_ptr, m_ptr, l_ptr, row, split, acc, l_i, m_i, row_ok, offs_d, HEAD_DIM_PAD: tl.constexpr
-):
-    idx = row * tl.num_programs(2) + split  # [BLOCK_M] into [T_sub, Hq, S]
-    tl.store(acc_ptr + idx[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
-    tl.store(m_ptr + idx, m_i, mask=row_ok)
-    tl.store(l_ptr + idx, l_i, mask=row_ok)
-
-
-@dataclass(frozen=True)
-class AttentionConfig:
-    """Tile shape of one launch: ``block_m`` rows = query tokens x query heads of a KV group."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-MAX_HEAD_DIM = 256
-
-
-def default_config(head_dim: int, decode: bool) -> AttentionConfig:
-    """Tile shape for decode (query_len 1: 16 rows hold the query heads of one group) or for
-    prefill (128 rows), sized for Hopper's shared memory."""
-    if decode:
-        return AttentionConfig(16, 64 if head_dim <= 128 else 32, 4, 3)
-    if head_dim <= 128:
-        return AttentionConfig(128, 64, 8, 3)
-    return AttentionConfig(64, 32, 4, 2)
 
 
 def paged_attention(

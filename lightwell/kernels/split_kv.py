@@ -54,6 +54,17 @@ def auto_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -
 
 
 @triton.jit
+def store_partials(
+    acc_ptr, m_ptr, l_ptr, row, split, acc, l_i, m_i, row_ok, offs_d, HEAD_DIM_PAD: tl.constexpr
+):
+    """One program's per-split partial results (acc, running max, running sum)."""
+    idx = row * tl.num_programs(2) + split  # [BLOCK_M] into [T_sub, Hq, S]
+    tl.store(acc_ptr + idx[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+    tl.store(m_ptr + idx, m_i, mask=row_ok)
+    tl.store(l_ptr + idx, l_i, mask=row_ok)
+
+
+@triton.jit
 def _reduce_splits_kernel(
     part_acc_ptr,  # [T_sub, Hq, S, HEAD_DIM_PAD] fp32
     part_m_ptr,  # [T_sub, Hq, S] fp32
