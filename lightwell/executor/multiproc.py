@@ -17,7 +17,6 @@ fast instead of leaving rank 0 in the rendezvous).
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -57,11 +56,9 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp
 
-        from lightwell.distributed.launch import COMM_ENV
         from lightwell.executor.worker_proc import worker_main
 
         _check_devices(config)
-        os.environ.update(COMM_ENV)  # inherited by the spawned workers, set before any init
         self.config = config
         self.worker = None
         self.closing = False
