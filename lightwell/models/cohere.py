@@ -19,10 +19,9 @@ import torch
 from torch import nn
 
 from lightwell.distributed.parallel_state import tp_all_reduce
-from lightwell.layers.embedding import VocabParallelEmbedding
 from lightwell.layers.norm import LayerNorm
 from lightwell.layers.rotary import RotaryEmbedding
-from lightwell.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, build_rope
+from lightwell.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from lightwell.models.weight_utils import default_weight_loader
 from lightwell.quant.base import QuantMethod, set_weight_attrs
 
@@ -81,6 +80,7 @@ class CohereDecoderLayer(nn.Module):
         layer_idx: int,
         rotary_emb: RotaryEmbedding,
         quant_method: QuantMethod | None,
+        attention_cls: type[nn.Module] | None = None,  # LlamaModel's hook; Cohere has its own
     ):
         super().__init__()
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
@@ -103,28 +103,17 @@ class CohereDecoderLayer(nn.Module):
         return (tp_all_reduce(out) if self.tp_size > 1 else out), residual
 
 
-class CohereModel(nn.Module):
-    def __init__(self, config: Any, quant_method: QuantMethod | None):
-        super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = build_rope(config, is_neox_style=False)
-        self.layers = nn.ModuleList(
-            CohereDecoderLayer(config, i, rotary_emb, quant_method)
-            for i in range(config.num_hidden_layers)
-        )
-        self.norm = LayerNorm(config.hidden_size, config.layer_norm_eps)
+class CohereModel(LlamaModel):
+    """LlamaModel's embedding/layers/final-norm loop with Cohere's layers, LayerNorm and
+    GPT-J-style (interleaved) RoPE."""
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-    ) -> torch.Tensor:  # [T, H]
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+    is_neox_style = False
+
+    def __init__(self, config: Any, quant_method: QuantMethod | None):
+        super().__init__(config, quant_method, layer_cls=CohereDecoderLayer)
+
+    def make_norm(self, config: Any) -> nn.Module:
+        return LayerNorm(config.hidden_size, config.layer_norm_eps)
 
 
 class CohereForCausalLM(LlamaForCausalLM):

@@ -189,6 +189,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    is_neox_style = True  # RoPE on rotated halves (GPT-J style: interleaved pairs)
+
     def __init__(
         self,
         config: Any,
@@ -198,12 +200,16 @@ class LlamaModel(nn.Module):
     ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = build_rope(config)
+        rotary_emb = build_rope(config, self.is_neox_style)
         self.layers = nn.ModuleList(
             layer_cls(config, i, rotary_emb, quant_method, attention_cls)
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.make_norm(config)
+
+    def make_norm(self, config: Any) -> nn.Module:
+        """The final norm (families with another norm override this)."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         return self.embed_tokens(input_ids)
