@@ -61,12 +61,17 @@ def init_all_reduce(
 
 def shutdown_distributed() -> None:
     """Close the strategies' buffers and leave the process group."""
+    import gc
+
     import torch.distributed as dist
 
     strategy = ps.get_tp_all_reduce()
     if strategy is not None:
         strategy.close()
     ps.reset_tp_group()
+    # collect cycles that may still hold the group: a process group that outlives
+    # destroy_process_group is torn down during interpreter exit, where gloo can abort
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 

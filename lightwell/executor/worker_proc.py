@@ -8,6 +8,7 @@ sockets close and the collectives that rank 0 is blocked in fail instead of hang
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from multiprocessing.connection import Connection
 
@@ -45,6 +46,11 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
             conn.send(Failure(rank, traceback.format_exc()))
         finally:
             os._exit(1)
+    # Shut down cleanly: skip the interpreter's teardown, where the C++ side of a destroyed
+    # process group can still abort the process ("terminate called without an active exception")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _serve(worker: object, rank: int, conn: Connection) -> None:

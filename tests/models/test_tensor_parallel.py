@@ -31,6 +31,7 @@ def _free_port() -> int:
 def _run_rank(rank: int, size: int, port: int, folders: dict[str, str], out: str) -> None:
     import torch.distributed as dist
 
+    from lightwell.distributed.launch import shutdown_distributed
     from lightwell.distributed.parallel_state import init_tp_group
     from tests.models.paged import PagedRunner
     from tests.models.tiny import load_ours
@@ -58,7 +59,8 @@ def _run_rank(rank: int, size: int, port: int, folders: dict[str, str], out: str
         results[key] = (logits, seqs, [torch.stack(s) for s in steps], shards)
     if rank == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    del model, runner, qkv
+    shutdown_distributed()
 
 
 def test_tp2_matches_hf(tmp_path):

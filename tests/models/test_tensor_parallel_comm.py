@@ -116,6 +116,7 @@ def _run(rank: int, port: int, folder: str) -> None:
     import torch.distributed as dist
 
     from lightwell.distributed.comm import CommContext
+    from lightwell.distributed.launch import shutdown_distributed
     from lightwell.distributed.parallel_state import init_tp_group
 
     torch.set_num_threads(1)
@@ -128,7 +129,10 @@ def _run(rank: int, port: int, folder: str) -> None:
     _check_strategies(rank, ctx)
     _check_selector(rank, ctx)
     _check_two_batch(rank, folder)
-    dist.destroy_process_group()
+    # every reference to the gloo group must go before it is destroyed: one left for the
+    # interpreter's exit aborts the process now and then ("terminate called ...")
+    del ctx, group
+    shutdown_distributed()
 
 
 def test_all_reduce_strategies_and_two_batch_tp2(tmp_path):
