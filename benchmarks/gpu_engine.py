@@ -1,7 +1,8 @@
 """The engine on one GPU: correctness checks, then W1 and W2 on llama-3-8b shapes, with HF
 transformers `generate` on the same shapes as the side-by-side peer. One device call:
 
-    python3 benchmarks/gpu_engine.py --out $OUT/engine.json [--stages check,w1,w2,hf]
+    python3 benchmarks/gpu_engine.py --out $OUT/engine.json [--stages check,check-async,w1,w2,hf]
+        [--scheduling sync,async] [--budget-s S]
 
 Correctness (stage "check"): a tiny random HF Llama in fp32 on the GPU (CUDA graphs on) gives
 HF's greedy tokens; the same in bf16 stays within bf16 tolerance of HF's fp32 logits; a
@@ -32,6 +33,7 @@ FLOOR_TOK_S = 281.0  # 15.01 GB / 4,221 GB/s
 PEAK_TFLOPS = 788.0
 PARAMS_8B = 8.03e9
 ROWS: list[dict] = []
+START = time.perf_counter()
 
 
 def emit(args: argparse.Namespace, metric: str, value: float, **fields) -> None:
@@ -126,7 +128,7 @@ def stage_check(args: argparse.Namespace) -> bool:
     return ok
 
 
-def _engine_tokens(folder, prompts, sp, device, dtype) -> list[list[int]]:
+def _engine_tokens(folder, prompts, sp, device, dtype, **opts) -> list[list[int]]:
     llm = LLM(
         folder,
         device=device,
@@ -134,15 +136,81 @@ def _engine_tokens(folder, prompts, sp, device, dtype) -> list[list[int]]:
         skip_tokenizer_init=True,
         max_num_seqs=8,
         max_num_batched_tokens=64,
-        num_kv_blocks=256,
+        num_kv_blocks=opts.pop("num_kv_blocks", 256),
+        **opts,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
     llm.engine.shutdown()
-    return [o.outputs[0].token_ids for o in outs]
+    return [c.token_ids for o in outs for c in o.outputs]
+
+
+def stage_check_async(args: argparse.Namespace) -> bool:
+    """--async-scheduling on the GPU (CUDA graphs, pinned copies, tokens fed on the device)
+    gives the plain loop's tokens: greedy, seeded, penalties, n=2, under preemption."""
+    folder = tempfile.mkdtemp(prefix="tiny-async")
+    save_hf_llama(
+        folder,
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        architectures=["LlamaForCausalLM"],
+    )
+    prompts = [p["prompt_token_ids"] for p in rand_prompts(6, 37, 512, 2)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=33, ignore_eos=True, detokenize=False),
+        SamplingParams(
+            temperature=0.7,
+            seed=3,
+            max_tokens=30,
+            repetition_penalty=1.3,
+            presence_penalty=0.4,
+            ignore_eos=True,
+            detokenize=False,
+        ),
+        SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=25, top_k=50, detokenize=False),
+        SamplingParams(temperature=0.0, max_tokens=45, min_tokens=10, detokenize=False),
+        SamplingParams(temperature=0.6, top_p=0.9, seed=1, max_tokens=38, detokenize=False),
+    ]
+    ok = True
+    for blocks in (256, 14):  # 14 blocks of 16 tokens: preemption
+        runs = {}
+        for mode in (False, True):
+            t0 = time.perf_counter()
+            llm = LLM(
+                folder,
+                device="cuda",
+                dtype="float32",
+                skip_tokenizer_init=True,
+                max_num_seqs=8,
+                max_num_batched_tokens=64,
+                num_kv_blocks=blocks,
+                async_scheduling=mode,
+            )
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runs[mode] = [c.token_ids for o in outs for c in o.outputs]
+            preempted = llm.engine.stats().num_preemptions
+            llm.engine.shutdown()
+            print(f"  async={mode} blocks={blocks} {time.perf_counter() - t0:.1f}s", flush=True)
+        same = sum(a == b for a, b in zip(runs[True], runs[False]))
+        emit(
+            args,
+            "async_equal_sequences",
+            same,
+            of=len(runs[False]),
+            num_kv_blocks=blocks,
+            preemptions=preempted,
+        )
+        ok = ok and same == len(runs[False])
+    return ok
 
 
 # ---- W1 / W2 ------------------------------------------------------------------------------
-def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
+def make_llm(args: argparse.Namespace, max_num_seqs: int, async_scheduling: bool) -> LLM:
     t0 = time.perf_counter()
     llm = LLM(
         load_format="dummy",
@@ -151,9 +219,18 @@ def make_llm(args: argparse.Namespace, max_num_seqs: int) -> LLM:
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         enforce_eager=args.eager,
+        async_scheduling=async_scheduling,
     )
     print(f"engine ready in {time.perf_counter() - t0:.1f}s, {llm.engine.num_kv_blocks} blocks")
     return llm
+
+
+def _over_budget(args: argparse.Namespace, stage: str) -> bool:
+    spent = time.perf_counter() - START
+    if spent < args.budget_s:
+        return False
+    print(f"== skipping {stage}: {spent:.0f}s spent of --budget-s {args.budget_s}", flush=True)
+    return True
 
 
 def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
@@ -167,6 +244,7 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
         mode="single",
         eager=args.eager,
         skinny_gemm_rows=qb.SKINNY_GEMM_MAX_ROWS,
+        async_scheduling=llm.engine.scheduler.async_scheduling,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
     llm.generate(rand_prompts(1, 128, 128256, 99), sp, use_tqdm=False)  # warm-up
@@ -214,6 +292,7 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
         requests=n,
         wall_s=wall,
         eager=args.eager,
+        async_scheduling=llm.engine.scheduler.async_scheduling,
     )
     emit(args, "output_tok_s", out_toks / wall, **common)
     emit(args, "total_tok_s", total / wall, **common)
@@ -312,6 +391,14 @@ def main() -> int:
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument(
+        "--scheduling",
+        default="sync",
+        help="comma list of step loops to measure: sync (plain), async (--async-scheduling)",
+    )
+    ap.add_argument(
+        "--budget-s", type=float, default=1e9, help="skip engines/W2 started after this many s"
+    )
+    ap.add_argument(
         "--skinny-rows",
         type=int,
         default=None,
@@ -327,15 +414,20 @@ def main() -> int:
         import lightwell.quant.base as qb
 
         qb.SKINNY_GEMM_MAX_ROWS = args.skinny_rows
-    if "w1" in stages or "w2" in stages or "profile" in stages:
-        llm = make_llm(args, args.max_num_seqs)
+    if "check-async" in stages:
+        print("== check-async", flush=True)
+        ok = stage_check_async(args) and ok
+    for mode in args.scheduling.split(","):
+        if not any(s in stages for s in ("w1", "w2", "profile")) or _over_budget(args, mode):
+            continue
+        llm = make_llm(args, args.max_num_seqs, async_scheduling=mode == "async")
         if "profile" in stages:
             stage_profile(args, llm)
         if "w1" in stages:
-            print("== W1", flush=True)
+            print(f"== W1 ({mode})", flush=True)
             stage_w1(args, llm)
-        if "w2" in stages:
-            print("== W2", flush=True)
+        if "w2" in stages and not _over_budget(args, f"W2 {mode}"):
+            print(f"== W2 ({mode})", flush=True)
             stage_w2(args, llm)
         llm.engine.shutdown()
         del llm

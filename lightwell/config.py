@@ -102,6 +102,13 @@ class SchedulerConfig:
         "Split long prompts across steps to fit the token budget. When off, a prompt is "
         "scheduled whole or not at all (and the budget must hold the longest prompt).",
     )
+    async_scheduling: bool = _opt(
+        False,
+        "Schedule and prepare step N+1 while the device runs step N (tokens still being "
+        "sampled are fed to the next step on the device). Same outputs; hides the host's "
+        "per-step work on a GPU. Single process only (tensor_parallel_size 1); a request that "
+        "stops on EOS or a stop string computes one extra token, which is dropped.",
+    )
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from lightwell.config import EngineConfig, is_preset_dummy, resolve_config
 from lightwell.engine.output_processor import OutputProcessor
+from lightwell.engine.overlap_loop import OverlapLoop
 from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
 from lightwell.models.paths import ModelFiles, resolve_model
@@ -59,7 +60,9 @@ class LLMEngine:
             max_model_len=self.config.model.max_model_len,
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
             enable_chunked_prefill=s.enable_chunked_prefill,
+            async_scheduling=self._use_async_scheduling(s.async_scheduling),
         )
+        self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         if self.eos_token_id is None:
@@ -90,6 +93,12 @@ class LLMEngine:
                 capacity,
             )
         self.executor.init_kv_cache(self.num_kv_blocks, self.config)
+
+    def _use_async_scheduling(self, asked: bool) -> bool:
+        if asked and not getattr(self.executor, "supports_async_scheduling", False):
+            logger.warning("--async-scheduling needs tensor_parallel_size 1: running steps in turn")
+            return False
+        return asked
 
     # ---- requests ---------------------------------------------------------------------------
     @property
@@ -186,10 +195,13 @@ class LLMEngine:
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        in_flight = self._overlap is not None and self._overlap.has_work()
+        return in_flight or self.scheduler.has_unfinished_requests()
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._overlap is not None:  # --async-scheduling: the overlapped loop
+            return self._overlap.step()
         sched = self.scheduler.schedule()
         if sched.new_reqs:
             self.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())

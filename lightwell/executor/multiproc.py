@@ -53,6 +53,9 @@ def free_port() -> int:
 
 
 class MultiprocExecutor:
+    # only rank 0 samples: the other ranks could not feed a token still in flight
+    supports_async_scheduling = False
+
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp
 

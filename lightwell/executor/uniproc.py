@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from lightwell.config import EngineConfig
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.worker.model_runner import PendingStep
 from lightwell.worker.worker import ModelInfo, Worker
 
 
 class UniProcExecutor:
+    supports_async_scheduling = True
+
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, rank=0)
 
@@ -22,6 +25,10 @@ class UniProcExecutor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def execute_model_async(self, sched: SchedulerOutput) -> PendingStep:
+        """Launch the step and return at once; ``.result()`` is its ModelRunnerOutput."""
+        return self.worker.launch(sched)
 
     def shutdown(self) -> None:
         self.worker = None

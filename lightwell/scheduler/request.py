@@ -52,6 +52,9 @@ class Request:
         self.pending_token_ids: list[int] = []
         # Prompt positions whose logprobs were already returned (a resumed request recomputes them).
         self.num_prompt_logprobs_sent = 0
+        # Async scheduling: tokens being sampled by a step in flight, not yet appended. The next
+        # step is scheduled as if they were there (the worker feeds them from the device).
+        self.num_output_placeholders = 0
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +67,14 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[self.num_prompt_tokens :]
+
+    def reaches_limit_with_placeholders(self, max_model_len: int) -> bool:
+        """Whether the tokens in flight already end the request by length (no step is left)."""
+        max_tokens = self.sampling_params.max_tokens
+        n_out = self.num_output_tokens + self.num_output_placeholders
+        if max_tokens is not None and n_out >= max_tokens:
+            return True
+        return self.num_tokens + self.num_output_placeholders >= max_model_len
 
     @property
     def is_finished(self) -> bool:

@@ -7,6 +7,13 @@ prefill + decode batches and resumption after preemption all fall out of it.
 
 ``num_computed_tokens`` is advanced inside :meth:`Scheduler.schedule`, as soon as a request is
 scheduled, so a second ``schedule()`` before ``update()`` does not schedule the same tokens twice.
+
+Async scheduling (``async_scheduling=True``, the engine's overlapped loop): step N+1 is scheduled
+before step N's tokens are known. A step that samples for a request leaves a placeholder
+(``num_output_placeholders``) that counts as a token to run next; ``update()`` replaces it with
+the real token. A request whose placeholders already reach max_tokens / max_model_len is not
+scheduled again; one that stops on EOS or a stop string computes one step too many, whose token
+``update()`` drops (the request is gone by then).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         for name, value in (
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -65,6 +73,7 @@ class Scheduler:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.async_scheduling = async_scheduling
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
@@ -139,7 +148,12 @@ class Scheduler:
         while i < len(self.running) and batch.budget > 0:
             request = self.running[i]
             i += 1
-            n = min(request.num_tokens - request.num_computed_tokens, batch.budget)
+            if request.num_output_placeholders and request.reaches_limit_with_placeholders(
+                self.max_model_len
+            ):
+                continue  # the step in flight produces its last token
+            n = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
+            n = min(n, batch.budget)
             if n <= 0:  # scheduled again before update(): nothing new to run yet
                 continue
             new_block_ids = self._allocate_or_preempt(request, n, batch)
@@ -171,6 +185,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.num_output_placeholders = 0  # a token in flight is appended by update() as usual
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -231,11 +246,15 @@ class Scheduler:
         self._commit(request, n, batch)
         return True
 
-    @staticmethod
-    def _commit(request: Request, n: int, batch: _Batch) -> None:
+    def _commit(self, request: Request, n: int, batch: _Batch) -> None:
         batch.num_scheduled_tokens[request.req_id] = n
         batch.budget -= n
         request.num_computed_tokens += n
+        if (
+            self.async_scheduling
+            and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders
+        ):
+            request.num_output_placeholders += 1  # this step samples its next token
 
     # ---- update ----------------------------------------------------------------------------
 
@@ -254,6 +273,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None:
                 continue
+            request.num_output_placeholders = max(
+                0, request.num_output_placeholders - len(token_ids)
+            )
             output = self._append_tokens(request, token_ids, runner_output.logprobs.get(req_id))
             output.new_prompt_logprobs = self._take_prompt_logprobs(
                 request, starts.get(req_id), runner_output.prompt_logprobs.get(req_id)

@@ -38,6 +38,11 @@ class ModelInput:
     logits_indices: torch.Tensor  # [S] int64: flat index of each sampling request's last token
     # Prompt-logprob rows: req_id -> (flat token indices [P], target token ids [P]).
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    # Async scheduling: (flat index, req_id) of input tokens the previous step is sampling on
+    # the device; the runner fills them in from its sampled-token tensor.
+    deferred_tokens: list[tuple[int, str]] = field(default_factory=list)
+    # Per sampling request: output tokens before the one sampled this step [S].
+    num_outputs: list[int] = field(default_factory=list)
 
 
 class InputBatch:
@@ -79,17 +84,27 @@ class InputBatch:
         # positions: start_i + (0..n_i-1) for every request, flattened
         offsets = np.arange(total, dtype=np.int64) - np.repeat(query_start[:-1], counts)
         positions = np.repeat(starts, counts) + offsets
-        input_ids = np.empty(total, dtype=np.int64)
+        input_ids = np.zeros(total, dtype=np.int64)
+        deferred: list[tuple[int, str]] = []
         for i, s in enumerate(states):
-            a, n = int(starts[i]), int(counts[i])
-            input_ids[query_start[i] : query_start[i] + n] = s.token_ids[a : a + n]
+            a, n, q = int(starts[i]), int(counts[i]), int(query_start[i])
+            known = s.token_ids[a : a + n]
+            input_ids[q : q + len(known)] = known
+            if len(known) < n:  # async scheduling: the last input token is still being sampled
+                if a + n != len(s.token_ids) + 1:
+                    raise RuntimeError(
+                        f"request {req_ids[i]}: {a + n - len(s.token_ids)} input tokens unknown "
+                        "(only the one sampled by the previous step can be)"
+                    )
+                deferred.append((q + n - 1, req_ids[i]))
         seq_lens = starts + counts
         block_table = self._block_table(states, seq_lens)
         req_index = np.repeat(np.arange(len(req_ids)), counts)
         block_of_token = block_table[req_index, positions // self.block_size]
         slots = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
         meta = self._metadata(query_start, seq_lens, block_table, slots, counts)
-        sample_ids, logits_idx, prompt_rows = self._logit_rows(req_ids, states, query_start, counts)
+        rows = self._logit_rows(req_ids, states, query_start, counts)
+        sample_ids, logits_idx, num_outputs, prompt_rows = rows
         dev = self.device
         return ModelInput(
             input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
@@ -99,6 +114,8 @@ class InputBatch:
             sample_req_ids=sample_ids,
             logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
             prompt_logprob_rows=prompt_rows,
+            deferred_tokens=deferred,
+            num_outputs=num_outputs,
         )
 
     def _block_table(self, states: list[CachedRequestState], seq_lens: np.ndarray) -> np.ndarray:
@@ -136,18 +153,20 @@ class InputBatch:
         states: list[CachedRequestState],
         query_start: np.ndarray,
         counts: np.ndarray,
-    ) -> tuple[list[str], list[int], dict[str, tuple[list[int], list[int]]]]:
+    ) -> tuple[list[str], list[int], list[int], dict[str, tuple[list[int], list[int]]]]:
         sample_ids: list[str] = []
         logits_idx: list[int] = []
+        num_outputs: list[int] = []
         prompt_rows: dict[str, tuple[list[int], list[int]]] = {}
         for i, s in enumerate(states):
             start, n = s.num_computed_tokens, int(counts[i])
-            if start + n == len(s.token_ids):
+            if start + n >= len(s.token_ids):  # > only with a deferred (in-flight) token
                 sample_ids.append(req_ids[i])
                 logits_idx.append(int(query_start[i]) + n - 1)
+                num_outputs.append(start + n - s.num_prompt_tokens)
             if s.sampling_params.prompt_logprobs is not None and start < s.num_prompt_tokens - 1:
                 # position p predicts token p+1; only prompt targets count
                 last = min(start + n, s.num_prompt_tokens - 1)
                 rows = [int(query_start[i]) + p - start for p in range(start, last)]
                 prompt_rows[req_ids[i]] = (rows, s.token_ids[start + 1 : last + 1])
-        return sample_ids, logits_idx, prompt_rows
+        return sample_ids, logits_idx, num_outputs, prompt_rows

@@ -21,6 +21,35 @@ from lightwell.worker.sampling_metadata import build_sampling_metadata
 logger = logging.getLogger(__name__)
 
 
+class PendingStep:
+    """A launched step: its output once the sampled tokens have reached the host."""
+
+    def __init__(self, out: ModelRunnerOutput) -> None:
+        self.out = out
+        self.req_ids: list[str] = []
+        self.tokens: torch.Tensor | None = None  # [S] int64 on the host (pinned on CUDA)
+        self.event: torch.cuda.Event | None = None
+
+    def set_tokens(self, req_ids: list[str], tokens: torch.Tensor) -> None:  # tokens: [S]
+        self.req_ids = req_ids
+        if tokens.device.type != "cuda":
+            self.tokens = tokens
+            return
+        self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        self.tokens.copy_(tokens, non_blocking=True)
+        self.event = torch.cuda.Event()
+        self.event.record()
+
+    def result(self) -> ModelRunnerOutput:
+        if self.tokens is not None:
+            if self.event is not None:
+                self.event.synchronize()
+            for req_id, token in zip(self.req_ids, self.tokens.tolist()):
+                self.out.sampled_token_ids[req_id] = [token]
+            self.tokens = None
+        return self.out
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -51,6 +80,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
         self.overlap: TwoBatchOverlap | None = None  # set by the worker (--dual-stream)
+        # The last step's sampled tokens: req_id -> row, and the [S] int64 device tensor.
+        self._last_sampled: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0))
 
     def set_attention_backend(self, name: str) -> None:
         """auto: Triton kernels on GPU, the torch reference on CPU."""
@@ -82,22 +113,43 @@ class ModelRunner:
             self.kv_caches.append(cache)
 
     # ---- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.launch(sched).result()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue the step's work on the device; ``result()`` waits for its sampled tokens.
+
+        Async scheduling calls this for step N+1 before step N's ``result()``: input tokens that
+        step N is still sampling are taken from its token tensor on the device.
+        """
         self.batch.apply(sched)
         if sched.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput()
+            return PendingStep(ModelRunnerOutput())
         inp = self.batch.prepare(sched)
+        if inp.deferred_tokens:
+            self._fill_deferred(inp)
         if self.graphs is not None and self.graphs.can_run(inp.meta):
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)  # [R, H]
         else:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
-        out = ModelRunnerOutput()
+        pending = PendingStep(ModelRunnerOutput())
         if inp.sample_req_ids:
-            self._sample(inp, hidden, out)
+            self._sample(inp, hidden, pending)
         if inp.prompt_logprob_rows:
-            self._prompt_logprobs(inp, hidden, out)
-        return out
+            self._prompt_logprobs(inp, hidden, pending.out)
+        return pending
+
+    def _fill_deferred(self, inp: ModelInput) -> None:
+        """Input tokens the previous step sampled, copied on the device (no host round trip)."""
+        rows, tokens = self._last_sampled
+        missing = [r for _, r in inp.deferred_tokens if r not in rows]
+        if missing:
+            raise RuntimeError(f"the previous step sampled no token for {missing[:3]}")
+        dev = self.device
+        flat = torch.tensor([i for i, _ in inp.deferred_tokens], dtype=torch.int64, device=dev)
+        src = torch.tensor([rows[r] for _, r in inp.deferred_tokens], dtype=torch.int64, device=dev)
+        inp.input_ids[flat] = tokens[src]
 
     def forward(
         self,
@@ -110,7 +162,7 @@ class ModelRunner:
         with forward_context(meta):
             return self.model(input_ids, positions)
 
-    def _sample(self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _sample(self, inp: ModelInput, hidden: torch.Tensor, pending: PendingStep) -> None:
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
         if not self.is_driver:
             return
@@ -118,10 +170,10 @@ class ModelRunner:
         params = [s.sampling_params for s in states]
         if any(p.uses_penalties for p in params):  # penalties read whole token histories
             prompts = [s.token_ids[: s.num_prompt_tokens] for s in states]
-            outputs = [s.output_token_ids for s in states]
+            outputs = self._output_histories(inp, states)
         else:  # only the output lengths matter (min_tokens, seeds): no per-step copies
             prompts = [()] * len(states)
-            outputs = [range(len(s.token_ids) - s.num_prompt_tokens) for s in states]
+            outputs = [range(n) for n in inp.num_outputs]
         meta = build_sampling_metadata(
             params,
             prompts,
@@ -132,11 +184,24 @@ class ModelRunner:
             self.generator,
         )
         result = self.sampler(logits, meta)
-        tokens = result.token_ids.tolist()
+        self._last_sampled = ({r: i for i, r in enumerate(inp.sample_req_ids)}, result.token_ids)
+        pending.set_tokens(inp.sample_req_ids, result.token_ids)
         for i, req_id in enumerate(inp.sample_req_ids):
-            out.sampled_token_ids[req_id] = [tokens[i]]
             if result.logprobs is not None and states[i].sampling_params.logprobs is not None:
-                out.logprobs[req_id] = [result.logprobs[i]]
+                pending.out.logprobs[req_id] = [result.logprobs[i]]
+
+    def _output_histories(self, inp: ModelInput, states: list) -> list[list[int]]:
+        """Each sampling request's output tokens, with the one still in flight (a host sync:
+        penalties cost async scheduling its overlap)."""
+        deferred = {r for _, r in inp.deferred_tokens}
+        if not deferred:
+            return [s.output_token_ids for s in states]
+        rows, tokens = self._last_sampled
+        host = tokens.tolist()
+        return [
+            s.output_token_ids + ([host[rows[s.req_id]]] if s.req_id in deferred else [])
+            for s in states
+        ]
 
     def _prompt_logprobs(
         self, inp: ModelInput, hidden: torch.Tensor, out: ModelRunnerOutput

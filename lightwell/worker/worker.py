@@ -5,12 +5,16 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightwell.config import EngineConfig, is_preset_dummy
 from lightwell.models.paths import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+if TYPE_CHECKING:
+    from lightwell.worker.model_runner import PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +189,10 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
+
+    def launch(self, sched: SchedulerOutput) -> PendingStep:
+        """Queue the step on the device; the handle's ``result()`` waits for its tokens."""
+        return self.runner.launch(sched)
 
     def shutdown(self) -> None:
         self.runner = None

@@ -1,0 +1,52 @@
+"""The overlapped step loop (``--async-scheduling``): step N+1 is scheduled and launched before
+step N's tokens come back, so the host's per-step work (scheduling, input preparation, kernel
+launches, output processing) runs while the device computes.
+
+    call k:  schedule N+1 -> launch N+1 -> wait for N's tokens -> update N -> outputs of N
+
+At most two steps are in flight. The scheduler counts a token being sampled as a placeholder
+(``Request.num_output_placeholders``) and the worker feeds it to step N+1 from the device, so
+the tokens are exactly those of the plain loop in ``LLMEngine.step``; a request that stops on
+EOS or a stop string computes one extra token, which ``Scheduler.update`` drops (the request is
+gone by then). The control plane stays torch-free: a launched step is an opaque handle with
+``result()``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from lightwell.scheduler.output import SchedulerOutput
+from lightwell.types import FinishReason, RequestOutput
+
+if TYPE_CHECKING:
+    from lightwell.engine.llm_engine import LLMEngine
+
+
+class OverlapLoop:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.in_flight: deque[tuple[SchedulerOutput, Any]] = deque()
+
+    def has_work(self) -> bool:
+        return bool(self.in_flight)
+
+    def step(self) -> list[RequestOutput]:
+        e = self.engine
+        sched = e.scheduler.schedule()
+        if sched.new_reqs:
+            e.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
+        launched = bool(sched.total_num_scheduled_tokens)
+        if launched or sched.finished_req_ids:
+            self.in_flight.append((sched, e.executor.execute_model_async(sched)))
+        # Keep one step queued behind the one we wait for, unless nothing new could be launched.
+        if not self.in_flight or (launched and len(self.in_flight) < 2):
+            return []
+        done, handle = self.in_flight.popleft()
+        core_outputs = e.scheduler.update(done, handle.result())
+        outputs, stopped = e.output_processor.process(core_outputs)
+        if stopped:
+            e.scheduler.abort_requests(stopped, reason=FinishReason.STOP)
+        return outputs
