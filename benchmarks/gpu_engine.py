@@ -254,6 +254,11 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
         m = out.metrics
         ttfts.append(m.first_token_time - m.arrival_time)
         rates.append(255 / (m.last_token_time - m.first_token_time))
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+    for seed in (11, 12, 13, 14):  # more TTFT samples (short requests)
+        m = llm.generate(rand_prompts(1, 128, 128256, seed), short, use_tqdm=False)[0].metrics
+        ttfts.append(m.first_token_time - m.arrival_time)
+    emit(args, "step_trace_ms", 0.0, traces=_step_trace(llm, short), **common)
     rate = sorted(rates)[1]
     emit(
         args,
@@ -265,7 +270,8 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
         runs=rates,
         **common,
     )
-    emit(args, "ttft_ms", 1e3 * sorted(ttfts)[1], prompt_len=128, runs=ttfts, **common)
+    ttft = 1e3 * sorted(ttfts)[len(ttfts) // 2]  # the median
+    emit(args, "ttft_ms", ttft, prompt_len=128, runs=ttfts, **common)
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     t = []
     for seed in (4, 5, 6):
@@ -273,6 +279,20 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
         t.append(out.metrics.first_token_time - out.metrics.arrival_time)
     floor_ms = 1024 * 2 * PARAMS_8B / (PEAK_TFLOPS * 1e12) * 1e3
     emit(args, "ttft_ms", 1e3 * sorted(t)[1], prompt_len=1024, floor=floor_ms, runs=t, **common)
+
+
+def _step_trace(llm: LLM, sp: SamplingParams) -> list[list[tuple[float, float, int]]]:
+    """Per engine.step() call of a lone 128-token request: (start ms, duration ms, outputs)."""
+    engine, traces = llm.engine, []
+    for seed in (21, 22):
+        engine.add_request(None, rand_prompts(1, 128, 128256, seed)[0], sp)
+        t0, calls = time.perf_counter(), []
+        while engine.has_unfinished_requests():
+            a = time.perf_counter()
+            n = len(engine.step())
+            calls.append((round(1e3 * (a - t0), 2), round(1e3 * (time.perf_counter() - a), 2), n))
+        traces.append(calls)
+    return traces
 
 
 def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
@@ -429,9 +449,8 @@ def main() -> int:
         if "w2" in stages and not _over_budget(args, f"W2 {mode}"):
             print(f"== W2 ({mode})", flush=True)
             stage_w2(args, llm)
-        llm.engine.shutdown()
+        llm.engine.shutdown()  # frees the weights, KV cache and graphs for the next engine
         del llm
-        torch.cuda.empty_cache()
     if "hf" in stages:
         print("== HF peer", flush=True)
         stage_hf(args)

@@ -231,6 +231,7 @@ class LLMEngine:
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
     def shutdown(self) -> None:
+        self._overlap = None  # steps in flight are dropped with the executor
         self.executor.shutdown()
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+
+import torch
+
 from lightwell.config import EngineConfig
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.model_runner import PendingStep
@@ -31,4 +35,12 @@ class UniProcExecutor:
         return self.worker.launch(sched)
 
     def shutdown(self) -> None:
+        """Free the model, KV cache and CUDA graphs now, so another engine fits on the device."""
+        if self.worker is None:
+            return
+        on_cuda = self.worker.device.type == "cuda"
+        self.worker.shutdown()
         self.worker = None
+        gc.collect()  # the runner and its CUDA graphs reference each other
+        if on_cuda:
+            torch.cuda.empty_cache()
