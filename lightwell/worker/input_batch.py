@@ -12,6 +12,15 @@ from lightwell.scheduler.output import SchedulerOutput
 from lightwell.types import SamplingParams
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without blocking the host: a plain ``.to(device)`` waits for the stream
+    to drain, which would stall async scheduling behind the step in flight. On CUDA the copy
+    goes through pinned memory (the caching host allocator keeps the block until it is done)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -107,12 +116,12 @@ class InputBatch:
         sample_ids, logits_idx, num_outputs, prompt_rows = rows
         dev = self.device
         return ModelInput(
-            input_ids=torch.from_numpy(input_ids).to(dev, non_blocking=True),
-            positions=torch.from_numpy(positions).to(dev, non_blocking=True),
+            input_ids=to_device(torch.from_numpy(input_ids), dev),
+            positions=to_device(torch.from_numpy(positions), dev),
             meta=meta,
             req_ids=req_ids,
             sample_req_ids=sample_ids,
-            logits_indices=torch.tensor(logits_idx, dtype=torch.int64, device=dev),
+            logits_indices=to_device(torch.tensor(logits_idx, dtype=torch.int64), dev),
             prompt_logprob_rows=prompt_rows,
             deferred_tokens=deferred,
             num_outputs=num_outputs,
@@ -136,10 +145,10 @@ class InputBatch:
     ) -> AttentionMetadata:
         dev = self.device
         return AttentionMetadata(
-            query_start_loc=torch.from_numpy(query_start.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=to_device(torch.from_numpy(query_start.astype(np.int32)), dev),
+            seq_lens=to_device(torch.from_numpy(seq_lens.astype(np.int32)), dev),
+            block_table=to_device(torch.from_numpy(block_table), dev),
+            slot_mapping=to_device(torch.from_numpy(slots), dev),
             max_query_len=int(counts.max(initial=0)),
             max_seq_len=int(seq_lens.max(initial=0)),
             query_start_loc_cpu=query_start.tolist(),

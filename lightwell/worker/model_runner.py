@@ -13,7 +13,7 @@ from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.layers.attention import Attention
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
-from lightwell.worker.input_batch import InputBatch, ModelInput
+from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.overlap import TwoBatchOverlap
 from lightwell.worker.sampler import Sampler, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata
@@ -147,8 +147,8 @@ class ModelRunner:
         if missing:
             raise RuntimeError(f"the previous step sampled no token for {missing[:3]}")
         dev = self.device
-        flat = torch.tensor([i for i, _ in inp.deferred_tokens], dtype=torch.int64, device=dev)
-        src = torch.tensor([rows[r] for _, r in inp.deferred_tokens], dtype=torch.int64, device=dev)
+        flat = to_device(torch.tensor([i for i, _ in inp.deferred_tokens]), dev)  # [D]
+        src = to_device(torch.tensor([rows[r] for _, r in inp.deferred_tokens]), dev)  # [D]
         inp.input_ids[flat] = tokens[src]
 
     def forward(

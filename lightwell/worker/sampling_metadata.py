@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from lightwell.types import SamplingParams
+from lightwell.worker.input_batch import to_device
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -113,7 +114,7 @@ def _mix64(z: int) -> int:
 
 
 def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _temperatures(
