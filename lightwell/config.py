@@ -105,9 +105,11 @@ class SchedulerConfig:
     async_scheduling: bool = _opt(
         False,
         "Schedule and prepare step N+1 while the device runs step N (tokens still being "
-        "sampled are fed to the next step on the device). Same outputs; hides the host's "
-        "per-step work on a GPU. Single process only (tensor_parallel_size 1); a request that "
-        "stops on EOS or a stop string computes one extra token, which is dropped.",
+        "sampled are fed to the next step on the device; under tensor parallelism rank 0 "
+        "broadcasts them). Same tokens for greedy and per-request-seeded sampling (unseeded "
+        "rows share one random stream, so they depend on the batch in either loop); hides the "
+        "host's per-step work on a GPU. A request that stops on EOS or a stop string computes "
+        "one extra token, which is dropped. Logprobs still read back inside the step.",
     )
 
 

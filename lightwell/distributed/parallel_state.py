@@ -80,6 +80,17 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Overwrite ``x`` on every rank with tensor-parallel rank 0's ``x`` (in place)."""
+    if _STATE.size == 1:
+        return x
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(_STATE.group, 0) if _STATE.group is not None else 0
+    dist.broadcast(x, src=src, group=_STATE.group)
+    return x
+
+
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``, in rank order."""
     if _STATE.size == 1:

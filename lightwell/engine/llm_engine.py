@@ -96,7 +96,7 @@ class LLMEngine:
 
     def _use_async_scheduling(self, asked: bool) -> bool:
         if asked and not getattr(self.executor, "supports_async_scheduling", False):
-            logger.warning("--async-scheduling needs tensor_parallel_size 1: running steps in turn")
+            logger.warning("this executor cannot run --async-scheduling: running steps in turn")
             return False
         return asked
 

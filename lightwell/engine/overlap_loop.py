@@ -6,10 +6,11 @@ launches, output processing) runs while the device computes.
 
 At most two steps are in flight. The scheduler counts a token being sampled as a placeholder
 (``Request.num_output_placeholders``) and the worker feeds it to step N+1 from the device, so
-the tokens are exactly those of the plain loop in ``LLMEngine.step``; a request that stops on
-EOS or a stop string computes one extra token, which ``Scheduler.update`` drops (the request is
-gone by then). The control plane stays torch-free: a launched step is an opaque handle with
-``result()``.
+greedy and per-request-seeded tokens are those of the plain loop in ``LLMEngine.step``
+(unseeded rows draw from one shared random stream, which depends on the batch in either loop);
+a request that stops on EOS or a stop string computes one extra token, which
+``Scheduler.update`` drops (the request is gone by then, even if its id is reused). The control
+plane stays torch-free: a launched step is an opaque handle with ``result()``.
 """
 
 from __future__ import annotations

@@ -46,6 +46,17 @@ FAILURE_WAIT_S = 10.0  # how long to wait for a dead worker's traceback
 SHUTDOWN_WAIT_S = 15.0
 
 
+class _LocalPending:
+    """Rank 0's launched step; a worker's failure surfaces from ``result()`` as a WorkerError."""
+
+    def __init__(self, executor: MultiprocExecutor, pending: Any) -> None:
+        self.executor = executor
+        self.pending = pending
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._run_local(self.pending.result)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -53,8 +64,9 @@ def free_port() -> int:
 
 
 class MultiprocExecutor:
-    # only rank 0 samples: the other ranks could not feed a token still in flight
-    supports_async_scheduling = False
+    # with async scheduling rank 0 broadcasts its sampled tokens, so every rank can feed a
+    # token still in flight to the next step (ModelRunner.share_sampled_tokens)
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp
@@ -111,6 +123,11 @@ class MultiprocExecutor:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._send_all(ExecuteModel(sched))
         return self._run_local(lambda: self.worker.execute_model(sched))
+
+    def execute_model_async(self, sched: SchedulerOutput) -> _LocalPending:
+        """Launch the step on every rank; ``.result()`` waits for rank 0's tokens."""
+        self._send_all(ExecuteModel(sched))
+        return _LocalPending(self, self._run_local(lambda: self.worker.launch(sched)))
 
     def shutdown(self) -> None:
         if self.closing:

@@ -39,6 +39,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the worker must forget: finished, aborted or preempted since the last step.
     finished_req_ids: set[str] = field(default_factory=set)
+    # The scheduler's serial number of this step (async scheduling: ties update() to the
+    # requests that were scheduled, not to whatever request holds the same id by then).
+    step_id: int = -1
 
     @property
     def is_empty(self) -> bool:

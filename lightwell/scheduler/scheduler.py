@@ -74,6 +74,9 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_scheduling = async_scheduling
+        # Async scheduling: step_id -> the Request objects it scheduled, until its update().
+        self._step_requests: dict[int, dict[str, Request]] = {}
+        self._num_steps = 0
         self.kv = KVCacheManager(num_kv_blocks, block_size, enable_prefix_caching)
         self.requests: dict[str, Request] = {}  # every unfinished request
         self.waiting: deque[Request] = deque()
@@ -139,8 +142,14 @@ class Scheduler:
             num_scheduled_tokens=batch.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(batch.num_scheduled_tokens.values()),
             finished_req_ids=self._finished_req_ids,
+            step_id=self._num_steps,
         )
+        self._num_steps += 1
         self._finished_req_ids = set()
+        if self.async_scheduling and output.num_scheduled_tokens:
+            self._step_requests[output.step_id] = {
+                r: self.requests[r] for r in output.num_scheduled_tokens
+            }
         return output
 
     def _schedule_running(self, batch: _Batch) -> None:
@@ -268,9 +277,10 @@ class Scheduler:
         ``scheduler_output`` was made are ignored.
         """
         starts = _step_starts(scheduler_output)
+        owners = self._step_requests.pop(scheduler_output.step_id, None)
         outputs: list[EngineCoreOutput] = []
         for req_id, token_ids in runner_output.sampled_token_ids.items():
-            request = self.requests.get(req_id)
+            request = self._scheduled_request(req_id, owners)
             if request is None:
                 continue
             request.num_output_placeholders = max(
@@ -282,7 +292,7 @@ class Scheduler:
             )
             outputs.append(output)
         for req_id, prompt_lps in runner_output.prompt_logprobs.items():
-            request = self.requests.get(req_id)
+            request = self._scheduled_request(req_id, owners)
             if request is None or req_id in runner_output.sampled_token_ids:
                 continue
             new_lps = self._take_prompt_logprobs(request, starts.get(req_id), prompt_lps)
@@ -297,6 +307,14 @@ class Scheduler:
                 )
         self._remove_finished(outputs)
         return outputs
+
+    def _scheduled_request(self, req_id: str, owners: dict[str, Request] | None) -> Request | None:
+        """The live request a step's output belongs to; None if it finished or was aborted
+        since (also when its id has been reused by a new request in the meantime)."""
+        request = self.requests.get(req_id)
+        if request is None or (owners is not None and owners.get(req_id) is not request):
+            return None
+        return request
 
     def _append_tokens(
         self, request: Request, token_ids: list[int], logprobs: list[TokenLogprobs] | None

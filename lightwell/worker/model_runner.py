@@ -10,6 +10,7 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, forward_context
+from lightwell.distributed.parallel_state import tp_broadcast
 from lightwell.layers.attention import Attention
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
@@ -80,6 +81,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
         self.overlap: TwoBatchOverlap | None = None  # set by the worker (--dual-stream)
+        # Async scheduling under tensor parallelism: rank 0 broadcasts its sampled tokens so
+        # every rank can feed a token still in flight to the next step (set by the worker).
+        self.share_sampled_tokens = False
         # The last step's sampled tokens: req_id -> row, and the [S] int64 device tensor.
         self._last_sampled: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0))
 
@@ -165,6 +169,9 @@ class ModelRunner:
     def _sample(self, inp: ModelInput, hidden: torch.Tensor, pending: PendingStep) -> None:
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
         if not self.is_driver:
+            if self.share_sampled_tokens:  # rank 0's tokens, to feed the next step in flight
+                tokens = torch.empty(len(inp.sample_req_ids), dtype=torch.int64, device=self.device)
+                self._last_sampled = (self._rows(inp), tp_broadcast(tokens))
             return
         states = [self.batch.requests[r] for r in inp.sample_req_ids]
         params = [s.sampling_params for s in states]
@@ -184,11 +191,17 @@ class ModelRunner:
             self.generator,
         )
         result = self.sampler(logits, meta)
-        self._last_sampled = ({r: i for i, r in enumerate(inp.sample_req_ids)}, result.token_ids)
+        if self.share_sampled_tokens:
+            tp_broadcast(result.token_ids)
+        self._last_sampled = (self._rows(inp), result.token_ids)
         pending.set_tokens(inp.sample_req_ids, result.token_ids)
         for i, req_id in enumerate(inp.sample_req_ids):
             if result.logprobs is not None and states[i].sampling_params.logprobs is not None:
                 pending.out.logprobs[req_id] = [result.logprobs[i]]
+
+    @staticmethod
+    def _rows(inp: ModelInput) -> dict[str, int]:
+        return {r: i for i, r in enumerate(inp.sample_req_ids)}
 
     def _output_histories(self, inp: ModelInput, states: list) -> list[list[int]]:
         """Each sampling request's output tokens, with the one still in flight (a host sync:
@@ -210,11 +223,11 @@ class ModelRunner:
             if not rows:
                 continue
             k = self.batch.requests[req_id].sampling_params.prompt_logprobs or 0
-            idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
+            idx = to_device(torch.tensor(rows, dtype=torch.int64), self.device)  # [P]
             logits = self.model.compute_logits(hidden[idx])  # [P, V]
             if not self.is_driver:
                 continue
-            target = torch.tensor(targets, dtype=torch.int64, device=self.device)
+            target = to_device(torch.tensor(targets, dtype=torch.int64), self.device)  # [P]
             out.prompt_logprobs[req_id] = compute_prompt_logprobs(logits, target, k)
 
     @torch.inference_mode()

@@ -121,6 +121,9 @@ class Worker:
             is_driver=self.rank == 0,
         )
         self.runner.set_attention_backend(self.config.device.attention_backend)
+        self.runner.share_sampled_tokens = (
+            self.tp_size > 1 and self.config.scheduler.async_scheduling
+        )
         from lightwell.worker.overlap import TwoBatchOverlap
 
         self.runner.overlap = TwoBatchOverlap.create(model, self.config.parallel, self.device)

@@ -41,12 +41,16 @@ def engines():
     return plain, piped
 
 
-def test_overlapped_loop_matches_the_plain_loop_under_preemption(engines):
+def test_overlapped_loop_matches_the_plain_loop_under_preemption(engines, monkeypatch):
     plain, piped = engines
+    runner = piped.engine.executor.worker.runner
+    fill, fed = runner._fill_deferred, []
+    monkeypatch.setattr(runner, "_fill_deferred", lambda inp: fed.append(inp) or fill(inp))
     prompts = CHAT_PROMPTS[:5]
     want = plain.chat(_chats(prompts), PARAMS, use_tqdm=False)
     got = piped.chat(_chats(prompts), PARAMS, use_tqdm=False)
     assert _summary(got) == _summary(want)
+    assert len(fed) > 20  # the steps really overlapped: tokens in flight were fed on the device
     assert piped.engine.stats().num_preemptions > 0  # 12 blocks of 16 for 6 sequences
     for llm in (plain, piped):
         assert not llm.engine.has_unfinished_requests()

@@ -1,7 +1,7 @@
 """The engine at tensor_parallel_size=2 on CPU (2 processes over gloo, 1 thread each): greedy
-SmolLM2 output equals TP=1 (SmolLM2-135M has 9 query / 3 KV heads, so this also covers the
-uneven head split: 6 + 3 query heads, 2 + 1 KV heads); and a worker that dies or raises
-surfaces in the engine as a WorkerError instead of a hang."""
+SmolLM2 output equals TP=1, also with --async-scheduling (SmolLM2-135M has 9 query / 3 KV
+heads, so this also covers the uneven head split: 6 + 3 query heads, 2 + 1 KV heads); and a
+worker that dies or raises surfaces in the engine as a WorkerError instead of a hang."""
 
 from __future__ import annotations
 
@@ -37,6 +37,15 @@ def test_tp2_greedy_equals_tp1_smollm2():
     try:
         heads = llm.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj
         assert (heads.num_heads, heads.num_kv_heads) == (6, 2)  # rank 0's share of 9 / 3
+        assert _greedy(llm) == expected
+    finally:
+        llm.engine.shutdown()
+    # Async scheduling: rank 1 feeds the tokens in flight from rank 0's broadcast.
+    llm = LLM(
+        tensor_parallel_size=2, num_threads=1, max_num_batched_tokens=16, async_scheduling=True
+    )
+    try:
+        assert llm.engine._overlap is not None
         assert _greedy(llm) == expected
     finally:
         llm.engine.shutdown()

@@ -98,6 +98,21 @@ def test_a_token_past_eos_is_dropped_and_blocks_come_back():
     assert "r" in sched.schedule().finished_req_ids  # the worker forgets it
 
 
+def test_a_reused_request_id_does_not_take_the_old_steps_token():
+    sched = make_scheduler(async_scheduling=True)
+    sched.add_request(_req("a", 5, max_tokens=10, eos=7))
+    s1, s2 = sched.schedule(), sched.schedule()
+    sched.update(s1, ModelRunnerOutput(sampled_token_ids={"a": [7]}))  # EOS: "a" is free again
+    sched.add_request(_req("a", 4, max_tokens=10, start=50))
+    s3 = sched.schedule()
+    # the old request's extra token (step 2) must not land in the new "a"
+    assert sched.update(s2, ModelRunnerOutput(sampled_token_ids={"a": [8]})) == []
+    new = sched.get_request("a")
+    assert new.output_token_ids == [] and new.num_output_placeholders == 1
+    outs = sched.update(s3, ModelRunnerOutput(sampled_token_ids={"a": [60]}))
+    assert outs[0].new_token_ids == [60] and new.output_token_ids == [60]
+
+
 def test_sync_scheduler_never_leaves_placeholders():
     sched = make_scheduler()
     sched.add_request(_req("r", 6, max_tokens=3))
