@@ -1,6 +1,7 @@
 """`lightwell serve` end to end on 127.0.0.1 with the official openai SDK and the SmolLM2 model.
 
-One server subprocess for the module (1 torch thread, API key set); max_tokens stay small.
+One server subprocess for the module (1 torch thread, API key set), once with the plain step loop
+and once with --async-scheduling; max_tokens stay small.
 The last test sends SIGTERM and checks the graceful shutdown.
 """
 
@@ -33,13 +34,13 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, *extra: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "lightwell.cli", "serve", "--port", str(self.port)]
         cmd += ["--api-key", KEY, "--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN)]
-        cmd += ["--stats-interval", "1", "--shutdown-timeout", "20"]
+        cmd += ["--stats-interval", "1", "--shutdown-timeout", "20", *extra]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.http = httpx.Client(base_url=self.url, timeout=60)
@@ -86,9 +87,10 @@ class Server:
         os.unlink(self.log.name)
 
 
-@pytest.fixture(scope="module")
-def server():
-    srv = Server()
+@pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["plain", "async"])
+def server(request):
+    """Every test runs against the plain step loop and the overlapped one."""
+    srv = Server(*request.param)
     try:
         srv.wait_ready()
         yield srv
