@@ -75,18 +75,21 @@ def hf_greedy(folder: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     return outs
 
 
+TINY_LLAMA = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=344,
+    num_hidden_layers=3,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    architectures=["LlamaForCausalLM"],
+)
+
+
 def stage_check(args: argparse.Namespace) -> bool:
     ok = True
-    tiny = dict(
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=344,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        architectures=["LlamaForCausalLM"],
-    )
+    tiny = TINY_LLAMA
     smol = dict(
         vocab_size=49152,
         hidden_size=576,
@@ -148,17 +151,7 @@ def stage_check_async(args: argparse.Namespace) -> bool:
     """--async-scheduling on the GPU (CUDA graphs, pinned copies, tokens fed on the device)
     gives the plain loop's tokens: greedy, seeded, penalties, n=2, under preemption."""
     folder = tempfile.mkdtemp(prefix="tiny-async")
-    save_hf_llama(
-        folder,
-        vocab_size=512,
-        hidden_size=128,
-        intermediate_size=344,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        architectures=["LlamaForCausalLM"],
-    )
+    save_hf_llama(folder, **TINY_LLAMA)
     prompts = [p["prompt_token_ids"] for p in rand_prompts(6, 37, 512, 2)]
     params = [
         SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False),
