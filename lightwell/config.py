@@ -109,7 +109,7 @@ class SchedulerConfig:
         "broadcasts them). Same tokens for greedy and per-request-seeded sampling (unseeded "
         "rows share one random stream, so they depend on the batch in either loop); hides the "
         "host's per-step work on a GPU. A request that stops on EOS or a stop string computes "
-        "one extra token, which is dropped. Logprobs still read back inside the step.",
+        "one extra token, which is dropped.",
     )
 
 

@@ -53,12 +53,12 @@ def to_token_logprobs(
 
 def sampled_logprobs(
     raw_logprobs: torch.Tensor, sampled: torch.Tensor, num_top: list[int | None]
-) -> list[TokenLogprobs | None]:
-    """Per row: the sampled token then its row's top-k alternatives (None if it wants none)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled token then the top-k alternatives, on the device (no host sync):
+    ``to_token_logprobs(*result, num_top)`` cuts each row to its own k."""
     # raw_logprobs: [R, V] log_softmax of the unprocessed logits; sampled: [R] int64
     max_top = max((k for k in num_top if k is not None), default=0)
-    ids, values, ranks = gather_logprobs(raw_logprobs, sampled, max_top)
-    return to_token_logprobs(ids, values, ranks, num_top)
+    return gather_logprobs(raw_logprobs, sampled, max_top)  # 3 x [R, 1 + max_top]
 
 
 def prompt_logprobs(

@@ -15,8 +15,9 @@ from lightwell.layers.attention import Attention
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
+from lightwell.worker.logprobs import to_token_logprobs
 from lightwell.worker.overlap import TwoBatchOverlap
-from lightwell.worker.sampler import Sampler, compute_prompt_logprobs
+from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata
 
 logger = logging.getLogger(__name__)
@@ -28,26 +29,36 @@ class PendingStep:
     def __init__(self, out: ModelRunnerOutput) -> None:
         self.out = out
         self.req_ids: list[str] = []
-        self.tokens: torch.Tensor | None = None  # [S] int64 on the host (pinned on CUDA)
+        # On the host (pinned on CUDA): the tokens [S], then the logprob tensors if any.
+        self.host: list[torch.Tensor] = []
+        self.num_logprobs: list[int | None] | None = None
         self.event: torch.cuda.Event | None = None
 
-    def set_tokens(self, req_ids: list[str], tokens: torch.Tensor) -> None:  # tokens: [S]
-        self.req_ids = req_ids
-        if tokens.device.type != "cuda":
-            self.tokens = tokens
+    def set_tokens(self, req_ids: list[str], result: SamplerOutput) -> None:
+        """Start copying the sampled tokens (and logprobs) to the host, without waiting."""
+        self.req_ids, self.num_logprobs = req_ids, result.num_logprobs
+        tensors = [result.token_ids, *(result.logprob_tensors or ())]
+        if result.token_ids.device.type != "cuda":
+            self.host = tensors
             return
-        self.tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        self.tokens.copy_(tokens, non_blocking=True)
+        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for dst, src in zip(self.host, tensors):
+            dst.copy_(src, non_blocking=True)
         self.event = torch.cuda.Event()
         self.event.record()
 
     def result(self) -> ModelRunnerOutput:
-        if self.tokens is not None:
+        if self.host:
             if self.event is not None:
                 self.event.synchronize()
-            for req_id, token in zip(self.req_ids, self.tokens.tolist()):
+            for req_id, token in zip(self.req_ids, self.host[0].tolist()):
                 self.out.sampled_token_ids[req_id] = [token]
-            self.tokens = None
+            if len(self.host) > 1:
+                rows = to_token_logprobs(*self.host[1:], self.num_logprobs)
+                for req_id, row in zip(self.req_ids, rows):
+                    if row is not None:
+                        self.out.logprobs[req_id] = [row]
+            self.host = []
         return self.out
 
 
@@ -194,10 +205,7 @@ class ModelRunner:
         if self.share_sampled_tokens:
             tp_broadcast(result.token_ids)
         self._last_sampled = (self._rows(inp), result.token_ids)
-        pending.set_tokens(inp.sample_req_ids, result.token_ids)
-        for i, req_id in enumerate(inp.sample_req_ids):
-            if result.logprobs is not None and states[i].sampling_params.logprobs is not None:
-                pending.out.logprobs[req_id] = [result.logprobs[i]]
+        pending.set_tokens(inp.sample_req_ids, result)
 
     @staticmethod
     def _rows(inp: ModelInput) -> dict[str, int]:

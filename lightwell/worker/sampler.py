@@ -14,16 +14,24 @@ import torch
 
 from lightwell.scheduler.output import TokenLogprobs
 from lightwell.worker import logits_processors as lp
-from lightwell.worker.logprobs import prompt_logprobs, sampled_logprobs
+from lightwell.worker.logprobs import prompt_logprobs, sampled_logprobs, to_token_logprobs
 from lightwell.worker.sampling_metadata import SamplingMetadata
 
 
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [R] int64, on the logits' device
-    # Per row, when any row asked for logprobs: the sampled token first, then its top-k
-    # alternatives; None for a row that did not ask.
-    logprobs: list[TokenLogprobs | None] | None = None
+    # When any row asked for logprobs: (token ids, logprobs, ranks), each [R, 1 + K] on the
+    # device, the sampled token first; and each row's k (None: the row asked for none).
+    logprob_tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    num_logprobs: list[int | None] | None = None
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs | None] | None:
+        """Per row: the sampled token, then its top-k alternatives (copied to the host)."""
+        if self.logprob_tensors is None:
+            return None
+        return to_token_logprobs(*self.logprob_tensors, self.num_logprobs)
 
 
 class Sampler:
@@ -49,9 +57,8 @@ class Sampler:
         token_ids = self._sample(logits, meta)
         if raw_logprobs is None:
             return SamplerOutput(token_ids)
-        return SamplerOutput(
-            token_ids, sampled_logprobs(raw_logprobs, token_ids, meta.num_logprobs)
-        )
+        tensors = sampled_logprobs(raw_logprobs, token_ids, meta.num_logprobs)
+        return SamplerOutput(token_ids, tensors, meta.num_logprobs)
 
     def compute_prompt_logprobs(
         self, logits: torch.Tensor, target_token_ids: torch.Tensor, num_top: int
