@@ -35,6 +35,10 @@ from lightwell.scheduler.output import (
 from lightwell.scheduler.request import Request, RequestStatus
 from lightwell.types import FinishReason
 
+# Async scheduling keeps at most 2 steps in flight; older entries belong to steps that were
+# dropped without an update() (an interrupted generate, a failed step).
+_MAX_STEPS_TRACKED = 4
+
 
 @dataclass
 class _Batch:
@@ -150,6 +154,8 @@ class Scheduler:
             self._step_requests[output.step_id] = {
                 r: self.requests[r] for r in output.num_scheduled_tokens
             }
+            while len(self._step_requests) > _MAX_STEPS_TRACKED:  # steps dropped un-updated
+                del self._step_requests[next(iter(self._step_requests))]
         return output
 
     def _schedule_running(self, batch: _Batch) -> None:

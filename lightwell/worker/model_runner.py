@@ -184,6 +184,20 @@ class ModelRunner:
                 tokens = torch.empty(len(inp.sample_req_ids), dtype=torch.int64, device=self.device)
                 self._last_sampled = (self._rows(inp), tp_broadcast(tokens))
             return
+        try:
+            result = self._run_sampler(inp, logits)
+        except BaseException:
+            if self.share_sampled_tokens:  # keep the ranks' collectives paired: the step
+                # fails here, and its requests are aborted, so these tokens are never used
+                tp_broadcast(torch.zeros_like(inp.logits_indices))
+            raise
+        if self.share_sampled_tokens:
+            tp_broadcast(result.token_ids)
+        self._last_sampled = (self._rows(inp), result.token_ids)
+        pending.set_tokens(inp.sample_req_ids, result)
+
+    def _run_sampler(self, inp: ModelInput, logits: torch.Tensor) -> SamplerOutput:
+        # logits: [S, V]
         states = [self.batch.requests[r] for r in inp.sample_req_ids]
         params = [s.sampling_params for s in states]
         if any(p.uses_penalties for p in params):  # penalties read whole token histories
@@ -201,11 +215,7 @@ class ModelRunner:
             self.device,
             self.generator,
         )
-        result = self.sampler(logits, meta)
-        if self.share_sampled_tokens:
-            tp_broadcast(result.token_ids)
-        self._last_sampled = (self._rows(inp), result.token_ids)
-        pending.set_tokens(inp.sample_req_ids, result)
+        return self.sampler(logits, meta)
 
     @staticmethod
     def _rows(inp: ModelInput) -> dict[str, int]:

@@ -113,6 +113,19 @@ def test_a_reused_request_id_does_not_take_the_old_steps_token():
     assert outs[0].new_token_ids == [60] and new.output_token_ids == [60]
 
 
+def test_steps_dropped_without_update_are_not_kept():
+    sched = make_scheduler(async_scheduling=True, max_num_seqs=1)
+    sched.add_request(_req("r", 5, max_tokens=100))
+    steps = [sched.schedule() for _ in range(3)]  # at most 4 remembered, not all of them
+    sched.abort_requests("r")
+    for i in range(10):
+        sched.add_request(_req(f"x{i}", 3, max_tokens=100))
+        steps.append(sched.schedule())
+        sched.abort_requests(f"x{i}")
+    assert len(sched._step_requests) <= 4
+    assert sched.update(steps[-1], ModelRunnerOutput(sampled_token_ids={"x9": [1]})) == []
+
+
 def test_sync_scheduler_never_leaves_placeholders():
     sched = make_scheduler()
     sched.add_request(_req("r", 6, max_tokens=3))
