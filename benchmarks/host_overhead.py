@@ -5,17 +5,22 @@ input preparation: scheduling, InputBatch.prepare, logits + sampling, Scheduler.
 output processing, each timed by wrapping it. 256 running decode requests by default.
 
     python benchmarks/host_overhead.py [--requests 256] [--steps 40] [--async-scheduling]
+        [--out benchmarks/results/host_overhead_cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from results_io import record  # noqa: E402
 
 
 def _timed(fn, acc: dict[str, float], key: str):
@@ -34,6 +39,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--async-scheduling", action="store_true")
+    ap.add_argument("--out", help="write the per-phase ms per step as JSON here")
     args = ap.parse_args()
 
     from lightwell import LLM, SamplingParams
@@ -80,6 +86,14 @@ def main() -> None:
     per_step = (time.perf_counter() - t0) / args.steps
     phases = ", ".join(f"{k} {1e3 * v / args.steps:.2f}" for k, v in acc.items())
     print(f"{args.requests} decodes: step {1e3 * per_step:.2f} ms; {phases} (ms per step)")
+    if args.out:
+        common = dict(
+            requests=args.requests, steps=args.steps, async_scheduling=args.async_scheduling
+        )
+        rows = [record("step_ms", 1e3 * per_step, **common)]
+        rows += [record(f"{k}_ms", 1e3 * v / args.steps, **common) for k, v in acc.items()]
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
