@@ -16,7 +16,7 @@ from lightwell.engine.overlap_loop import OverlapLoop
 from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
 from lightwell.models.paths import ModelFiles, resolve_model
-from lightwell.scheduler.output import ModelRunnerOutput
+from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.scheduler.request import Request
 from lightwell.scheduler.scheduler import Scheduler
 from lightwell.types import FinishReason, RequestOutput, SamplingParams
@@ -60,7 +60,7 @@ class LLMEngine:
             max_model_len=self.config.model.max_model_len,
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
             enable_chunked_prefill=s.enable_chunked_prefill,
-            async_scheduling=self._use_async_scheduling(s.async_scheduling),
+            async_scheduling=s.async_scheduling,
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -93,12 +93,6 @@ class LLMEngine:
                 capacity,
             )
         self.executor.init_kv_cache(self.num_kv_blocks, self.config)
-
-    def _use_async_scheduling(self, asked: bool) -> bool:
-        if asked and not getattr(self.executor, "supports_async_scheduling", False):
-            logger.warning("this executor cannot run --async-scheduling: running steps in turn")
-            return False
-        return asked
 
     # ---- requests ---------------------------------------------------------------------------
     @property
@@ -202,13 +196,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._overlap is not None:  # --async-scheduling: the overlapped loop
             return self._overlap.step()
-        sched = self.scheduler.schedule()
-        if sched.new_reqs:
-            self.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
+        sched = self.schedule()
         if sched.total_num_scheduled_tokens or sched.finished_req_ids:
             runner_out = self.executor.execute_model(sched)
         else:
             runner_out = ModelRunnerOutput()
+        return self.finish_step(sched, runner_out)
+
+    def schedule(self) -> SchedulerOutput:
+        """The next step's batch; its new requests' queue time ends now."""
+        sched = self.scheduler.schedule()
+        if sched.new_reqs:
+            self.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
+        return sched
+
+    def finish_step(
+        self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply a step's tokens: stops, frees, detokenized outputs (and stop-string aborts)."""
         core_outputs = self.scheduler.update(sched, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:

@@ -15,12 +15,11 @@ plane stays torch-free: a launched step is an opaque handle with ``result()``.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from lightwell.scheduler.output import SchedulerOutput
-from lightwell.types import FinishReason, RequestOutput
+from lightwell.types import RequestOutput
 
 if TYPE_CHECKING:
     from lightwell.engine.llm_engine import LLMEngine
@@ -36,9 +35,7 @@ class OverlapLoop:
 
     def step(self) -> list[RequestOutput]:
         e = self.engine
-        sched = e.scheduler.schedule()
-        if sched.new_reqs:
-            e.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
+        sched = e.schedule()
         launched = bool(sched.total_num_scheduled_tokens)
         if launched or sched.finished_req_ids:
             self.in_flight.append((sched, e.executor.execute_model_async(sched)))
@@ -46,8 +43,4 @@ class OverlapLoop:
         if not self.in_flight or (launched and len(self.in_flight) < 2):
             return []
         done, handle = self.in_flight.popleft()
-        core_outputs = e.scheduler.update(done, handle.result())
-        outputs, stopped = e.output_processor.process(core_outputs)
-        if stopped:
-            e.scheduler.abort_requests(stopped, reason=FinishReason.STOP)
-        return outputs
+        return e.finish_step(done, handle.result())

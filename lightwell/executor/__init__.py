@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from lightwell.config import EngineConfig
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -13,8 +13,9 @@ class Executor(Protocol):
     def determine_num_blocks(self, resolved: EngineConfig) -> int: ...
     def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None: ...
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
-    # Executors with supports_async_scheduling also have execute_model_async(sched) -> a
-    # handle whose result() is the ModelRunnerOutput (the engine's overlapped loop).
+    # Launch and return at once: a handle whose result() is the ModelRunnerOutput (the
+    # engine's overlapped loop, --async-scheduling).
+    def execute_model_async(self, sched: SchedulerOutput) -> Any: ...
     def shutdown(self) -> None: ...
 
 

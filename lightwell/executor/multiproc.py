@@ -64,10 +64,6 @@ def free_port() -> int:
 
 
 class MultiprocExecutor:
-    # with async scheduling rank 0 broadcasts its sampled tokens, so every rank can feed a
-    # token still in flight to the next step (ModelRunner.share_sampled_tokens)
-    supports_async_scheduling = True
-
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp
 

@@ -13,8 +13,6 @@ from lightwell.worker.worker import ModelInfo, Worker
 
 
 class UniProcExecutor:
-    supports_async_scheduling = True
-
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, rank=0)
 

@@ -9,11 +9,11 @@ the M rows to 16 so ``tl.dot`` runs on tensor cores, and keeps several K tiles i
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from lightwell.kernels.split_kv import num_sms
 
 MAX_M = 16
 
@@ -52,18 +52,15 @@ def _gemv_kernel(
     tl.store(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
 
 
-@functools.lru_cache(maxsize=64)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def pick_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_N, BLOCK_K, split_k, num_warps, num_stages) for an [N, K] weight.
 
     Enough programs to give every SM several: BLOCK_N 16/32 by N, then split K while the grid
     is under ~4 programs per SM.
     """
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 8
+    sms = 8
+    if device.type == "cuda":
+        sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     block_n = 32 if n >= 16384 else 16
     block_k = 256
     programs = triton.cdiv(n, block_n)

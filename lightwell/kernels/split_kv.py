@@ -37,7 +37,7 @@ class SplitPartials:
 
 
 @functools.cache
-def _num_sms(index: int) -> int:
+def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -46,7 +46,7 @@ def auto_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -
     ``MIN_KEYS_PER_SPLIT`` keys per split); aims at about two programs per SM."""
     if device.type != "cuda":
         return 1
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if num_programs > sms:
         return 1
     by_len = max_seq_len // MIN_KEYS_PER_SPLIT

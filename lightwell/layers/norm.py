@@ -76,3 +76,15 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.shape}, eps={self.eps}, bias=False"
+
+
+def pre_norm(
+    norm: nn.Module,
+    hidden: torch.Tensor,  # [T, H]: the previous layer's output
+    residual: torch.Tensor | None,  # [T, H]; None before the first layer
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
+    """A decoder layer's input norm: the first layer normalises its input, which becomes the
+    residual; later layers add the residual first (fused into the norm)."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)

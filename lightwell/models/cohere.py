@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 from lightwell.distributed.parallel_state import tp_all_reduce
-from lightwell.layers.norm import LayerNorm
+from lightwell.layers.linear import _load_sharded
+from lightwell.layers.norm import LayerNorm, pre_norm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
-from lightwell.models.weight_utils import default_weight_loader
 from lightwell.quant.base import QuantMethod, set_weight_attrs
 
 
@@ -32,12 +32,7 @@ def _head_norm(total_heads: int, first: int, count: int, head_dim: int, eps: flo
     norm = LayerNorm((count, head_dim), eps)
 
     def load(param: torch.Tensor, loaded: torch.Tensor) -> None:
-        if tuple(loaded.shape) != (total_heads, head_dim):
-            raise ValueError(
-                f"shape mismatch: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                f"expected {(total_heads, head_dim)}"
-            )
-        default_weight_loader(param, loaded[first : first + count])
+        _load_sharded(param, loaded, 0, 0, count, first, total_heads)
 
     set_weight_attrs(norm.weight, {"weight_loader": load})
     return norm
@@ -56,9 +51,8 @@ class CohereAttention(LlamaAttention):
         if self.use_qk_norm:
             qkv, eps, d = self.qkv_proj, config.layer_norm_eps, self.head_dim
             hq, hkv = qkv.num_heads, qkv.num_kv_heads
-            kv_rank = qkv.tp_rank // qkv.num_kv_head_replicas
-            self.q_norm = _head_norm(qkv.total_num_heads, qkv.tp_rank * hq, hq, d, eps)
-            self.k_norm = _head_norm(qkv.total_num_kv_heads, kv_rank * hkv, hkv, d, eps)
+            self.q_norm = _head_norm(qkv.total_num_heads, qkv.q_head_start, hq, d, eps)
+            self.k_norm = _head_norm(qkv.total_num_kv_heads, qkv.kv_head_start, hkv, d, eps)
 
     def norm_qk(
         self,
@@ -86,7 +80,6 @@ class CohereDecoderLayer(nn.Module):
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.self_attn = CohereAttention(config, layer_idx, rotary_emb, quant_method)
         self.mlp = LlamaMLP(config, quant_method, reduce_results=False)
-        self.tp_size = self.self_attn.o_proj.tp_size
 
     def forward(
         self,
@@ -94,13 +87,9 @@ class CohereDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, H]: the previous layer's output, not yet added
         residual: torch.Tensor | None,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] attn + mlp; [T, H] residual)
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         out = self.self_attn(positions, hidden) + self.mlp(hidden)  # partial sums under TP
-        return (tp_all_reduce(out) if self.tp_size > 1 else out), residual
+        return tp_all_reduce(out), residual
 
 
 class CohereModel(LlamaModel):

@@ -23,7 +23,7 @@ from lightwell.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from lightwell.layers.norm import RMSNorm
+from lightwell.layers.norm import RMSNorm, pre_norm
 from lightwell.layers.rotary import RotaryEmbedding, get_rope
 from lightwell.models.hf_config import get_rope_config
 from lightwell.models.weight_utils import load_packed_weights
@@ -178,11 +178,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, H]
         residual: torch.Tensor | None,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightwell.layers.norm import pre_norm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.models.llama import (
     LlamaAttention,
@@ -46,11 +47,7 @@ class MiniCPMDecoderLayer(LlamaDecoderLayer):
         hidden: torch.Tensor,  # [T, H]: the previous layer's scaled output
         residual: torch.Tensor | None,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] scaled, not yet added; [T, H])
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden) * self.residual_scale
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden) * self.residual_scale, residual

@@ -25,6 +25,7 @@ from torch import nn
 from lightwell.attention.metadata import forward_context
 from lightwell.attention.micro_batch import MicroBatch
 from lightwell.distributed.overlap import CommStream, PendingAllReduce
+from lightwell.layers.norm import pre_norm
 from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
@@ -54,11 +55,7 @@ def _attention_stage(
     hidden: torch.Tensor,  # [Tm, H]: the reduced output of the previous stage
     residual: torch.Tensor | None,  # [Tm, H]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (o_proj partial sum [Tm, H], residual [Tm, H])
-    if residual is None:
-        residual = hidden
-        hidden = layer.input_layernorm(hidden)
-    else:
-        hidden, residual = layer.input_layernorm(hidden, residual)
+    hidden, residual = pre_norm(layer.input_layernorm, hidden, residual)
     return layer.self_attn.partial(positions, hidden), residual
 
 

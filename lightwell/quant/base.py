@@ -104,7 +104,12 @@ def dense_linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None,  # [out]
 ) -> torch.Tensor:  # [T, out]
-    if x.is_cuda and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS and x.dtype != torch.float32:
+    if (  # off by default (0 rows): the constant is tested first
+        SKINNY_GEMM_MAX_ROWS
+        and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
+        and x.is_cuda
+        and x.dtype != torch.float32
+    ):
         from lightwell.kernels.gemv import gemv
 
         return gemv(x, weight, bias)

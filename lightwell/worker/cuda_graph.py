@@ -14,9 +14,8 @@ import time
 from collections.abc import Callable
 
 import torch
-from torch import nn
 
-from lightwell.attention.metadata import AttentionMetadata, forward_context
+from lightwell.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
@@ -30,18 +29,15 @@ def capture_sizes(max_batch: int) -> list[int]:
 class CudaGraphRunner:
     def __init__(
         self,
-        model: nn.Module,
         max_batch: int,
         max_model_len: int,
         block_size: int,
         device: torch.device,
-        forward_fn: Callable[..., torch.Tensor] | None = None,
+        forward_fn: Callable[..., torch.Tensor],
     ) -> None:
-        """``forward_fn(input_ids, positions, meta) -> hidden``: what to capture (default: the
-        model under ``forward_context(meta)``; the runner passes its own, which may split the
-        batch for the dual-stream overlap)."""
-        self.model = model
-        self.forward_fn = forward_fn or self._plain_forward
+        """``forward_fn(input_ids, positions, meta) -> hidden``: what to capture (the runner's
+        forward, which may split the batch for the dual-stream overlap)."""
+        self.forward_fn = forward_fn
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_model_len = max_model_len
@@ -95,15 +91,6 @@ class CudaGraphRunner:
             elapsed,
         )
         return elapsed
-
-    def _plain_forward(
-        self,
-        input_ids: torch.Tensor,  # [B]
-        positions: torch.Tensor,  # [B]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [B, H]
-        with forward_context(meta):
-            return self.model(input_ids, positions)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return (

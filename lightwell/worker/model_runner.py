@@ -96,7 +96,7 @@ class ModelRunner:
         # every rank can feed a token still in flight to the next step (set by the worker).
         self.share_sampled_tokens = False
         # The last step's sampled tokens: req_id -> row, and the [S] int64 device tensor.
-        self._last_sampled: tuple[dict[str, int], torch.Tensor] = ({}, torch.empty(0))
+        self._last_sampled: tuple[list[str], torch.Tensor] = ([], torch.empty(0))
 
     def set_attention_backend(self, name: str) -> None:
         """auto: Triton kernels on GPU, the torch reference on CPU."""
@@ -108,7 +108,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
         self.graphs = CudaGraphRunner(
-            self.model, max_batch, max_model_len, self.block_size, self.device, self.forward
+            max_batch, max_model_len, self.block_size, self.device, self.forward
         )
         return self.graphs.capture()
 
@@ -157,14 +157,18 @@ class ModelRunner:
 
     def _fill_deferred(self, inp: ModelInput) -> None:
         """Input tokens the previous step sampled, copied on the device (no host round trip)."""
-        rows, tokens = self._last_sampled
+        rows, tokens = self._last_sampled_rows()
         missing = [r for _, r in inp.deferred_tokens if r not in rows]
         if missing:
             raise RuntimeError(f"the previous step sampled no token for {missing[:3]}")
-        dev = self.device
-        flat = to_device(torch.tensor([i for i, _ in inp.deferred_tokens]), dev)  # [D]
-        src = to_device(torch.tensor([rows[r] for _, r in inp.deferred_tokens]), dev)  # [D]
+        idx = [[i for i, _ in inp.deferred_tokens], [rows[r] for _, r in inp.deferred_tokens]]
+        flat, src = to_device(torch.tensor(idx), self.device)  # [2, D]: one copy
         inp.input_ids[flat] = tokens[src]
+
+    def _last_sampled_rows(self) -> tuple[dict[str, int], torch.Tensor]:
+        """The previous step's sampled tokens [S] and each request's row in them."""
+        req_ids, tokens = self._last_sampled
+        return {r: i for i, r in enumerate(req_ids)}, tokens
 
     def forward(
         self,
@@ -182,7 +186,7 @@ class ModelRunner:
         if not self.is_driver:
             if self.share_sampled_tokens:  # rank 0's tokens, to feed the next step in flight
                 tokens = torch.empty(len(inp.sample_req_ids), dtype=torch.int64, device=self.device)
-                self._last_sampled = (self._rows(inp), tp_broadcast(tokens))
+                self._last_sampled = (inp.sample_req_ids, tp_broadcast(tokens))
             return
         try:
             result = self._run_sampler(inp, logits)
@@ -193,7 +197,7 @@ class ModelRunner:
             raise
         if self.share_sampled_tokens:
             tp_broadcast(result.token_ids)
-        self._last_sampled = (self._rows(inp), result.token_ids)
+        self._last_sampled = (inp.sample_req_ids, result.token_ids)
         pending.set_tokens(inp.sample_req_ids, result)
 
     def _run_sampler(self, inp: ModelInput, logits: torch.Tensor) -> SamplerOutput:
@@ -217,17 +221,13 @@ class ModelRunner:
         )
         return self.sampler(logits, meta)
 
-    @staticmethod
-    def _rows(inp: ModelInput) -> dict[str, int]:
-        return {r: i for i, r in enumerate(inp.sample_req_ids)}
-
     def _output_histories(self, inp: ModelInput, states: list) -> list[list[int]]:
         """Each sampling request's output tokens, with the one still in flight (a host sync:
         penalties cost async scheduling its overlap)."""
         deferred = {r for _, r in inp.deferred_tokens}
         if not deferred:
             return [s.output_token_ids for s in states]
-        rows, tokens = self._last_sampled
+        rows, tokens = self._last_sampled_rows()
         host = tokens.tolist()
         return [
             s.output_token_ids + ([host[rows[s.req_id]]] if s.req_id in deferred else [])

@@ -62,9 +62,8 @@ class AllReduceSelector:
                 )
 
     def pick(self, x: torch.Tensor) -> AllReduceStrategy:
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         for strategy in self.preferred:
-            if strategy.supports(x) and (strategy.graph_safe or not capturing):
+            if strategy.supports(x) and (strategy.graph_safe or not _capturing(x)):
                 return strategy
         return self.fallback
 
@@ -97,3 +96,7 @@ def _preferred(
     if choice == "int8":
         return [("int8", {})]
     return []  # nccl, gloo: the fallback itself
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
