@@ -132,6 +132,11 @@ def stage_check(args: argparse.Namespace) -> bool:
 
 
 def _engine_tokens(folder, prompts, sp, device, dtype, **opts) -> list[list[int]]:
+    return _engine_run(folder, prompts, sp, device, dtype, **opts)[0]
+
+
+def _engine_run(folder, prompts, sp, device, dtype, num_kv_blocks=256, **opts):
+    """(token ids of every sequence, number of preemptions) of one engine run."""
     llm = LLM(
         folder,
         device=device,
@@ -139,12 +144,13 @@ def _engine_tokens(folder, prompts, sp, device, dtype, **opts) -> list[list[int]
         skip_tokenizer_init=True,
         max_num_seqs=8,
         max_num_batched_tokens=64,
-        num_kv_blocks=opts.pop("num_kv_blocks", 256),
+        num_kv_blocks=num_kv_blocks,
         **opts,
     )
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    preemptions = llm.engine.stats().num_preemptions
     llm.engine.shutdown()
-    return [c.token_ids for o in outs for c in o.outputs]
+    return [c.token_ids for o in outs for c in o.outputs], preemptions
 
 
 def stage_check_async(args: argparse.Namespace) -> bool:
@@ -174,20 +180,9 @@ def stage_check_async(args: argparse.Namespace) -> bool:
         runs = {}
         for mode in (False, True):
             t0 = time.perf_counter()
-            llm = LLM(
-                folder,
-                device="cuda",
-                dtype="float32",
-                skip_tokenizer_init=True,
-                max_num_seqs=8,
-                max_num_batched_tokens=64,
-                num_kv_blocks=blocks,
-                async_scheduling=mode,
+            runs[mode], preempted = _engine_run(
+                folder, prompts, params, "cuda", "float32", blocks, async_scheduling=mode
             )
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            runs[mode] = [c.token_ids for o in outs for c in o.outputs]
-            preempted = llm.engine.stats().num_preemptions
-            llm.engine.shutdown()
             print(f"  async={mode} blocks={blocks} {time.perf_counter() - t0:.1f}s", flush=True)
         same = sum(a == b for a, b in zip(runs[True], runs[False]))
         emit(

@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -31,6 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from lightwell.attention.metadata import AttentionMetadata  # noqa: E402
 from lightwell.attention.torch_backend import TorchAttentionBackend, write_kv_cache  # noqa: E402
 from lightwell.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from lightwell.bench.results import git_commit  # noqa: E402
 from lightwell.kernels import activation, kv_store, paged_attention, rmsnorm, rotary  # noqa: E402
 from lightwell.layers.activation import SiluAndMul  # noqa: E402
 from lightwell.layers.norm import RMSNorm  # noqa: E402
@@ -52,7 +52,7 @@ class Bench:
             "model": "llama-3-8b",
             "tp": 1,
             "gpu": torch.cuda.get_device_name() if self.dev == "cuda" else "cpu",
-            "commit": _commit(),
+            "commit": git_commit(),
             "date": datetime.date.today().isoformat(),
             "command": "python3 " + " ".join(sys.argv),
         }
@@ -114,17 +114,6 @@ def _wall_us(fn, reps: int = 2) -> float:
     for _ in range(reps):
         fn()
     return (time.perf_counter() - t) / reps * 1e6
-
-
-def _commit() -> str:
-    if os.environ.get("LIGHTWELL_COMMIT"):
-        return os.environ["LIGHTWELL_COMMIT"]
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 # ---- paged attention -------------------------------------------------------------------------

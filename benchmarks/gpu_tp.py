@@ -184,14 +184,12 @@ def run_engine(args: argparse.Namespace) -> int:
 
 # ---- all-reduce table + model check (subprocess, 2 spawned ranks) --------------------------
 def run_allreduce(args: argparse.Namespace) -> int:
-    import socket
-
     import torch.multiprocessing as mp
     from tp_allreduce import run_rank
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lightwell.executor.multiproc import free_port
+
+    port = free_port()
     out = os.path.join(args.out, f"gpu_tp_{args.mode}_allreduce.json")
     mp.spawn(run_rank, args=(port, args.mode, out, args.deadline, args.stages), nprocs=2)
     return 0

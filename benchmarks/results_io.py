@@ -6,20 +6,10 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 
-
-def git_commit() -> str:
-    """The commit under test: $LIGHTWELL_COMMIT (set when the tree is copied without .git)."""
-    if os.environ.get("LIGHTWELL_COMMIT"):
-        return os.environ["LIGHTWELL_COMMIT"]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-        ).strip()
-    except Exception:
-        return "unknown"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lightwell.bench.results import git_commit  # noqa: E402  ($LIGHTWELL_COMMIT aware)
 
 
 def machine() -> str:

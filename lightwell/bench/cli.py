@@ -208,6 +208,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     _check_positive(args, "input_len", "output_len", "num_prompts", "max_concurrency")
     if args.token_ids and args.endpoint == CHAT_ENDPOINT:
         raise ValueError("--token-ids works with /v1/completions only (chat takes text)")
+    if args.vocab_size and not args.token_ids:
+        raise ValueError("--vocab-size needs --token-ids (prompts are then random ids)")
     args.workload = args.workload or "W3"
     return cmd_bench_serve(args)
 

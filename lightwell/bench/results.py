@@ -15,7 +15,10 @@ from typing import Any
 
 
 def git_commit() -> str:
-    """The short commit of the Lightwell checkout that is running (``unknown`` outside git)."""
+    """The short commit of the Lightwell checkout that is running: $LIGHTWELL_COMMIT when set (a
+    tree copied without .git, e.g. to the GPU machine), else git's, else ``unknown``."""
+    if os.environ.get("LIGHTWELL_COMMIT"):
+        return os.environ["LIGHTWELL_COMMIT"]
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         out = subprocess.run(

@@ -96,7 +96,6 @@ async def run_once(
     return list(results), duration
 
 
-@functools.lru_cache(maxsize=4)
 class IdsOnly:
     """No tokenizer (--token-ids --vocab-size N): random ids in [0, N), counts from usage."""
 
@@ -111,6 +110,7 @@ class IdsOnly:
         return ""
 
 
+@functools.lru_cache(maxsize=4)
 def load_tokenizer(tokenizer: str | None, model: str | None) -> Any:
     """--tokenizer, else --model when it is a local path, else the default model's tokenizer.
 
@@ -166,12 +166,9 @@ async def check_server(cfg: RequestConfig, req: SampleRequest) -> None:
 async def bench_serve(args: argparse.Namespace) -> list[RunResult]:
     rates = parse_rates(args.request_rate)
     model = args.served_model = await resolve_model_name(args)
-    if args.vocab_size:
-        if not args.token_ids:
-            raise ValueError("--vocab-size needs --token-ids (prompts are then random ids)")
-        tok = IdsOnly(args.vocab_size)
-    else:
-        tok = load_tokenizer(args.tokenizer, args.model)
+    tok = (
+        IdsOnly(args.vocab_size) if args.vocab_size else load_tokenizer(args.tokenizer, args.model)
+    )
     cfg = RequestConfig(
         args.base_url,
         args.endpoint,

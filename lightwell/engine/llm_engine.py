@@ -119,13 +119,17 @@ class LLMEngine:
             return None, list(prompt)
         raise ValueError("a prompt must be a string, a list of token ids, or a prompt dict")
 
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
+    def check_token_ids(self, token_ids: list[int], what: str = "prompt token ids") -> None:
+        """ValueError naming the first ids outside the vocabulary."""
         vocab = self.model_info.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids out of range [0, {vocab}): {bad[:5]}")
+            raise ValueError(f"{what} out of range [0, {vocab}): {bad[:5]}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        self.check_token_ids(token_ids)
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(token_ids)} tokens but this model's context is "

@@ -40,7 +40,7 @@ from lightwell.server.protocol import (
     TokenizeResponse,
 )
 from lightwell.server.serving_chat import chat_prompt_ids, create_chat_completion
-from lightwell.server.serving_common import APIError, ServingContext, bad_request
+from lightwell.server.serving_common import APIError, ServingContext, bad_request, engine_dead
 from lightwell.server.serving_completions import create_completion
 
 logger = logging.getLogger("lightwell.server")
@@ -117,9 +117,7 @@ def _misc_router(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
     @router.get("/health")
     async def health() -> Response:
         if not ctx.engine.is_alive:
-            raise APIError(
-                503, "the engine loop is not running", type="server_error", code="engine_dead"
-            )
+            raise engine_dead("the engine loop is not running")
         return Response(status_code=200)
 
     @router.get("/version")
@@ -145,10 +143,10 @@ def _misc_router(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         ctx.check_model(req.model)
-        vocab = ctx.engine.engine.model_info.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"token ids out of range [0, {vocab}): {bad[:5]}", param="tokens")
+        try:
+            ctx.engine.engine.check_token_ids(req.tokens, "token ids")
+        except ValueError as e:
+            raise bad_request(str(e), param="tokens") from None
         return DetokenizeResponse(
             prompt=ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
         )
@@ -188,8 +186,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(exc.body(), status_code=exc.status)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        err = APIError(503, str(exc), type="server_error", code="engine_dead")
+    async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        err = engine_dead(str(exc))
         return JSONResponse(err.body(), status_code=503)
 
     @app.exception_handler(RequestValidationError)

@@ -9,6 +9,7 @@ updated by ``observe_finished``, which the engine thread calls once per finished
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import threading
 import time
@@ -204,9 +205,9 @@ class ServerMetrics:
         ttft = m.first_token_time - m.arrival_time if m.first_token_time else None
         if ttft is not None:
             self.ttft.observe(ttft)
-        times = sorted(set(m.token_times))
-        for a, b in zip(times, times[1:]):
-            self.itl.observe(b - a)
+        for a, b in itertools.pairwise(m.token_times):  # in order; n > 1 siblings share times
+            if b > a:
+                self.itl.observe(b - a)
         e2e = (m.finished_time or time.time()) - m.arrival_time
         self.e2e.observe(e2e)
         if m.first_scheduled_time is not None:

@@ -28,12 +28,12 @@ from lightwell.server.protocol import (
 )
 from lightwell.server.serving_common import (
     SSE_DONE,
-    APIError,
     ServingContext,
     SSEResponse,
     bad_request,
     check_prompt_fits,
     collect,
+    engine_dead,
     finish_reason,
     merged,
     new_id,
@@ -149,7 +149,7 @@ async def _stream(
         if req.include_usage and final is not None:
             yield _chunk(ctx, state, [], usage([final]))
     except EngineDeadError as e:
-        yield sse_error(APIError(503, str(e), type="server_error", code="engine_dead"))
+        yield sse_error(engine_dead(str(e)))
     yield SSE_DONE
 
 

@@ -183,7 +183,7 @@ async def submit(
             ctx.engine.abort(r.request_id)
     e = errors[0]
     if isinstance(e, EngineDeadError):
-        raise APIError(503, str(e), type="server_error", code="engine_dead")
+        raise engine_dead(str(e))
     if isinstance(e, ValueError):
         raise bad_request(str(e), param=param_in(str(e)))
     raise e
@@ -310,3 +310,8 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     finally:
         task.cancel()
         watcher.cancel()
+
+
+def engine_dead(message: str) -> APIError:
+    """The 503 of a server whose engine loop has stopped."""
+    return APIError(503, message, type="server_error", code="engine_dead")

@@ -19,12 +19,12 @@ from lightwell.server.protocol import (
 )
 from lightwell.server.serving_common import (
     SSE_DONE,
-    APIError,
     ServingContext,
     SSEResponse,
     bad_request,
     check_prompt_fits,
     collect,
+    engine_dead,
     finish_reason,
     merged,
     new_id,
@@ -83,10 +83,10 @@ async def create_completion(
 def _tokenize(ctx: ServingContext, prompt: str | list[int]) -> _Prompt:
     if isinstance(prompt, str):
         return _Prompt(ctx.tokenizer.encode(prompt), prompt)
-    vocab = ctx.engine.engine.model_info.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"prompt token ids out of range [0, {vocab}): {bad[:5]}", "prompt")
+    try:
+        ctx.engine.engine.check_token_ids(prompt)
+    except ValueError as e:
+        raise bad_request(str(e), "prompt") from None
     return _Prompt(list(prompt), None)
 
 
@@ -186,7 +186,7 @@ async def _stream(
         if req.include_usage:
             yield _chunk(ctx, request_id, state, [], usage(list(finals.values())))
     except EngineDeadError as e:
-        yield sse_error(APIError(503, str(e), type="server_error", code="engine_dead"))
+        yield sse_error(engine_dead(str(e)))
     yield SSE_DONE
 
 
