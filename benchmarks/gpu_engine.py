@@ -287,9 +287,30 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
     n = args.w2_requests
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
     prompts = rand_prompts(n, 1024, 128256, 7)
+    engine, steps = llm.engine, []
+    plain_schedule = engine.schedule
+
+    def traced_schedule():  # (time, tokens, requests, single-token rows) per scheduled step
+        sched = plain_schedule()
+        ones = sum(1 for k in sched.num_scheduled_tokens.values() if k == 1)
+        steps.append(
+            (
+                time.perf_counter(),
+                sched.total_num_scheduled_tokens,
+                len(sched.num_scheduled_tokens),
+                ones,
+            )
+        )
+        return sched
+
+    engine.schedule = traced_schedule
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        engine.schedule = plain_schedule
     wall = time.perf_counter() - t0
+    steps.append((t0 + wall, 0, 0, 0))
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
     total = out_toks + 1024 * n
     common = dict(
@@ -302,9 +323,33 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
         eager=args.eager,
         async_scheduling=llm.engine.scheduler.async_scheduling,
     )
+    emit(args, "w2_step_summary", len(steps) - 1, **_w2_step_summary(steps), **common)
     emit(args, "output_tok_s", out_toks / wall, **common)
     emit(args, "total_tok_s", total / wall, **common)
     emit(args, "mfu", total * 2 * PARAMS_8B / wall / (PEAK_TFLOPS * 1e12), **common)
+
+
+def _w2_step_summary(steps: list[tuple[float, int, int, int]]) -> dict:
+    """Wall time between consecutive schedules, split by step kind (decode-only or with prefill)."""
+    kinds: dict[str, list[float]] = {"decode": [0, 0.0, 0, 0], "mixed": [0, 0.0, 0, 0]}
+    for (t, tokens, reqs, ones), (t_next, *_rest) in zip(steps, steps[1:]):
+        if tokens == 0:
+            continue
+        k = kinds["decode" if ones == reqs else "mixed"]
+        k[0] += 1
+        k[1] += t_next - t
+        k[2] += tokens
+        k[3] += reqs
+    out = {}
+    for name, (n, secs, tokens, reqs) in kinds.items():
+        out[name] = dict(
+            steps=n,
+            seconds=round(secs, 3),
+            mean_step_ms=round(1e3 * secs / max(n, 1), 3),
+            mean_tokens=round(tokens / max(n, 1), 1),
+            mean_requests=round(reqs / max(n, 1), 1),
+        )
+    return out
 
 
 def stage_profile(args: argparse.Namespace, llm: LLM) -> None:
