@@ -32,7 +32,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-FLOOR_TOK_S = 281.0  # W1 at TP=1: 15.01 GB / 4,221 GB/s
+# W1 floors: bytes streamed per token by each GPU over 4,221 GB/s. llama-3-8b at TP=1: 15.01 GB
+# (TP=2 halves it: 562 tok/s); llama-3-70b at TP=2: 69.5e9 non-embedding params x 2 B / 2 GPUs.
+FLOOR_TOK_S = {"llama-3-8b": 281.0, "llama-3-70b": 60.7}
 MODE_ENV = {
     "nvlink": {},
     "pcie-emulated": {"NCCL_P2P_DISABLE": "1"},
@@ -44,6 +46,7 @@ ENGINES = {
         ("tp1", dict(tensor_parallel_size=1), ("w1", "ttft", "decode")),
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
         ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
+        ("tp2-70b", dict(all_reduce="auto", hf_config_json="llama-3-70b"), ("w1",)),
         ("tp2-auto-dual", dict(all_reduce="auto", dual_stream=True), ("w1", "ttft", "decode")),
         ("tp2-oneshot", dict(all_reduce="oneshot"), ("ttft", "decode")),
     ],
@@ -86,7 +89,7 @@ def make_llm(mode: str, options: dict, dual_min_tokens: int):
     return LLM(**kw)
 
 
-def stage_w1(llm, emit) -> None:
+def stage_w1(llm, emit, model: str = "llama-3-8b") -> None:
     from lightwell import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
@@ -103,7 +106,8 @@ def stage_w1(llm, emit) -> None:
         rates.append(255 / (m.last_token_time - m.first_token_time))
         tokens = tokens or out.outputs[0].token_ids[:32]
     rate = statistics.median(rates)
-    emit("decode_tok_s", rate, workload="W1", floor=FLOOR_TOK_S, runs=rates, tokens=tokens)
+    floor = FLOOR_TOK_S[model]
+    emit("decode_tok_s", rate, workload="W1", floor=floor, runs=rates, tokens=tokens)
     emit("ttft_ms", statistics.median(ttfts), workload="W1", prompt_len=128, runs=ttfts)
 
 
@@ -157,8 +161,9 @@ def run_engine(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     path = os.path.join(args.out, f"gpu_tp_{mode}_{label}.json")
     tp = options.get("tensor_parallel_size", 2)
+    model = options.get("hf_config_json", "llama-3-8b")
     common = dict(
-        model="llama-3-8b",
+        model=model,
         dtype="bfloat16",
         tp=tp,
         mode=mode,
@@ -176,7 +181,10 @@ def run_engine(args: argparse.Namespace) -> int:
     llm = make_llm(mode, options, args.dual_min_tokens)
     emit("engine_start_s", time.perf_counter() - t0, workload="startup")
     for stage in stages:
-        {"w1": stage_w1, "ttft": stage_ttft, "decode": stage_decode}[stage](llm, emit)
+        if stage == "w1":
+            stage_w1(llm, emit, model)
+        else:
+            {"ttft": stage_ttft, "decode": stage_decode}[stage](llm, emit)
     llm.engine.shutdown()
     sys.stdout.flush()
     os._exit(0)  # results are on disk; never wait on NCCL/CUDA teardown at interpreter exit

@@ -102,14 +102,16 @@ class SchedulerConfig:
         "Split long prompts across steps to fit the token budget. When off, a prompt is "
         "scheduled whole or not at all (and the budget must hold the longest prompt).",
     )
-    async_scheduling: bool = _opt(
-        False,
+    async_scheduling: bool | None = _opt(
+        None,
+        "Default: on for GPU, off on CPU. "
         "Schedule and prepare step N+1 while the device runs step N (tokens still being "
         "sampled are fed to the next step on the device; under tensor parallelism rank 0 "
         "broadcasts them). Same tokens for greedy and per-request-seeded sampling (unseeded "
         "rows share one random stream, so they depend on the batch in either loop); hides the "
-        "host's per-step work on a GPU. A request that stops on EOS or a stop string computes "
-        "one extra token, which is dropped.",
+        "host's per-step work on a GPU (H200, llama-3-8b: 1.13x batch-1 decode, 1.3x offline "
+        "throughput). A request that stops on EOS or a stop string computes one "
+        "extra token, which is dropped.",
     )
 
 
@@ -145,6 +147,13 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = _opt("auto", "cpu, cuda, or auto (cuda when available).", DEVICES)
     enforce_eager: bool = _opt(False, "Disable CUDA graphs (GPU only).")
+    cuda_graph_prefill_tokens: int = _opt(
+        512,
+        "GPU: steps that carry prefill tokens replay a CUDA graph when they hold at most this "
+        "many tokens (graphs captured for 16, 32, 64 ... tokens up to it, a step padded to the "
+        "next size); larger ones run eagerly. 0: only decode-only steps use graphs. Decode "
+        "graphs cover batches up to --max-num-seqs.",
+    )
     attention_backend: str = _opt(
         "auto",
         "Attention implementation: auto (triton on GPU, torch on CPU), torch, triton.",
@@ -206,6 +215,10 @@ class EngineConfig:
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")
         _check(p.all_reduce in ALL_REDUCE, f"all_reduce must be one of {', '.join(ALL_REDUCE)}")
         _check(p.dual_stream_min_tokens >= 2, "dual_stream_min_tokens must be >= 2")
+        _check(
+            0 <= self.device.cuda_graph_prefill_tokens <= 65536,
+            "cuda_graph_prefill_tokens must be in [0, 65536]",
+        )
 
     def replace(self, **sections: Any) -> EngineConfig:
         return dataclasses.replace(self, **sections)
@@ -250,7 +263,10 @@ def resolve_config(
     return cfg.replace(
         model=dataclasses.replace(m, max_model_len=max_len),
         scheduler=dataclasses.replace(
-            s, max_num_batched_tokens=batched, max_num_seqs=min(seqs, batched)
+            s,
+            max_num_batched_tokens=batched,
+            max_num_seqs=min(seqs, batched),
+            async_scheduling=on_gpu if s.async_scheduling is None else s.async_scheduling,
         ),
         device=dataclasses.replace(cfg.device, device="cuda" if on_gpu else "cpu"),
     )

@@ -1,10 +1,21 @@
-"""CUDA graphs for decode steps: one graph per padded batch size, captured at start-up.
+"""CUDA graphs, captured at start-up: one per padded decode batch size, and one per padded token
+count for small steps that carry prefill tokens (``--cuda-graph-prefill-tokens``).
 
-A decode-only batch of R requests replays the graph of the smallest captured size B >= R.
-Rows R..B-1 are padding: token 0 at position 0, slot -1 (nothing stored), seq_len 1 reading
-block 0 (finite garbage, discarded). The Triton attention wrapper picks its grid and split-KV
-count from host-side metadata at capture (max_seq_len = the context length), and each split's
-range is computed inside the kernel, so a replay is correct for any seq_lens up to that length.
+Decode graphs: a decode-only batch of R requests replays the graph of the smallest captured
+size B >= R. Rows R..B-1 are padding: token 0 at position 0, slot -1 (nothing stored), seq_len 1
+reading block 0 (finite garbage, discarded). The Triton attention wrapper picks its grid and
+split-KV count from host-side metadata at capture (max_seq_len = the context length), and each
+split's range is computed inside the kernel, so a replay is correct for any seq_lens up to that
+length.
+
+Mixed graphs: a step of T tokens from R requests with some query longer than one token (a
+prefill chunk, alone or beside decodes) replays the graph captured for the smallest token count
+P >= T, with room for Q = min(P, max_batch) + 1 requests. The attention kernel maps its programs
+to (request, query tile) on the device, so its grid only depends on (P, Q): P // BLOCK_Q + Q
+tiles, the surplus ones exiting at once. Padding: tokens T..P-1 form one extra request (token 0,
+position 0, slot -1, attending only to itself through block 0), requests after it are empty.
+Eager mixed steps cost ~300 kernel launches of host time each (16 ms for llama-3-8b), several
+times the GPU time of a short prompt; a replay costs one launch.
 """
 
 from __future__ import annotations
@@ -26,6 +37,14 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+def mixed_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts for mixed-step graphs: powers of two from 16, then ``max_tokens``."""
+    if max_tokens <= 0:
+        return []
+    sizes = [s for s in (16 << i for i in range(20)) if s < max_tokens]
+    return sizes + [max_tokens]
+
+
 class CudaGraphRunner:
     def __init__(
         self,
@@ -34,27 +53,39 @@ class CudaGraphRunner:
         block_size: int,
         device: torch.device,
         forward_fn: Callable[..., torch.Tensor],
+        prefill_tokens: int = 0,
     ) -> None:
         """``forward_fn(input_ids, positions, meta) -> hidden``: what to capture (the runner's
-        forward, which may split the batch for the dual-stream overlap)."""
+        forward, which may split the batch for the dual-stream overlap). ``prefill_tokens``:
+        the largest step with prefill tokens that gets a graph (0: decode graphs only)."""
         self.forward_fn = forward_fn
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
+        self.mixed_sizes = mixed_capture_sizes(prefill_tokens)
         self.max_model_len = max_model_len
         self.device = device
         width = -(-max_model_len // block_size)
         i32, i64 = torch.int32, torch.int64
-        b = self.max_batch
-        self.input_ids = torch.zeros(b, dtype=i64, device=device)  # [B]
-        self.positions = torch.zeros(b, dtype=i64, device=device)  # [B]
-        self.seq_lens = torch.ones(b, dtype=i32, device=device)  # [B]
-        self.block_table = torch.zeros(b, width, dtype=i32, device=device)  # [B, W]
-        self.slot_mapping = torch.full((b,), -1, dtype=i64, device=device)  # [B]
-        self.query_start_loc = torch.arange(b + 1, dtype=i32, device=device)  # [B+1]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        t = max(self.max_batch, self.mixed_sizes[-1] if self.mixed_sizes else 0)
+        r = max(self.max_batch, self._mixed_reqs(t))
+        self.input_ids = torch.zeros(t, dtype=i64, device=device)  # [T]
+        self.positions = torch.zeros(t, dtype=i64, device=device)  # [T]
+        self.slot_mapping = torch.full((t,), -1, dtype=i64, device=device)  # [T]
+        self.seq_lens = torch.ones(r, dtype=i32, device=device)  # [R]
+        self.block_table = torch.zeros(r, width, dtype=i32, device=device)  # [R, W]
+        self.query_start_loc = torch.arange(r + 1, dtype=i32, device=device)  # [R+1]
+        # Decode graphs read query_start_loc[:B+1] = 0..B; mixed ones their own copy.
+        self.mixed_qsl = torch.zeros(r + 1, dtype=i32, device=device)  # [R+1]
+        # key: ("decode", B) or ("mixed", P)
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.metas: dict[tuple[str, int], AttentionMetadata] = {}
 
-    def _meta(self, size: int) -> AttentionMetadata:
+    def _mixed_reqs(self, tokens: int) -> int:
+        return min(tokens, self.max_batch) + 1  # + 1: the padding tokens' own request
+
+    def _decode_meta(self, size: int) -> AttentionMetadata:
+        self.seq_lens.fill_(1)  # (a mixed graph's capture layout may be there)
         return AttentionMetadata(
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
@@ -67,57 +98,119 @@ class CudaGraphRunner:
             num_decodes=size,
         )
 
+    def _mixed_meta(self, tokens: int) -> AttentionMetadata:
+        """Capture-time metadata of the ``tokens`` graph: only its shapes and host values (grid,
+        tile shape) are baked in; the device tensors are rewritten before each replay."""
+        reqs = self._mixed_reqs(tokens)
+        # Host layout at capture: one long request then single tokens (any layout with these
+        # totals gives the same launches). Device tensors hold the same until the first replay.
+        first = tokens - (reqs - 2)
+        qsl = [0, first] + [first + i for i in range(1, reqs - 1)] + [tokens]
+        self.mixed_qsl[: reqs + 1].copy_(torch.tensor(qsl, dtype=torch.int32))
+        self.seq_lens[:reqs].fill_(1)
+        self.seq_lens[0] = first
+        self.seq_lens[reqs - 1] = 0
+        return AttentionMetadata(
+            query_start_loc=self.mixed_qsl[: reqs + 1],
+            seq_lens=self.seq_lens[:reqs],
+            block_table=self.block_table[:reqs],
+            slot_mapping=self.slot_mapping[:tokens],
+            max_query_len=tokens,  # > 1: the prefill-shaped launch, tiles of BLOCK_Q queries
+            max_seq_len=self.max_model_len,
+            query_start_loc_cpu=qsl,
+            seq_lens_cpu=[first] + [1] * (reqs - 2) + [0],
+            num_decodes=0,  # one launch over every request (no separate decode launch)
+        )
+
+    def _args(self, key: tuple[str, int]) -> tuple:
+        n = key[1]  # tokens of the graph (a decode graph: one per request)
+        return self.input_ids[:n], self.positions[:n], self.metas[key]
+
+    def _meta(self, key: tuple[str, int]) -> AttentionMetadata:
+        return self._mixed_meta(key[1]) if key[0] == "mixed" else self._decode_meta(key[1])
+
     @torch.inference_mode()
     def capture(self) -> float:
+        """Capture every graph (largest first, one memory pool); returns the seconds taken."""
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):
-            meta = self._meta(size)
-            args = (self.input_ids[:size], self.positions[:size], meta)
+        keys = [("mixed", p) for p in reversed(self.mixed_sizes)]
+        keys += [("decode", b) for b in reversed(self.sizes)]
+        for key in keys:
+            self.metas[key] = self._meta(key)
+            args = self._args(key)
             for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
                 self.forward_fn(*args)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.forward_fn(*args)
-            self.graphs[size] = graph
-            self.outputs[size] = out
+            self.graphs[key] = graph
+            self.outputs[key] = out
         torch.cuda.synchronize()
         elapsed = time.perf_counter() - t0
         logger.info(
-            "captured %d CUDA graphs (batch sizes %s) in %.1f s",
-            len(self.sizes),
-            self.sizes,
+            "captured %d CUDA graphs in %.1f s (decode batch sizes %s; steps with prefill up "
+            "to %s tokens)",
+            len(keys),
             elapsed,
+            self.sizes,
+            self.mixed_sizes[-1] if self.mixed_sizes else 0,
         )
         return elapsed
 
+    def prepare_without_graphs(self) -> None:
+        """Build the capture-time metadata without capturing (CPU tests): ``run`` then calls
+        ``forward_fn`` on the padded static inputs, exactly what a replay computes."""
+        for key in [("mixed", p) for p in self.mixed_sizes] + [("decode", b) for b in self.sizes]:
+            self.metas[key] = self._meta(key)
+
     def can_run(self, meta: AttentionMetadata) -> bool:
-        return (
-            meta.max_query_len == 1
-            and meta.num_reqs <= self.max_batch
-            and meta.num_tokens == meta.num_reqs
-        )
+        if meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs:
+            return meta.num_reqs <= self.max_batch
+        return bool(self.mixed_sizes) and meta.num_tokens <= self.mixed_sizes[-1]
 
     def run(
         self,
-        input_ids: torch.Tensor,  # [R]
-        positions: torch.Tensor,  # [R]
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [R, H]
+    ) -> torch.Tensor:  # [T, H]
+        t = meta.num_tokens
+        if meta.max_query_len == 1 and t == meta.num_reqs:
+            key = ("decode", next(s for s in self.sizes if s >= t))
+            self._fill_decode(meta, key[1])
+        else:
+            key = ("mixed", next(s for s in self.mixed_sizes if s >= t))
+            self._fill_mixed(meta, key[1])
+        n = key[1]
+        self.input_ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(positions)
+        self.slot_mapping[:t].copy_(meta.slot_mapping)
+        if n > t:
+            self.input_ids[t:n].zero_()
+            self.positions[t:n].zero_()
+            self.slot_mapping[t:n].fill_(-1)
+        if key in self.graphs:
+            self.graphs[key].replay()
+        else:  # prepare_without_graphs(): the same computation, run eagerly
+            self.outputs[key] = self.forward_fn(*self._args(key))
+        return self.outputs[key][:t]
+
+    def _fill_decode(self, meta: AttentionMetadata, size: int) -> None:
         r = meta.num_reqs
-        size = next(s for s in self.sizes if s >= r)
-        self.input_ids[:r].copy_(input_ids)
-        self.positions[:r].copy_(positions)
         self.seq_lens[:r].copy_(meta.seq_lens)
-        width = meta.block_table.shape[1]
-        self.block_table[:r, :width].copy_(meta.block_table)
-        self.slot_mapping[:r].copy_(meta.slot_mapping)
+        self.block_table[:r, : meta.block_table.shape[1]].copy_(meta.block_table)
         if size > r:
-            self.input_ids[r:size].zero_()
-            self.positions[r:size].zero_()
             self.seq_lens[r:size].fill_(1)
             self.block_table[r:size].zero_()
-            self.slot_mapping[r:size].fill_(-1)
-        self.graphs[size].replay()
-        return self.outputs[size][:r]
+
+    def _fill_mixed(self, meta: AttentionMetadata, tokens: int) -> None:
+        r, t, reqs = meta.num_reqs, meta.num_tokens, self._mixed_reqs(tokens)
+        self.mixed_qsl[: r + 1].copy_(meta.query_start_loc)
+        self.mixed_qsl[r + 1 : reqs + 1].fill_(tokens)  # request r: the padding tokens t..P-1
+        self.seq_lens[:r].copy_(meta.seq_lens)
+        self.seq_lens[r] = tokens - t
+        self.seq_lens[r + 1 : reqs].zero_()
+        self.block_table[:r, : meta.block_table.shape[1]].copy_(meta.block_table)
+        self.block_table[r:reqs].zero_()

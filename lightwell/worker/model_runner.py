@@ -106,10 +106,20 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = backend
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> float:
+    def capture_cuda_graphs(
+        self, max_batch: int, max_model_len: int, prefill_tokens: int = 0, capture: bool = True
+    ) -> float:
+        """Decode graphs up to ``max_batch`` requests, mixed-step graphs up to ``prefill_tokens``
+        tokens. ``capture=False`` (CPU tests) sets up the padded inputs and replays by running
+        the forward on them."""
+        if self.overlap is not None:  # a capture would bake in the capture-time split point
+            prefill_tokens = min(prefill_tokens, self.overlap.min_tokens - 1)
         self.graphs = CudaGraphRunner(
-            max_batch, max_model_len, self.block_size, self.device, self.forward
+            max_batch, max_model_len, self.block_size, self.device, self.forward, prefill_tokens
         )
+        if not capture:
+            self.graphs.prepare_without_graphs()
+            return 0.0
         return self.graphs.capture()
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -145,7 +155,7 @@ class ModelRunner:
         if inp.deferred_tokens:
             self._fill_deferred(inp)
         if self.graphs is not None and self.graphs.can_run(inp.meta):
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)  # [R, H]
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)  # [T, H]
         else:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
         pending = PendingStep(ModelRunnerOutput())

@@ -121,9 +121,6 @@ class Worker:
             is_driver=self.rank == 0,
         )
         self.runner.set_attention_backend(self.config.device.attention_backend)
-        self.runner.share_sampled_tokens = (
-            self.tp_size > 1 and self.config.scheduler.async_scheduling
-        )
         from lightwell.worker.overlap import TwoBatchOverlap
 
         self.runner.overlap = TwoBatchOverlap.create(model, self.config.parallel, self.device)
@@ -152,6 +149,10 @@ class Worker:
 
     def determine_num_blocks(self, resolved: EngineConfig) -> int:
         self.init_all_reduce(resolved)
+        # Async scheduling ("auto" resolved by now): every rank feeds rank 0's tokens.
+        self.runner.share_sampled_tokens = self.tp_size > 1 and bool(
+            resolved.scheduler.async_scheduling
+        )
         c = self.config.cache
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks
@@ -180,6 +181,10 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
         self.init_all_reduce(resolved)
+        # Async scheduling ("auto" resolved by now): every rank feeds rank 0's tokens.
+        self.runner.share_sampled_tokens = self.tp_size > 1 and bool(
+            resolved.scheduler.async_scheduling
+        )
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
         if self.device.type != "cuda" or self.config.device.enforce_eager:
@@ -188,7 +193,11 @@ class Worker:
             logger.warning("the attention backend cannot be captured: decode runs eagerly")
             return
         s = resolved.scheduler
-        self.runner.capture_cuda_graphs(s.max_num_seqs, resolved.model.max_model_len)
+        self.runner.capture_cuda_graphs(
+            s.max_num_seqs,
+            resolved.model.max_model_len,
+            min(resolved.device.cuda_graph_prefill_tokens, s.max_num_batched_tokens),
+        )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)

@@ -40,6 +40,14 @@ def test_resolve_fills_device_defaults_and_caps_by_kv_capacity():
     assert cpu.scheduler.max_num_seqs == 64
     gpu = resolve_config(cfg, on_gpu=True, model_max_len=8192)
     assert (gpu.scheduler.max_num_batched_tokens, gpu.scheduler.max_num_seqs) == (8192, 256)
+    # async scheduling: on by default where it pays (GPU), off on CPU; an explicit choice stays
+    assert cfg.scheduler.async_scheduling is None
+    assert (gpu.scheduler.async_scheduling, cpu.scheduler.async_scheduling) == (True, False)
+    for explicit in (True, False):
+        c = EngineConfig.from_kwargs(async_scheduling=explicit)
+        for on_gpu in (True, False):
+            r = resolve_config(c, on_gpu=on_gpu, model_max_len=8192)
+            assert r.scheduler.async_scheduling is explicit
 
 
 def test_resolve_refuses_context_beyond_the_model():

@@ -1,0 +1,126 @@
+"""CUDA-graph padding on the CPU: what a graph replay computes (the forward over the padded
+static inputs with the capture-time metadata) equals the eager forward of the real batch, for
+decode graphs and for mixed (prefill) graphs. Triton kernels under TRITON_INTERPRET=1, a tiny
+random Llama (fp32), through the model runner's own input preparation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from lightwell.models.loader import load_model
+from lightwell.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from lightwell.types import SamplingParams
+from lightwell.worker.cuda_graph import mixed_capture_sizes
+from lightwell.worker.model_runner import ModelRunner
+from tests.models.tiny import randomize, tiny_config
+
+BLOCK = 4
+
+
+def test_mixed_capture_sizes():
+    assert mixed_capture_sizes(0) == []
+    assert mixed_capture_sizes(16) == [16]
+    assert mixed_capture_sizes(100) == [16, 32, 64, 100]
+    assert mixed_capture_sizes(512) == [16, 32, 64, 128, 256, 512]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    cfg = tiny_config(num_key_value_heads=1)  # GQA 4: query tiles of 32 tokens
+    model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
+    randomize(model, seed=3)
+    r = ModelRunner(model, block_size=BLOCK, vocab_size=cfg.vocab_size, device=torch.device("cpu"),
+                    dtype=torch.float32)  # fmt: skip
+    r.set_attention_backend("triton")
+    r.init_kv_cache(96)
+    r.capture_cuda_graphs(max_batch=6, max_model_len=128, prefill_tokens=128, capture=False)
+    return r
+
+
+class Blocks:
+    """Scattered block ids, so block-table indexing errors show."""
+
+    def __init__(self) -> None:
+        self.free = list(range(1, 96))  # block 0: what padding rows read
+        random.Random(5).shuffle(self.free)
+        self.owned: dict[str, list[int]] = {}
+
+    def grow(self, req: str, tokens: int) -> list[int]:
+        have = self.owned.setdefault(req, [])
+        new = [self.free.pop() for _ in range(-(-tokens // BLOCK) - len(have))]
+        have.extend(new)
+        return new
+
+
+def _check_step(runner: ModelRunner, sched: SchedulerOutput, kind: str) -> None:
+    runner.batch.apply(sched)
+    inp = runner.batch.prepare(sched)
+    assert runner.graphs.can_run(inp.meta)
+    eager = runner.forward(inp.input_ids, inp.positions, inp.meta).clone()
+    padded = runner.graphs.run(inp.input_ids, inp.positions, inp.meta)
+    assert padded.shape == eager.shape
+    assert padded.abs().max() > 0.1  # real activations, not zeros
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    size = (
+        next(s for s in runner.graphs.sizes if s >= inp.meta.num_reqs)
+        if kind == "decode"
+        else next(s for s in runner.graphs.mixed_sizes if s >= inp.meta.num_tokens)
+    )
+    assert runner.graphs.outputs[(kind, size)].shape[0] == size
+
+
+def test_padded_replays_equal_eager_forward(runner):
+    rng = random.Random(0)
+    blocks = Blocks()
+    sp = SamplingParams(max_tokens=50)
+    toks: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+
+    def new(req: str, length: int, chunk: int | None = None) -> NewRequestData:
+        toks[req] = [rng.randrange(300) for _ in range(length)]
+        n = chunk or length
+        computed[req] = n
+        return NewRequestData(req, toks[req], length, sp, blocks.grow(req, n), 0)
+
+    def cont(req: str, n: int = 1) -> CachedRequestData:
+        fed = []
+        if computed[req] >= len(toks[req]):  # decoding: feed a "sampled" token
+            fed = [rng.randrange(300)]
+            toks[req] += fed
+        data = CachedRequestData(req, fed, blocks.grow(req, computed[req] + n), computed[req])
+        computed[req] += n
+        return data
+
+    def step(new_reqs, cached, counts, kind):
+        sched = SchedulerOutput(new_reqs, cached, counts, sum(counts.values()))
+        _check_step(runner, sched, kind)
+
+    # two prompts, 16 tokens: the 16-token graph (one query tile per request)
+    step([new("a", 5), new("b", 11)], [], {"a": 5, "b": 11}, "mixed")
+    # decodes of a and b beside a 20-token prompt: 22 tokens -> the 32-token graph
+    step([new("c", 20)], [cont("a"), cont("b")], {"a": 1, "b": 1, "c": 20}, "mixed")
+    # decode-only batch of 3 -> the decode graph of 4
+    step([], [cont("a"), cont("b"), cont("c")], {"a": 1, "b": 1, "c": 1}, "decode")
+    # a long prompt's first chunk exactly fills the 64-token graph (no padding tokens)
+    step([new("d", 90, chunk=61)], [cont(r) for r in "abc"],
+         {"a": 1, "b": 1, "c": 1, "d": 61}, "mixed")  # fmt: skip
+    # its second chunk (attending to the cached first one) with decodes: 33 -> 64
+    step([], [cont("a"), cont("d", 29), cont("c")], {"a": 1, "d": 29, "c": 1}, "mixed")
+    # several query tiles per request: 100 tokens of a new prompt + decodes -> 128
+    step([new("e", 100)], [cont(r) for r in "abcd"],
+         {"a": 1, "b": 1, "c": 1, "d": 1, "e": 100}, "mixed")  # fmt: skip
+    # after the mixed graphs: decode graphs still see their own layout (6 = max batch)
+    step([new("f", 1)], [cont(r) for r in "abcde"],
+         {**{r: 1 for r in "abcde"}, "f": 1}, "decode")  # fmt: skip
+
+
+def test_steps_beyond_the_graphs_run_eagerly(runner):
+    from tests.models.paged import build_metadata
+
+    meta, _ = build_metadata([129], [129], [list(range(1, 34))], BLOCK, torch.device("cpu"))
+    assert not runner.graphs.can_run(meta)  # more tokens than the largest mixed graph
+    meta, _ = build_metadata([1] * 7, [3] * 7, [[1]] * 7, BLOCK, torch.device("cpu"))
+    assert not runner.graphs.can_run(meta)  # more decodes than the largest decode graph
