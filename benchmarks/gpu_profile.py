@@ -1,0 +1,109 @@
+"""Where a step's GPU time goes, kernel by kernel (llama-3-8b shapes, bf16, dummy weights, one
+H200): torch.profiler over single engine steps run eagerly (CUDA-graph replays hide their
+kernels from the profiler; the kernels and their times are the same).
+
+    python3 benchmarks/gpu_profile.py --out $OUT/profile
+
+Steps profiled: a batch-1 decode at a 200-token context (W1), a decode-only step of
+--batch requests at ~1,100 tokens of context, and a W2-like mixed step (those decodes plus
+1,024-token prompts up to the 8,192-token budget). Each writes a kernel table (by CUDA time)
+to --out/<step>.txt and a summary row (step wall, CUDA total, top kernels) to --out/profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+from results_io import record  # noqa: E402
+
+from lightwell import LLM, SamplingParams  # noqa: E402
+
+
+def prompt(n: int, seed: int) -> dict:
+    rng = random.Random(seed)
+    return {"prompt_token_ids": [rng.randrange(128256) for _ in range(n)]}
+
+
+def profile_step(args, engine, label: str, rows: list) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    sched_tokens = []
+    plain = engine.schedule
+
+    def traced():
+        s = plain()
+        sched_tokens.append((s.total_num_scheduled_tokens, len(s.num_scheduled_tokens)))
+        return s
+
+    engine.schedule = traced
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    engine.schedule = plain
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in events)
+    with open(os.path.join(args.out, f"{label}.txt"), "w") as f:
+        f.write(f"step wall {wall * 1e3:.2f} ms, CUDA total {total / 1e3:.2f} ms, "
+                f"(tokens, requests) {sched_tokens}\n")  # fmt: skip
+        for e in events:
+            f.write(f"{e.self_device_time_total / 1e3:10.3f} ms {e.count:6d}x  {e.key[:150]}\n")
+    top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count) for e in events[:12]]
+    rows.append(record("step_cuda_ms", total / 1e3, workload=label, wall_ms=wall * 1e3,
+                       scheduled=sched_tokens, top_kernels=top, model="llama-3-8b",
+                       dtype="bfloat16"))  # fmt: skip
+    with open(os.path.join(args.out, "profile.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"{label}: wall {wall * 1e3:.2f} ms, CUDA {total / 1e3:.2f} ms {sched_tokens}")
+    for name, ms, n in top:
+        print(f"   {ms:9.3f} ms {n:5d}x {name}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=224)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    llm = LLM(load_format="dummy", hf_config_json="llama-3-8b", dtype="bfloat16",
+              enforce_eager=True, async_scheduling=False, max_num_seqs=256,
+              max_num_batched_tokens=8192)  # fmt: skip
+    engine, rows = llm.engine, []
+    long = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True, detokenize=False)
+    # W1: one request, 128-token prompt, decoding at ~200 tokens of context
+    engine.add_request("w1", prompt(128, 1), long)
+    for _ in range(72):
+        engine.step()
+    profile_step(args, engine, "decode_b1_ctx200", rows)
+    engine.abort_request("w1")
+    engine.step()
+    # W2-like: a batch of decodes at ~1,100 tokens of context, then 1,024-token prompts arrive
+    for i in range(args.batch):
+        engine.add_request(f"d{i}", prompt(1024, 100 + i), long)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    for _ in range(64):
+        engine.step()
+    profile_step(args, engine, f"decode_b{args.batch}_ctx1100", rows)
+    for i in range(9):
+        engine.add_request(f"p{i}", prompt(1024, 900 + i), long)
+    profile_step(args, engine, f"mixed_{args.batch}dec_plus_prefill", rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
