@@ -136,7 +136,10 @@ def _attend_tile(
     return acc, l_i, m_new
 
 
-@triton.jit
+# Per-step integers are not specialised: Triton would otherwise compile a variant for each
+# combination of "== 1" / "divisible by 16" among them (seconds each, in the middle of serving;
+# on the H200 a W2 run spent ~15 s compiling such variants).
+@triton.jit(do_not_specialize=["num_reqs", "tok_base", "tile_base", "window", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, Hq, D], [N, B, Hkv, D] x2, [T, Hq, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # split-KV partials (split_kv.SplitPartials)

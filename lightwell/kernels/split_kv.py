@@ -64,7 +64,7 @@ def store_partials(
     tl.store(l_ptr + idx, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tok_base", "num_splits"])  # per-step values: no recompiles
 def _reduce_splits_kernel(
     part_acc_ptr,  # [T_sub, Hq, S, HEAD_DIM_PAD] fp32
     part_m_ptr,  # [T_sub, Hq, S] fp32
