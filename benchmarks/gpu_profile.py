@@ -71,12 +71,62 @@ def profile_step(args, engine, label: str, rows: list) -> None:
         print(f"   {ms:9.3f} ms {n:5d}x {name}")
 
 
+def gpu_gaps(args, batch: int, steps: int = 8) -> None:
+    """The async loop in steady state (CUDA graphs on): a chrome trace of ``steps`` engine steps
+    of ``batch`` decodes at ~1,100 tokens of context, and the GPU's idle time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(load_format="dummy", hf_config_json="llama-3-8b", dtype="bfloat16",
+              async_scheduling=True, max_num_seqs=256, max_num_batched_tokens=8192)  # fmt: skip
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"d{i}", prompt(1024, 100 + i), sp)
+    for _ in range(200):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
+    prof.export_chrome_trace(os.path.join(args.out, "async_decode_trace.json"))
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, idle, end = 0.0, [], None
+    for a, b in kernels:
+        if end is not None and a > end:
+            idle.append(a - end)
+        end = b if end is None else max(end, b)
+        busy += b - a
+    idle.sort(reverse=True)
+    summary = dict(
+        steps=steps,
+        wall_ms=wall * 1e3,
+        gpu_idle_ms=sum(idle) / 1e3,
+        largest_gaps_us=[round(x, 1) for x in idle[:12]],
+        kernels=len(kernels),
+    )
+    with open(os.path.join(args.out, "async_decode_gaps.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    print("async decode steps:", summary)
+    llm.engine.shutdown()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=224)
+    ap.add_argument("--stages", default="kernels", help="kernels (eager kernel tables), gaps")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if "gaps" in args.stages:
+        gpu_gaps(args, args.batch)
+    if "kernels" not in args.stages:
+        return 0
     llm = LLM(load_format="dummy", hf_config_json="llama-3-8b", dtype="bfloat16",
               enforce_eager=True, async_scheduling=False, max_num_seqs=256,
               max_num_batched_tokens=8192)  # fmt: skip
