@@ -28,7 +28,7 @@ $PY -m lightwell.cli bench serve --base-url "http://127.0.0.1:$port" --token-ids
   --vocab-size "${VOCAB:-128256}" --input-len "${INPUT_LEN:-1024}" \
   --output-len "${OUTPUT_LEN:-256}" --ignore-eos \
   --num-prompts "${NUM_PROMPTS:-500}" --request-rate "${RATES:-32,8,2}" --no-progress \
-  --metadata model=llama-3-8b dtype=bfloat16 tp="${TP:-1}" mode=single \
+  --metadata model=llama-3-8b dtype=bfloat16 tp="${TP:-1}" mode="${MODE:-$([ "${TP:-1}" = 1 ] && echo single || echo nvlink)}" \
   --result-json "$out/w3_gpu.json" --plot "$out/w3_gpu.png" 2>&1 | tee "$out/bench.log"
 rc=$?
 kill -TERM $server; wait $server
