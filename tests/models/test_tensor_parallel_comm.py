@@ -10,7 +10,8 @@ import torch
 from tests.models.test_tensor_parallel import _free_port
 
 WORLD = 2
-SHAPES = [(1, 576), (7, 576), (33, 1000), (5,)]  # odd sizes: padding, uneven chunks
+# odd sizes: padding, uneven chunks; (40, 1000): above torch's intra-op grain (32,768 elements)
+SHAPES = [(1, 576), (7, 576), (33, 1000), (5,), (40, 1000)]
 EXACT = ("nccl", "gloo", "host")
 
 
@@ -42,12 +43,16 @@ def _check_strategies(rank: int, ctx) -> None:
     from lightwell.distributed.comm import create_strategy, is_available
 
     assert not is_available("oneshot", ctx)  # peer memory is CUDA-only: skipped on CPU
+    threads = torch.get_num_threads()
     for name in (*EXACT, "int8"):
         strategy = create_strategy(name, ctx)
+        # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
+        torch.set_num_threads(2 if name == "host" else threads)
         for shape in SHAPES:
             for dtype in (torch.float32, torch.bfloat16):
                 exact = _exact(shape, dtype)
                 got = strategy.all_reduce(_inputs(shape, dtype, rank))
+                assert torch.get_num_threads() == (2 if name == "host" else threads)
                 assert got.shape == shape and got.dtype == dtype, (name, shape)
                 if name in EXACT and dtype == torch.float32:
                     assert torch.equal(got, exact), (name, shape)
@@ -60,6 +65,7 @@ def _check_strategies(rank: int, ctx) -> None:
                 else:
                     assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
         strategy.close()
+    torch.set_num_threads(threads)
 
 
 def _check_selector(rank: int, ctx) -> None:
