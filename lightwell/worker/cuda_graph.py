@@ -54,19 +54,23 @@ class CudaGraphRunner:
         device: torch.device,
         forward_fn: Callable[..., torch.Tensor],
         prefill_tokens: int = 0,
+        num_kv_heads: int = 0,
     ) -> None:
         """``forward_fn(input_ids, positions, meta) -> hidden``: what to capture (the runner's
         forward, which may split the batch for the dual-stream overlap). ``prefill_tokens``:
         the largest step with prefill tokens that gets a graph (0: decode graphs only)."""
         self.forward_fn = forward_fn
+        self.num_kv_heads = num_kv_heads  # per rank: sizes the attention grid of decode rows
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.mixed_sizes = mixed_capture_sizes(prefill_tokens)
         self.max_model_len = max_model_len
         self.device = device
-        width = -(-max_model_len // block_size)
         i32, i64 = torch.int32, torch.int64
         t = max(self.max_batch, self.mixed_sizes[-1] if self.mixed_sizes else 0)
+        # Block-table rows: a request's context, or the padding request's P - T tokens (P may
+        # exceed the context length: it reads that many keys through its all-zero row).
+        width = -(-max(max_model_len, t) // block_size)
         r = max(self.max_batch, self._mixed_reqs(t))
         self.input_ids = torch.zeros(t, dtype=i64, device=device)  # [T]
         self.positions = torch.zeros(t, dtype=i64, device=device)  # [T]
@@ -168,7 +172,25 @@ class CudaGraphRunner:
     def can_run(self, meta: AttentionMetadata) -> bool:
         if meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs:
             return meta.num_reqs <= self.max_batch
-        return bool(self.mixed_sizes) and meta.num_tokens <= self.mixed_sizes[-1]
+        if not self.mixed_sizes or meta.num_tokens > self.mixed_sizes[-1]:
+            return False
+        size = next(s for s in self.mixed_sizes if s >= meta.num_tokens)
+        if meta.num_reqs >= self._mixed_reqs(size):  # (never, with <= max_batch requests)
+            return False
+        return not self._decodes_want_split_kv(meta)
+
+    def _decodes_want_split_kv(self, meta: AttentionMetadata) -> bool:
+        """A mixed graph runs decode rows in the prefill-shaped launch, one program per
+        (request, KV head) over the whole context. Few decodes at long contexts would leave
+        SMs idle there; the eager path gives them the split-KV decode launch instead."""
+        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        decode_lens = [n for i, n in enumerate(lens) if qsl[i + 1] - qsl[i] == 1]
+        if not decode_lens or not self.num_kv_heads:
+            return False
+        from lightwell.kernels.split_kv import auto_num_splits
+
+        programs = len(decode_lens) * self.num_kv_heads
+        return auto_num_splits(programs, max(decode_lens), self.device) > 1
 
     def run(
         self,

@@ -114,8 +114,15 @@ class ModelRunner:
         the forward on them."""
         if self.overlap is not None:  # a capture would bake in the capture-time split point
             prefill_tokens = min(prefill_tokens, self.overlap.min_tokens - 1)
+        kv_heads = self.attn_layers[0].num_kv_heads if self.attn_layers else 0
         self.graphs = CudaGraphRunner(
-            max_batch, max_model_len, self.block_size, self.device, self.forward, prefill_tokens
+            max_batch,
+            max_model_len,
+            self.block_size,
+            self.device,
+            self.forward,
+            prefill_tokens,
+            num_kv_heads=kv_heads,
         )
         if not capture:
             self.graphs.prepare_without_graphs()

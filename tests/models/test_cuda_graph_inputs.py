@@ -117,6 +117,30 @@ def test_padded_replays_equal_eager_forward(runner):
          {**{r: 1 for r in "abcde"}, "f": 1}, "decode")  # fmt: skip
 
 
+def test_padding_longer_than_the_context():
+    """Graphs of more tokens than the context length: the padding request's keys (P - T of
+    them) still fit its block-table row (a short max_model_len beside 64-token graphs)."""
+    cfg = tiny_config(num_key_value_heads=1)
+    model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
+    randomize(model, seed=4)
+    r = ModelRunner(model, block_size=BLOCK, vocab_size=cfg.vocab_size, device=torch.device("cpu"),
+                    dtype=torch.float32)  # fmt: skip
+    r.set_attention_backend("triton")
+    r.init_kv_cache(96)
+    r.capture_cuda_graphs(max_batch=6, max_model_len=8, prefill_tokens=64, capture=False)
+    assert r.graphs.block_table.shape[1] == 64 // BLOCK
+    rng, blocks = random.Random(1), Blocks()
+    sp = SamplingParams(max_tokens=2)
+    new = [
+        NewRequestData(
+            f"r{i}", [rng.randrange(300) for _ in range(6)], 6, sp, blocks.grow(f"r{i}", 6), 0
+        )  # fmt: skip
+        for i in range(6)
+    ]
+    # 36 tokens of 6 requests -> the 64-token graph: the padding request (the last row) has 28
+    _check_step(r, SchedulerOutput(new, [], {f"r{i}": 6 for i in range(6)}, 36), "mixed")
+
+
 def test_steps_beyond_the_graphs_run_eagerly(runner):
     from tests.models.paged import build_metadata
 
@@ -124,3 +148,28 @@ def test_steps_beyond_the_graphs_run_eagerly(runner):
     assert not runner.graphs.can_run(meta)  # more tokens than the largest mixed graph
     meta, _ = build_metadata([1] * 7, [3] * 7, [[1]] * 7, BLOCK, torch.device("cpu"))
     assert not runner.graphs.can_run(meta)  # more decodes than the largest decode graph
+
+
+def test_few_long_decodes_beside_a_chunk_run_eagerly(runner, monkeypatch):
+    """Decode rows that the eager path would give split-KV (few rows, long contexts: decided
+    by auto_num_splits, which answers 1 on CPU, so it is stubbed here) skip the mixed graphs."""
+    import lightwell.kernels.split_kv as split_kv
+    from tests.models.paged import build_metadata
+
+    calls = []
+
+    def splits(programs, keys, device):
+        calls.append((programs, keys))
+        return 4 if keys >= 100 else 1
+
+    monkeypatch.setattr(split_kv, "auto_num_splits", splits)
+    cpu = torch.device("cpu")
+    long_ctx, _ = build_metadata([1, 20], [120, 20], [list(range(1, 31)), [31, 32, 33, 34, 35]],
+                                 BLOCK, cpu)  # fmt: skip
+    assert not runner.graphs.can_run(long_ctx)
+    assert calls == [(1 * runner.graphs.num_kv_heads, 120)]  # 1 decode row x KV heads
+    short_ctx, _ = build_metadata([1, 20], [30, 20], [list(range(1, 9)), [31, 32, 33, 34, 35]],
+                                  BLOCK, cpu)  # fmt: skip
+    assert runner.graphs.can_run(short_ctx)
+    prefill_only, _ = build_metadata([20], [120], [list(range(1, 31))], BLOCK, cpu)
+    assert runner.graphs.can_run(prefill_only)  # no decode rows: nothing to split
