@@ -354,19 +354,14 @@ def _w2_step_summary(steps: list[tuple[float, int, int, int]]) -> dict:
 
 def stage_profile(args: argparse.Namespace, llm: LLM) -> None:
     """Where a step's time goes: torch.profiler over one 128-token prefill and one decode."""
-    from torch.profiler import ProfilerActivity, profile
+    from gpu_profile import profiled_step
 
     engine = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
     for label in ("prefill128", "decode"):
         if label == "prefill128":
             engine.add_request("prof", rand_prompts(1, 128, 128256, 42)[0], sp)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            engine.step()
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
+        prof, wall = profiled_step(engine)
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
         with open(os.path.join(os.path.dirname(args.out), f"profile_{label}.txt"), "w") as f:
             f.write(f"step wall {wall * 1e3:.2f} ms\n{table}")

@@ -33,9 +33,20 @@ def prompt(n: int, seed: int) -> dict:
     return {"prompt_token_ids": [rng.randrange(128256) for _ in range(n)]}
 
 
-def profile_step(args, engine, label: str, rows: list) -> None:
+def profiled_step(engine) -> tuple:
+    """(torch.profiler result, wall seconds) of one ``engine.step()``, the GPU drained."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return prof, wall
+
+
+def profile_step(args, engine, label: str, rows: list) -> None:
     sched_tokens = []
     plain = engine.schedule
 
@@ -45,12 +56,7 @@ def profile_step(args, engine, label: str, rows: list) -> None:
         return s
 
     engine.schedule = traced
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+    prof, wall = profiled_step(engine)
     engine.schedule = plain
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.self_device_time_total)

@@ -27,17 +27,23 @@ def test_mixed_capture_sizes():
     assert mixed_capture_sizes(512) == [16, 32, 64, 128, 256, 512]
 
 
-@pytest.fixture(scope="module")
-def runner():
+def _tiny_runner(max_model_len: int, prefill_tokens: int, seed: int) -> ModelRunner:
     cfg = tiny_config(num_key_value_heads=1)  # GQA 4: query tiles of 32 tokens
     model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
-    randomize(model, seed=3)
+    randomize(model, seed=seed)
     r = ModelRunner(model, block_size=BLOCK, vocab_size=cfg.vocab_size, device=torch.device("cpu"),
                     dtype=torch.float32)  # fmt: skip
     r.set_attention_backend("triton")
     r.init_kv_cache(96)
-    r.capture_cuda_graphs(max_batch=6, max_model_len=128, prefill_tokens=128, capture=False)
+    r.capture_cuda_graphs(
+        max_batch=6, max_model_len=max_model_len, prefill_tokens=prefill_tokens, capture=False
+    )
     return r
+
+
+@pytest.fixture(scope="module")
+def runner():
+    return _tiny_runner(max_model_len=128, prefill_tokens=128, seed=3)
 
 
 class Blocks:
@@ -120,14 +126,7 @@ def test_padded_replays_equal_eager_forward(runner):
 def test_padding_longer_than_the_context():
     """Graphs of more tokens than the context length: the padding request's keys (P - T of
     them) still fit its block-table row (a short max_model_len beside 64-token graphs)."""
-    cfg = tiny_config(num_key_value_heads=1)
-    model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
-    randomize(model, seed=4)
-    r = ModelRunner(model, block_size=BLOCK, vocab_size=cfg.vocab_size, device=torch.device("cpu"),
-                    dtype=torch.float32)  # fmt: skip
-    r.set_attention_backend("triton")
-    r.init_kv_cache(96)
-    r.capture_cuda_graphs(max_batch=6, max_model_len=8, prefill_tokens=64, capture=False)
+    r = _tiny_runner(max_model_len=8, prefill_tokens=64, seed=4)
     assert r.graphs.block_table.shape[1] == 64 // BLOCK
     rng, blocks = random.Random(1), Blocks()
     sp = SamplingParams(max_tokens=2)
