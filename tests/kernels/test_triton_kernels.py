@@ -30,6 +30,7 @@ from lightwell.attention.metadata import AttentionMetadata  # noqa: E402
 from lightwell.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from lightwell.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from lightwell.kernels import activation as act  # noqa: E402
+from lightwell.kernels import int8_pack as i8  # noqa: E402
 from lightwell.kernels import kv_store as ks  # noqa: E402
 from lightwell.kernels import paged_attention as pa  # noqa: E402
 from lightwell.kernels import rmsnorm as rn  # noqa: E402
@@ -264,3 +265,42 @@ def test_gemv_matches_reference(m, n, k, dtype):
         out, ref = gemv(x, w, bias), gemv_ref(x, w, bias)
         tol = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+# ---- int8 all-reduce kernels vs the torch ops of lightwell/distributed/comm/int8.py -----------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("n,rows,cols", [(512, 2, 256), (700, 2, 384), (1000, 4, 256)])
+def test_int8_pack_kernels_match_torch_ops(n, rows, cols, dtype):
+    from lightwell.distributed.comm import int8 as ref
+
+    assert i8.GROUP == ref.GROUP
+    gen = torch.Generator().manual_seed(n)
+    x = _randn(n, dtype=dtype, gen=gen) * 3
+    x[5] = 40.0  # an outlier: its group gets a coarse step
+    padded = torch.nn.functional.pad(x.float(), (0, rows * cols - n)).view(rows, cols)
+    # quantize + pack: the same bytes (no value of random data sits on a rounding tie)
+    got = i8.quantize_pack(x, rows, cols)
+    want = ref.pack(*ref.quantize(padded))
+    assert got.shape == want.shape and got.dtype == torch.uint8
+    assert torch.equal(got, want)
+    # dequantize, sum the chunks in fp32, requantize: within one rounding of the exact sum
+    summed = i8.dequant_sum_requant(got, cols)  # [1, bytes]
+    exact = ref.dequantize(*ref.unpack(want, cols)).sum(0, keepdim=True)  # [1, cols]
+    back = ref.dequantize(*ref.unpack(summed, cols))
+    step = exact.view(-1, ref.GROUP).abs().amax(-1).repeat_interleave(ref.GROUP) / 127
+    assert ((back - exact).abs().view(-1) <= step / 2 * 1.0001 + 1e-7).all()
+    assert back.abs().max() > 1.0  # real values, not zeros
+    # unpack + dequantize into the output dtype, cut to n elements
+    out = i8.unpack_dequant(got, cols, n, dtype)
+    assert out.shape == (n,) and out.dtype == dtype
+    torch.testing.assert_close(out, ref.dequantize(*ref.unpack(want, cols)).view(-1)[:n].to(dtype))
+
+
+def test_int8_pack_rejects_bad_input():
+    x = torch.ones(300, device=DEVICE)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        i8.quantize_pack(x, 2, 100)
+    with pytest.raises(ValueError, match="fit"):
+        i8.quantize_pack(x, 1, 256)
+    with pytest.raises(ValueError, match="packed buffer"):
+        i8.dequant_sum_requant(torch.zeros(2, 10, dtype=torch.uint8, device=DEVICE), 128)

@@ -43,9 +43,13 @@ def _check_strategies(rank: int, ctx) -> None:
     from lightwell.distributed.comm import create_strategy, is_available
 
     assert not is_available("oneshot", ctx)  # peer memory is CUDA-only: skipped on CPU
+    from lightwell.distributed.comm.int8 import Int8AllReduce
+
     threads = torch.get_num_threads()
-    for name in (*EXACT, "int8"):
-        strategy = create_strategy(name, ctx)
+    for name in (*EXACT, "int8", "int8-fused"):
+        # int8-fused: the Triton kernels (interpreted here) between the same collectives
+        strategy = Int8AllReduce(ctx, fused=True) if name == "int8-fused" else None
+        strategy = strategy or create_strategy(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)
         for shape in SHAPES:

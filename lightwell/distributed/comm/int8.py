@@ -64,9 +64,15 @@ class Int8AllReduce:
     name = "int8"
     graph_safe = True
 
-    def __init__(self, ctx: CommContext) -> None:
+    def __init__(self, ctx: CommContext, fused: bool = False) -> None:
+        """``fused``: quantize/pack, dequantize-sum-requantize and unpack/dequantize as one
+        Triton kernel each (lightwell/kernels/int8_pack.py) instead of a dozen torch ops each
+        way. Tested against the torch ops on CPU (Triton interpreter) and over gloo; off by
+        default until it is measured on GPUs (benchmarks/tp_allreduce.py times it as
+        "int8-fused")."""
         self.group = ctx.group
         self.size = ctx.size
+        self.fused = fused
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -76,6 +82,22 @@ class Int8AllReduce:
         return x.is_floating_point()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce_fused(x) if self.fused else self._all_reduce_torch(x)
+
+    def _all_reduce_fused(self, x: torch.Tensor) -> torch.Tensor:
+        from lightwell.kernels import int8_pack as k
+
+        n, w = x.numel(), self.size
+        cols = -(-n // (w * GROUP)) * GROUP
+        send = k.quantize_pack(x.contiguous(), w, cols)  # [w, bytes per chunk]
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        mine = k.dequant_sum_requant(recv, cols)  # [1, bytes per chunk]
+        gathered = torch.empty((w, mine.shape[1]), dtype=torch.uint8, device=x.device)
+        _all_gather(gathered, mine, group=self.group)
+        return k.unpack_dequant(gathered, cols, n, x.dtype).view(x.shape)
+
+    def _all_reduce_torch(self, x: torch.Tensor) -> torch.Tensor:
         n, w = x.numel(), self.size
         cols = -(-n // (w * GROUP)) * GROUP  # elements per rank's chunk
         flat = x.reshape(-1)

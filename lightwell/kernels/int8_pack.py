@@ -1,0 +1,132 @@
+"""Fused kernels of the int8-quantized all-reduce (lightwell/distributed/comm/int8.py).
+
+The wire format is the one of ``int8.pack``: per chunk (row), C int8 values, then C / GROUP
+fp32 scales (absmax / 127 of each group of GROUP values). Three kernels replace a dozen torch
+ops each way:
+
+    quantize_pack(x, w, C)           x [N] float -> uint8 [w, C + 4 C / GROUP] (zero-padded)
+    dequant_sum_requant(recv, C)     uint8 [w, bytes] -> uint8 [1, bytes]: sum of the w chunks
+                                     in fp32, requantized
+    unpack_dequant(gathered, C, n)   uint8 [w, bytes] -> [n] in the output dtype
+
+Rounding is half away from zero (torch.round in the reference rounds half to even): the same
+bound, half a step per rounding, and every rank computes the same bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+GROUP = 128  # elements per scale: equals lightwell.distributed.comm.int8.GROUP (tested)
+
+
+@triton.jit
+def _round_clamp(y):
+    r = tl.where(y >= 0, tl.floor(y + 0.5), tl.ceil(y - 0.5))
+    return tl.minimum(tl.maximum(r, -127.0), 127.0)
+
+
+@triton.jit
+def _store_group(q_ptr, s_ptr, row, g, vals, row_bytes, cols, GROUP: tl.constexpr):
+    """Quantize one group of fp32 ``vals`` into chunk ``row`` of a packed buffer."""
+    offs = tl.arange(0, GROUP)
+    scale = tl.maximum(tl.max(tl.abs(vals), 0), 1e-30) / 127.0
+    q = _round_clamp(vals / scale).to(tl.int8)
+    base = row.to(tl.int64) * row_bytes
+    tl.store(q_ptr + base + g * GROUP + offs, q)
+    tl.store(s_ptr + (base + cols) // 4 + g, scale)
+
+
+# Sizes change with every message: not specialised (no compile per new "divisible by 16" mix).
+@triton.jit(do_not_specialize=["n", "row_bytes", "cols"])
+def _quantize_pack_kernel(x_ptr, q_ptr, s_ptr, n, row_bytes, cols, GROUP: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    idx = row.to(tl.int64) * cols + g * GROUP + tl.arange(0, GROUP)
+    vals = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    _store_group(q_ptr, s_ptr, row, g, vals, row_bytes, cols, GROUP)
+
+
+@triton.jit(do_not_specialize=["num_rows", "row_bytes", "cols"])
+def _dequant_sum_requant_kernel(
+    q_in_ptr, s_in_ptr, q_out_ptr, s_out_ptr, num_rows, row_bytes, cols, GROUP: tl.constexpr
+):
+    g = tl.program_id(0)
+    offs = tl.arange(0, GROUP)
+    acc = tl.zeros([GROUP], dtype=tl.float32)
+    for r in range(num_rows):
+        base = r * row_bytes
+        q = tl.load(q_in_ptr + base + g * GROUP + offs).to(tl.float32)
+        acc += q * tl.load(s_in_ptr + (base + cols) // 4 + g)
+    _store_group(q_out_ptr, s_out_ptr, g * 0, g, acc, row_bytes, cols, GROUP)
+
+
+@triton.jit(do_not_specialize=["n", "row_bytes", "cols"])
+def _unpack_dequant_kernel(q_ptr, s_ptr, out_ptr, n, row_bytes, cols, GROUP: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    offs = tl.arange(0, GROUP)
+    base = row.to(tl.int64) * row_bytes
+    q = tl.load(q_ptr + base + g * GROUP + offs).to(tl.float32)
+    vals = q * tl.load(s_ptr + (base + cols) // 4 + g)
+    idx = row.to(tl.int64) * cols + g * GROUP + offs
+    tl.store(out_ptr + idx, vals.to(out_ptr.dtype.element_ty), mask=idx < n)
+
+
+def packed_row_bytes(cols: int) -> int:
+    return cols + 4 * (cols // GROUP)
+
+
+def _views(buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 and fp32 views of a packed uint8 buffer (the same bytes)."""
+    return buf.view(torch.int8), buf.view(-1).view(torch.float32)
+
+
+def _check_cols(cols: int) -> None:
+    if cols <= 0 or cols % GROUP:
+        raise ValueError(f"chunk length must be a positive multiple of {GROUP}, got {cols}")
+
+
+def quantize_pack(x: torch.Tensor, num_rows: int, cols: int) -> torch.Tensor:
+    """x (any shape, contiguous, numel <= num_rows * cols) -> uint8 [num_rows, bytes]; the
+    elements past x's end count as zeros."""
+    _check_cols(cols)
+    if not x.is_contiguous() or x.numel() > num_rows * cols:
+        raise ValueError("x must be contiguous and fit num_rows x cols")
+    rb = packed_row_bytes(cols)
+    buf = torch.empty((num_rows, rb), dtype=torch.uint8, device=x.device)
+    q, s = _views(buf)
+    _quantize_pack_kernel[(num_rows, cols // GROUP)](
+        x, q, s, x.numel(), rb, cols, GROUP=GROUP, num_warps=1
+    )
+    return buf
+
+
+def dequant_sum_requant(recv: torch.Tensor, cols: int) -> torch.Tensor:
+    """uint8 [w, bytes] (one chunk from each rank) -> uint8 [1, bytes]: their sum."""
+    _check_cols(cols)
+    rb = packed_row_bytes(cols)
+    if recv.shape[1] != rb or not recv.is_contiguous():
+        raise ValueError(f"want a contiguous [w, {rb}] packed buffer, got {tuple(recv.shape)}")
+    out = torch.empty((1, rb), dtype=torch.uint8, device=recv.device)
+    (qi, si), (qo, so) = _views(recv), _views(out)
+    _dequant_sum_requant_kernel[(cols // GROUP,)](
+        qi, si, qo, so, recv.shape[0], rb, cols, GROUP=GROUP, num_warps=1
+    )
+    return out
+
+
+def unpack_dequant(
+    gathered: torch.Tensor, cols: int, n: int, dtype: torch.dtype
+) -> torch.Tensor:  # [n]
+    """uint8 [w, bytes] -> the first ``n`` values of the w dequantized chunks, in ``dtype``."""
+    _check_cols(cols)
+    rb = packed_row_bytes(cols)
+    if gathered.shape[1] != rb or not gathered.is_contiguous():
+        raise ValueError(f"want a contiguous [w, {rb}] packed buffer, got {tuple(gathered.shape)}")
+    out = torch.empty(n, dtype=dtype, device=gathered.device)
+    q, s = _views(gathered)
+    _unpack_dequant_kernel[(gathered.shape[0], cols // GROUP)](
+        q, s, out, n, rb, cols, GROUP=GROUP, num_warps=1
+    )
+    return out
