@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from gpu_profile import profiled_step, scheduled_steps  # noqa: E402
 from results_io import record  # noqa: E402
 
 from lightwell import LLM, SamplingParams  # noqa: E402
@@ -287,28 +288,9 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
     n = args.w2_requests
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
     prompts = rand_prompts(n, 1024, 128256, 7)
-    engine, steps = llm.engine, []
-    plain_schedule = engine.schedule
-
-    def traced_schedule():  # (time, tokens, requests, single-token rows) per scheduled step
-        sched = plain_schedule()
-        ones = sum(1 for k in sched.num_scheduled_tokens.values() if k == 1)
-        steps.append(
-            (
-                time.perf_counter(),
-                sched.total_num_scheduled_tokens,
-                len(sched.num_scheduled_tokens),
-                ones,
-            )
-        )
-        return sched
-
-    engine.schedule = traced_schedule
     t0 = time.perf_counter()
-    try:
+    with scheduled_steps(llm.engine) as steps:
         outs = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
-        engine.schedule = plain_schedule
     wall = time.perf_counter() - t0
     steps.append((t0 + wall, 0, 0, 0))
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -354,8 +336,6 @@ def _w2_step_summary(steps: list[tuple[float, int, int, int]]) -> dict:
 
 def stage_profile(args: argparse.Namespace, llm: LLM) -> None:
     """Where a step's time goes: torch.profiler over one 128-token prefill and one decode."""
-    from gpu_profile import profiled_step
-
     engine = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
     for label in ("prefill128", "decode"):

@@ -13,11 +13,13 @@ to --out/<step>.txt and a summary row (step wall, CUDA total, top kernels) to --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -46,18 +48,30 @@ def profiled_step(engine) -> tuple:
     return prof, wall
 
 
-def profile_step(args, engine, label: str, rows: list) -> None:
-    sched_tokens = []
-    plain = engine.schedule
+@contextlib.contextmanager
+def scheduled_steps(engine) -> Iterator[list[tuple[float, int, int, int]]]:
+    """Records (time, tokens, requests, single-token rows) of every step the engine schedules
+    inside the block."""
+    steps, plain = [], engine.schedule
 
     def traced():
         s = plain()
-        sched_tokens.append((s.total_num_scheduled_tokens, len(s.num_scheduled_tokens)))
+        ones = sum(1 for k in s.num_scheduled_tokens.values() if k == 1)
+        n = s.total_num_scheduled_tokens
+        steps.append((time.perf_counter(), n, len(s.num_scheduled_tokens), ones))
         return s
 
     engine.schedule = traced
-    prof, wall = profiled_step(engine)
-    engine.schedule = plain
+    try:
+        yield steps
+    finally:
+        engine.schedule = plain
+
+
+def profile_step(args, engine, label: str, rows: list) -> None:
+    with scheduled_steps(engine) as steps:
+        prof, wall = profiled_step(engine)
+    sched_tokens = [(tokens, reqs) for _, tokens, reqs, _ in steps]
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.self_device_time_total)
     total = sum(e.self_device_time_total for e in events)

@@ -185,7 +185,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    is_neox_style = True  # RoPE on rotated halves (GPT-J style: interleaved pairs)
+    is_neox_style = True  # RoPE on rotated halves; False: GPT-J style (interleaved pairs)
 
     def __init__(
         self,

@@ -170,40 +170,46 @@ class CudaGraphRunner:
             self.metas[key] = self._meta(key)
 
     def can_run(self, meta: AttentionMetadata) -> bool:
-        if meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs:
-            return meta.num_reqs <= self.max_batch
-        if not self.mixed_sizes or meta.num_tokens > self.mixed_sizes[-1]:
-            return False
-        size = next(s for s in self.mixed_sizes if s >= meta.num_tokens)
-        if meta.num_reqs >= self._mixed_reqs(size):  # (never, with <= max_batch requests)
-            return False
-        return not self._decodes_want_split_kv(meta)
+        return self.graph_for(meta) is not None
+
+    def graph_for(self, meta: AttentionMetadata) -> tuple[str, int] | None:
+        """The graph that serves this step (its key), or None: the step runs eagerly."""
+        t = meta.num_tokens
+        if meta.max_query_len == 1 and t == meta.num_reqs:
+            return (
+                ("decode", next(s for s in self.sizes if s >= t)) if t <= self.max_batch else None
+            )
+        if not self.mixed_sizes or t > self.mixed_sizes[-1]:
+            return None
+        size = next(s for s in self.mixed_sizes if s >= t)
+        if meta.num_reqs >= self._mixed_reqs(size) or self._decodes_want_split_kv(meta):
+            return None  # (the first: never, with <= max_batch requests)
+        return ("mixed", size)
 
     def _decodes_want_split_kv(self, meta: AttentionMetadata) -> bool:
         """A mixed graph runs decode rows in the prefill-shaped launch, one program per
-        (request, KV head) over the whole context. Few decodes at long contexts would leave
-        SMs idle there; the eager path gives them the split-KV decode launch instead."""
-        qsl, lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
-        decode_lens = [n for i, n in enumerate(lens) if qsl[i + 1] - qsl[i] == 1]
-        if not decode_lens or not self.num_kv_heads:
+        (request, KV head) over the whole context. The eager path gives leading decode rows a
+        launch of their own (``paged_attention``), split-KV when ``auto_num_splits`` asks for it
+        (few rows, long contexts): such steps run eagerly."""
+        nd = meta.num_decodes
+        if not nd or not self.num_kv_heads or meta.query_start_loc_cpu[nd] != nd:
             return False
         from lightwell.kernels.split_kv import auto_num_splits
 
-        programs = len(decode_lens) * self.num_kv_heads
-        return auto_num_splits(programs, max(decode_lens), self.device) > 1
+        return auto_num_splits(nd * self.num_kv_heads, meta.max_seq_len, self.device) > 1
 
     def run(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
+        key: tuple[str, int] | None = None,  # graph_for(meta), when the caller has it
     ) -> torch.Tensor:  # [T, H]
         t = meta.num_tokens
-        if meta.max_query_len == 1 and t == meta.num_reqs:
-            key = ("decode", next(s for s in self.sizes if s >= t))
+        key = key or self.graph_for(meta)
+        if key[0] == "decode":
             self._fill_decode(meta, key[1])
         else:
-            key = ("mixed", next(s for s in self.mixed_sizes if s >= t))
             self._fill_mixed(meta, key[1])
         n = key[1]
         self.input_ids[:t].copy_(input_ids)

@@ -161,8 +161,9 @@ class ModelRunner:
         inp = self.batch.prepare(sched)
         if inp.deferred_tokens:
             self._fill_deferred(inp)
-        if self.graphs is not None and self.graphs.can_run(inp.meta):
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+        key = self.graphs.graph_for(inp.meta) if self.graphs is not None else None
+        if key is not None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, key)  # [T, H]
         else:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
         pending = PendingStep(ModelRunnerOutput())

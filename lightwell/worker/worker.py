@@ -149,10 +149,6 @@ class Worker:
 
     def determine_num_blocks(self, resolved: EngineConfig) -> int:
         self.init_all_reduce(resolved)
-        # Async scheduling ("auto" resolved by now): every rank feeds rank 0's tokens.
-        self.runner.share_sampled_tokens = self.tp_size > 1 and bool(
-            resolved.scheduler.async_scheduling
-        )
         c = self.config.cache
         if c.num_kv_blocks is not None:
             return c.num_kv_blocks

@@ -22,6 +22,8 @@ outliers' groups get coarse steps). See docs/parallelism.md.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 import torch.distributed as dist
 
@@ -60,6 +62,30 @@ def unpack(buf: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scales
 
 
+# The three local steps in torch ops, with lightwell.kernels.int8_pack's signatures (the CPU
+# path, and the default until the fused kernels are measured on GPUs).
+def _quantize_pack(x: torch.Tensor, num_rows: int, cols: int) -> torch.Tensor:
+    flat = x.reshape(-1)
+    if flat.numel() != num_rows * cols:
+        flat = torch.nn.functional.pad(flat, (0, num_rows * cols - flat.numel()))
+    return pack(*quantize(flat.view(num_rows, cols)))
+
+
+def _dequant_sum_requant(recv: torch.Tensor, cols: int) -> torch.Tensor:
+    return pack(*quantize(dequantize(*unpack(recv, cols)).sum(dim=0, keepdim=True)))
+
+
+def _unpack_dequant(gathered: torch.Tensor, cols: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return dequantize(*unpack(gathered, cols)).view(-1)[:n].to(dtype)
+
+
+_TORCH_OPS = SimpleNamespace(
+    quantize_pack=_quantize_pack,
+    dequant_sum_requant=_dequant_sum_requant,
+    unpack_dequant=_unpack_dequant,
+)
+
+
 class Int8AllReduce:
     name = "int8"
     graph_safe = True
@@ -72,7 +98,11 @@ class Int8AllReduce:
         "int8-fused")."""
         self.group = ctx.group
         self.size = ctx.size
-        self.fused = fused
+        if fused:
+            from lightwell.kernels import int8_pack as ops
+        else:
+            ops = _TORCH_OPS
+        self.ops = ops
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -82,36 +112,16 @@ class Int8AllReduce:
         return x.is_floating_point()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self._all_reduce_fused(x) if self.fused else self._all_reduce_torch(x)
-
-    def _all_reduce_fused(self, x: torch.Tensor) -> torch.Tensor:
-        from lightwell.kernels import int8_pack as k
-
-        n, w = x.numel(), self.size
-        cols = -(-n // (w * GROUP)) * GROUP
-        send = k.quantize_pack(x.contiguous(), w, cols)  # [w, bytes per chunk]
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        mine = k.dequant_sum_requant(recv, cols)  # [1, bytes per chunk]
-        gathered = torch.empty((w, mine.shape[1]), dtype=torch.uint8, device=x.device)
-        _all_gather(gathered, mine, group=self.group)
-        return k.unpack_dequant(gathered, cols, n, x.dtype).view(x.shape)
-
-    def _all_reduce_torch(self, x: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
         n, w = x.numel(), self.size
         cols = -(-n // (w * GROUP)) * GROUP  # elements per rank's chunk
-        flat = x.reshape(-1)
-        if cols * w != n:
-            flat = torch.nn.functional.pad(flat, (0, cols * w - n))
-        send = pack(*quantize(flat.view(w, cols)))  # [w, bytes per chunk]
+        send = ops.quantize_pack(x.contiguous(), w, cols)  # [w, bytes per chunk]
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
-        part = dequantize(*unpack(recv, cols)).sum(dim=0, keepdim=True)  # [1, cols] fp32
-        mine = pack(*quantize(part))  # [1, bytes per chunk]
+        mine = ops.dequant_sum_requant(recv, cols)  # [1, bytes per chunk]
         gathered = torch.empty((w, mine.shape[1]), dtype=torch.uint8, device=x.device)
         _all_gather(gathered, mine, group=self.group)
-        out = dequantize(*unpack(gathered, cols)).view(-1)[:n]
-        return out.view(x.shape).to(x.dtype)
+        return ops.unpack_dequant(gathered, cols, n, x.dtype).view(x.shape)
 
     def close(self) -> None:
         pass
