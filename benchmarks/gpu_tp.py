@@ -49,17 +49,27 @@ ENGINES = {
         ("tp2-70b", dict(all_reduce="auto", hf_config_json="llama-3-70b"), ("w1",)),
         ("tp2-auto-dual", dict(all_reduce="auto", dual_stream=True), ("w1", "ttft", "decode")),
         ("tp2-oneshot", dict(all_reduce="oneshot"), ("ttft", "decode")),
+        ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
+        ("tp2-auto-dual-profile", dict(all_reduce="auto", dual_stream=True), ("profile",)),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
+        ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
+        ("tp2-hostmem-int8", dict(all_reduce="hostmem-int8"), ("w1", "ttft", "decode")),
+        (
+            "tp2-hostmem-int8-dual",
+            dict(all_reduce="hostmem-int8", dual_stream=True),
+            ("ttft", "decode", "profile"),
+        ),
+        ("tp2-hostmem-dual", dict(all_reduce="hostmem", dual_stream=True), ("ttft", "decode")),
+        ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "profile")),
         ("tp2-int8", dict(all_reduce="int8"), ("w1", "ttft", "decode")),
         ("tp2-int8-dual", dict(all_reduce="int8", dual_stream=True), ("ttft", "decode")),
-        ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "decode")),
         ("tp2-host", dict(all_reduce="host"), ("ttft", "decode")),
     ],
 }
 ENGINE_CAP_S = 150  # one engine subprocess at most
-SHARE = {"nvlink": 0.55, "pcie-emulated": 0.45}
+SHARE = {"nvlink": 0.55, "pcie-emulated": 0.45}  # of the budget; --share overrides
 
 
 # ---- one engine configuration (subprocess) -----------------------------------------------
@@ -149,6 +159,42 @@ def stage_decode(llm, emit, batch: int = 64, steps: int = 24) -> None:
     )
 
 
+def stage_profile(llm, emit, out: str, name: str) -> None:
+    """One 2,048-token prefill under torch.profiler on rank 0: the CUDA kernels with their
+    streams and times (JSON), to see what overlaps with what."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightwell import SamplingParams
+
+    one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    llm.generate(rand_prompts(1, 2048, 60), one, use_tqdm=False)  # warm-up
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate(rand_prompts(1, 2048, 61), one, use_tqdm=False)
+        torch.cuda.synchronize()
+    kernels = [
+        {
+            "name": e.name[:80],
+            "stream": e.device_resource_id,
+            "ts": e.time_range.start,
+            "dur": e.time_range.end - e.time_range.start,
+        }
+        for e in prof.events()
+        if e.device_type.name == "CUDA"
+    ]
+    kernels.sort(key=lambda k: k["ts"])
+    span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) if kernels else 0
+    busy: dict = {}
+    for k in kernels:
+        busy[k["stream"]] = busy.get(k["stream"], 0) + k["dur"]
+    with open(os.path.join(out, f"profile_{name}.json"), "w") as f:
+        json.dump({"span_us": span, "busy_us_by_stream": busy, "kernels": kernels}, f)
+    with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
+    emit("profile_span_us", span, workload="TTFT-2048", busy_us_by_stream=busy)
+
+
 def _prefilling(engine) -> bool:
     return any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
 
@@ -183,6 +229,8 @@ def run_engine(args: argparse.Namespace) -> int:
     for stage in stages:
         if stage == "w1":
             stage_w1(llm, emit, model)
+        elif stage == "profile":
+            stage_profile(llm, emit, args.out, f"{mode}_{label}")
         else:
             {"ttft": stage_ttft, "decode": stage_decode}[stage](llm, emit)
     llm.engine.shutdown()
@@ -243,13 +291,15 @@ def drive(args: argparse.Namespace) -> int:
     end = start + args.budget_s
     for i, mode in enumerate(modes):
         args.mode_now = mode
-        share = sum(SHARE[m] for m in modes[: i + 1]) / sum(SHARE[m] for m in modes)
+        weights = {**SHARE, **json.loads(args.share)}
+        share = sum(weights[m] for m in modes[: i + 1]) / sum(weights[m] for m in modes)
         mode_end = start + args.budget_s * share
         print(f"== mode {mode} (until +{mode_end - start:.0f} s)", flush=True)
         if {"allreduce", "check"} & set(args.stages.split(",")):
             child(args, [], min(mode_end, time.time() + args.allreduce_s), args.allreduce_s + 30)
         for label, _, _ in ENGINES[mode]:
-            if label not in args.engines.split(",") and args.engines != "all":
+            wanted = args.engines.split(",")
+            if args.engines != "all" and label not in wanted and f"{mode}:{label}" not in wanted:
                 continue
             if mode_end - time.time() < 40:
                 print(f"-- {mode} {label}: skipped (budget)", flush=True)
@@ -279,9 +329,14 @@ def main() -> int:
         default="allreduce,check",
         help="stages of the 2-rank subprocess: allreduce, check",
     )
-    ap.add_argument("--engines", default="all", help="engine labels to run (default all)")
+    ap.add_argument(
+        "--engines",
+        default="all",
+        help="engine labels to run, optionally as mode:label (default all)",
+    )
     ap.add_argument("--budget-s", type=float, default=470.0, help="the whole run's time box")
     ap.add_argument("--allreduce-s", type=float, default=60.0)
+    ap.add_argument("--share", default="{}", help='budget weights per mode, JSON: {"nvlink": 0.3}')
     ap.add_argument("--dual-min-tokens", type=int, default=64)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)

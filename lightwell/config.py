@@ -23,7 +23,7 @@ def is_preset_dummy(m: ModelConfig) -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-ALL_REDUCE = ("auto", "nccl", "oneshot", "int8", "host", "gloo")
+ALL_REDUCE = ("auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "gloo")
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -123,8 +123,10 @@ class ParallelConfig:
         "All-reduce strategy for tensor parallelism. auto: peer-memory one-shot/two-shot for "
         "small messages on GPUs with peer access, NCCL otherwise (gloo on CPU); nccl: the "
         "process group's own all-reduce; oneshot: torch symmetric memory (GPU); int8: "
-        "group-wise int8-quantized (lossy, halves the bytes); host: through shared host "
-        "memory; gloo: over the CPU group. See docs/parallelism.md.",
+        "group-wise int8-quantized over NCCL (lossy, halves the bytes); host: through shared "
+        "host memory, summed by the CPUs; hostmem: one GPU kernel through pinned host memory "
+        "(no peer access needed; for PCIe boxes without P2P); hostmem-int8: the same with an "
+        "int8 payload (lossy); gloo: over the CPU group. See docs/parallelism.md.",
         ALL_REDUCE,
     )
     custom_all_reduce: bool = _opt(

@@ -12,7 +12,7 @@ from tests.models.test_tensor_parallel import _free_port
 WORLD = 2
 # odd sizes: padding, uneven chunks; (40, 1000): above torch's intra-op grain (32,768 elements)
 SHAPES = [(1, 576), (7, 576), (33, 1000), (5,), (40, 1000)]
-EXACT = ("nccl", "gloo", "host")
+EXACT = ("nccl", "gloo", "host", "hostmem")
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tensor:
@@ -24,9 +24,13 @@ def _exact(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fp32 
     return sum(_inputs(shape, dtype, r).float() for r in range(WORLD))
 
 
-def int8_bound(shape: tuple[int, ...], exact: torch.Tensor) -> torch.Tensor:
-    """Per element: half a quantization step of every rank's input group, plus half a step of
-    the reduced group (whose absmax is at most the exact one plus the first error)."""
+def int8_bound(
+    shape: tuple[int, ...], exact: torch.Tensor, requantized: bool = True
+) -> torch.Tensor:
+    """Per element: half a quantization step of every rank's input group, plus (``requantized``:
+    the NCCL int8 path) half a step of the reduced group (whose absmax is at most the exact one
+    plus the first error). hostmem-int8 quantizes each input once and sums the dequantized
+    values, so only the first term applies."""
     from lightwell.distributed.comm.int8 import GROUP
 
     def group_amax(x: torch.Tensor) -> torch.Tensor:  # [N] -> [N]: absmax of x's group
@@ -35,7 +39,7 @@ def int8_bound(shape: tuple[int, ...], exact: torch.Tensor) -> torch.Tensor:
         return padded.view(-1, GROUP).amax(-1).repeat_interleave(GROUP)[:n]
 
     first = sum(group_amax(_inputs(shape, torch.float32, r)) for r in range(WORLD)) / 254
-    second = (group_amax(exact) + first) / 254
+    second = (group_amax(exact) + first) / 254 if requantized else 0.0
     return ((first + second) * 1.001 + 1e-6).view(shape)
 
 
@@ -46,7 +50,8 @@ def _check_strategies(rank: int, ctx) -> None:
     from lightwell.distributed.comm.int8 import Int8AllReduce
 
     threads = torch.get_num_threads()
-    for name in (*EXACT, "int8", "int8-fused"):
+    # hostmem(-int8): the Triton kernel through shared memory, interpreted, 2 processes
+    for name in (*EXACT, "int8", "int8-fused", "hostmem-int8"):
         # int8-fused: the Triton kernels (interpreted here) between the same collectives
         strategy = Int8AllReduce(ctx, fused=True) if name == "int8-fused" else None
         strategy = strategy or create_strategy(name, ctx)
@@ -57,19 +62,41 @@ def _check_strategies(rank: int, ctx) -> None:
                 exact = _exact(shape, dtype)
                 got = strategy.all_reduce(_inputs(shape, dtype, rank))
                 assert torch.get_num_threads() == (2 if name == "host" else threads)
+                seen = [torch.empty(shape) for _ in range(WORLD)]
+                torch.distributed.all_gather(seen, got.float(), group=ctx.group)
+                assert all(torch.equal(seen[0], t) for t in seen), (name, shape)  # every rank
                 assert got.shape == shape and got.dtype == dtype, (name, shape)
                 if name in EXACT and dtype == torch.float32:
                     assert torch.equal(got, exact), (name, shape)
+                elif name == "hostmem":  # the interpreter rounds fp32 -> bf16 its own way
+                    ulp = exact.abs() * 2.0**-7 + 1e-30
+                    assert ((got.float() - exact).abs() <= ulp).all(), (name, shape)
                 elif name in EXACT:
                     assert torch.equal(got, exact.to(dtype)), (name, shape)
                 elif dtype == torch.float32:
                     err = (got - exact).abs()
-                    assert (err <= int8_bound(shape, exact)).all(), (shape, err.max())
+                    bound = int8_bound(shape, exact, requantized=name != "hostmem-int8")
+                    assert (err <= bound).all(), (name, shape, err.max())
                     assert err.norm() / exact.norm() < 0.015, shape
                 else:
                     assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
         strategy.close()
     torch.set_num_threads(threads)
+    _check_hostmem_gives_up(rank, ctx)
+
+
+def _check_hostmem_gives_up(rank: int, ctx) -> None:
+    """A peer that never arrives: the kernel stops polling, flags it, returns (no hang)."""
+    from lightwell.distributed.comm import create_strategy
+
+    strategy = create_strategy("hostmem", ctx, max_bytes=1 << 16)
+    strategy.max_spin = 50
+    if rank == 0:
+        strategy.all_reduce(torch.ones(8))
+        assert strategy.timed_out()
+    torch.distributed.barrier(group=ctx.group)
+    assert strategy.timed_out() == (rank == 0)
+    strategy.close()
 
 
 def _check_selector(rank: int, ctx) -> None:
@@ -80,6 +107,8 @@ def _check_selector(rank: int, ctx) -> None:
         ("auto", "nccl"),
         ("int8", "int8"),
         ("host", "host"),
+        ("hostmem", "hostmem"),
+        ("hostmem-int8", "hostmem-int8"),
         ("oneshot", "nccl"),
         ("gloo", "gloo"),
     ):

@@ -1,8 +1,8 @@
 """All-reduce strategies for tensor parallelism: a Protocol, a registry and lazy imports.
 
-One module per strategy (``nccl``, ``oneshot``, ``int8``, ``host``); ``selector`` picks one per
-call by message size and backend. A strategy's module is imported only when it is built, so
-optional machinery (symmetric memory, pinned shared memory) loads only when chosen.
+One module per strategy (``nccl``, ``oneshot``, ``int8``, ``host``, ``hostmem``); ``selector``
+picks one per call by message size and backend. A strategy's module is imported only when it
+is built, so optional machinery (symmetric memory, pinned shared memory) loads only when chosen.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "oneshot": ("lightwell.distributed.comm.oneshot", "SymmMemAllReduce"),
     "int8": ("lightwell.distributed.comm.int8", "Int8AllReduce"),
     "host": ("lightwell.distributed.comm.host", "HostAllReduce"),
+    "hostmem": ("lightwell.distributed.comm.hostmem", "HostMemAllReduce"),
+    "hostmem-int8": ("lightwell.distributed.comm.hostmem", "HostMemInt8AllReduce"),
 }
 
 

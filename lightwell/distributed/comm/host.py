@@ -49,10 +49,10 @@ class HostAllReduce:
         self.flag_bytes = 64 * self.size
         self.set_bytes = (self.size + 1) * self.max_bytes  # n input slots + 1 result
         total = self.flag_bytes + 2 * self.set_bytes
-        self.memory = _map_shared(ctx, total)  # uint8 [total]
+        self.memory = map_shared(ctx, total)  # uint8 [total]
         self.flags = self.memory[: self.flag_bytes].view(torch.int64).numpy()
         self.flags = self.flags.reshape(self.size, _FLAG_STRIDE)
-        self.registered = _pin(self.memory) if ctx.device.type == "cuda" else False
+        self.registered = pin(self.memory) if ctx.device.type == "cuda" else False
         self.calls = 0
 
     @staticmethod
@@ -131,7 +131,7 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def _map_shared(ctx: CommContext, nbytes: int) -> torch.Tensor:
+def map_shared(ctx: CommContext, nbytes: int) -> torch.Tensor:
     """A zeroed file-backed buffer mapped by every rank; the file is gone once all have it."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
     names = [os.path.join(folder, f"lightwell-ar-{uuid.uuid4().hex}")] if ctx.rank == 0 else [None]
@@ -148,7 +148,8 @@ def _map_shared(ctx: CommContext, nbytes: int) -> torch.Tensor:
     return memory
 
 
-def _pin(memory: torch.Tensor) -> bool:
-    """Page-lock the mapping so device<->host copies run at full PCIe speed."""
-    err = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+def pin(memory: torch.Tensor, flags: int = 0) -> bool:
+    """Page-lock the mapping so device<->host copies run at full PCIe speed (``flags``:
+    cudaHostRegister's; 3 = portable + mapped into the device's address space)."""
+    err = torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), flags)
     return int(getattr(err, "value", err)) == 0

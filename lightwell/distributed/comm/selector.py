@@ -12,6 +12,8 @@ The rule (``--all-reduce``):
 - int8: always int8.
 - host: always host, except inside a CUDA-graph capture (it synchronises with the host), where
   NCCL is used: decode steps replayed from graphs then run NCCL.
+- hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
+  payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
 A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
 sees the same shape, dtype and capture state, so every rank picks the same strategy.
 """
@@ -91,8 +93,8 @@ def _preferred(
         return [("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
-    if choice == "host":
-        return [("host", {"max_bytes": max_bytes})]
+    if choice in ("host", "hostmem", "hostmem-int8"):
+        return [(choice, {"max_bytes": max_bytes})]
     if choice == "int8":
         return [("int8", {})]
     return []  # nccl, gloo: the fallback itself

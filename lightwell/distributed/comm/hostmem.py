@@ -1,0 +1,149 @@
+"""All-reduce through pinned host memory, summed on the GPUs: for boxes without peer access.
+
+A PCIe machine without P2P still lets every GPU read and write pinned host memory. Every rank
+maps one shared segment (/dev/shm, registered with CUDA as portable + mapped) into its GPU's
+address space; one Triton kernel per call (lightwell/kernels/hostmem_allreduce.py) writes the
+rank's input into its slot over PCIe, raises a per-block flag, waits for the peers' flags and
+sums their slots into the output. No CPU work, no host synchronisation, no copy engines: one
+launch, capturable in CUDA graphs. Each GPU moves its message once up and (n - 1) times down
+the PCIe link; NCCL's ring through host memory moves 2 (n - 1) / n of it each way, but in
+several pipelined steps with their own latency.
+
+Two payloads: ``hostmem`` sends x's dtype (exact: the fp32 sum in rank order, rounded once);
+``hostmem-int8`` sends int8 values with one fp32 scale per 128 (about 0.52x the bytes of bf16;
+each element off by at most the sum over ranks of its group's absmax / 254, one rounding).
+
+On CPU the same kernel runs under the Triton interpreter (``TRITON_INTERPRET=1``, the tests)
+with the segment in shared memory; without the interpreter the strategy is unavailable on CPU.
+
+Segment layout: int32 flags [world, max_blocks] (padded to 4 KB), then the data slots
+[2 parities, world, slot_bytes].
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from lightwell.distributed.comm.base import CommContext, message_bytes
+from lightwell.distributed.comm.host import map_shared, pin
+
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_HOST_REGISTER_PORTABLE_MAPPED = 3
+_GPU_MAX_SPIN = 1 << 25  # polls of a peer flag (~1 us each over PCIe) before giving up
+_CPU_MAX_SPIN = 1 << 22
+
+
+class HostMemAllReduce:
+    name = "hostmem"
+    graph_safe = True
+
+    def __init__(
+        self, ctx: CommContext, max_bytes: int = DEFAULT_MAX_BYTES, int8: bool = False
+    ) -> None:
+        from lightwell.kernels import hostmem_allreduce as kernel
+
+        self.kernel = kernel
+        self.rank, self.size, self.int8 = ctx.rank, ctx.size, int8
+        self.name = "hostmem-int8" if int8 else "hostmem"
+        self.max_bytes = max_bytes
+        block = kernel.BLOCK
+        # the most blocks a message can have (2-byte dtypes), and slot room for any dtype
+        self.max_blocks = -(-max_bytes // (2 * block)) + 1
+        self.slot_bytes = (-(-max_bytes // (4 * block)) + 1) * 4 * block
+        flag_bytes = -(-(4 * self.size * self.max_blocks) // 4096) * 4096
+        total = flag_bytes + 2 * self.size * self.slot_bytes
+        self.memory = map_shared(ctx, total)  # CPU view, uint8 [total]
+        self.on_gpu = ctx.device.type == "cuda"
+        self.registered = False
+        if self.on_gpu:
+            self.registered = pin(self.memory, _HOST_REGISTER_PORTABLE_MAPPED)
+            if not self.registered:
+                raise RuntimeError("cudaHostRegister of the host all-reduce segment failed")
+            segment = _device_view(self.memory, ctx.device)  # the same bytes, GPU-addressed
+        else:
+            segment = self.memory
+        self.flags = segment[:flag_bytes].view(torch.int32)[: self.size * self.max_blocks]
+        self.data = segment[flag_bytes:]
+        self.scales = self.data.view(torch.float32)
+        self.epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=ctx.device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self.max_spin = _GPU_MAX_SPIN if self.on_gpu else _CPU_MAX_SPIN
+
+    @staticmethod
+    def available(ctx: CommContext) -> bool:
+        if not 2 <= ctx.size <= 8:
+            return False
+        if ctx.device.type == "cuda":
+            return torch.cuda.is_available()
+        return os.environ.get("TRITON_INTERPRET") == "1"
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return (
+            x.dtype in _DTYPES
+            and x.device.type == self.epochs.device.type
+            and message_bytes(x) <= self.max_bytes
+        )
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        slots = self.data.view(torch.int8) if self.int8 else self.data.view(x.dtype)
+        return self.kernel.hostmem_all_reduce(
+            x,
+            slots,
+            self.scales,
+            self.flags,
+            self.epochs,
+            self.status,
+            self.rank,
+            self.size,
+            self.int8,
+            self.max_spin,
+            self.on_gpu,
+        )
+
+    def timed_out(self) -> bool:
+        """Whether any wait gave up on a peer (synchronises with the device)."""
+        return bool(self.status.item())
+
+    def close(self) -> None:
+        if self.registered:
+            torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
+            self.registered = False
+        self.flags = self.data = self.scales = self.memory = None
+
+
+def _device_view(memory: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CUDA tensor over registered + mapped host memory (uint8, same length)."""
+    ptr = _device_pointer(memory.data_ptr())
+
+    class _Interface:
+        __cuda_array_interface__ = {
+            "shape": (memory.numel(),),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 2,
+        }
+
+    with torch.cuda.device(device):
+        return torch.as_tensor(_Interface(), device=device)
+
+
+def _device_pointer(host_ptr: int) -> int:
+    """The device address of registered host memory (the driver's cuMemHostGetDevicePointer;
+    equal to the host address on UVA systems)."""
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    out = ctypes.c_uint64()
+    err = libcuda.cuMemHostGetDevicePointer_v2(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0)
+    if err != 0:
+        raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA driver error {err}")
+    return int(out.value)
+
+
+class HostMemInt8AllReduce(HostMemAllReduce):
+    """``hostmem`` with the int8 payload."""
+
+    def __init__(self, ctx: CommContext, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        super().__init__(ctx, max_bytes, int8=True)

@@ -1,0 +1,217 @@
+"""One-kernel all-reduce through pinned host memory, summed on the GPUs (no peer access needed).
+
+Every rank's GPU maps the same pinned host segment (lightwell/distributed/comm/hostmem.py sets it
+up). One launch per all-reduce, one program per block of ``BLOCK`` elements:
+
+    1. publish: the program writes its block of x into this rank's slot in host memory (over
+       PCIe: posted writes), as x's dtype or as int8 + one fp32 scale per GROUP elements;
+    2. flag: a system-scope release store of the program's epoch into flags[rank, block];
+    3. wait: acquire loads of flags[peer, block] until every peer has published this epoch;
+    4. sum: the peers' blocks are read from host memory (cache-bypassing loads), this rank's own
+       from x, summed in fp32 in rank order (every rank computes the same bytes), stored to out.
+
+Epochs are counted per block in device memory, so a CUDA graph replays correctly. Slots alternate
+between two buffers by epoch parity: a program writes buffer e % 2 at epoch e only after it has
+seen every peer reach epoch e - 1 for the same block, and a peer's program for epoch e - 1 runs
+after (stream order) its read of epoch e - 2; so nothing is overwritten while still being read.
+Blocks of both ranks are dispatched in index order, so a program never waits for a peer block
+that cannot be scheduled (the ranks' resident programs all publish before they wait).
+
+Waits are bounded (``max_spin`` polls): a dead peer makes the kernel give up, set ``status`` and
+return garbage rather than hang the GPU; the caller's worker monitor reports the dead rank.
+
+int8: each rank's block is quantized once (absmax / 127 per GROUP values, round half away from
+zero) and every rank sums the same dequantized values, its own included: the result is identical
+on every rank and each element is off by at most (sum over ranks of its group's absmax) / 254.
+
+On the GPU the flag accesses are PTX ``ld.acquire.sys`` / ``st.release.sys``; under the Triton
+interpreter (CPU tests, the slots in shared memory between processes) volatile loads and stores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightwell.kernels.int8_pack import GROUP, _round_clamp
+
+BLOCK = 4096  # elements per program: 8 KB of bf16, 4 KB + 128 B of int8 + scales
+
+
+def int8_block_bytes(block: int = BLOCK) -> int:
+    """Bytes of one block in an int8 slot: values, then one fp32 scale per GROUP values."""
+    return block + 4 * (block // GROUP)
+
+
+@triton.jit
+def _acquire(ptr, ASM: tl.constexpr):
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "ld.acquire.sys.global.b32 $0, [$1];",
+            "=r,l",
+            [ptr],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        return tl.load(ptr, volatile=True)
+
+
+@triton.jit
+def _release(ptr, value, ASM: tl.constexpr):
+    if ASM:
+        tl.inline_asm_elementwise(
+            "st.release.sys.global.b32 [$1], $2; mov.b32 $0, 0;",
+            "=r,l,r",
+            [ptr, value],
+            dtype=tl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    else:
+        tl.store(ptr, value)
+
+
+@triton.jit
+def _quantize(v, BLOCK: tl.constexpr, GROUP: tl.constexpr):
+    """fp32 [BLOCK] -> (int8-valued fp32 [BLOCK // GROUP, GROUP], scales [BLOCK // GROUP])."""
+    g = tl.reshape(v, (BLOCK // GROUP, GROUP))
+    scale = tl.maximum(tl.max(tl.abs(g), 1), 1e-30) / 127.0
+    return _round_clamp(g / scale[:, None]), scale
+
+
+@triton.jit(do_not_specialize=["n", "rank", "max_spin"])
+def _hostmem_all_reduce_kernel(
+    x_ptr,  # [n] this rank's input (device)
+    out_ptr,  # [n] the sum (device)
+    slot_ptr,  # host slots in x's dtype (plain) or int8 (INT8): [2, WORLD, slot_elems]
+    scale_ptr,  # the same host slots as fp32 (INT8 scales); unused otherwise
+    flag_ptr,  # int32 [WORLD, max_blocks] in host memory
+    epoch_ptr,  # int32 [max_blocks] in device memory: epochs this rank has completed
+    status_ptr,  # int32 [1] device memory: set to 1 when a wait gave up
+    n,
+    rank,
+    max_spin,
+    SLOT_ELEMS: tl.constexpr,  # elements (bytes when INT8) per rank slot
+    MAX_BLOCKS: tl.constexpr,
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    INT8: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    epoch = tl.load(epoch_ptr + pid) + 1
+    buf = epoch % 2
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    BLOCK_BYTES: tl.constexpr = BLOCK + 4 * (BLOCK // GROUP)
+
+    # 1. publish this rank's block
+    mine = (buf * WORLD + rank).to(tl.int64) * SLOT_ELEMS
+    if INT8:
+        q, scale = _quantize(x.to(tl.float32), BLOCK, GROUP)
+        base = mine + pid.to(tl.int64) * BLOCK_BYTES
+        tl.store(slot_ptr + base + tl.arange(0, BLOCK), tl.reshape(q, (BLOCK,)).to(tl.int8))
+        tl.store(scale_ptr + (base + BLOCK) // 4 + tl.arange(0, BLOCK // GROUP), scale)
+    else:
+        tl.store(slot_ptr + mine + offs, x)  # whole blocks (zeros past n): unmasked, vectorised
+
+    # 2. flag it (every thread's stores above come before the release)
+    tl.debug_barrier()
+    _release(flag_ptr + rank * MAX_BLOCKS + pid, epoch, ASM)
+
+    # 3. wait for every peer's block of this epoch
+    spins = 0
+    for p in tl.static_range(WORLD):
+        if p != rank:
+            seen = _acquire(flag_ptr + p * MAX_BLOCKS + pid, ASM)
+            while (seen < epoch) & (spins < max_spin):
+                spins += 1
+                seen = _acquire(flag_ptr + p * MAX_BLOCKS + pid, ASM)
+    if spins >= max_spin:
+        tl.store(status_ptr, 1)
+
+    # 4. sum in rank order
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in tl.static_range(WORLD):
+        if INT8:
+            if p == rank:
+                v = q * scale[:, None]
+            else:
+                base = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS + pid.to(tl.int64) * BLOCK_BYTES
+                pq = tl.load(slot_ptr + base + tl.arange(0, BLOCK), cache_modifier=".cv")
+                ps = tl.load(
+                    scale_ptr + (base + BLOCK) // 4 + tl.arange(0, BLOCK // GROUP),
+                    cache_modifier=".cv",
+                )
+                v = tl.reshape(pq, (BLOCK // GROUP, GROUP)).to(tl.float32) * ps[:, None]
+            acc += tl.reshape(v, (BLOCK,))
+        else:
+            if p == rank:
+                acc += x.to(tl.float32)
+            else:
+                peer = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS
+                v = tl.load(slot_ptr + peer + offs, cache_modifier=".cv")
+                acc += v.to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(epoch_ptr + pid, epoch)
+
+
+def num_blocks(n: int, block: int = BLOCK) -> int:
+    return -(-n // block)
+
+
+def hostmem_all_reduce(
+    x: torch.Tensor,
+    slots: torch.Tensor,
+    scales: torch.Tensor,
+    flags: torch.Tensor,
+    epochs: torch.Tensor,
+    status: torch.Tensor,
+    rank: int,
+    world: int,
+    int8: bool,
+    max_spin: int,
+    use_asm: bool,
+) -> torch.Tensor:
+    """Sum of ``x`` over the ranks (a new tensor shaped like x).
+
+    ``slots``: the host segment's data area as one flat tensor of x's dtype (plain) or int8,
+    [2 * world * slot_elems]; ``scales``: the same bytes as fp32 (int8 only); ``flags``: int32
+    [world, max_blocks] in host memory; ``epochs``: int32 [max_blocks] device memory; ``status``:
+    int32 [1]. Every rank calls with the same shape and dtype, in the same order."""
+    x = x.contiguous()
+    n, max_blocks = x.numel(), epochs.numel()
+    blocks = num_blocks(n)
+    slot_elems = slots.numel() // (2 * world)
+    need = blocks * int8_block_bytes() if int8 else n
+    if blocks > max_blocks or need > slot_elems:
+        raise ValueError(f"message of {n} elements does not fit the host all-reduce buffers")
+    if not int8 and slots.dtype != x.dtype:
+        raise ValueError(f"slots are {slots.dtype}, x is {x.dtype}")
+    out = torch.empty_like(x)
+    _hostmem_all_reduce_kernel[(blocks,)](
+        x,
+        out,
+        slots,
+        scales,
+        flags,
+        epochs,
+        status,
+        n,
+        rank,
+        max_spin,
+        SLOT_ELEMS=slot_elems,
+        MAX_BLOCKS=max_blocks,
+        WORLD=world,
+        BLOCK=BLOCK,
+        GROUP=GROUP,
+        INT8=int8,
+        ASM=use_asm,
+        num_warps=8,
+    )
+    return out
