@@ -24,8 +24,9 @@ int8: each rank's block is quantized once (absmax / 127 per GROUP values, round 
 zero) and every rank sums the same dequantized values, its own included: the result is identical
 on every rank and each element is off by at most (sum over ranks of its group's absmax) / 254.
 
-On the GPU the flag accesses are PTX ``ld.acquire.sys`` / ``st.release.sys``; under the Triton
-interpreter (CPU tests, the slots in shared memory between processes) volatile loads and stores.
+On the GPU the flag accesses are PTX ``ld.acquire.sys`` / ``st.release.sys`` by one thread per
+program, fenced for the others by barriers; under the Triton interpreter (CPU tests, the slots in
+shared memory between processes) volatile loads and plain stores.
 """
 
 from __future__ import annotations
@@ -45,25 +46,57 @@ def int8_block_bytes(block: int = BLOCK) -> int:
 
 
 @triton.jit
-def _acquire(ptr, ASM: tl.constexpr):
+def _wait_flag(ptr, epoch, max_spin, ASM: tl.constexpr):
+    """Poll ``*ptr`` until it reaches ``epoch`` (acquire) or ``max_spin`` polls; returns 1 if it
+    gave up. On the GPU one thread polls (a poll per thread would flood PCIe with reads) and
+    the caller's barrier holds the others back."""
     if ASM:
         return tl.inline_asm_elementwise(
-            "ld.acquire.sys.global.b32 $0, [$1];",
-            "=r,l",
-            [ptr],
+            """{
+            .reg .pred p_other, p_done, p_out;
+            .reg .b32 r_tid, r_val, r_n;
+            mov.b32 $0, 0;
+            mov.u32 r_tid, %tid.x;
+            setp.ne.u32 p_other, r_tid, 0;
+            @p_other bra WAIT_END;
+            mov.b32 r_n, 0;
+            WAIT_LOOP:
+            ld.acquire.sys.global.b32 r_val, [$1];
+            setp.ge.s32 p_done, r_val, $2;
+            @p_done bra WAIT_END;
+            add.u32 r_n, r_n, 1;
+            setp.ge.u32 p_out, r_n, $3;
+            @!p_out bra WAIT_LOOP;
+            mov.b32 $0, 1;
+            WAIT_END:
+            }""",
+            "=r,l,r,r",
+            [ptr, epoch, max_spin],
             dtype=tl.int32,
             is_pure=False,
             pack=1,
         )
     else:
-        return tl.load(ptr, volatile=True)
+        spins = 0
+        while (tl.load(ptr, volatile=True) < epoch) & (spins < max_spin):
+            spins += 1
+        return (spins >= max_spin).to(tl.int32)
 
 
 @triton.jit
 def _release(ptr, value, ASM: tl.constexpr):
+    """``*ptr = value`` with release semantics at system scope, by one thread (after the
+    caller's barrier, which orders the other threads' stores before it)."""
     if ASM:
         tl.inline_asm_elementwise(
-            "st.release.sys.global.b32 [$1], $2; mov.b32 $0, 0;",
+            """{
+            .reg .pred p_zero;
+            .reg .b32 r_tid;
+            mov.u32 r_tid, %tid.x;
+            setp.eq.u32 p_zero, r_tid, 0;
+            @p_zero st.release.sys.global.b32 [$1], $2;
+            mov.b32 $0, 0;
+            }""",
             "=r,l,r",
             [ptr, value],
             dtype=tl.int32,
@@ -125,14 +158,12 @@ def _hostmem_all_reduce_kernel(
     _release(flag_ptr + rank * MAX_BLOCKS + pid, epoch, ASM)
 
     # 3. wait for every peer's block of this epoch
-    spins = 0
+    gave_up = 0
     for p in tl.static_range(WORLD):
         if p != rank:
-            seen = _acquire(flag_ptr + p * MAX_BLOCKS + pid, ASM)
-            while (seen < epoch) & (spins < max_spin):
-                spins += 1
-                seen = _acquire(flag_ptr + p * MAX_BLOCKS + pid, ASM)
-    if spins >= max_spin:
+            gave_up += _wait_flag(flag_ptr + p * MAX_BLOCKS + pid, epoch, max_spin, ASM)
+    tl.debug_barrier()
+    if gave_up > 0:
         tl.store(status_ptr, 1)
 
     # 4. sum in rank order

@@ -42,7 +42,7 @@ def _store_group(q_ptr, s_ptr, row, g, vals, row_bytes, cols, GROUP: tl.constexp
 # Sizes change with every message: not specialised (no compile per new "divisible by 16" mix).
 @triton.jit(do_not_specialize=["n", "row_bytes", "cols"])
 def _quantize_pack_kernel(x_ptr, q_ptr, s_ptr, n, row_bytes, cols, GROUP: tl.constexpr):
-    row, g = tl.program_id(0), tl.program_id(1)
+    g, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     idx = row.to(tl.int64) * cols + g * GROUP + tl.arange(0, GROUP)
     vals = tl.load(x_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
     _store_group(q_ptr, s_ptr, row, g, vals, row_bytes, cols, GROUP)
@@ -64,7 +64,7 @@ def _dequant_sum_requant_kernel(
 
 @triton.jit(do_not_specialize=["n", "row_bytes", "cols"])
 def _unpack_dequant_kernel(q_ptr, s_ptr, out_ptr, n, row_bytes, cols, GROUP: tl.constexpr):
-    row, g = tl.program_id(0), tl.program_id(1)
+    g, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     offs = tl.arange(0, GROUP)
     base = row.to(tl.int64) * row_bytes
     q = tl.load(q_ptr + base + g * GROUP + offs).to(tl.float32)
@@ -96,7 +96,7 @@ def quantize_pack(x: torch.Tensor, num_rows: int, cols: int) -> torch.Tensor:
     rb = packed_row_bytes(cols)
     buf = torch.empty((num_rows, rb), dtype=torch.uint8, device=x.device)
     q, s = _views(buf)
-    _quantize_pack_kernel[(num_rows, cols // GROUP)](
+    _quantize_pack_kernel[(cols // GROUP, num_rows)](
         x, q, s, x.numel(), rb, cols, GROUP=GROUP, num_warps=1
     )
     return buf
@@ -126,7 +126,7 @@ def unpack_dequant(
         raise ValueError(f"want a contiguous [w, {rb}] packed buffer, got {tuple(gathered.shape)}")
     out = torch.empty(n, dtype=dtype, device=gathered.device)
     q, s = _views(gathered)
-    _unpack_dequant_kernel[(gathered.shape[0], cols // GROUP)](
+    _unpack_dequant_kernel[(cols // GROUP, gathered.shape[0])](
         q, s, out, n, rb, cols, GROUP=GROUP, num_warps=1
     )
     return out

@@ -304,3 +304,24 @@ def test_int8_pack_rejects_bad_input():
         i8.quantize_pack(x, 1, 256)
     with pytest.raises(ValueError, match="packed buffer"):
         i8.dequant_sum_requant(torch.zeros(2, 10, dtype=torch.uint8, device=DEVICE), 128)
+
+
+def test_int8_pack_grids_put_groups_on_axis_0(monkeypatch):
+    """A 2,048-token message has 32,768 groups a chunk: more than CUDA's 65,535 cap on grid
+    axes 1 and 2 once the message reaches 8,192 tokens, so groups must be axis 0."""
+    grids = []
+
+    class Recorder:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return self.kernel[grid]
+
+    for name in ("_quantize_pack_kernel", "_unpack_dequant_kernel"):
+        monkeypatch.setattr(i8, name, Recorder(getattr(i8, name)))
+    x = torch.randn(3 * 512)
+    buf = i8.quantize_pack(x, 3, 512)
+    i8.unpack_dequant(buf, 512, x.numel(), torch.float32)
+    assert grids == [(512 // i8.GROUP, 3), (512 // i8.GROUP, 3)]
