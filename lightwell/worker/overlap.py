@@ -39,7 +39,10 @@ class TwoBatchOverlap:
                 "--dual-stream: %s has no two-batch forward; running it plain", type(model).__name__
             )
             return None
-        return cls(model, parallel.dual_stream_min_tokens, torch.cuda.Stream(device))
+        # high priority: an all-reduce's programs are scheduled ahead of the other
+        # micro-batch's queued compute, so the link starts moving bytes as early as possible
+        stream = torch.cuda.Stream(device, priority=-1)
+        return cls(model, parallel.dual_stream_min_tokens, stream)
 
     def applies(self, meta: AttentionMetadata) -> bool:
         if meta.num_tokens < self.min_tokens:
