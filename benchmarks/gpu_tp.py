@@ -61,6 +61,29 @@ ENGINES = {
             dict(all_reduce="hostmem-int8", dual_stream=True),
             ("ttft", "decode", "profile"),
         ),
+        (
+            "tp2-hostmem-int8-dual-p16",
+            dict(
+                all_reduce="hostmem-int8",
+                dual_stream=True,
+                _env={"LIGHTWELL_HOSTMEM_MAX_PROGRAMS": "16"},
+            ),
+            ("ttft", "profile"),
+        ),
+        (
+            "tp2-hostmem-int8-dual-p32",
+            dict(
+                all_reduce="hostmem-int8",
+                dual_stream=True,
+                _env={"LIGHTWELL_HOSTMEM_MAX_PROGRAMS": "32"},
+            ),
+            ("ttft", "decode", "profile"),
+        ),
+        (
+            "tp2-hostmem-int8-p32",
+            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_MAX_PROGRAMS": "32"}),
+            ("w1", "ttft", "decode"),
+        ),
         ("tp2-hostmem-dual", dict(all_reduce="hostmem", dual_stream=True), ("ttft", "decode")),
         ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "profile")),
         ("tp2-int8", dict(all_reduce="int8"), ("w1", "ttft", "decode")),
@@ -192,7 +215,7 @@ def stage_profile(llm, emit, out: str, name: str) -> None:
         json.dump({"span_us": span, "busy_us_by_stream": busy, "kernels": kernels}, f)
     with open(os.path.join(out, f"profile_{name}.txt"), "w") as f:
         f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
-    emit("profile_span_us", span, workload="TTFT-2048", busy_us_by_stream=busy)
+    emit("profile_span_us", span, workload="profile-2048", busy_us_by_stream=busy)
 
 
 def _prefilling(engine) -> bool:
@@ -223,6 +246,8 @@ def run_engine(args: argparse.Namespace) -> int:
             json.dump(rows, f, indent=1)
         print(f"  [{mode} {label}] {metric} = {value:.4g}", flush=True)
 
+    options = dict(options)
+    os.environ.update(options.pop("_env", {}))  # before the engine spawns its ranks
     t0 = time.perf_counter()
     llm = make_llm(mode, options, args.dual_min_tokens)
     emit("engine_start_s", time.perf_counter() - t0, workload="startup")
@@ -311,11 +336,26 @@ def drive(args: argparse.Namespace) -> int:
             rows.extend(json.load(f))
     with open(os.path.join(args.out, "gpu_tp.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    _bundle(args.out)
     from tp_report import print_tables
 
     print_tables(rows)
     print(f"total {time.time() - start:.0f} s; {len(rows)} rows in {args.out}/gpu_tp.json")
     return 0
+
+
+def _bundle(out: str) -> None:
+    """The per-subprocess files into one tar (the device tool returns only a few files)."""
+    import tarfile
+
+    parts = [
+        p for p in glob.glob(os.path.join(out, "*")) if not p.endswith(("gpu_tp.json", ".tgz"))
+    ]
+    with tarfile.open(os.path.join(out, "parts.tgz"), "w:gz") as tar:
+        for path in parts:
+            tar.add(path, arcname=os.path.basename(path))
+    for path in parts:
+        os.remove(path)
 
 
 def main() -> int:

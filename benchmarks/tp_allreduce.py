@@ -104,6 +104,11 @@ def _strategies(ctx, mode: str) -> dict:
         makers["oneshot"] = lambda: create_strategy("oneshot", ctx, max_bytes=big)
     makers["hostmem"] = lambda: create_strategy("hostmem", ctx, max_bytes=big)
     makers["hostmem-int8"] = lambda: create_strategy("hostmem-int8", ctx, max_bytes=big)
+    for cap in (16, 32, 64):  # persistent programs: what a kernel beside compute would use
+        makers[f"hostmem-int8-p{cap}"] = lambda cap=cap: create_strategy(
+            "hostmem-int8", ctx, max_bytes=big, max_programs=cap
+        )
+    makers["hostmem-p32"] = lambda: create_strategy("hostmem", ctx, max_bytes=big, max_programs=32)
     makers["int8"] = lambda: create_strategy("int8", ctx)
     makers["int8-fused"] = lambda: Int8AllReduce(ctx, fused=True)  # not yet the default
     makers["host"] = lambda: create_strategy("host", ctx, max_bytes=big)
@@ -187,7 +192,7 @@ def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: f
 def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
     """Logits of one prefill batch (3 requests, 700 tokens) per strategy, vs NCCL's."""
     from lightwell.distributed.comm.selector import AllReduceSelector
-    from lightwell.distributed.parallel_state import set_tp_all_reduce
+    from lightwell.distributed.parallel_state import get_tp_all_reduce, set_tp_all_reduce
     from lightwell.models.hf_config import load_hf_config
     from lightwell.models.loader import load_model
     from lightwell.worker.model_runner import ModelRunner
@@ -221,6 +226,9 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
     ref = None
     for step, choice in enumerate(choices):
         name = choice.split("+")[0]
+        previous = get_tp_all_reduce()
+        if previous is not None:
+            previous.close()
         set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20))
         runner.overlap = (
             TwoBatchOverlap(model, 2, torch.cuda.Stream()) if choice.endswith("+dual") else None

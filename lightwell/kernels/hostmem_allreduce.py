@@ -135,61 +135,64 @@ def _hostmem_all_reduce_kernel(
     INT8: tl.constexpr,
     ASM: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    epoch = tl.load(epoch_ptr + pid) + 1
-    buf = epoch % 2
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    # persistent programs: program i takes blocks i, i + P, ... (the same blocks on every rank)
+    nblocks = tl.cdiv(n, BLOCK)
     BLOCK_BYTES: tl.constexpr = BLOCK + 4 * (BLOCK // GROUP)
+    for b in range(tl.program_id(0), nblocks, tl.num_programs(0)):
+        offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        epoch = tl.load(epoch_ptr + b) + 1
+        buf = epoch % 2
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
 
-    # 1. publish this rank's block
-    mine = (buf * WORLD + rank).to(tl.int64) * SLOT_ELEMS
-    if INT8:
-        q, scale = _quantize(x.to(tl.float32), BLOCK, GROUP)
-        base = mine + pid.to(tl.int64) * BLOCK_BYTES
-        tl.store(slot_ptr + base + tl.arange(0, BLOCK), tl.reshape(q, (BLOCK,)).to(tl.int8))
-        tl.store(scale_ptr + (base + BLOCK) // 4 + tl.arange(0, BLOCK // GROUP), scale)
-    else:
-        tl.store(slot_ptr + mine + offs, x)  # whole blocks (zeros past n): unmasked, vectorised
-
-    # 2. flag it (every thread's stores above come before the release)
-    tl.debug_barrier()
-    _release(flag_ptr + rank * MAX_BLOCKS + pid, epoch, ASM)
-
-    # 3. wait for every peer's block of this epoch
-    gave_up = 0
-    for p in tl.static_range(WORLD):
-        if p != rank:
-            gave_up += _wait_flag(flag_ptr + p * MAX_BLOCKS + pid, epoch, max_spin, ASM)
-    tl.debug_barrier()
-    if gave_up > 0:
-        tl.store(status_ptr, 1)
-
-    # 4. sum in rank order
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for p in tl.static_range(WORLD):
+        # 1. publish this rank's block
+        mine = (buf * WORLD + rank).to(tl.int64) * SLOT_ELEMS
         if INT8:
-            if p == rank:
-                v = q * scale[:, None]
-            else:
-                base = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS + pid.to(tl.int64) * BLOCK_BYTES
-                pq = tl.load(slot_ptr + base + tl.arange(0, BLOCK), cache_modifier=".cv")
-                ps = tl.load(
-                    scale_ptr + (base + BLOCK) // 4 + tl.arange(0, BLOCK // GROUP),
-                    cache_modifier=".cv",
-                )
-                v = tl.reshape(pq, (BLOCK // GROUP, GROUP)).to(tl.float32) * ps[:, None]
-            acc += tl.reshape(v, (BLOCK,))
+            q, scale = _quantize(x.to(tl.float32), BLOCK, GROUP)
+            base = mine + tl.cast(b, tl.int64) * BLOCK_BYTES
+            tl.store(slot_ptr + base + tl.arange(0, BLOCK), tl.reshape(q, (BLOCK,)).to(tl.int8))
+            tl.store(scale_ptr + (base + BLOCK) // 4 + tl.arange(0, BLOCK // GROUP), scale)
         else:
-            if p == rank:
-                acc += x.to(tl.float32)
+            tl.store(slot_ptr + mine + offs, x)  # whole blocks (zeros past n): unmasked, vectorised
+
+        # 2. flag it (every thread's stores above come before the release)
+        tl.debug_barrier()
+        _release(flag_ptr + rank * MAX_BLOCKS + b, epoch, ASM)
+
+        # 3. wait for every peer's block of this epoch
+        gave_up = 0
+        for p in tl.static_range(WORLD):
+            if p != rank:
+                gave_up += _wait_flag(flag_ptr + p * MAX_BLOCKS + b, epoch, max_spin, ASM)
+        tl.debug_barrier()
+        if gave_up > 0:
+            tl.store(status_ptr, 1)
+
+        # 4. sum in rank order
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for p in tl.static_range(WORLD):
+            if INT8:
+                if p == rank:
+                    v = q * scale[:, None]
+                else:
+                    base = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS
+                    base += tl.cast(b, tl.int64) * BLOCK_BYTES
+                    pq = tl.load(slot_ptr + base + tl.arange(0, BLOCK), cache_modifier=".cv")
+                    ps = tl.load(
+                        scale_ptr + (base + BLOCK) // 4 + tl.arange(0, BLOCK // GROUP),
+                        cache_modifier=".cv",
+                    )
+                    v = tl.reshape(pq, (BLOCK // GROUP, GROUP)).to(tl.float32) * ps[:, None]
+                acc += tl.reshape(v, (BLOCK,))
             else:
-                peer = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS
-                v = tl.load(slot_ptr + peer + offs, cache_modifier=".cv")
-                acc += v.to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(epoch_ptr + pid, epoch)
+                if p == rank:
+                    acc += x.to(tl.float32)
+                else:
+                    peer = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS
+                    v = tl.load(slot_ptr + peer + offs, cache_modifier=".cv")
+                    acc += v.to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(epoch_ptr + b, epoch)
 
 
 def num_blocks(n: int, block: int = BLOCK) -> int:
@@ -208,13 +211,16 @@ def hostmem_all_reduce(
     int8: bool,
     max_spin: int,
     use_asm: bool,
+    max_programs: int = 1 << 30,
 ) -> torch.Tensor:
     """Sum of ``x`` over the ranks (a new tensor shaped like x).
 
     ``slots``: the host segment's data area as one flat tensor of x's dtype (plain) or int8,
     [2 * world * slot_elems]; ``scales``: the same bytes as fp32 (int8 only); ``flags``: int32
     [world, max_blocks] in host memory; ``epochs``: int32 [max_blocks] device memory; ``status``:
-    int32 [1]. Every rank calls with the same shape and dtype, in the same order."""
+    int32 [1]. Every rank calls with the same shape and dtype, in the same order (and the same
+    ``max_programs``: how many programs share the blocks; fewer leave SMs to compute running
+    beside the all-reduce on another stream)."""
     x = x.contiguous()
     n, max_blocks = x.numel(), epochs.numel()
     blocks = num_blocks(n)
@@ -225,7 +231,7 @@ def hostmem_all_reduce(
     if not int8 and slots.dtype != x.dtype:
         raise ValueError(f"slots are {slots.dtype}, x is {x.dtype}")
     out = torch.empty_like(x)
-    _hostmem_all_reduce_kernel[(blocks,)](
+    _hostmem_all_reduce_kernel[(min(blocks, max_programs),)](
         x,
         out,
         slots,

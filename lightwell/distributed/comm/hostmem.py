@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 
 import torch
 
@@ -35,6 +36,8 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HOST_REGISTER_PORTABLE_MAPPED = 3
 _GPU_MAX_SPIN = 1 << 25  # polls of a peer flag (~1 us each over PCIe) before giving up
 _CPU_MAX_SPIN = 1 << 22
+MAX_PROGRAMS_ENV = "LIGHTWELL_HOSTMEM_MAX_PROGRAMS"
+DEFAULT_MAX_PROGRAMS = 1 << 30  # one program per block
 
 
 class HostMemAllReduce:
@@ -42,8 +45,14 @@ class HostMemAllReduce:
     graph_safe = True
 
     def __init__(
-        self, ctx: CommContext, max_bytes: int = DEFAULT_MAX_BYTES, int8: bool = False
+        self,
+        ctx: CommContext,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        int8: bool = False,
+        max_programs: int | None = None,
     ) -> None:
+        """``max_programs``: how many kernel programs share a message's blocks (default
+        ``LIGHTWELL_HOSTMEM_MAX_PROGRAMS`` or ``DEFAULT_MAX_PROGRAMS``)."""
         from lightwell.kernels import hostmem_allreduce as kernel
 
         self.kernel = kernel
@@ -72,6 +81,11 @@ class HostMemAllReduce:
         self.epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=ctx.device)
         self.status = torch.zeros(1, dtype=torch.int32, device=ctx.device)
         self.max_spin = _GPU_MAX_SPIN if self.on_gpu else _CPU_MAX_SPIN
+        if max_programs is None:
+            max_programs = int(os.environ.get(MAX_PROGRAMS_ENV, DEFAULT_MAX_PROGRAMS))
+        self.max_programs = max(1, max_programs)
+        # unregister before the mapping goes (at close, or when dropped unclosed)
+        self._release = weakref.finalize(self, _unregister, self.memory, self.registered)
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -102,6 +116,7 @@ class HostMemAllReduce:
             self.int8,
             self.max_spin,
             self.on_gpu,
+            self.max_programs,
         )
 
     def timed_out(self) -> bool:
@@ -109,10 +124,15 @@ class HostMemAllReduce:
         return bool(self.status.item())
 
     def close(self) -> None:
-        if self.registered:
-            torch.cuda.cudart().cudaHostUnregister(self.memory.data_ptr())
-            self.registered = False
         self.flags = self.data = self.scales = self.memory = None
+        self._release()
+
+
+def _unregister(memory: torch.Tensor, registered: bool) -> None:
+    """Before the mapping goes: an address range left registered would make the next mapping
+    that reuses it fail to register."""
+    if registered:
+        torch.cuda.cudart().cudaHostUnregister(memory.data_ptr())
 
 
 def _device_view(memory: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -145,5 +165,7 @@ def _device_pointer(host_ptr: int) -> int:
 class HostMemInt8AllReduce(HostMemAllReduce):
     """``hostmem`` with the int8 payload."""
 
-    def __init__(self, ctx: CommContext, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        super().__init__(ctx, max_bytes, int8=True)
+    def __init__(
+        self, ctx: CommContext, max_bytes: int = DEFAULT_MAX_BYTES, max_programs: int | None = None
+    ) -> None:
+        super().__init__(ctx, max_bytes, int8=True, max_programs=max_programs)
