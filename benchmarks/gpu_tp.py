@@ -62,15 +62,6 @@ ENGINES = {
             ("ttft", "decode", "profile"),
         ),
         (
-            "tp2-hostmem-int8-dual-p16",
-            dict(
-                all_reduce="hostmem-int8",
-                dual_stream=True,
-                _env={"LIGHTWELL_HOSTMEM_MAX_PROGRAMS": "16"},
-            ),
-            ("ttft", "profile"),
-        ),
-        (
             "tp2-hostmem-int8-dual-p32",
             dict(
                 all_reduce="hostmem-int8",
@@ -80,9 +71,24 @@ ENGINES = {
             ("ttft", "decode", "profile"),
         ),
         (
-            "tp2-hostmem-int8-p32",
-            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_MAX_PROGRAMS": "32"}),
-            ("w1", "ttft", "decode"),
+            "tp2-hostmem-int8-sb4096",
+            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "0"}),
+            ("w1", "decode"),
+        ),
+        (
+            "tp2-hostmem-int8-sb512",
+            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "512"}),
+            ("w1", "decode"),
+        ),
+        (
+            "tp2-hostmem-int8-sb2048",
+            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "2048"}),
+            ("w1", "decode"),
+        ),
+        (
+            "tp2-hostmem-sb4096",
+            dict(all_reduce="hostmem", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "0"}),
+            ("w1", "decode"),
         ),
         ("tp2-hostmem-dual", dict(all_reduce="hostmem", dual_stream=True), ("ttft", "decode")),
         ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "profile")),

@@ -104,14 +104,15 @@ def _strategies(ctx, mode: str) -> dict:
         makers["oneshot"] = lambda: create_strategy("oneshot", ctx, max_bytes=big)
     makers["hostmem"] = lambda: create_strategy("hostmem", ctx, max_bytes=big)
     makers["hostmem-int8"] = lambda: create_strategy("hostmem-int8", ctx, max_bytes=big)
-    for cap in (16, 32, 64):  # persistent programs: what a kernel beside compute would use
-        makers[f"hostmem-int8-p{cap}"] = lambda cap=cap: create_strategy(
-            "hostmem-int8", ctx, max_bytes=big, max_programs=cap
-        )
-    makers["hostmem-p32"] = lambda: create_strategy("hostmem", ctx, max_bytes=big, max_programs=32)
-    makers["int8"] = lambda: create_strategy("int8", ctx)
-    makers["int8-fused"] = lambda: Int8AllReduce(ctx, fused=True)  # not yet the default
-    makers["host"] = lambda: create_strategy("host", ctx, max_bytes=big)
+    for block in (512, 1024, 2048):  # smaller blocks: a small message over more SMs
+        for kind in ("hostmem", "hostmem-int8"):
+            makers[f"{kind}-b{block}"] = lambda kind=kind, block=block: create_strategy(
+                kind, ctx, max_bytes=big, block=block
+            )
+    if os.environ.get("TP_TABLE_ALL"):  # measured in earlier runs (tp_run4)
+        makers["int8"] = lambda: create_strategy("int8", ctx)
+        makers["int8-fused"] = lambda: Int8AllReduce(ctx, fused=True)  # not the default
+        makers["host"] = lambda: create_strategy("host", ctx, max_bytes=big)
     out = {}
     for name, make in makers.items():
         try:

@@ -212,6 +212,7 @@ def hostmem_all_reduce(
     max_spin: int,
     use_asm: bool,
     max_programs: int = 1 << 30,
+    block: int = BLOCK,
 ) -> torch.Tensor:
     """Sum of ``x`` over the ranks (a new tensor shaped like x).
 
@@ -220,12 +221,13 @@ def hostmem_all_reduce(
     [world, max_blocks] in host memory; ``epochs``: int32 [max_blocks] device memory; ``status``:
     int32 [1]. Every rank calls with the same shape and dtype, in the same order (and the same
     ``max_programs``: how many programs share the blocks; fewer leave SMs to compute running
-    beside the all-reduce on another stream)."""
+    beside the all-reduce on another stream; and the same ``block``, elements per block, a
+    multiple of GROUP: smaller blocks spread a small message over more SMs)."""
     x = x.contiguous()
     n, max_blocks = x.numel(), epochs.numel()
-    blocks = num_blocks(n)
+    blocks = num_blocks(n, block)
     slot_elems = slots.numel() // (2 * world)
-    need = blocks * int8_block_bytes() if int8 else n
+    need = blocks * int8_block_bytes(block) if int8 else blocks * block
     if blocks > max_blocks or need > slot_elems:
         raise ValueError(f"message of {n} elements does not fit the host all-reduce buffers")
     if not int8 and slots.dtype != x.dtype:
@@ -245,10 +247,10 @@ def hostmem_all_reduce(
         SLOT_ELEMS=slot_elems,
         MAX_BLOCKS=max_blocks,
         WORLD=world,
-        BLOCK=BLOCK,
+        BLOCK=block,
         GROUP=GROUP,
         INT8=int8,
         ASM=use_asm,
-        num_warps=8,
+        num_warps=8 if block >= 4096 else 4,
     )
     return out

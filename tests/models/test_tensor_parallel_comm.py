@@ -54,8 +54,8 @@ def _check_strategies(rank: int, ctx) -> None:
     for name in (*EXACT, "int8", "int8-fused", "hostmem-int8"):
         # int8-fused: the Triton kernels (interpreted here) between the same collectives
         strategy = Int8AllReduce(ctx, fused=True) if name == "int8-fused" else None
-        if name == "hostmem-int8":  # 3 persistent programs share the blocks (10 at most here)
-            strategy = create_strategy(name, ctx, max_programs=3)
+        if name == "hostmem-int8":  # 3 persistent programs share the blocks (40 at most here)
+            strategy = create_strategy(name, ctx, max_programs=3, block=1024)
         strategy = strategy or create_strategy(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)

@@ -37,6 +37,9 @@ _HOST_REGISTER_PORTABLE_MAPPED = 3
 _GPU_MAX_SPIN = 1 << 25  # polls of a peer flag (~1 us each over PCIe) before giving up
 _CPU_MAX_SPIN = 1 << 22
 MAX_PROGRAMS_ENV = "LIGHTWELL_HOSTMEM_MAX_PROGRAMS"
+SMALL_BLOCK_ENV = "LIGHTWELL_HOSTMEM_SMALL_BLOCK"
+SMALL_MAX_BYTES = 1 << 20  # 128 tokens x 4096 bf16: decode batches
+DEFAULT_SMALL_BLOCK = 1024  # elements per program for those (0: no separate lane)
 DEFAULT_MAX_PROGRAMS = 1 << 30  # one program per block
 
 
@@ -50,16 +53,20 @@ class HostMemAllReduce:
         max_bytes: int = DEFAULT_MAX_BYTES,
         int8: bool = False,
         max_programs: int | None = None,
+        block: int | None = None,
     ) -> None:
         """``max_programs``: how many kernel programs share a message's blocks (default
-        ``LIGHTWELL_HOSTMEM_MAX_PROGRAMS`` or ``DEFAULT_MAX_PROGRAMS``)."""
+        ``LIGHTWELL_HOSTMEM_MAX_PROGRAMS`` or ``DEFAULT_MAX_PROGRAMS``); ``block``: elements
+        per program and flag (a multiple of 128; default the kernel's ``BLOCK``)."""
         from lightwell.kernels import hostmem_allreduce as kernel
 
         self.kernel = kernel
         self.rank, self.size, self.int8 = ctx.rank, ctx.size, int8
         self.name = "hostmem-int8" if int8 else "hostmem"
         self.max_bytes = max_bytes
-        block = kernel.BLOCK
+        self.block = block = block or kernel.BLOCK
+        if block % 128:
+            raise ValueError(f"hostmem block must be a multiple of 128, got {block}")
         # the most blocks a message can have (2-byte dtypes), and slot room for any dtype
         self.max_blocks = -(-max_bytes // (2 * block)) + 1
         self.slot_bytes = (-(-max_bytes // (4 * block)) + 1) * 4 * block
@@ -117,6 +124,7 @@ class HostMemAllReduce:
             self.max_spin,
             self.on_gpu,
             self.max_programs,
+            self.block,
         )
 
     def timed_out(self) -> bool:
@@ -162,10 +170,22 @@ def _device_pointer(host_ptr: int) -> int:
     return int(out.value)
 
 
+def small_message_lane(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
+    """The selector's entry for small messages: ``choice`` with smaller blocks, or nothing."""
+    block = int(os.environ.get(SMALL_BLOCK_ENV, DEFAULT_SMALL_BLOCK))
+    if block <= 0:
+        return []
+    return [(choice, {"max_bytes": min(SMALL_MAX_BYTES, max_bytes), "block": block})]
+
+
 class HostMemInt8AllReduce(HostMemAllReduce):
     """``hostmem`` with the int8 payload."""
 
     def __init__(
-        self, ctx: CommContext, max_bytes: int = DEFAULT_MAX_BYTES, max_programs: int | None = None
+        self,
+        ctx: CommContext,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        max_programs: int | None = None,
+        block: int | None = None,
     ) -> None:
-        super().__init__(ctx, max_bytes, int8=True, max_programs=max_programs)
+        super().__init__(ctx, max_bytes, int8=True, max_programs=max_programs, block=block)

@@ -13,7 +13,9 @@ The rule (``--all-reduce``):
 - host: always host, except inside a CUDA-graph capture (it synchronises with the host), where
   NCCL is used: decode steps replayed from graphs then run NCCL.
 - hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
-  payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
+  payload) for every message that fits its buffer, NCCL for the rest; graph-safe. Messages up
+  to ``hostmem.SMALL_MAX_BYTES`` (decode) go to an instance with smaller blocks (its own
+  segment), which spreads them over more SMs.
 A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
 sees the same shape, dtype and capture state, so every rank picks the same strategy.
 """
@@ -93,7 +95,11 @@ def _preferred(
         return [("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
-    if choice in ("host", "hostmem", "hostmem-int8"):
+    if choice in ("hostmem", "hostmem-int8"):
+        from lightwell.distributed.comm.hostmem import small_message_lane
+
+        return [*small_message_lane(choice, max_bytes), (choice, {"max_bytes": max_bytes})]
+    if choice == "host":
         return [(choice, {"max_bytes": max_bytes})]
     if choice == "int8":
         return [("int8", {})]
