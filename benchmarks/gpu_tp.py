@@ -70,26 +70,7 @@ ENGINES = {
             ),
             ("ttft", "decode", "profile"),
         ),
-        (
-            "tp2-hostmem-int8-sb4096",
-            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "0"}),
-            ("w1", "decode"),
-        ),
-        (
-            "tp2-hostmem-int8-sb512",
-            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "512"}),
-            ("w1", "decode"),
-        ),
-        (
-            "tp2-hostmem-int8-sb2048",
-            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "2048"}),
-            ("w1", "decode"),
-        ),
-        (
-            "tp2-hostmem-sb4096",
-            dict(all_reduce="hostmem", _env={"LIGHTWELL_HOSTMEM_SMALL_BLOCK": "0"}),
-            ("w1", "decode"),
-        ),
+        ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
         ("tp2-hostmem-dual", dict(all_reduce="hostmem", dual_stream=True), ("ttft", "decode")),
         ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "profile")),
         ("tp2-int8", dict(all_reduce="int8"), ("w1", "ttft", "decode")),

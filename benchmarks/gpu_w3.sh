@@ -6,6 +6,8 @@
 #   device: run(command="bash benchmarks/gpu_w3.sh $OUT", carry=[".whl"], timeout_s=600)
 # Override with RATES=... NUM_PROMPTS=... TP=... INPUT_LEN=... OUTPUT_LEN=... MODEL_JSON=...
 # VOCAB=... (SKIP_WHEELS=1 where fastapi is installed); results land in $1 (JSON, PNG, logs).
+# MODE=pcie-emulated (with TP=2): NCCL_P2P_DISABLE=1 and --no-custom-all-reduce, like a PCIe
+# box without peer access (auto then picks the hostmem all-reduce).
 set -uo pipefail
 out=${1:?usage: gpu_w3.sh OUT_DIR}
 mkdir -p "$out"
@@ -15,9 +17,14 @@ if [ -z "${SKIP_WHEELS:-}" ]; then
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 port=8123
+extra=()
+if [ "${MODE:-}" = pcie-emulated ]; then
+  export NCCL_P2P_DISABLE=1
+  extra=(--no-custom-all-reduce)
+fi
 $PY -m lightwell.cli serve --port "$port" --load-format dummy --hf-config-json "${MODEL_JSON:-llama-3-8b}" \
   --dtype "${DTYPE:-bfloat16}" --skip-tokenizer-init --tensor-parallel-size "${TP:-1}" \
-  --log-level WARNING > "$out/serve.log" 2>&1 &
+  --log-level WARNING "${extra[@]}" > "$out/serve.log" 2>&1 &
 server=$!
 for _ in $(seq 240); do
   curl -sf "http://127.0.0.1:$port/health" > /dev/null && break

@@ -191,3 +191,21 @@ def test_all_reduce_strategies_and_two_batch_tp2(tmp_path):
         except mp.ProcessRaisedException as e:
             if attempt or "address already in use" not in str(e).lower():
                 raise
+
+
+def test_auto_rule_on_gpus(monkeypatch):
+    """auto: peer memory for small messages when every GPU pair has peer access and the custom
+    all-reduce is allowed; otherwise the exact host-memory kernel for every message; never a
+    lossy strategy."""
+    from lightwell.distributed.comm import CommContext, selector
+
+    ctx = CommContext(0, 2, None, None, torch.device("cuda", 0))
+    for custom, peers, want in (
+        (True, True, [("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})]),
+        (False, True, [("hostmem", {"max_bytes": 16 << 20})]),
+        (True, False, [("hostmem", {"max_bytes": 16 << 20})]),
+    ):
+        monkeypatch.setattr(selector, "peer_access", lambda ctx, peers=peers: peers)
+        assert selector._preferred(ctx, "auto", custom, 16 << 20) == want, (custom, peers)
+    cpu = CommContext(0, 2, None, None, torch.device("cpu"))
+    assert selector._preferred(cpu, "auto", False, 16 << 20) == []  # gloo

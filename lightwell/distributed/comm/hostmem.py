@@ -37,9 +37,7 @@ _HOST_REGISTER_PORTABLE_MAPPED = 3
 _GPU_MAX_SPIN = 1 << 25  # polls of a peer flag (~1 us each over PCIe) before giving up
 _CPU_MAX_SPIN = 1 << 22
 MAX_PROGRAMS_ENV = "LIGHTWELL_HOSTMEM_MAX_PROGRAMS"
-SMALL_BLOCK_ENV = "LIGHTWELL_HOSTMEM_SMALL_BLOCK"
-SMALL_MAX_BYTES = 1 << 20  # 128 tokens x 4096 bf16: decode batches
-DEFAULT_SMALL_BLOCK = 1024  # elements per program for those (0: no separate lane)
+
 DEFAULT_MAX_PROGRAMS = 1 << 30  # one program per block
 
 
@@ -168,14 +166,6 @@ def _device_pointer(host_ptr: int) -> int:
     if err != 0:
         raise RuntimeError(f"cuMemHostGetDevicePointer failed with CUDA driver error {err}")
     return int(out.value)
-
-
-def small_message_lane(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
-    """The selector's entry for small messages: ``choice`` with smaller blocks, or nothing."""
-    block = int(os.environ.get(SMALL_BLOCK_ENV, DEFAULT_SMALL_BLOCK))
-    if block <= 0:
-        return []
-    return [(choice, {"max_bytes": min(SMALL_MAX_BYTES, max_bytes), "block": block})]
 
 
 class HostMemInt8AllReduce(HostMemAllReduce):

@@ -1,10 +1,12 @@
 """Pick the all-reduce strategy per call, by the option asked for, message size and backend.
 
 The rule (``--all-reduce``):
-- auto, GPU: messages of at most ``AUTO_PEER_MAX_BYTES`` go to the peer-memory strategy
-  (``oneshot``: one-shot up to 256 KB, two-shot above) when it is available and
-  ``--custom-all-reduce`` is on; everything else to NCCL. int8 (lossy) and host are never
-  chosen by auto: on a box without peer access they are the options to try (docs/parallelism.md).
+- auto, GPU with peer access (``--custom-all-reduce`` on and every GPU pair peer-capable):
+  messages of at most ``AUTO_PEER_MAX_BYTES`` go to the peer-memory strategy (``oneshot``:
+  one-shot up to 256 KB, two-shot above) when it is available; everything else to NCCL.
+- auto, GPU without peer access (``--no-custom-all-reduce``, or a PCIe box without P2P):
+  ``hostmem`` (exact, through pinned host memory) for every message that fits its buffer,
+  NCCL above. The lossy ones (int8, hostmem-int8) are never chosen by auto.
 - auto, CPU: the gloo process group's all-reduce.
 - nccl / gloo: always that one.
 - oneshot: peer memory for every message that fits its buffer (sized to the largest step),
@@ -13,9 +15,7 @@ The rule (``--all-reduce``):
 - host: always host, except inside a CUDA-graph capture (it synchronises with the host), where
   NCCL is used: decode steps replayed from graphs then run NCCL.
 - hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
-  payload) for every message that fits its buffer, NCCL for the rest; graph-safe. Messages up
-  to ``hostmem.SMALL_MAX_BYTES`` (decode) go to an instance with smaller blocks (its own
-  segment), which spreads them over more SMs.
+  payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
 A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
 sees the same shape, dtype and capture state, so every rank picks the same strategy.
 """
@@ -90,20 +90,26 @@ def _preferred(
     ctx: CommContext, choice: str, custom: bool, max_bytes: int
 ) -> list[tuple[str, dict]]:
     if choice == "auto":
-        if ctx.device.type != "cuda" or not custom:
+        if ctx.device.type != "cuda":
             return []
+        if not custom or not peer_access(ctx):
+            # no peer access: through pinned host memory beats NCCL's own host path at every
+            # size (benchmarks/results/tp_run4), exactly
+            return [("hostmem", {"max_bytes": max_bytes})]
         return [("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
-    if choice in ("hostmem", "hostmem-int8"):
-        from lightwell.distributed.comm.hostmem import small_message_lane
-
-        return [*small_message_lane(choice, max_bytes), (choice, {"max_bytes": max_bytes})]
-    if choice == "host":
+    if choice in ("host", "hostmem", "hostmem-int8"):
         return [(choice, {"max_bytes": max_bytes})]
     if choice == "int8":
         return [("int8", {})]
     return []  # nccl, gloo: the fallback itself
+
+
+def peer_access(ctx: CommContext) -> bool:
+    """Whether this rank's GPU can map every other rank's memory (ranks are GPUs 0..size-1)."""
+    me = ctx.device.index if ctx.device.index is not None else ctx.rank
+    return all(torch.cuda.can_device_access_peer(me, j) for j in range(ctx.size) if j != me)
 
 
 def _capturing(x: torch.Tensor) -> bool:
