@@ -104,12 +104,14 @@ def _strategies(ctx, mode: str) -> dict:
         makers["oneshot"] = lambda: create_strategy("oneshot", ctx, max_bytes=big)
     makers["hostmem"] = lambda: create_strategy("hostmem", ctx, max_bytes=big)
     makers["hostmem-int8"] = lambda: create_strategy("hostmem-int8", ctx, max_bytes=big)
-    for block in (512, 1024, 2048):  # smaller blocks: a small message over more SMs
-        for kind in ("hostmem", "hostmem-int8"):
-            makers[f"{kind}-b{block}"] = lambda kind=kind, block=block: create_strategy(
-                kind, ctx, max_bytes=big, block=block
-            )
-    if os.environ.get("TP_TABLE_ALL"):  # measured in earlier runs (tp_run4)
+    for kind in ("hostmem", "hostmem-int8"):  # the low-latency protocol (decode sizes)
+        makers[f"{kind}-ll"] = lambda kind=kind: create_strategy(
+            kind, ctx, max_bytes=big, protocol="ll"
+        )
+    makers["hostmem-int8-ll-b2048"] = lambda: create_strategy(
+        "hostmem-int8", ctx, max_bytes=big, protocol="ll", block=2048
+    )
+    if os.environ.get("TP_TABLE_ALL"):  # measured in tp_run4 calls 1-2
         makers["int8"] = lambda: create_strategy("int8", ctx)
         makers["int8-fused"] = lambda: Int8AllReduce(ctx, fused=True)  # not the default
         makers["host"] = lambda: create_strategy("host", ctx, max_bytes=big)

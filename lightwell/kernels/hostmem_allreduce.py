@@ -254,3 +254,175 @@ def hostmem_all_reduce(
         num_warps=8 if block >= 4096 else 4,
     )
     return out
+
+
+# ---- the low-latency protocol (small messages) ------------------------------------------------
+# Every 8-byte word in host memory carries 4 bytes of payload and, in its high half, the epoch
+# it was written in. Aligned 8-byte stores reach host memory whole, so a reader that sees the
+# expected epoch in a word also sees that word's payload: no flag, no system fence, no second
+# round trip; the reader polls the data itself. Twice the bytes: for decode-sized messages,
+# where latency is everything.
+
+
+def ll_words_per_block(block: int, int8: bool, elem_size: int) -> int:
+    """8-byte words one block takes in a slot: payload words, then (int8) scale words."""
+    if int8:
+        return block // 4 + block // GROUP
+    return block * elem_size // 4
+
+
+@triton.jit
+def _ll_pack(v, COMP: tl.constexpr, BITS: tl.constexpr):
+    """Integer [N] whose low BITS bits are payload -> int32 [N // COMP], COMP fields a word."""
+    if COMP == 1:
+        return v.to(tl.int32)
+    else:
+        fields = tl.reshape(v.to(tl.int32) & ((1 << BITS) - 1), (v.shape[0] // COMP, COMP))
+        return tl.sum(fields << (tl.arange(0, COMP) * BITS)[None, :], 1)
+
+
+@triton.jit
+def _ll_words(data, epoch):
+    """int32 payload [N] -> int64 LL words [N]: (epoch << 32) | payload."""
+    return (epoch.to(tl.int64) << 32) | (data.to(tl.int64) & 0xFFFFFFFF)
+
+
+@triton.jit
+def _ll_poll(ptrs, epoch, max_spin):
+    """Load LL words until every one carries ``epoch`` (or ``max_spin`` reloads): (payload
+    int32 [N], 1 if it gave up)."""
+    w = tl.load(ptrs, volatile=True)
+    ok = tl.min(((w >> 32).to(tl.int32) == epoch).to(tl.int32), 0)
+    spins = 0
+    while (ok == 0) & (spins < max_spin):
+        spins += 1
+        w = tl.load(ptrs, volatile=True)
+        ok = tl.min(((w >> 32).to(tl.int32) == epoch).to(tl.int32), 0)
+    return w.to(tl.int32), (spins >= max_spin).to(tl.int32)
+
+
+@triton.jit
+def _ll_unpack(data, COMP: tl.constexpr, BITS: tl.constexpr, INT_TY: tl.constexpr):
+    """int32 [N] -> INT_TY [N * COMP]: the fields back in element order."""
+    fields = (data[:, None] >> (tl.arange(0, COMP) * BITS)[None, :]).to(INT_TY)
+    return tl.reshape(fields, (data.shape[0] * COMP,))
+
+
+@triton.jit(do_not_specialize=["n", "rank", "max_spin"])
+def _hostmem_ll_kernel(
+    x_ptr,  # [n] this rank's input (device)
+    out_ptr,  # [n] the sum (device)
+    slot_ptr,  # int64 LL words in host memory: [2, WORLD, SLOT_WORDS]
+    epoch_ptr,  # int32 [max_blocks] device memory
+    status_ptr,  # int32 [1] device memory: set to 1 when a wait gave up
+    n,
+    rank,
+    max_spin,
+    SLOT_WORDS: tl.constexpr,
+    WPB: tl.constexpr,  # words per block: ll_words_per_block
+    WORLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    INT8: tl.constexpr,
+    COMP: tl.constexpr,  # payload fields per 32-bit word: 4 (int8), 2 (16-bit x), 1 (fp32)
+    INT_TY: tl.constexpr,  # the integer type of one field
+):
+    BITS: tl.constexpr = 32 // COMP
+    NDATA: tl.constexpr = BLOCK // COMP
+    nblocks = tl.cdiv(n, BLOCK)
+    for b in range(tl.program_id(0), nblocks, tl.num_programs(0)):
+        offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        epoch = tl.load(epoch_ptr + b) + 1
+        buf = epoch % 2
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        block_base = tl.cast(b, tl.int64) * WPB
+        mine = (buf * WORLD + rank).to(tl.int64) * SLOT_WORDS + block_base
+        if INT8:
+            q, scale = _quantize(x.to(tl.float32), BLOCK, GROUP)
+            data = _ll_pack(tl.reshape(q, (BLOCK,)), COMP, BITS)
+            sdata = scale.to(tl.int32, bitcast=True)
+            tl.store(
+                slot_ptr + mine + NDATA + tl.arange(0, BLOCK // GROUP), _ll_words(sdata, epoch)
+            )
+        else:
+            data = _ll_pack(x.to(INT_TY, bitcast=True), COMP, BITS)
+        # write-through: the words must leave the GPU's caches for host memory
+        tl.store(
+            slot_ptr + mine + tl.arange(0, NDATA), _ll_words(data, epoch), cache_modifier=".wt"
+        )
+
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        gave_up = 0
+        for p in tl.static_range(WORLD):
+            if p == rank:
+                if INT8:
+                    acc += tl.reshape(q * scale[:, None], (BLOCK,))
+                else:
+                    acc += x.to(tl.float32)
+            else:
+                peer = (buf * WORLD + p).to(tl.int64) * SLOT_WORDS + block_base
+                pdata, g1 = _ll_poll(slot_ptr + peer + tl.arange(0, NDATA), epoch, max_spin)
+                gave_up += g1
+                vals = _ll_unpack(pdata, COMP, BITS, INT_TY)
+                if INT8:
+                    sw, g2 = _ll_poll(
+                        slot_ptr + peer + NDATA + tl.arange(0, BLOCK // GROUP), epoch, max_spin
+                    )
+                    gave_up += g2
+                    pscale = sw.to(tl.float32, bitcast=True)
+                    v = tl.reshape(vals, (BLOCK // GROUP, GROUP)).to(tl.float32) * pscale[:, None]
+                    acc += tl.reshape(v, (BLOCK,))
+                else:
+                    acc += vals.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+        if gave_up > 0:
+            tl.store(status_ptr, 1)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(epoch_ptr + b, epoch)
+
+
+_INT_OF_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32}
+
+
+def hostmem_ll_all_reduce(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    epochs: torch.Tensor,
+    status: torch.Tensor,
+    rank: int,
+    world: int,
+    int8: bool,
+    max_spin: int,
+    max_programs: int = 1 << 30,
+    block: int = BLOCK,
+) -> torch.Tensor:
+    """``hostmem_all_reduce`` with the low-latency protocol; ``words``: the host segment's data
+    area as int64 [2 * world * slot_words]; the same epochs/status conventions."""
+    x = x.contiguous()
+    n, size = x.numel(), x.element_size()
+    blocks, wpb = num_blocks(n, block), ll_words_per_block(block, int8, size)
+    slot_words = words.numel() // (2 * world)
+    if blocks > epochs.numel() or blocks * wpb > slot_words:
+        raise ValueError(f"message of {n} elements does not fit the host all-reduce buffers")
+    out = torch.empty_like(x)
+    comp = 4 if int8 else 4 // size
+    _hostmem_ll_kernel[(min(blocks, max_programs),)](
+        x,
+        out,
+        words,
+        epochs,
+        status,
+        n,
+        rank,
+        max_spin,
+        SLOT_WORDS=slot_words,
+        WPB=wpb,
+        WORLD=world,
+        BLOCK=block,
+        GROUP=GROUP,
+        INT8=int8,
+        COMP=comp,
+        INT_TY=_INT_OF_SIZE[1 if int8 else size],
+        num_warps=8 if block >= 4096 else 4,
+    )
+    return out

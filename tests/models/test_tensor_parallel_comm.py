@@ -12,7 +12,7 @@ from tests.models.test_tensor_parallel import _free_port
 WORLD = 2
 # odd sizes: padding, uneven chunks; (40, 1000): above torch's intra-op grain (32,768 elements)
 SHAPES = [(1, 576), (7, 576), (33, 1000), (5,), (40, 1000)]
-EXACT = ("nccl", "gloo", "host", "hostmem")
+EXACT = ("nccl", "gloo", "host", "hostmem", "hostmem-ll")
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tensor:
@@ -51,11 +51,15 @@ def _check_strategies(rank: int, ctx) -> None:
 
     threads = torch.get_num_threads()
     # hostmem(-int8): the Triton kernel through shared memory, interpreted, 2 processes
-    for name in (*EXACT, "int8", "int8-fused", "hostmem-int8"):
+    for name in (*EXACT, "int8", "int8-fused", "hostmem-int8", "hostmem-int8-ll"):
         # int8-fused: the Triton kernels (interpreted here) between the same collectives
         strategy = Int8AllReduce(ctx, fused=True) if name == "int8-fused" else None
         if name == "hostmem-int8":  # 3 persistent programs share the blocks (40 at most here)
             strategy = create_strategy(name, ctx, max_programs=3, block=1024)
+        elif name == "hostmem-ll":  # the low-latency protocol: the epoch in every word
+            strategy = create_strategy("hostmem", ctx, protocol="ll")
+        elif name == "hostmem-int8-ll":
+            strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
         strategy = strategy or create_strategy(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)
@@ -70,14 +74,17 @@ def _check_strategies(rank: int, ctx) -> None:
                 assert got.shape == shape and got.dtype == dtype, (name, shape)
                 if name in EXACT and dtype == torch.float32:
                     assert torch.equal(got, exact), (name, shape)
-                elif name == "hostmem":  # the interpreter rounds fp32 -> bf16 its own way
+                elif name in (
+                    "hostmem",
+                    "hostmem-ll",
+                ):  # the interpreter rounds fp32 -> bf16 its own way
                     ulp = exact.abs() * 2.0**-7 + 1e-30
                     assert ((got.float() - exact).abs() <= ulp).all(), (name, shape)
                 elif name in EXACT:
                     assert torch.equal(got, exact.to(dtype)), (name, shape)
                 elif dtype == torch.float32:
                     err = (got - exact).abs()
-                    bound = int8_bound(shape, exact, requantized=name != "hostmem-int8")
+                    bound = int8_bound(shape, exact, requantized=name in ("int8", "int8-fused"))
                     assert (err <= bound).all(), (name, shape, err.max())
                     assert err.norm() / exact.norm() < 0.015, shape
                 else:
@@ -200,10 +207,15 @@ def test_auto_rule_on_gpus(monkeypatch):
     from lightwell.distributed.comm import CommContext, selector
 
     ctx = CommContext(0, 2, None, None, torch.device("cuda", 0))
+    # the low-latency lane for messages up to 1 MiB, then the flag protocol
+    hostmem = [
+        ("hostmem", {"max_bytes": 1 << 20, "protocol": "ll"}),
+        ("hostmem", {"max_bytes": 16 << 20}),
+    ]
     for custom, peers, want in (
         (True, True, [("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})]),
-        (False, True, [("hostmem", {"max_bytes": 16 << 20})]),
-        (True, False, [("hostmem", {"max_bytes": 16 << 20})]),
+        (False, True, hostmem),
+        (True, False, hostmem),
     ):
         monkeypatch.setattr(selector, "peer_access", lambda ctx, peers=peers: peers)
         assert selector._preferred(ctx, "auto", custom, 16 << 20) == want, (custom, peers)

@@ -39,6 +39,16 @@ _CPU_MAX_SPIN = 1 << 22
 MAX_PROGRAMS_ENV = "LIGHTWELL_HOSTMEM_MAX_PROGRAMS"
 
 DEFAULT_MAX_PROGRAMS = 1 << 30  # one program per block
+LL_MAX_BYTES_ENV = "LIGHTWELL_HOSTMEM_LL_MAX_BYTES"
+LL_MAX_BYTES = 1 << 20  # messages up to this (128 tokens x 4096 bf16) use the ll protocol
+
+
+def lanes(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
+    """The selector's entries for ``hostmem``/``hostmem-int8``: an ``ll`` instance for small
+    messages (its own segment), then the ``flag`` one for the rest."""
+    small = min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
+    ll = [(choice, {"max_bytes": small, "protocol": "ll"})] if small > 0 else []
+    return [*ll, (choice, {"max_bytes": max_bytes})]
 
 
 class HostMemAllReduce:
@@ -52,10 +62,16 @@ class HostMemAllReduce:
         int8: bool = False,
         max_programs: int | None = None,
         block: int | None = None,
+        protocol: str = "flag",
     ) -> None:
         """``max_programs``: how many kernel programs share a message's blocks (default
         ``LIGHTWELL_HOSTMEM_MAX_PROGRAMS`` or ``DEFAULT_MAX_PROGRAMS``); ``block``: elements
-        per program and flag (a multiple of 128; default the kernel's ``BLOCK``)."""
+        per program and flag (a multiple of 128; default the kernel's ``BLOCK``); ``protocol``:
+        ``flag`` (a release flag per block after the payload) or ``ll`` (the epoch in every
+        8-byte word: lower latency, twice the bytes; the selector's small-message lane)."""
+        if protocol not in ("flag", "ll"):
+            raise ValueError(f"hostmem protocol must be flag or ll, got {protocol!r}")
+        self.protocol = protocol
         from lightwell.kernels import hostmem_allreduce as kernel
 
         self.kernel = kernel
@@ -68,6 +84,8 @@ class HostMemAllReduce:
         # the most blocks a message can have (2-byte dtypes), and slot room for any dtype
         self.max_blocks = -(-max_bytes // (2 * block)) + 1
         self.slot_bytes = (-(-max_bytes // (4 * block)) + 1) * 4 * block
+        if protocol == "ll":  # a payload word is half of an 8-byte word
+            self.slot_bytes *= 2
         flag_bytes = -(-(4 * self.size * self.max_blocks) // 4096) * 4096
         total = flag_bytes + 2 * self.size * self.slot_bytes
         self.memory = map_shared(ctx, total)  # CPU view, uint8 [total]
@@ -108,6 +126,19 @@ class HostMemAllReduce:
         )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.protocol == "ll":
+            return self.kernel.hostmem_ll_all_reduce(
+                x,
+                self.data.view(torch.int64),
+                self.epochs,
+                self.status,
+                self.rank,
+                self.size,
+                self.int8,
+                self.max_spin,
+                self.max_programs,
+                self.block,
+            )
         slots = self.data.view(torch.int8) if self.int8 else self.data.view(x.dtype)
         return self.kernel.hostmem_all_reduce(
             x,
@@ -177,5 +208,6 @@ class HostMemInt8AllReduce(HostMemAllReduce):
         max_bytes: int = DEFAULT_MAX_BYTES,
         max_programs: int | None = None,
         block: int | None = None,
+        protocol: str = "flag",
     ) -> None:
-        super().__init__(ctx, max_bytes, int8=True, max_programs=max_programs, block=block)
+        super().__init__(ctx, max_bytes, True, max_programs, block, protocol)

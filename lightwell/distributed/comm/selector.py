@@ -28,6 +28,7 @@ import torch
 
 from lightwell.distributed.comm import create_strategy, is_available
 from lightwell.distributed.comm.base import AllReduceStrategy, CommContext
+from lightwell.distributed.comm.hostmem import lanes
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +96,13 @@ def _preferred(
         if not custom or not peer_access(ctx):
             # no peer access: through pinned host memory beats NCCL's own host path at every
             # size (benchmarks/results/tp_run4), exactly
-            return [("hostmem", {"max_bytes": max_bytes})]
+            return lanes("hostmem", max_bytes)
         return [("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
-    if choice in ("host", "hostmem", "hostmem-int8"):
+    if choice in ("hostmem", "hostmem-int8"):
+        return lanes(choice, max_bytes)
+    if choice == "host":
         return [(choice, {"max_bytes": max_bytes})]
     if choice == "int8":
         return [("int8", {})]
