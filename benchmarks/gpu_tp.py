@@ -46,16 +46,6 @@ ENGINES = {
         ("tp1", dict(tensor_parallel_size=1), ("w1", "ttft", "decode")),
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
         ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
-        (
-            "tp2-hostmem-int8-noll",
-            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_LL_MAX_BYTES": "0"}),
-            ("w1", "decode"),
-        ),
-        (
-            "tp2-hostmem-noll",
-            dict(all_reduce="hostmem", _env={"LIGHTWELL_HOSTMEM_LL_MAX_BYTES": "0"}),
-            ("w1", "decode"),
-        ),
         ("tp2-70b", dict(all_reduce="auto", hf_config_json="llama-3-70b"), ("w1",)),
         ("tp2-auto-dual", dict(all_reduce="auto", dual_stream=True), ("w1", "ttft", "decode")),
         ("tp2-oneshot", dict(all_reduce="oneshot"), ("ttft", "decode")),
@@ -81,6 +71,16 @@ ENGINES = {
             ("ttft", "decode", "profile"),
         ),
         ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
+        (
+            "tp2-hostmem-int8-noll",
+            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_LL_MAX_BYTES": "0"}),
+            ("w1", "decode"),
+        ),
+        (
+            "tp2-hostmem-noll",
+            dict(all_reduce="hostmem", _env={"LIGHTWELL_HOSTMEM_LL_MAX_BYTES": "0"}),
+            ("w1", "decode"),
+        ),
         ("tp2-hostmem-dual", dict(all_reduce="hostmem", dual_stream=True), ("ttft", "decode")),
         ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "profile")),
         ("tp2-int8", dict(all_reduce="int8"), ("w1", "ttft", "decode")),
