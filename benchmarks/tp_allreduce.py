@@ -112,8 +112,8 @@ def _strategies(ctx, mode: str) -> dict:
         "hostmem-int8", ctx, max_bytes=big, protocol="ll", block=2048
     )
     if os.environ.get("TP_TABLE_ALL"):  # measured in tp_run4 calls 1-2
-        makers["int8"] = lambda: create_strategy("int8", ctx)
-        makers["int8-fused"] = lambda: Int8AllReduce(ctx, fused=True)  # not the default
+        makers["int8-torch-ops"] = lambda: Int8AllReduce(ctx, fused=False)
+        makers["int8"] = lambda: create_strategy("int8", ctx)  # fused kernels on GPUs
         makers["host"] = lambda: create_strategy("host", ctx, max_bytes=big)
     out = {}
     for name, make in makers.items():

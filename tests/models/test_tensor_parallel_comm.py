@@ -207,9 +207,9 @@ def test_auto_rule_on_gpus(monkeypatch):
     from lightwell.distributed.comm import CommContext, selector
 
     ctx = CommContext(0, 2, None, None, torch.device("cuda", 0))
-    # the low-latency lane for messages up to 1 MiB, then the flag protocol
+    # the low-latency lane for messages up to 64 KB, then the flag protocol
     hostmem = [
-        ("hostmem", {"max_bytes": 1 << 20, "protocol": "ll"}),
+        ("hostmem", {"max_bytes": 64 << 10, "protocol": "ll"}),
         ("hostmem", {"max_bytes": 16 << 20}),
     ]
     for custom, peers, want in (
@@ -221,3 +221,6 @@ def test_auto_rule_on_gpus(monkeypatch):
         assert selector._preferred(ctx, "auto", custom, 16 << 20) == want, (custom, peers)
     cpu = CommContext(0, 2, None, None, torch.device("cpu"))
     assert selector._preferred(cpu, "auto", False, 16 << 20) == []  # gloo
+    assert selector._preferred(cpu, "hostmem-int8", False, 16 << 20) == [
+        ("hostmem-int8", {"max_bytes": 16 << 20})  # no ll lane: it measured slower
+    ]

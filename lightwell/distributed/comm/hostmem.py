@@ -40,15 +40,19 @@ MAX_PROGRAMS_ENV = "LIGHTWELL_HOSTMEM_MAX_PROGRAMS"
 
 DEFAULT_MAX_PROGRAMS = 1 << 30  # one program per block
 LL_MAX_BYTES_ENV = "LIGHTWELL_HOSTMEM_LL_MAX_BYTES"
-LL_MAX_BYTES = 1 << 20  # messages up to this (128 tokens x 4096 bf16) use the ll protocol
+# ``hostmem`` messages up to this use the ll protocol: 8 tokens x 4096 bf16. Measured on the
+# H200 pair (tp_run4 call 7, in a CUDA graph): 6.5 vs 7.7 us at 1 token, 11.2 vs 14.5 at 8,
+# but 52.5 vs 33.7 at 64 (twice the bytes wins nothing once a message is bandwidth-bound).
+# hostmem-int8 has no ll lane: its ll form was slower at every size but 8 tokens.
+LL_MAX_BYTES = 64 * 1024
 
 
 def lanes(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
-    """The selector's entries for ``hostmem``/``hostmem-int8``: an ``ll`` instance for small
-    messages (its own segment), then the ``flag`` one for the rest."""
+    """The selector's entries for ``hostmem``/``hostmem-int8``: (hostmem only) an ``ll``
+    instance for the smallest messages, with its own segment, then the ``flag`` one."""
     small = min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
     ll = [(choice, {"max_bytes": small, "protocol": "ll"})] if small > 0 else []
-    return [*ll, (choice, {"max_bytes": max_bytes})]
+    return [*(ll if choice == "hostmem" else []), (choice, {"max_bytes": max_bytes})]
 
 
 class HostMemAllReduce:
