@@ -120,19 +120,21 @@ class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks (one process each).")
     all_reduce: str = _opt(
         "auto",
-        "All-reduce strategy for tensor parallelism. auto: peer-memory one-shot/two-shot for "
-        "small messages on GPUs with peer access, NCCL otherwise (gloo on CPU); nccl: the "
-        "process group's own all-reduce; oneshot: torch symmetric memory (GPU); int8: "
-        "group-wise int8-quantized over NCCL (lossy, halves the bytes); host: through shared "
-        "host memory, summed by the CPUs; hostmem: one GPU kernel through pinned host memory "
-        "(no peer access needed; for PCIe boxes without P2P); hostmem-int8: the same with an "
-        "int8 payload (lossy); gloo: over the CPU group. See docs/parallelism.md.",
+        "All-reduce strategy for tensor parallelism. auto: on GPUs with peer access, "
+        "peer-memory one-shot/two-shot for small messages and NCCL for the rest; on GPUs "
+        "without (a pair that cannot map each other, or NCCL_P2P_DISABLE=1), hostmem; gloo "
+        "on CPU. nccl: the process group's own all-reduce; oneshot: torch symmetric memory "
+        "(GPU); int8: group-wise int8-quantized over NCCL (lossy, halves the bytes); host: "
+        "through shared host memory, summed by the CPUs; hostmem: one GPU kernel through "
+        "pinned host memory, exact (for PCIe boxes without P2P); hostmem-int8: the same with "
+        "an int8 payload (lossy, fastest over PCIe); gloo: over the CPU group. See "
+        "docs/parallelism.md.",
         ALL_REDUCE,
     )
     custom_all_reduce: bool = _opt(
         True,
         "Allow the peer-memory (symmetric memory) all-reduce that auto picks for small "
-        "messages. Turn off on GPUs without peer-to-peer access.",
+        "messages on GPUs with peer access; off: NCCL for every message there.",
     )
     dual_stream: bool = _opt(
         False,

@@ -17,8 +17,10 @@ after (stream order) its read of epoch e - 2; so nothing is overwritten while st
 Blocks of both ranks are dispatched in index order, so a program never waits for a peer block
 that cannot be scheduled (the ranks' resident programs all publish before they wait).
 
-Waits are bounded (``max_spin`` polls): a dead peer makes the kernel give up, set ``status`` and
-return garbage rather than hang the GPU; the caller's worker monitor reports the dead rank.
+Waits are bounded (``max_spin`` polls): a peer that never arrives makes the kernel set
+``status`` and, on the GPU, trap: a CUDA error that the worker reports, instead of a hung GPU
+or silently wrong sums (under the interpreter it returns, and the tests read ``status``).
+Epochs are int32 and wrap after 2**31 calls of a block: the flag comparison is wrap-safe.
 
 int8: each rank's block is quantized once (absmax / 127 per GROUP values, round half away from
 zero) and every rank sums the same dequantized values, its own included: the result is identical
@@ -54,7 +56,7 @@ def _wait_flag(ptr, epoch, max_spin, ASM: tl.constexpr):
         return tl.inline_asm_elementwise(
             """{
             .reg .pred p_other, p_done, p_out;
-            .reg .b32 r_tid, r_val, r_n;
+            .reg .b32 r_tid, r_val, r_n, r_d;
             mov.b32 $0, 0;
             mov.u32 r_tid, %tid.x;
             setp.ne.u32 p_other, r_tid, 0;
@@ -62,7 +64,8 @@ def _wait_flag(ptr, epoch, max_spin, ASM: tl.constexpr):
             mov.b32 r_n, 0;
             WAIT_LOOP:
             ld.acquire.sys.global.b32 r_val, [$1];
-            setp.ge.s32 p_done, r_val, $2;
+            sub.s32 r_d, r_val, $2;
+            setp.ge.s32 p_done, r_d, 0;
             @p_done bra WAIT_END;
             add.u32 r_n, r_n, 1;
             setp.ge.u32 p_out, r_n, $3;
@@ -78,9 +81,20 @@ def _wait_flag(ptr, epoch, max_spin, ASM: tl.constexpr):
         )
     else:
         spins = 0
-        while (tl.load(ptr, volatile=True) < epoch) & (spins < max_spin):
+        while (tl.load(ptr, volatile=True) - epoch < 0) & (spins < max_spin):
             spins += 1
         return (spins >= max_spin).to(tl.int32)
+
+
+@triton.jit
+def _give_up(status_ptr, ASM: tl.constexpr):
+    """A wait ran out: note it in ``status``; on the GPU also abort the kernel (a CUDA error
+    the worker reports: a peer that stopped must not turn into silently wrong sums)."""
+    tl.store(status_ptr, 1)
+    if ASM:
+        tl.inline_asm_elementwise(
+            "trap; mov.b32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit
@@ -142,7 +156,7 @@ def _hostmem_all_reduce_kernel(
         offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         epoch = tl.load(epoch_ptr + b) + 1
-        buf = epoch % 2
+        buf = epoch & 1  # (epochs wrap at 2**31: & keeps the parity non-negative)
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
 
         # 1. publish this rank's block
@@ -166,7 +180,7 @@ def _hostmem_all_reduce_kernel(
                 gave_up += _wait_flag(flag_ptr + p * MAX_BLOCKS + b, epoch, max_spin, ASM)
         tl.debug_barrier()
         if gave_up > 0:
-            tl.store(status_ptr, 1)
+            _give_up(status_ptr, ASM)
 
         # 4. sum in rank order
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -326,6 +340,7 @@ def _hostmem_ll_kernel(
     INT8: tl.constexpr,
     COMP: tl.constexpr,  # payload fields per 32-bit word: 4 (int8), 2 (16-bit x), 1 (fp32)
     INT_TY: tl.constexpr,  # the integer type of one field
+    ASM: tl.constexpr,  # on a GPU: trap when a wait gives up
 ):
     BITS: tl.constexpr = 32 // COMP
     NDATA: tl.constexpr = BLOCK // COMP
@@ -334,7 +349,7 @@ def _hostmem_ll_kernel(
         offs = tl.cast(b, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         epoch = tl.load(epoch_ptr + b) + 1
-        buf = epoch % 2
+        buf = epoch & 1
         x = tl.load(x_ptr + offs, mask=mask, other=0.0)
         block_base = tl.cast(b, tl.int64) * WPB
         mine = (buf * WORLD + rank).to(tl.int64) * SLOT_WORDS + block_base
@@ -343,7 +358,9 @@ def _hostmem_ll_kernel(
             data = _ll_pack(tl.reshape(q, (BLOCK,)), COMP, BITS)
             sdata = scale.to(tl.int32, bitcast=True)
             tl.store(
-                slot_ptr + mine + NDATA + tl.arange(0, BLOCK // GROUP), _ll_words(sdata, epoch)
+                slot_ptr + mine + NDATA + tl.arange(0, BLOCK // GROUP),
+                _ll_words(sdata, epoch),
+                cache_modifier=".wt",
             )
         else:
             data = _ll_pack(x.to(INT_TY, bitcast=True), COMP, BITS)
@@ -376,7 +393,7 @@ def _hostmem_ll_kernel(
                 else:
                     acc += vals.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         if gave_up > 0:
-            tl.store(status_ptr, 1)
+            _give_up(status_ptr, ASM)
         tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(epoch_ptr + b, epoch)
 
@@ -393,6 +410,7 @@ def hostmem_ll_all_reduce(
     world: int,
     int8: bool,
     max_spin: int,
+    use_asm: bool,
     max_programs: int = 1 << 30,
     block: int = BLOCK,
 ) -> torch.Tensor:
@@ -423,6 +441,7 @@ def hostmem_ll_all_reduce(
         INT8=int8,
         COMP=comp,
         INT_TY=_INT_OF_SIZE[1 if int8 else size],
+        ASM=use_asm,
         num_warps=8 if block >= 4096 else 4,
     )
     return out

@@ -307,8 +307,8 @@ def test_int8_pack_rejects_bad_input():
 
 
 def test_int8_pack_grids_put_groups_on_axis_0(monkeypatch):
-    """A 2,048-token message has 32,768 groups a chunk: more than CUDA's 65,535 cap on grid
-    axes 1 and 2 once the message reaches 8,192 tokens, so groups must be axis 0."""
+    """An 8,192-token message (x 4096, 2 ranks) has 131,072 groups a chunk, above CUDA's
+    65,535 cap on grid axes 1 and 2: groups must be axis 0 (the H200 run failed there)."""
     grids = []
 
     class Recorder:

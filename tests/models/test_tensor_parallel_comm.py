@@ -128,6 +128,43 @@ def _check_selector(rank: int, ctx) -> None:
     host = AllReduceSelector(ctx, "host", max_bytes=1 << 10)
     assert host.pick(x).name == "nccl"  # larger than its buffer: the fallback
     host.close()
+    lanes = AllReduceSelector(ctx, "hostmem", max_bytes=1 << 20)  # 64 KB: the ll lane's limit
+    big = torch.ones(40, 1000)  # 160 KB
+    assert [lanes.pick(t).protocol for t in (x, big)] == ["ll", "flag"]
+    assert torch.equal(lanes.all_reduce(big.clone()), 2 * big)
+    lanes.close()
+
+
+def _check_setup_failures(rank: int, ctx) -> None:
+    """auto's optional strategies: a failure on one rank makes every rank fall back; a shared
+    segment that does not fit /dev/shm fails on every rank, before anything is mapped."""
+    from unittest import mock
+
+    from lightwell.distributed.comm import host
+    from lightwell.distributed.comm.selector import _build_on_every_rank
+
+    ok = _build_on_every_rank("host", ctx, {"max_bytes": 1 << 10})
+    assert ok is not None
+    ok.close()
+    built = host.HostAllReduce.__init__
+
+    def fails_after_mapping(self, *args, **kwargs):  # like a refused cudaHostRegister
+        built(self, *args, **kwargs)
+        raise RuntimeError("pinning refused")
+
+    with mock.patch.object(host.HostAllReduce, "__init__", fails_after_mapping):
+        if rank == 0:
+            assert _build_on_every_rank("host", ctx, {"max_bytes": 1 << 10}) is None
+    if rank == 1:  # built here, then closed: rank 0 failed
+        assert _build_on_every_rank("host", ctx, {"max_bytes": 1 << 10}) is None
+    full = mock.Mock(f_bavail=1, f_frsize=4096)
+    with mock.patch.object(host.os, "statvfs", return_value=full):
+        try:
+            host.map_shared(ctx, 1 << 20)
+        except RuntimeError as e:
+            assert "free" in str(e)
+        else:
+            raise AssertionError("map_shared should have refused")
 
 
 # (query_lens, seq_lens) per step for requests a, b, c (blocks of 4 tokens, tables below):
@@ -176,6 +213,7 @@ def _run(rank: int, port: int, folder: str) -> None:
     ctx = CommContext(rank, WORLD, group, group, torch.device("cpu"))
     _check_strategies(rank, ctx)
     _check_selector(rank, ctx)
+    _check_setup_failures(rank, ctx)
     _check_two_batch(rank, folder)
     # every reference to the gloo group must go before it is destroyed: one left for the
     # interpreter's exit aborts the process now and then ("terminate called ...")
@@ -202,10 +240,11 @@ def test_all_reduce_strategies_and_two_batch_tp2(tmp_path):
 
 def test_auto_rule_on_gpus(monkeypatch):
     """auto: peer memory for small messages when every GPU pair has peer access and the custom
-    all-reduce is allowed; otherwise the exact host-memory kernel for every message; never a
-    lossy strategy."""
+    all-reduce is allowed, NCCL alone when it is not; without peer access the exact host-memory
+    kernel for every message; never a lossy strategy."""
     from lightwell.distributed.comm import CommContext, selector
 
+    monkeypatch.delenv("LIGHTWELL_HOSTMEM_LL_MAX_BYTES", raising=False)
     ctx = CommContext(0, 2, None, None, torch.device("cuda", 0))
     # the low-latency lane for messages up to 64 KB, then the flag protocol
     hostmem = [
@@ -214,11 +253,15 @@ def test_auto_rule_on_gpus(monkeypatch):
     ]
     for custom, peers, want in (
         (True, True, [("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})]),
-        (False, True, hostmem),
+        (False, True, []),  # NCCL
         (True, False, hostmem),
+        (False, False, hostmem),
     ):
-        monkeypatch.setattr(selector, "peer_access", lambda ctx, peers=peers: peers)
+        monkeypatch.setattr(selector, "_all_ranks", lambda ctx, ok: ok)
+        monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b, p=peers: p)
         assert selector._preferred(ctx, "auto", custom, 16 << 20) == want, (custom, peers)
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # the operator says: no peer-to-peer
+    assert not selector.peer_access(ctx)
     cpu = CommContext(0, 2, None, None, torch.device("cpu"))
     assert selector._preferred(cpu, "auto", False, 16 << 20) == []  # gloo
     assert selector._preferred(cpu, "hostmem-int8", False, 16 << 20) == [

@@ -134,13 +134,20 @@ def _one_thread() -> Iterator[None]:
 def map_shared(ctx: CommContext, nbytes: int) -> torch.Tensor:
     """A zeroed file-backed buffer mapped by every rank; the file is gone once all have it."""
     folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    names = [os.path.join(folder, f"lightwell-ar-{uuid.uuid4().hex}")] if ctx.rank == 0 else [None]
+    names: list = [None]
     if ctx.rank == 0:
-        with open(names[0], "wb") as f:
-            f.truncate(nbytes)
+        # a sparse file larger than the free space maps fine and then kills the process with
+        # SIGBUS when a page is touched: check first, and let every rank fail the same way
+        st = os.statvfs(folder)
+        if st.f_bavail * st.f_frsize >= nbytes:
+            names[0] = os.path.join(folder, f"lightwell-ar-{uuid.uuid4().hex}")
+            with open(names[0], "wb") as f:
+                f.truncate(nbytes)
     dist.broadcast_object_list(
         names, src=dist.get_global_rank(ctx.cpu_group, 0), group=ctx.cpu_group
     )
+    if names[0] is None:
+        raise RuntimeError(f"{folder} has less than the {nbytes} bytes free that it needs")
     memory = torch.from_file(names[0], shared=True, size=nbytes, dtype=torch.uint8)
     dist.barrier(group=ctx.cpu_group)
     if ctx.rank == 0:

@@ -34,8 +34,12 @@ from lightwell.distributed.comm.host import map_shared, pin
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _HOST_REGISTER_PORTABLE_MAPPED = 3
-_GPU_MAX_SPIN = 1 << 25  # polls of a peer flag (~1 us each over PCIe) before giving up
+# polls of a peer (~1 us each over PCIe; an ll poll re-reads a whole block) before the kernel
+# gives up and traps: minutes, so only a peer that stopped trips it
+_GPU_MAX_SPIN = 1 << 28
 _CPU_MAX_SPIN = 1 << 22
+# Tuning knobs read from the environment: every rank must see the same values (worker processes
+# inherit the engine's environment), or the ranks would launch different grids and lanes.
 MAX_PROGRAMS_ENV = "LIGHTWELL_HOSTMEM_MAX_PROGRAMS"
 
 DEFAULT_MAX_PROGRAMS = 1 << 30  # one program per block
@@ -83,8 +87,8 @@ class HostMemAllReduce:
         self.name = "hostmem-int8" if int8 else "hostmem"
         self.max_bytes = max_bytes
         self.block = block = block or kernel.BLOCK
-        if block % 128:
-            raise ValueError(f"hostmem block must be a multiple of 128, got {block}")
+        if block % 128 or block & (block - 1):
+            raise ValueError(f"hostmem block must be a power of two >= 128, got {block}")
         # the most blocks a message can have (2-byte dtypes), and slot room for any dtype
         self.max_blocks = -(-max_bytes // (2 * block)) + 1
         self.slot_bytes = (-(-max_bytes // (4 * block)) + 1) * 4 * block
@@ -97,6 +101,9 @@ class HostMemAllReduce:
         self.registered = False
         if self.on_gpu:
             self.registered = pin(self.memory, _HOST_REGISTER_PORTABLE_MAPPED)
+        # unregister before the mapping goes (at close, when dropped unclosed, or below)
+        self._release = weakref.finalize(self, _unregister, self.memory, self.registered)
+        if self.on_gpu:
             if not self.registered:
                 raise RuntimeError("cudaHostRegister of the host all-reduce segment failed")
             segment = _device_view(self.memory, ctx.device)  # the same bytes, GPU-addressed
@@ -111,8 +118,6 @@ class HostMemAllReduce:
         if max_programs is None:
             max_programs = int(os.environ.get(MAX_PROGRAMS_ENV, DEFAULT_MAX_PROGRAMS))
         self.max_programs = max(1, max_programs)
-        # unregister before the mapping goes (at close, or when dropped unclosed)
-        self._release = weakref.finalize(self, _unregister, self.memory, self.registered)
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -140,6 +145,7 @@ class HostMemAllReduce:
                 self.size,
                 self.int8,
                 self.max_spin,
+                self.on_gpu,
                 self.max_programs,
                 self.block,
             )
@@ -165,6 +171,8 @@ class HostMemAllReduce:
         return bool(self.status.item())
 
     def close(self) -> None:
+        if self.on_gpu and self.registered:
+            torch.cuda.synchronize(self.epochs.device)  # no kernel may still touch the segment
         self.flags = self.data = self.scales = self.memory = None
         self._release()
 

@@ -1,12 +1,14 @@
 """Pick the all-reduce strategy per call, by the option asked for, message size and backend.
 
 The rule (``--all-reduce``):
-- auto, GPU with peer access (``--custom-all-reduce`` on and every GPU pair peer-capable):
-  messages of at most ``AUTO_PEER_MAX_BYTES`` go to the peer-memory strategy (``oneshot``:
-  one-shot up to 256 KB, two-shot above) when it is available; everything else to NCCL.
-- auto, GPU without peer access (``--no-custom-all-reduce``, or a PCIe box without P2P):
-  ``hostmem`` (exact, through pinned host memory) for every message that fits its buffer,
-  NCCL above. The lossy ones (int8, hostmem-int8) are never chosen by auto.
+- auto, GPUs with peer access (every pair can map the other, and NCCL_P2P_DISABLE is not
+  set): with ``--custom-all-reduce`` (default), messages of at most ``AUTO_PEER_MAX_BYTES``
+  go to the peer-memory strategy (``oneshot``: one-shot up to 256 KB, two-shot above) when
+  it is available; everything else (and everything with ``--no-custom-all-reduce``) to NCCL.
+- auto, GPUs without peer access (a PCIe box without P2P, or NCCL_P2P_DISABLE=1): ``hostmem``
+  (exact, through pinned host memory) for every message that fits its buffer, NCCL above.
+  If it cannot be set up on every rank, NCCL for everything, with a warning.
+  The lossy ones (int8, hostmem-int8) are never chosen by auto.
 - auto, CPU: the gloo process group's all-reduce.
 - nccl / gloo: always that one.
 - oneshot: peer memory for every message that fits its buffer (sized to the largest step),
@@ -23,8 +25,10 @@ sees the same shape, dtype and capture state, so every rank picks the same strat
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
+import torch.distributed as dist
 
 from lightwell.distributed.comm import create_strategy, is_available
 from lightwell.distributed.comm.base import AllReduceStrategy, CommContext
@@ -56,15 +60,20 @@ class AllReduceSelector:
         )
         self.preferred: list[AllReduceStrategy] = []
         for name, options in _preferred(ctx, choice, custom_all_reduce, max_bytes):
-            if is_available(name, ctx):
+            if not is_available(name, ctx):
+                if choice == name:
+                    logger.warning(
+                        "all-reduce %r is not available on %s: using %s instead",
+                        name,
+                        ctx.device,
+                        self.fallback.name,
+                    )
+            elif choice == "auto":  # auto's picks are optional: fall back if any rank fails
+                strategy = _build_on_every_rank(name, ctx, options)
+                if strategy is not None:
+                    self.preferred.append(strategy)
+            else:
                 self.preferred.append(create_strategy(name, ctx, **options))
-            elif choice == name:
-                logger.warning(
-                    "all-reduce %r is not available on %s: using %s instead",
-                    name,
-                    ctx.device,
-                    self.fallback.name,
-                )
 
     def pick(self, x: torch.Tensor) -> AllReduceStrategy:
         for strategy in self.preferred:
@@ -93,10 +102,12 @@ def _preferred(
     if choice == "auto":
         if ctx.device.type != "cuda":
             return []
-        if not custom or not peer_access(ctx):
-            # no peer access: through pinned host memory beats NCCL's own host path at every
-            # size (benchmarks/results/tp_run4), exactly
+        if not peer_access(ctx):
+            # through pinned host memory beats NCCL's own host path at every size, exactly
+            # (benchmarks/results/tp_run4)
             return lanes("hostmem", max_bytes)
+        if not custom:
+            return []
         return [("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
@@ -110,9 +121,37 @@ def _preferred(
 
 
 def peer_access(ctx: CommContext) -> bool:
-    """Whether this rank's GPU can map every other rank's memory (ranks are GPUs 0..size-1)."""
+    """Whether every rank's GPU can map every other's memory (ranks are GPUs 0..size-1), and
+    NCCL is allowed to use it (``NCCL_P2P_DISABLE`` unset or 0). A collective over the CPU
+    group, so that all ranks answer the same on a box where only some pairs have peer access."""
+    if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+        return False
     me = ctx.device.index if ctx.device.index is not None else ctx.rank
-    return all(torch.cuda.can_device_access_peer(me, j) for j in range(ctx.size) if j != me)
+    mine = all(torch.cuda.can_device_access_peer(me, j) for j in range(ctx.size) if j != me)
+    return _all_ranks(ctx, mine)
+
+
+def _all_ranks(ctx: CommContext, ok: bool) -> bool:
+    """True when ``ok`` holds on every rank (a collective over the CPU group)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ctx.cpu_group)
+    return bool(flag.item())
+
+
+def _build_on_every_rank(name: str, ctx: CommContext, options: dict) -> AllReduceStrategy | None:
+    """Build an optional strategy; if it fails on any rank (no room in /dev/shm, pinning
+    refused...), close it everywhere and return None, so that every rank falls back alike."""
+    strategy, error = None, None
+    try:
+        strategy = create_strategy(name, ctx, **options)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the fallback
+        error = e
+    if _all_ranks(ctx, strategy is not None):
+        return strategy
+    if strategy is not None:
+        strategy.close()
+    logger.warning("all-reduce %r could not be set up on every rank (%s): using NCCL", name, error)
+    return None
 
 
 def _capturing(x: torch.Tensor) -> bool:
