@@ -33,6 +33,8 @@ shared memory between processes) volatile loads and plain stores.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -213,59 +215,63 @@ def num_blocks(n: int, block: int = BLOCK) -> int:
     return -(-n // block)
 
 
-def hostmem_all_reduce(
-    x: torch.Tensor,
-    slots: torch.Tensor,
-    scales: torch.Tensor,
-    flags: torch.Tensor,
-    epochs: torch.Tensor,
-    status: torch.Tensor,
-    rank: int,
-    world: int,
-    int8: bool,
-    max_spin: int,
-    use_asm: bool,
-    max_programs: int = 1 << 30,
-    block: int = BLOCK,
-) -> torch.Tensor:
-    """Sum of ``x`` over the ranks (a new tensor shaped like x).
+@dataclass(frozen=True)
+class HostMemBuffers:
+    """What one all-reduce instance hands its kernel: the host segment's views (GPU-addressed
+    on a GPU), this rank's counters and the launch shape. Every rank must hold the same
+    ``world``, ``max_programs`` and ``block`` (elements per block, a power of two >= GROUP)."""
 
-    ``slots``: the host segment's data area as one flat tensor of x's dtype (plain) or int8,
-    [2 * world * slot_elems]; ``scales``: the same bytes as fp32 (int8 only); ``flags``: int32
-    [world, max_blocks] in host memory; ``epochs``: int32 [max_blocks] device memory; ``status``:
-    int32 [1]. Every rank calls with the same shape and dtype, in the same order (and the same
-    ``max_programs``: how many programs share the blocks; fewer leave SMs to compute running
-    beside the all-reduce on another stream; and the same ``block``, elements per block, a
-    multiple of GROUP: smaller blocks spread a small message over more SMs)."""
+    data: torch.Tensor  # uint8: the slots, [2 parities, world, slot bytes]
+    flags: torch.Tensor  # int32 [world, max_blocks] (flag protocol)
+    epochs: torch.Tensor  # int32 [max_blocks], device memory
+    status: torch.Tensor  # int32 [1], device memory: 1 once a wait gave up
+    rank: int
+    world: int
+    max_spin: int
+    use_asm: bool  # compiled for a GPU (PTX acquire/release, trap)
+    max_programs: int = 1 << 30  # programs sharing the blocks (fewer leave SMs to compute)
+    block: int = BLOCK
+
+    def check_fits(self, x: torch.Tensor, bytes_per_block: int) -> int:
+        """Blocks of ``x``; raises if they exceed the counters or a rank's slot."""
+        blocks = num_blocks(x.numel(), self.block)
+        if blocks > self.epochs.numel() or blocks * bytes_per_block > self.data.numel() // (
+            2 * self.world
+        ):
+            raise ValueError(
+                f"message of {x.numel()} elements does not fit the host all-reduce buffers"
+            )
+        return blocks
+
+
+def hostmem_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> torch.Tensor:
+    """Sum of ``x`` over the ranks (a new tensor shaped like x), flag protocol. Every rank calls
+    with the same shape and dtype, in the same order."""
     x = x.contiguous()
-    n, max_blocks = x.numel(), epochs.numel()
-    blocks = num_blocks(n, block)
-    slot_elems = slots.numel() // (2 * world)
-    need = blocks * int8_block_bytes(block) if int8 else blocks * block
-    if blocks > max_blocks or need > slot_elems:
-        raise ValueError(f"message of {n} elements does not fit the host all-reduce buffers")
-    if not int8 and slots.dtype != x.dtype:
-        raise ValueError(f"slots are {slots.dtype}, x is {x.dtype}")
+    size = 1 if int8 else x.element_size()
+    per_block = int8_block_bytes(bufs.block) if int8 else bufs.block * size
+    blocks = bufs.check_fits(x, per_block)
+    slots = bufs.data.view(torch.int8 if int8 else x.dtype)
     out = torch.empty_like(x)
-    _hostmem_all_reduce_kernel[(min(blocks, max_programs),)](
+    _hostmem_all_reduce_kernel[(min(blocks, bufs.max_programs),)](
         x,
         out,
         slots,
-        scales,
-        flags,
-        epochs,
-        status,
-        n,
-        rank,
-        max_spin,
-        SLOT_ELEMS=slot_elems,
-        MAX_BLOCKS=max_blocks,
-        WORLD=world,
-        BLOCK=block,
+        bufs.data.view(torch.float32),
+        bufs.flags,
+        bufs.epochs,
+        bufs.status,
+        x.numel(),
+        bufs.rank,
+        bufs.max_spin,
+        SLOT_ELEMS=slots.numel() // (2 * bufs.world),
+        MAX_BLOCKS=bufs.flags.numel() // bufs.world,
+        WORLD=bufs.world,
+        BLOCK=bufs.block,
         GROUP=GROUP,
         INT8=int8,
-        ASM=use_asm,
-        num_warps=8 if block >= 4096 else 4,
+        ASM=bufs.use_asm,
+        num_warps=8 if bufs.block >= 4096 else 4,
     )
     return out
 
@@ -401,47 +407,32 @@ def _hostmem_ll_kernel(
 _INT_OF_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32}
 
 
-def hostmem_ll_all_reduce(
-    x: torch.Tensor,
-    words: torch.Tensor,
-    epochs: torch.Tensor,
-    status: torch.Tensor,
-    rank: int,
-    world: int,
-    int8: bool,
-    max_spin: int,
-    use_asm: bool,
-    max_programs: int = 1 << 30,
-    block: int = BLOCK,
-) -> torch.Tensor:
-    """``hostmem_all_reduce`` with the low-latency protocol; ``words``: the host segment's data
-    area as int64 [2 * world * slot_words]; the same epochs/status conventions."""
+def hostmem_ll_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> torch.Tensor:
+    """``hostmem_all_reduce`` with the low-latency protocol (the slots hold int64 words)."""
     x = x.contiguous()
-    n, size = x.numel(), x.element_size()
-    blocks, wpb = num_blocks(n, block), ll_words_per_block(block, int8, size)
-    slot_words = words.numel() // (2 * world)
-    if blocks > epochs.numel() or blocks * wpb > slot_words:
-        raise ValueError(f"message of {n} elements does not fit the host all-reduce buffers")
+    size = x.element_size()
+    wpb = ll_words_per_block(bufs.block, int8, size)
+    blocks = bufs.check_fits(x, 8 * wpb)
+    words = bufs.data.view(torch.int64)
     out = torch.empty_like(x)
-    comp = 4 if int8 else 4 // size
-    _hostmem_ll_kernel[(min(blocks, max_programs),)](
+    _hostmem_ll_kernel[(min(blocks, bufs.max_programs),)](
         x,
         out,
         words,
-        epochs,
-        status,
-        n,
-        rank,
-        max_spin,
-        SLOT_WORDS=slot_words,
+        bufs.epochs,
+        bufs.status,
+        x.numel(),
+        bufs.rank,
+        bufs.max_spin,
+        SLOT_WORDS=words.numel() // (2 * bufs.world),
         WPB=wpb,
-        WORLD=world,
-        BLOCK=block,
+        WORLD=bufs.world,
+        BLOCK=bufs.block,
         GROUP=GROUP,
         INT8=int8,
-        COMP=comp,
+        COMP=4 if int8 else 4 // size,
         INT_TY=_INT_OF_SIZE[1 if int8 else size],
-        ASM=use_asm,
-        num_warps=8 if block >= 4096 else 4,
+        ASM=bufs.use_asm,
+        num_warps=8 if bufs.block >= 4096 else 4,
     )
     return out

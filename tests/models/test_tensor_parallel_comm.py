@@ -5,6 +5,8 @@ to the plain forward."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from tests.models.test_tensor_parallel import _free_port
@@ -99,7 +101,7 @@ def _check_hostmem_gives_up(rank: int, ctx) -> None:
     from lightwell.distributed.comm import create_strategy
 
     strategy = create_strategy("hostmem", ctx, max_bytes=1 << 16)
-    strategy.max_spin = 50
+    strategy.bufs = dataclasses.replace(strategy.bufs, max_spin=50)
     if rank == 0:
         strategy.all_reduce(torch.ones(8))
         assert strategy.timed_out()

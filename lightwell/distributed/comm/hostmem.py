@@ -109,15 +109,21 @@ class HostMemAllReduce:
             segment = _device_view(self.memory, ctx.device)  # the same bytes, GPU-addressed
         else:
             segment = self.memory
-        self.flags = segment[:flag_bytes].view(torch.int32)[: self.size * self.max_blocks]
-        self.data = segment[flag_bytes:]
-        self.scales = self.data.view(torch.float32)
-        self.epochs = torch.zeros(self.max_blocks, dtype=torch.int32, device=ctx.device)
-        self.status = torch.zeros(1, dtype=torch.int32, device=ctx.device)
-        self.max_spin = _GPU_MAX_SPIN if self.on_gpu else _CPU_MAX_SPIN
         if max_programs is None:
             max_programs = int(os.environ.get(MAX_PROGRAMS_ENV, DEFAULT_MAX_PROGRAMS))
-        self.max_programs = max(1, max_programs)
+        self.bufs = kernel.HostMemBuffers(
+            data=segment[flag_bytes:],
+            flags=segment[:flag_bytes].view(torch.int32)[: self.size * self.max_blocks],
+            epochs=torch.zeros(self.max_blocks, dtype=torch.int32, device=ctx.device),
+            status=torch.zeros(1, dtype=torch.int32, device=ctx.device),
+            rank=self.rank,
+            world=self.size,
+            max_spin=_GPU_MAX_SPIN if self.on_gpu else _CPU_MAX_SPIN,
+            use_asm=self.on_gpu,
+            max_programs=max(1, max_programs),
+            block=block,
+        )
+        self._run = kernel.hostmem_ll_all_reduce if protocol == "ll" else kernel.hostmem_all_reduce
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -130,50 +136,21 @@ class HostMemAllReduce:
     def supports(self, x: torch.Tensor) -> bool:
         return (
             x.dtype in _DTYPES
-            and x.device.type == self.epochs.device.type
+            and x.device.type == self.bufs.epochs.device.type
             and message_bytes(x) <= self.max_bytes
         )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.protocol == "ll":
-            return self.kernel.hostmem_ll_all_reduce(
-                x,
-                self.data.view(torch.int64),
-                self.epochs,
-                self.status,
-                self.rank,
-                self.size,
-                self.int8,
-                self.max_spin,
-                self.on_gpu,
-                self.max_programs,
-                self.block,
-            )
-        slots = self.data.view(torch.int8) if self.int8 else self.data.view(x.dtype)
-        return self.kernel.hostmem_all_reduce(
-            x,
-            slots,
-            self.scales,
-            self.flags,
-            self.epochs,
-            self.status,
-            self.rank,
-            self.size,
-            self.int8,
-            self.max_spin,
-            self.on_gpu,
-            self.max_programs,
-            self.block,
-        )
+        return self._run(x, self.bufs, self.int8)
 
     def timed_out(self) -> bool:
         """Whether any wait gave up on a peer (synchronises with the device)."""
-        return bool(self.status.item())
+        return bool(self.bufs.status.item())
 
     def close(self) -> None:
         if self.on_gpu and self.registered:
-            torch.cuda.synchronize(self.epochs.device)  # no kernel may still touch the segment
-        self.flags = self.data = self.scales = self.memory = None
+            torch.cuda.synchronize(self.bufs.epochs.device)  # no kernel may still use it
+        self.bufs = self.memory = None
         self._release()
 
 
