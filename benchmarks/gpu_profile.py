@@ -35,6 +35,21 @@ def prompt(n: int, seed: int) -> dict:
     return {"prompt_token_ids": [rng.randrange(128256) for _ in range(n)]}
 
 
+def cuda_kernels(prof) -> list[dict]:
+    """The CUDA kernels a torch.profiler run recorded, by start: name, stream, ts, dur (us)."""
+    kernels = [
+        {
+            "name": e.name[:80],
+            "stream": e.device_resource_id,
+            "ts": e.time_range.start,
+            "dur": e.time_range.end - e.time_range.start,
+        }
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return sorted(kernels, key=lambda k: k["ts"])
+
+
 def profiled_step(engine) -> tuple:
     """(torch.profiler result, wall seconds) of one ``engine.step()``, the GPU drained."""
     from torch.profiler import ProfilerActivity, profile
@@ -111,11 +126,7 @@ def gpu_gaps(args, batch: int, steps: int = 8) -> None:
             engine.step()
         wall = time.perf_counter() - t0
     prof.export_chrome_trace(os.path.join(args.out, "async_decode_trace.json"))
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    kernels = [(k["ts"], k["ts"] + k["dur"]) for k in cuda_kernels(prof)]
     busy, idle, end = 0.0, [], None
     for a, b in kernels:
         if end is not None and a > end:

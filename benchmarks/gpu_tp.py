@@ -183,6 +183,7 @@ def stage_profile(llm, emit, out: str, name: str) -> None:
     """One 2,048-token prefill under torch.profiler on rank 0: the CUDA kernels with their
     streams and times (JSON), to see what overlaps with what."""
     import torch
+    from gpu_profile import cuda_kernels
     from torch.profiler import ProfilerActivity, profile
 
     from lightwell import SamplingParams
@@ -193,17 +194,7 @@ def stage_profile(llm, emit, out: str, name: str) -> None:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         llm.generate(rand_prompts(1, 2048, 61), one, use_tqdm=False)
         torch.cuda.synchronize()
-    kernels = [
-        {
-            "name": e.name[:80],
-            "stream": e.device_resource_id,
-            "ts": e.time_range.start,
-            "dur": e.time_range.end - e.time_range.start,
-        }
-        for e in prof.events()
-        if e.device_type.name == "CUDA"
-    ]
-    kernels.sort(key=lambda k: k["ts"])
+    kernels = cuda_kernels(prof)
     span = (kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]) if kernels else 0
     busy: dict = {}
     for k in kernels:
@@ -248,13 +239,14 @@ def run_engine(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     llm = make_llm(mode, options, args.dual_min_tokens)
     emit("engine_start_s", time.perf_counter() - t0, workload="startup")
+    run_stage = {
+        "w1": lambda: stage_w1(llm, emit, model),
+        "ttft": lambda: stage_ttft(llm, emit),
+        "decode": lambda: stage_decode(llm, emit),
+        "profile": lambda: stage_profile(llm, emit, args.out, f"{mode}_{label}"),
+    }
     for stage in stages:
-        if stage == "w1":
-            stage_w1(llm, emit, model)
-        elif stage == "profile":
-            stage_profile(llm, emit, args.out, f"{mode}_{label}")
-        else:
-            {"ttft": stage_ttft, "decode": stage_decode}[stage](llm, emit)
+        run_stage[stage]()
     llm.engine.shutdown()
     sys.stdout.flush()
     os._exit(0)  # results are on disk; never wait on NCCL/CUDA teardown at interpreter exit
@@ -311,16 +303,16 @@ def drive(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     start, modes = time.time(), args.modes.split(",")
     end = start + args.budget_s
+    weights = {**SHARE, **json.loads(args.share)}
+    wanted = args.engines.split(",")
     for i, mode in enumerate(modes):
         args.mode_now = mode
-        weights = {**SHARE, **json.loads(args.share)}
         share = sum(weights[m] for m in modes[: i + 1]) / sum(weights[m] for m in modes)
         mode_end = start + args.budget_s * share
         print(f"== mode {mode} (until +{mode_end - start:.0f} s)", flush=True)
         if {"allreduce", "check"} & set(args.stages.split(",")):
             child(args, [], min(mode_end, time.time() + args.allreduce_s), args.allreduce_s + 30)
         for label, _, _ in ENGINES[mode]:
-            wanted = args.engines.split(",")
             if args.engines != "all" and label not in wanted and f"{mode}:{label}" not in wanted:
                 continue
             if mode_end - time.time() < 40:

@@ -33,7 +33,7 @@ shared memory between processes) volatile loads and plain stores.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -231,6 +231,14 @@ class HostMemBuffers:
     use_asm: bool  # compiled for a GPU (PTX acquire/release, trap)
     max_programs: int = 1 << 30  # programs sharing the blocks (fewer leave SMs to compute)
     block: int = BLOCK
+    _views: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def view(self, dtype: torch.dtype) -> torch.Tensor:
+        """``data`` as ``dtype``, made once per dtype (not on every launch)."""
+        v = self._views.get(dtype)
+        if v is None:
+            v = self._views[dtype] = self.data.view(dtype)
+        return v
 
     def check_fits(self, x: torch.Tensor, bytes_per_block: int) -> int:
         """Blocks of ``x``; raises if they exceed the counters or a rank's slot."""
@@ -251,13 +259,13 @@ def hostmem_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> tor
     size = 1 if int8 else x.element_size()
     per_block = int8_block_bytes(bufs.block) if int8 else bufs.block * size
     blocks = bufs.check_fits(x, per_block)
-    slots = bufs.data.view(torch.int8 if int8 else x.dtype)
+    slots = bufs.view(torch.int8 if int8 else x.dtype)
     out = torch.empty_like(x)
     _hostmem_all_reduce_kernel[(min(blocks, bufs.max_programs),)](
         x,
         out,
         slots,
-        bufs.data.view(torch.float32),
+        bufs.view(torch.float32),
         bufs.flags,
         bufs.epochs,
         bufs.status,
@@ -413,7 +421,7 @@ def hostmem_ll_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> 
     size = x.element_size()
     wpb = ll_words_per_block(bufs.block, int8, size)
     blocks = bufs.check_fits(x, 8 * wpb)
-    words = bufs.data.view(torch.int64)
+    words = bufs.view(torch.int64)
     out = torch.empty_like(x)
     _hostmem_ll_kernel[(min(blocks, bufs.max_programs),)](
         x,

@@ -138,8 +138,7 @@ class CudaGraphRunner:
         """Capture every graph (largest first, one memory pool); returns the seconds taken."""
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        keys = [("mixed", p) for p in reversed(self.mixed_sizes)]
-        keys += [("decode", b) for b in reversed(self.sizes)]
+        keys = self._keys(largest_first=True)
         for key in keys:
             self.metas[key] = self._meta(key)
             args = self._args(key)
@@ -166,8 +165,15 @@ class CudaGraphRunner:
     def prepare_without_graphs(self) -> None:
         """Build the capture-time metadata without capturing (CPU tests): ``run`` then calls
         ``forward_fn`` on the padded static inputs, exactly what a replay computes."""
-        for key in [("mixed", p) for p in self.mixed_sizes] + [("decode", b) for b in self.sizes]:
+        for key in self._keys():
             self.metas[key] = self._meta(key)
+
+    def _keys(self, largest_first: bool = False) -> list[tuple[str, int]]:
+        """Every graph's key: the mixed token counts, then the decode batch sizes."""
+        order = reversed if largest_first else list
+        return [("mixed", p) for p in order(self.mixed_sizes)] + [
+            ("decode", b) for b in order(self.sizes)
+        ]
 
     def can_run(self, meta: AttentionMetadata) -> bool:
         return self.graph_for(meta) is not None

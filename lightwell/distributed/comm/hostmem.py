@@ -82,20 +82,19 @@ class HostMemAllReduce:
         self.protocol = protocol
         from lightwell.kernels import hostmem_allreduce as kernel
 
-        self.kernel = kernel
-        self.rank, self.size, self.int8 = ctx.rank, ctx.size, int8
+        self.int8 = int8
         self.name = "hostmem-int8" if int8 else "hostmem"
         self.max_bytes = max_bytes
-        self.block = block = block or kernel.BLOCK
+        block = block or kernel.BLOCK
         if block % 128 or block & (block - 1):
             raise ValueError(f"hostmem block must be a power of two >= 128, got {block}")
         # the most blocks a message can have (2-byte dtypes), and slot room for any dtype
-        self.max_blocks = -(-max_bytes // (2 * block)) + 1
-        self.slot_bytes = (-(-max_bytes // (4 * block)) + 1) * 4 * block
+        max_blocks = -(-max_bytes // (2 * block)) + 1
+        slot_bytes = (-(-max_bytes // (4 * block)) + 1) * 4 * block
         if protocol == "ll":  # a payload word is half of an 8-byte word
-            self.slot_bytes *= 2
-        flag_bytes = -(-(4 * self.size * self.max_blocks) // 4096) * 4096
-        total = flag_bytes + 2 * self.size * self.slot_bytes
+            slot_bytes *= 2
+        flag_bytes = -(-(4 * ctx.size * max_blocks) // 4096) * 4096
+        total = flag_bytes + 2 * ctx.size * slot_bytes
         self.memory = map_shared(ctx, total)  # CPU view, uint8 [total]
         self.on_gpu = ctx.device.type == "cuda"
         self.registered = False
@@ -113,11 +112,11 @@ class HostMemAllReduce:
             max_programs = int(os.environ.get(MAX_PROGRAMS_ENV, DEFAULT_MAX_PROGRAMS))
         self.bufs = kernel.HostMemBuffers(
             data=segment[flag_bytes:],
-            flags=segment[:flag_bytes].view(torch.int32)[: self.size * self.max_blocks],
-            epochs=torch.zeros(self.max_blocks, dtype=torch.int32, device=ctx.device),
+            flags=segment[:flag_bytes].view(torch.int32)[: ctx.size * max_blocks],
+            epochs=torch.zeros(max_blocks, dtype=torch.int32, device=ctx.device),
             status=torch.zeros(1, dtype=torch.int32, device=ctx.device),
-            rank=self.rank,
-            world=self.size,
+            rank=ctx.rank,
+            world=ctx.size,
             max_spin=_GPU_MAX_SPIN if self.on_gpu else _CPU_MAX_SPIN,
             use_asm=self.on_gpu,
             max_programs=max(1, max_programs),

@@ -63,7 +63,7 @@ def unpack(buf: torch.Tensor, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # The three local steps in torch ops, with lightwell.kernels.int8_pack's signatures (the CPU
-# path, and the default until the fused kernels are measured on GPUs).
+# path; GPUs use the fused kernels).
 def _quantize_pack(x: torch.Tensor, num_rows: int, cols: int) -> torch.Tensor:
     flat = x.reshape(-1)
     if flat.numel() != num_rows * cols:
