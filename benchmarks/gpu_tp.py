@@ -40,6 +40,8 @@ MODE_ENV = {
     "pcie-emulated": {"NCCL_P2P_DISABLE": "1"},
 }
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# hostmem without the residual add + RMSNorm fused into its kernel (for comparison)
+NOFUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "0"}
 # (label, engine options, stages), most important first: the budget cuts from the end.
 ENGINES = {
     "nvlink": [
@@ -57,6 +59,13 @@ ENGINES = {
         ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
         ("tp2-hostmem-int8", dict(all_reduce="hostmem-int8"), ("w1", "ttft", "decode")),
         (
+            "tp2-hostmem-int8-nofuse",
+            dict(all_reduce="hostmem-int8", _env=NOFUSE),
+            ("ttft", "decode"),
+        ),
+        ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
+        ("tp2-auto-nofuse", dict(all_reduce="auto", _env=NOFUSE), ("w1", "ttft", "decode")),
+        (
             "tp2-hostmem-int8-dual",
             dict(all_reduce="hostmem-int8", dual_stream=True),
             ("ttft", "decode", "profile"),
@@ -70,7 +79,6 @@ ENGINES = {
             ),
             ("ttft", "decode", "profile"),
         ),
-        ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
         (
             "tp2-hostmem-int8-noll",
             dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_LL_MAX_BYTES": "0"}),

@@ -26,6 +26,9 @@ from results_io import record  # noqa: E402
 HIDDEN = 4096
 TOKENS = [1, 8, 32, 64, 128, 512, 2048, 8192]
 GRAPH_MAX_TOKENS = 512
+# the all-reduce + residual add + RMSNorm rows (fused in hostmem's kernel, or the all-reduce then
+# the fused_add_rmsnorm kernel): the sizes of decode and of a 2,048-token prefill
+NORM_TOKENS = [1, 8, 64, 128, 512, 2048]
 CHECK_MODEL = json.dumps(  # llama-3-8b's config with small shapes
     {
         "preset": "llama-3-8b",
@@ -126,7 +129,29 @@ def _strategies(ctx, mode: str) -> dict:
             out["oneshot-1shot"], out["oneshot-2shot"] = strategy.one_shot, strategy.two_shot
         else:
             out[name] = strategy.all_reduce
+        if name in ("nccl", "hostmem", "hostmem-int8"):
+            out.update(_with_norm(name, strategy))
     return out
+
+
+def _with_norm(name: str, strategy) -> dict:
+    """``name+norm`` (the all-reduce fused with the residual add + RMSNorm, hostmem's) and
+    ``name+sep-norm`` (the all-reduce, then the fused_add_rmsnorm kernel). The residual is
+    zero, so the new residual they return is the sum (checked like the others)."""
+    from lightwell.kernels.rmsnorm import fused_add_rmsnorm
+
+    weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device="cuda")
+    zeros = torch.zeros(max(TOKENS), HIDDEN, dtype=torch.bfloat16, device="cuda")
+    fns = {
+        f"{name}+sep-norm": lambda x: fused_add_rmsnorm(
+            strategy.all_reduce(x), zeros[: len(x)], weight, 1e-5
+        )[1]
+    }
+    if hasattr(strategy, "all_reduce_add_rmsnorm"):
+        fns[f"{name}+norm"] = lambda x: strategy.all_reduce_add_rmsnorm(
+            x, zeros[: len(x)], weight, 1e-5
+        )[1]
+    return fns
 
 
 def pcie_probe(rank: int, mode: str, out: str, rows: list) -> None:
@@ -153,7 +178,7 @@ def pcie_probe(rank: int, mode: str, out: str, rows: list) -> None:
 def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: float) -> None:
     pcie_probe(rank, mode, out, rows)
     for name, fn in _strategies(ctx, mode).items():
-        for tokens in TOKENS:
+        for tokens in NORM_TOKENS if "norm" in name else TOKENS:
             if time.time() > deadline:
                 return
             x = _inputs(tokens, rank)

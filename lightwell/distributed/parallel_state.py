@@ -80,6 +80,21 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_add_rmsnorm(
+    x: torch.Tensor,  # [T, H] this rank's partial sum
+    residual: torch.Tensor,  # [T, H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The all-reduce of ``x`` fused with the residual add + RMSNorm that consumes it:
+    ``(rmsnorm(sum + residual) * weight, sum + residual)``, when the strategy has a fused form
+    for x (``hostmem``); None otherwise (and at TP=1): the caller reduces and norms apart."""
+    if _STATE.size == 1 or _STATE.all_reduce is None:
+        return None
+    fused = getattr(_STATE.all_reduce, "all_reduce_add_rmsnorm", None)
+    return None if fused is None else fused(x, residual, weight, eps)
+
+
 def tp_broadcast(x: torch.Tensor) -> torch.Tensor:
     """Overwrite ``x`` on every rank with tensor-parallel rank 0's ``x`` (in place)."""
     if _STATE.size == 1:

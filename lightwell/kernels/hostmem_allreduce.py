@@ -131,6 +131,39 @@ def _quantize(v, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     return _round_clamp(g / scale[:, None]), scale
 
 
+@triton.jit
+def _finish(
+    acc,  # fp32 [BLOCK]: the block's sum
+    offs,  # int64 [BLOCK]: its element offsets
+    mask,
+    out_ptr,
+    res_ptr,
+    res_out_ptr,
+    w_ptr,
+    eps,
+    BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+    HIDDEN: tl.constexpr,
+):
+    """Store the sum, rounded to the output dtype; with NORM (the block holds BLOCK // HIDDEN
+    whole rows) store instead ``r = sum + residual`` to res_out and RMSNorm(r) * w to out, with
+    the rounding of lightwell/kernels/rmsnorm.py's fused_add_rmsnorm applied to the rounded
+    sum: the same values as the all-reduce followed by that kernel, in one pass."""
+    s = acc.to(out_ptr.dtype.element_ty)
+    if NORM:
+        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        h = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + offs, h, mask=mask)
+        hf = tl.reshape(h.to(tl.float32), (BLOCK // HIDDEN, HIDDEN))
+        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / HIDDEN + eps)
+        normed = (hf * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + tl.arange(0, HIDDEN)).to(tl.float32)
+        y = tl.reshape(normed * w[None, :], (BLOCK,))
+        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + offs, s, mask=mask)
+
+
 @triton.jit(do_not_specialize=["n", "rank", "max_spin"])
 def _hostmem_all_reduce_kernel(
     x_ptr,  # [n] this rank's input (device)
@@ -140,6 +173,10 @@ def _hostmem_all_reduce_kernel(
     flag_ptr,  # int32 [WORLD, max_blocks] in host memory
     epoch_ptr,  # int32 [max_blocks] in device memory: epochs this rank has completed
     status_ptr,  # int32 [1] device memory: set to 1 when a wait gave up
+    res_ptr,  # NORM: [n] the residual (device)
+    res_out_ptr,  # NORM: [n] the new residual, sum + residual (device)
+    w_ptr,  # NORM: [HIDDEN] the RMSNorm weight
+    eps,
     n,
     rank,
     max_spin,
@@ -150,6 +187,8 @@ def _hostmem_all_reduce_kernel(
     GROUP: tl.constexpr,
     INT8: tl.constexpr,
     ASM: tl.constexpr,
+    NORM: tl.constexpr,  # fuse the residual add + RMSNorm that consumes the sum (_finish)
+    HIDDEN: tl.constexpr,  # NORM: the row length, a divisor of BLOCK
 ):
     # persistent programs: program i takes blocks i, i + P, ... (the same blocks on every rank)
     nblocks = tl.cdiv(n, BLOCK)
@@ -207,7 +246,7 @@ def _hostmem_all_reduce_kernel(
                     peer = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS
                     v = tl.load(slot_ptr + peer + offs, cache_modifier=".cv")
                     acc += v.to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _finish(acc, offs, mask, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, BLOCK, NORM, HIDDEN)
         tl.store(epoch_ptr + b, epoch)
 
 
@@ -252,8 +291,52 @@ class HostMemBuffers:
         return blocks
 
 
-def hostmem_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> torch.Tensor:
-    """Sum of ``x`` over the ranks (a new tensor shaped like x), flag protocol. Every rank calls
+@dataclass(frozen=True)
+class AddRMSNorm:
+    """The residual add + RMSNorm that consumes an all-reduce's sum, fused into its kernel:
+    the call returns ``(rmsnorm(sum + residual) * weight, sum + residual)``."""
+
+    residual: torch.Tensor  # like x
+    weight: torch.Tensor  # [x.shape[-1]]
+    eps: float
+
+
+def can_fuse_norm(x: torch.Tensor, norm: AddRMSNorm, block: int = BLOCK) -> bool:
+    """Whether the kernels can fuse ``norm`` for ``x``: x is [T, H] with H dividing ``block``
+    (every block holds whole rows), residual like x, weight [H] of x's dtype, all contiguous."""
+    if x.dim() != 2 or block % x.shape[1] or not x.is_contiguous():
+        return False
+    r, w = norm.residual, norm.weight
+    return (
+        r.shape == x.shape
+        and r.dtype == x.dtype
+        and r.is_contiguous()
+        and w.shape == (x.shape[1],)
+        and w.dtype == x.dtype
+        and w.is_contiguous()
+    )
+
+
+def _norm_launch(x: torch.Tensor, out: torch.Tensor, norm: AddRMSNorm | None, block: int):
+    """The kernels' NORM arguments: (pointer args, constexprs, the new-residual tensor)."""
+    if norm is None:
+        return (x, out, x, 0.0), {"NORM": False, "HIDDEN": 1}, None
+    if not can_fuse_norm(x, norm, block):
+        raise ValueError(f"cannot fuse the norm into the host all-reduce of {tuple(x.shape)}")
+    res_out = torch.empty_like(x)
+    args = (norm.residual, res_out, norm.weight, float(norm.eps))
+    return args, {"NORM": True, "HIDDEN": x.shape[1]}, res_out
+
+
+def _result(out: torch.Tensor, res_out: torch.Tensor | None):
+    return out if res_out is None else (out, res_out)
+
+
+def hostmem_all_reduce(
+    x: torch.Tensor, bufs: HostMemBuffers, int8: bool, norm: AddRMSNorm | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Sum of ``x`` over the ranks (a new tensor shaped like x), flag protocol; with ``norm``,
+    ``(rmsnorm(sum + residual), sum + residual)`` instead (``AddRMSNorm``). Every rank calls
     with the same shape and dtype, in the same order."""
     x = x.contiguous()
     size = 1 if int8 else x.element_size()
@@ -261,6 +344,7 @@ def hostmem_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> tor
     blocks = bufs.check_fits(x, per_block)
     slots = bufs.view(torch.int8 if int8 else x.dtype)
     out = torch.empty_like(x)
+    norm_args, norm_consts, res_out = _norm_launch(x, out, norm, bufs.block)
     _hostmem_all_reduce_kernel[(min(blocks, bufs.max_programs),)](
         x,
         out,
@@ -269,6 +353,7 @@ def hostmem_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> tor
         bufs.flags,
         bufs.epochs,
         bufs.status,
+        *norm_args,
         x.numel(),
         bufs.rank,
         bufs.max_spin,
@@ -279,9 +364,10 @@ def hostmem_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> tor
         GROUP=GROUP,
         INT8=int8,
         ASM=bufs.use_asm,
+        **norm_consts,
         num_warps=8 if bufs.block >= 4096 else 4,
     )
-    return out
+    return _result(out, res_out)
 
 
 # ---- the low-latency protocol (small messages) ------------------------------------------------
@@ -343,6 +429,10 @@ def _hostmem_ll_kernel(
     slot_ptr,  # int64 LL words in host memory: [2, WORLD, SLOT_WORDS]
     epoch_ptr,  # int32 [max_blocks] device memory
     status_ptr,  # int32 [1] device memory: set to 1 when a wait gave up
+    res_ptr,  # NORM: as in _hostmem_all_reduce_kernel
+    res_out_ptr,
+    w_ptr,
+    eps,
     n,
     rank,
     max_spin,
@@ -355,6 +445,8 @@ def _hostmem_ll_kernel(
     COMP: tl.constexpr,  # payload fields per 32-bit word: 4 (int8), 2 (16-bit x), 1 (fp32)
     INT_TY: tl.constexpr,  # the integer type of one field
     ASM: tl.constexpr,  # on a GPU: trap when a wait gives up
+    NORM: tl.constexpr,
+    HIDDEN: tl.constexpr,
 ):
     BITS: tl.constexpr = 32 // COMP
     NDATA: tl.constexpr = BLOCK // COMP
@@ -408,14 +500,16 @@ def _hostmem_ll_kernel(
                     acc += vals.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         if gave_up > 0:
             _give_up(status_ptr, ASM)
-        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _finish(acc, offs, mask, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, BLOCK, NORM, HIDDEN)
         tl.store(epoch_ptr + b, epoch)
 
 
 _INT_OF_SIZE = {1: tl.int8, 2: tl.int16, 4: tl.int32}
 
 
-def hostmem_ll_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> torch.Tensor:
+def hostmem_ll_all_reduce(
+    x: torch.Tensor, bufs: HostMemBuffers, int8: bool, norm: AddRMSNorm | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``hostmem_all_reduce`` with the low-latency protocol (the slots hold int64 words)."""
     x = x.contiguous()
     size = x.element_size()
@@ -423,12 +517,14 @@ def hostmem_ll_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> 
     blocks = bufs.check_fits(x, 8 * wpb)
     words = bufs.view(torch.int64)
     out = torch.empty_like(x)
+    norm_args, norm_consts, res_out = _norm_launch(x, out, norm, bufs.block)
     _hostmem_ll_kernel[(min(blocks, bufs.max_programs),)](
         x,
         out,
         words,
         bufs.epochs,
         bufs.status,
+        *norm_args,
         x.numel(),
         bufs.rank,
         bufs.max_spin,
@@ -441,6 +537,7 @@ def hostmem_ll_all_reduce(x: torch.Tensor, bufs: HostMemBuffers, int8: bool) -> 
         COMP=4 if int8 else 4 // size,
         INT_TY=_INT_OF_SIZE[1 if int8 else size],
         ASM=bufs.use_asm,
+        **norm_consts,
         num_warps=8 if bufs.block >= 4096 else 4,
     )
-    return out
+    return _result(out, res_out)

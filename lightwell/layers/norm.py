@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightwell.distributed.parallel_state import tp_all_reduce, tp_all_reduce_add_rmsnorm
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -78,13 +80,33 @@ class LayerNorm(nn.Module):
         return f"{self.shape}, eps={self.eps}, bias=False"
 
 
+def reduce_norm(
+    norm: nn.Module,
+    partial: torch.Tensor,  # [T, H]: a row-parallel layer's partial sum, not all-reduced
+    residual: torch.Tensor,  # [T, H]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
+    """The norm that consumes a row-parallel output: all-reduce ``partial`` over the TP group,
+    add the residual, normalise. One kernel where the all-reduce strategy fuses the add + norm
+    (``hostmem`` with an RMSNorm whose hidden size divides its block), else the all-reduce then
+    the norm's own fused add. At TP=1 just the norm."""
+    if isinstance(norm, RMSNorm):
+        fused = tp_all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+    return norm(tp_all_reduce(partial), residual)
+
+
 def pre_norm(
     norm: nn.Module,
     hidden: torch.Tensor,  # [T, H]: the previous layer's output
     residual: torch.Tensor | None,  # [T, H]; None before the first layer
+    partial: bool = False,  # hidden is a partial sum still to be all-reduced (reduce_norm)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
     """A decoder layer's input norm: the first layer normalises its input, which becomes the
-    residual; later layers add the residual first (fused into the norm)."""
+    residual; later layers add the residual first (fused into the norm), all-reducing the
+    previous layer's output first when it is ``partial``."""
     if residual is None:
         return norm(hidden), hidden
+    if partial:
+        return reduce_norm(norm, hidden, residual)
     return norm(hidden, residual)

@@ -23,7 +23,7 @@ from lightwell.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from lightwell.layers.norm import RMSNorm, pre_norm
+from lightwell.layers.norm import RMSNorm, pre_norm, reduce_norm
 from lightwell.layers.rotary import RotaryEmbedding, get_rope
 from lightwell.models.hf_config import get_rope_config
 from lightwell.models.weight_utils import load_packed_weights
@@ -157,6 +157,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # forward returns the MLP's partial sum, not all-reduced: whatever consumes it (the next
+    # layer's input norm, the model's final norm) all-reduces it, fused with its residual add
+    # + norm where the all-reduce strategy can (reduce_norm). Subclasses that override forward
+    # and return a reduced output set this False.
+    partial_output = True
+
     def __init__(
         self,
         config: Any,
@@ -175,13 +181,13 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [T]
-        hidden: torch.Tensor,  # [T, H]
-        residual: torch.Tensor | None,  # [T, H]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H], [T, H])
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden: torch.Tensor,  # [T, H]: the embedding, or the previous layer's partial sum
+        residual: torch.Tensor | None,  # [T, H]; None before the first layer
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] MLP partial sum, [T, H] residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual, partial=True)
+        hidden = self.self_attn.partial(positions, hidden)
+        hidden, residual = reduce_norm(self.post_attention_layernorm, hidden, residual)
+        return self.mlp.partial(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -219,8 +225,8 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        partial = getattr(self.layers[0], "partial_output", False)
+        return pre_norm(self.norm, hidden, residual, partial)[0]
 
 
 class LlamaForCausalLM(nn.Module):

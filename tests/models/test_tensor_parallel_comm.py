@@ -5,6 +5,7 @@ to the plain forward."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -93,7 +94,45 @@ def _check_strategies(rank: int, ctx) -> None:
                     assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
         strategy.close()
     torch.set_num_threads(threads)
+    _check_fused_norm(rank, ctx)
     _check_hostmem_gives_up(rank, ctx)
+
+
+def _check_fused_norm(rank: int, ctx) -> None:
+    """hostmem's all-reduce fused with the residual add + RMSNorm after it, both protocols and
+    int8: the same values as the all-reduce followed by the fused_add_rmsnorm kernel (the new
+    residual bit for bit), interleaved with plain calls on the same buffers (the epochs stay in
+    step); None where the hidden size does not divide the block or the dtypes differ."""
+    from lightwell.distributed.comm import create_strategy
+    from lightwell.kernels.rmsnorm import fused_add_rmsnorm
+
+    for name, options in (
+        ("hostmem", {"block": 512}),
+        ("hostmem", {"block": 512, "protocol": "ll"}),
+        ("hostmem-int8", {"block": 1024, "max_programs": 2}),
+    ):
+        strategy = create_strategy(name, ctx, max_bytes=1 << 16, **options)
+        for shape in ((5, 128), (3, 512), (9, 256)):  # 4, 1 and 2 rows a block (int8: 8, 2, 4)
+            for dtype in (torch.float32, torch.float16):
+                x = _inputs(shape, dtype, rank)
+                residual = _inputs(shape, dtype, 7)  # the same on both ranks
+                weight = (1 + 0.1 * _inputs(shape[1:], torch.float32, 9)).to(dtype)
+                want_sum = strategy.all_reduce(x.clone())
+                want = fused_add_rmsnorm(want_sum, residual, weight, 1e-5)
+                got = strategy.all_reduce_add_rmsnorm(x, residual, weight, 1e-5)
+                assert got is not None, (name, options, shape)
+                assert torch.equal(got[1], want[1]), (name, shape, dtype)  # sum + residual
+                tol = 1e-5 if dtype == torch.float32 else 1e-3
+                torch.testing.assert_close(got[0], want[0], rtol=tol, atol=tol)
+                seen = [torch.empty(shape) for _ in range(WORLD)]
+                torch.distributed.all_gather(seen, got[0].float(), group=ctx.group)
+                assert torch.equal(seen[0], seen[1]), (name, shape)  # every rank alike
+        x = torch.ones(2, 96)  # 96 does not divide the block: not fusable, nothing launched
+        assert strategy.all_reduce_add_rmsnorm(x, x, torch.ones(96), 1e-5) is None
+        x = torch.ones(2, 128)
+        assert strategy.all_reduce_add_rmsnorm(x, x, torch.ones(128).half(), 1e-5) is None
+        assert torch.equal(strategy.all_reduce(x), 2 * x)  # still in step after the refusals
+        strategy.close()
 
 
 def _check_hostmem_gives_up(rank: int, ctx) -> None:
@@ -176,14 +215,16 @@ STEPS = [([11, 6], [11, 6]), ([1, 1], [12, 7]), ([1, 1, 9], [13, 8, 9])]
 TABLES = [[3, 9, 1, 12], [7, 2], [5, 0, 14]]
 
 
-def _check_two_batch(rank: int, folder: str) -> None:
+def _check_two_batch(rank: int, ctx, folder: str) -> None:
     from lightwell.attention.metadata import forward_context
     from lightwell.attention.micro_batch import split_batch
+    from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.overlap import CommStream
     from lightwell.models.two_batch import supports_two_batch, two_batch_forward
     from tests.models.paged import bind_kv_caches, build_metadata
     from tests.models.tiny import load_ours
 
+    hostmem = AllReduceSelector(ctx, "hostmem", max_bytes=1 << 16)
     plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
     assert supports_two_batch(split)
     for model in (plain, split):
@@ -197,6 +238,42 @@ def _check_two_batch(rank: int, folder: str) -> None:
         with torch.no_grad():
             got = two_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the plain forward through hostmem, whose kernel fuses every all-reduce that feeds a
+        # norm with its residual add + RMSNorm: o_proj's and down_proj's of every layer (the
+        # last one's feeds the final norm); the embedding's all-reduce stays plain
+        with torch.no_grad(), forward_context(meta), _through(hostmem) as calls:
+            got = plain(ids, pos)
+        assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1}, calls
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    hostmem.close()
+
+
+@contextlib.contextmanager
+def _through(selector):
+    """Route tp_all_reduce through ``selector`` for a while, counting its plain and fused
+    calls (fused: those that returned the fused result)."""
+    from lightwell.distributed.parallel_state import get_tp_all_reduce, set_tp_all_reduce
+
+    calls = {"fused": 0, "plain": 0}
+    plain, fused = selector.all_reduce, selector.all_reduce_add_rmsnorm
+
+    def count_plain(x):
+        calls["plain"] += 1
+        return plain(x)
+
+    def count_fused(*args):
+        out = fused(*args)
+        calls["fused"] += out is not None
+        return out
+
+    before = get_tp_all_reduce()
+    selector.all_reduce, selector.all_reduce_add_rmsnorm = count_plain, count_fused
+    set_tp_all_reduce(selector)
+    try:
+        yield calls
+    finally:
+        set_tp_all_reduce(before)
+        del selector.all_reduce, selector.all_reduce_add_rmsnorm
 
 
 def _run(rank: int, port: int, folder: str) -> None:
@@ -216,7 +293,7 @@ def _run(rank: int, port: int, folder: str) -> None:
     _check_strategies(rank, ctx)
     _check_selector(rank, ctx)
     _check_setup_failures(rank, ctx)
-    _check_two_batch(rank, folder)
+    _check_two_batch(rank, ctx, folder)
     # every reference to the gloo group must go before it is destroyed: one left for the
     # interpreter's exit aborts the process now and then ("terminate called ...")
     del ctx, group

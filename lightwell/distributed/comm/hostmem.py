@@ -49,6 +49,8 @@ LL_MAX_BYTES_ENV = "LIGHTWELL_HOSTMEM_LL_MAX_BYTES"
 # but 52.5 vs 33.7 at 64 (twice the bytes wins nothing once a message is bandwidth-bound).
 # hostmem-int8 has no ll lane: its ll form was slower at every size but 8 tokens.
 LL_MAX_BYTES = 64 * 1024
+# 0: never fuse the residual add + RMSNorm into the all-reduce (for comparisons)
+FUSE_NORM_ENV = "LIGHTWELL_HOSTMEM_FUSE_NORM"
 
 
 def lanes(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
@@ -123,6 +125,8 @@ class HostMemAllReduce:
             block=block,
         )
         self._run = kernel.hostmem_ll_all_reduce if protocol == "ll" else kernel.hostmem_all_reduce
+        self._kernel = kernel
+        self.fuse_norm = os.environ.get(FUSE_NORM_ENV, "1") != "0"
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -141,6 +145,21 @@ class HostMemAllReduce:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(x, self.bufs, self.int8)
+
+    def all_reduce_add_rmsnorm(
+        self,
+        x: torch.Tensor,  # [T, H] this rank's partial sum
+        residual: torch.Tensor,  # [T, H]
+        weight: torch.Tensor,  # [H]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(rmsnorm(sum + residual) * weight, sum + residual)`` in the all-reduce's own kernel
+        (one launch and one pass fewer), or None where it cannot fuse (H not dividing the
+        block, dtypes or layouts that differ): the caller then reduces and norms apart."""
+        norm = self._kernel.AddRMSNorm(residual, weight, eps)
+        if not self.fuse_norm or not self._kernel.can_fuse_norm(x, norm, self.bufs.block):
+            return None
+        return self._run(x, self.bufs, self.int8, norm)
 
     def timed_out(self) -> bool:
         """Whether any wait gave up on a peer (synchronises with the device)."""

@@ -87,6 +87,16 @@ class AllReduceSelector:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.pick(x).all_reduce(x)
 
+    def all_reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The picked strategy's all-reduce fused with the residual add + RMSNorm after it
+        (``(norm(sum + residual), sum + residual)``), or None when it has no fused form for x
+        (the caller reduces, then norms). Every rank gets the same answer: the same strategy,
+        shapes and dtypes everywhere."""
+        fused = getattr(self.pick(x), "all_reduce_add_rmsnorm", None)
+        return None if fused is None else fused(x, residual, weight, eps)
+
     def describe(self) -> str:
         return " > ".join(s.name for s in [*self.preferred, self.fallback])
 
