@@ -177,7 +177,10 @@ def pcie_probe(rank: int, mode: str, out: str, rows: list) -> None:
 
 def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: float) -> None:
     pcie_probe(rank, mode, out, rows)
+    only = os.environ.get("TP_TABLE_ONLY")  # comma-separated strategy rows, for short runs
     for name, fn in _strategies(ctx, mode).items():
+        if only and name not in only.split(","):
+            continue
         for tokens in NORM_TOKENS if "norm" in name else TOKENS:
             if time.time() > deadline:
                 return

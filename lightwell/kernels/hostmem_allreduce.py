@@ -132,33 +132,47 @@ def _quantize(v, BLOCK: tl.constexpr, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _norm_inputs(res_ptr, w_ptr, offs, mask, NORM: tl.constexpr, HIDDEN: tl.constexpr):
+    """The residual block and the norm weight, loaded before the wait (their HBM latency
+    hides behind the PCIe round trip); placeholders without NORM."""
+    if NORM:
+        return tl.load(res_ptr + offs, mask=mask, other=0.0), tl.load(w_ptr + tl.arange(0, HIDDEN))
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
 def _finish(
     acc,  # fp32 [BLOCK]: the block's sum
     offs,  # int64 [BLOCK]: its element offsets
     mask,
     out_ptr,
-    res_ptr,
+    r,  # NORM: the residual block (_norm_inputs)
+    w,  # NORM: the weight [HIDDEN]
     res_out_ptr,
-    w_ptr,
     eps,
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
     HIDDEN: tl.constexpr,
 ):
     """Store the sum, rounded to the output dtype; with NORM (the block holds BLOCK // HIDDEN
-    whole rows) store instead ``r = sum + residual`` to res_out and RMSNorm(r) * w to out, with
+    whole rows) store instead ``h = sum + residual`` to res_out and RMSNorm(h) * w to out, with
     the rounding of lightwell/kernels/rmsnorm.py's fused_add_rmsnorm applied to the rounded
-    sum: the same values as the all-reduce followed by that kernel, in one pass."""
+    sum: the values of the all-reduce followed by that kernel, in one pass."""
     s = acc.to(out_ptr.dtype.element_ty)
     if NORM:
-        r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         h = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + offs, h, mask=mask)
-        hf = tl.reshape(h.to(tl.float32), (BLOCK // HIDDEN, HIDDEN))
-        rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / HIDDEN + eps)
-        normed = (hf * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
-        w = tl.load(w_ptr + tl.arange(0, HIDDEN)).to(tl.float32)
-        y = tl.reshape(normed * w[None, :], (BLOCK,))
+        if BLOCK == HIDDEN:  # one row a block: no reshapes
+            hf = h.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / HIDDEN + eps)
+            normed = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+            y = normed * w.to(tl.float32)
+        else:
+            hf = tl.reshape(h.to(tl.float32), (BLOCK // HIDDEN, HIDDEN))
+            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / HIDDEN + eps)
+            normed = (hf * rstd[:, None]).to(out_ptr.dtype.element_ty).to(tl.float32)
+            y = tl.reshape(normed * w.to(tl.float32)[None, :], (BLOCK,))
         tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + offs, s, mask=mask)
@@ -209,6 +223,7 @@ def _hostmem_all_reduce_kernel(
             tl.store(scale_ptr + (base + BLOCK) // 4 + tl.arange(0, BLOCK // GROUP), scale)
         else:
             tl.store(slot_ptr + mine + offs, x)  # whole blocks (zeros past n): unmasked, vectorised
+        r, w = _norm_inputs(res_ptr, w_ptr, offs, mask, NORM, HIDDEN)
 
         # 2. flag it (every thread's stores above come before the release)
         tl.debug_barrier()
@@ -246,7 +261,7 @@ def _hostmem_all_reduce_kernel(
                     peer = (buf * WORLD + p).to(tl.int64) * SLOT_ELEMS
                     v = tl.load(slot_ptr + peer + offs, cache_modifier=".cv")
                     acc += v.to(tl.float32)
-        _finish(acc, offs, mask, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, BLOCK, NORM, HIDDEN)
+        _finish(acc, offs, mask, out_ptr, r, w, res_out_ptr, eps, BLOCK, NORM, HIDDEN)
         tl.store(epoch_ptr + b, epoch)
 
 
@@ -474,6 +489,7 @@ def _hostmem_ll_kernel(
         tl.store(
             slot_ptr + mine + tl.arange(0, NDATA), _ll_words(data, epoch), cache_modifier=".wt"
         )
+        r, w = _norm_inputs(res_ptr, w_ptr, offs, mask, NORM, HIDDEN)
 
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         gave_up = 0
@@ -500,7 +516,7 @@ def _hostmem_ll_kernel(
                     acc += vals.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         if gave_up > 0:
             _give_up(status_ptr, ASM)
-        _finish(acc, offs, mask, out_ptr, res_ptr, res_out_ptr, w_ptr, eps, BLOCK, NORM, HIDDEN)
+        _finish(acc, offs, mask, out_ptr, r, w, res_out_ptr, eps, BLOCK, NORM, HIDDEN)
         tl.store(epoch_ptr + b, epoch)
 
 

@@ -108,5 +108,21 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = tp_all_gather(logits, dim=-1)  # [N, V_padded]
         return logits[..., : self.org_vocab_size]
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] int64
+        """``compute_logits(hidden).argmax(-1)`` without gathering the logits: each rank takes
+        the first largest logit of its vocabulary shard (padding excluded), the ranks exchange
+        (value, index) pairs (16 bytes a row instead of V / tp logits) and keep the first
+        largest, lowest rank first: the same token, ties and NaNs included, on every rank."""
+        logits = dense_linear(hidden, self.weight, self.bias)  # [N, V_padded / tp]
+        real = self.org_vocab_size - self.vocab_start_index  # this shard's non-padding columns
+        if real < logits.shape[-1]:
+            logits[:, max(real, 0) :] = float("-inf")
+        index = logits.argmax(dim=-1)  # [N]
+        value = logits.gather(-1, index[:, None])[:, 0]
+        pair = torch.stack([value.double(), (index + self.vocab_start_index).double()])
+        pairs = tp_all_gather(pair, dim=0).view(self.tp_size, 2, -1)  # [tp, 2, N]
+        best = pairs[:, 0].argmax(dim=0)  # [N]: the first rank holding the largest
+        return pairs[:, 1].gather(0, best[None])[0].long()
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not an embedding: call compute_logits(hidden)")

@@ -257,6 +257,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         return self.lm_head.compute_logits(hidden).float()
 
+    @property
+    def sharded_greedy(self) -> bool:
+        """Whether ``greedy_tokens`` applies: not for families that transform their logits
+        (their own ``compute_logits``)."""
+        return type(self).compute_logits is LlamaForCausalLM.compute_logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] int64
+        """``compute_logits(hidden).argmax(-1)`` without gathering the vocab-sharded logits
+        (``ParallelLMHead.greedy_tokens``); only where ``sharded_greedy``."""
+        return self.lm_head.greedy_tokens(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named tensors; returns the names of the parameters fully loaded."""
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, forward_context
-from lightwell.distributed.parallel_state import tp_broadcast
+from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
 from lightwell.layers.attention import Attention
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
@@ -200,6 +200,12 @@ class ModelRunner:
             return self.model(input_ids, positions)
 
     def _sample(self, inp: ModelInput, hidden: torch.Tensor, pending: PendingStep) -> None:
+        if self._sharded_greedy(inp):
+            tokens = self.model.greedy_tokens(hidden[inp.logits_indices])  # [S], every rank
+            self._last_sampled = (inp.sample_req_ids, tokens)
+            if self.is_driver:
+                pending.set_tokens(inp.sample_req_ids, SamplerOutput(tokens))
+            return
         logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
         if not self.is_driver:
             if self.share_sampled_tokens:  # rank 0's tokens, to feed the next step in flight
@@ -217,6 +223,26 @@ class ModelRunner:
             tp_broadcast(result.token_ids)
         self._last_sampled = (inp.sample_req_ids, result.token_ids)
         pending.set_tokens(inp.sample_req_ids, result)
+
+    def _sharded_greedy(self, inp: ModelInput) -> bool:
+        """Under tensor parallelism, a step whose every sampling row is plain greedy (no
+        logprobs, logit bias, penalties or min_tokens still in force) takes the argmax of the
+        vocab-sharded logits without gathering them (``greedy_tokens``): every rank gets the
+        tokens, so none is broadcast either. Decided from what every rank holds alike (the
+        requests' parameters and output counts), so all ranks take the same path."""
+        if get_tp_size() == 1 or not getattr(self.model, "sharded_greedy", False):
+            return False
+        for req_id, n_out in zip(inp.sample_req_ids, inp.num_outputs):
+            p = self.batch.requests[req_id].sampling_params
+            if (
+                not p.greedy
+                or p.logprobs is not None
+                or p.logit_bias
+                or p.uses_penalties
+                or n_out < p.min_tokens
+            ):
+                return False
+        return True
 
     def _run_sampler(self, inp: ModelInput, logits: torch.Tensor) -> SamplerOutput:
         # logits: [S, V]

@@ -109,7 +109,7 @@ def _check_fused_norm(rank: int, ctx) -> None:
     for name, options in (
         ("hostmem", {"block": 512}),
         ("hostmem", {"block": 512, "protocol": "ll"}),
-        ("hostmem-int8", {"block": 1024, "max_programs": 2}),
+        ("hostmem-int8", {"block": 1024, "max_programs": 2, "fuse_norm": "1"}),
     ):
         strategy = create_strategy(name, ctx, max_bytes=1 << 16, **options)
         for shape in ((5, 128), (3, 512), (9, 256)):  # 4, 1 and 2 rows a block (int8: 8, 2, 4)
@@ -133,6 +133,42 @@ def _check_fused_norm(rank: int, ctx) -> None:
         assert strategy.all_reduce_add_rmsnorm(x, x, torch.ones(128).half(), 1e-5) is None
         assert torch.equal(strategy.all_reduce(x), 2 * x)  # still in step after the refusals
         strategy.close()
+    # the default rule (auto): bf16/fp32 messages up to FUSE_NORM_MAX_BYTES, never int8
+    x, w = torch.ones(4, 128), torch.ones(128)
+    for name, fuse, small, big in (
+        ("hostmem", None, True, False),
+        ("hostmem-int8", None, False, False),
+        ("hostmem", "0", False, False),
+    ):
+        strategy = create_strategy(name, ctx, max_bytes=1 << 16, block=512, fuse_norm=fuse)
+        strategy.fuse_norm_max_bytes = min(strategy.fuse_norm_max_bytes, 4 << 10)  # [8, 128]
+        assert (strategy.all_reduce_add_rmsnorm(x, x, w, 1e-5) is not None) == small, name
+        y = torch.ones(16, 128)  # 8 KB: above the (lowered) limit
+        assert (strategy.all_reduce_add_rmsnorm(y, y, w, 1e-5) is not None) == big, name
+        strategy.close()
+
+
+def _check_greedy_tokens(rank: int) -> None:
+    """The vocab-sharded argmax (no logits gathered) equals the argmax of the gathered logits,
+    on both ranks: a vocabulary of 150 padded to 256 (rank 1 holds 22 real rows + padding
+    whose zero rows would win when every logit is negative), ties across and within shards
+    (the first wins), and a bias."""
+    from lightwell.layers.embedding import ParallelLMHead
+
+    g = torch.Generator().manual_seed(5)
+    table, bias = torch.randn(150, 16, generator=g), -5 - torch.rand(150, generator=g)
+    table[[40, 140, 141]] = table[7].clone()  # ties: 7 (rank 0) with 40 (rank 0), 140, 141 (rank 1)
+    bias[[40, 140, 141]] = bias[7].clone()
+    head = ParallelLMHead(150, 16, bias=True)
+    head.weight_loader(head.weight, table)
+    head.weight_loader(head.bias, bias)
+    hidden = torch.randn(6, 16, generator=g)
+    hidden[2] = 50 * table[7]  # token 7 ties with 40, 140 and 141: the first, 7, wins
+    hidden[3] = 0  # every logit the (negative) bias: the padding's zero logits must not win
+    hidden[4] = 50 * table[145]  # a row of rank 1's shard
+    want = head.compute_logits(hidden).argmax(-1)
+    assert want[2] == 7 and want[4] == 145
+    assert torch.equal(head.greedy_tokens(hidden), want), rank
 
 
 def _check_hostmem_gives_up(rank: int, ctx) -> None:
@@ -292,6 +328,7 @@ def _run(rank: int, port: int, folder: str) -> None:
     ctx = CommContext(rank, WORLD, group, group, torch.device("cpu"))
     _check_strategies(rank, ctx)
     _check_selector(rank, ctx)
+    _check_greedy_tokens(rank)
     _check_setup_failures(rank, ctx)
     _check_two_batch(rank, ctx, folder)
     # every reference to the gloo group must go before it is destroyed: one left for the

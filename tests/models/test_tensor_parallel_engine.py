@@ -23,9 +23,17 @@ TOKENS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokeni
 HANG_S = 60.0
 
 
-def _greedy(llm: LLM) -> list[list[int]]:
-    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], GREEDY, use_tqdm=False)
+def _greedy(llm: LLM, params: SamplingParams | list[SamplingParams] = GREEDY) -> list[list[int]]:
+    outs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
+
+
+def _count_sharded_greedy(llm: LLM) -> list[bool]:
+    """Rank 0's choices of the sharded greedy argmax (no logits gathered), one per step."""
+    runner = llm.engine.executor.worker.runner
+    chosen, decide = [], runner._sharded_greedy
+    runner._sharded_greedy = lambda inp: chosen.append(decide(inp)) or chosen[-1]
+    return chosen
 
 
 def test_tp2_greedy_equals_tp1_smollm2():
@@ -37,7 +45,14 @@ def test_tp2_greedy_equals_tp1_smollm2():
     try:
         heads = llm.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj
         assert (heads.num_heads, heads.num_kv_heads) == (6, 2)  # rank 0's share of 9 / 3
+        sharded = _count_sharded_greedy(llm)
         assert _greedy(llm) == expected
+        assert sharded and all(sharded)  # every step: the argmax without gathering logits
+        # one request wants logprobs: its steps gather the logits and run the sampler
+        sharded.clear()
+        logprobs = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+        assert _greedy(llm, [GREEDY, logprobs, GREEDY]) == expected
+        assert False in sharded and True in sharded  # (the others go on alone at the end)
     finally:
         llm.engine.shutdown()
     # Async scheduling: rank 1 feeds the tokens in flight from rank 0's broadcast.
@@ -46,7 +61,9 @@ def test_tp2_greedy_equals_tp1_smollm2():
     )
     try:
         assert llm.engine._overlap is not None
+        sharded = _count_sharded_greedy(llm)
         assert _greedy(llm) == expected
+        assert sharded and all(sharded)
     finally:
         llm.engine.shutdown()
 

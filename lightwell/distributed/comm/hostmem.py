@@ -49,7 +49,13 @@ LL_MAX_BYTES_ENV = "LIGHTWELL_HOSTMEM_LL_MAX_BYTES"
 # but 52.5 vs 33.7 at 64 (twice the bytes wins nothing once a message is bandwidth-bound).
 # hostmem-int8 has no ll lane: its ll form was slower at every size but 8 tokens.
 LL_MAX_BYTES = 64 * 1024
-# 0: never fuse the residual add + RMSNorm into the all-reduce (for comparisons)
+# Fusing the residual add + RMSNorm into the kernel (all_reduce_add_rmsnorm), measured on the
+# H200 pair (tp_run5): it wins for small bf16 messages (1 token: W1 +2 %; 64 tokens: 35.1 vs
+# 36.0 us for the all-reduce then the norm kernel) and loses from 512 tokens (168 vs 163 us)
+# and with int8 at every size (64 tokens: 30.3 vs 29.1 us; 2,048: 579 vs 392 us; its epilogue
+# takes the kernel from 128 to 137 registers a thread: one resident program an SM, not two).
+FUSE_NORM_MAX_BYTES = 1 << 20
+# the rule above (auto, the default), or 1: fuse whatever can be, 0: never (for comparisons)
 FUSE_NORM_ENV = "LIGHTWELL_HOSTMEM_FUSE_NORM"
 
 
@@ -73,12 +79,15 @@ class HostMemAllReduce:
         max_programs: int | None = None,
         block: int | None = None,
         protocol: str = "flag",
+        fuse_norm: str | None = None,
     ) -> None:
         """``max_programs``: how many kernel programs share a message's blocks (default
         ``LIGHTWELL_HOSTMEM_MAX_PROGRAMS`` or ``DEFAULT_MAX_PROGRAMS``); ``block``: elements
         per program and flag (a multiple of 128; default the kernel's ``BLOCK``); ``protocol``:
         ``flag`` (a release flag per block after the payload) or ``ll`` (the epoch in every
-        8-byte word: lower latency, twice the bytes; the selector's small-message lane)."""
+        8-byte word: lower latency, twice the bytes; the selector's small-message lane);
+        ``fuse_norm``: when ``all_reduce_add_rmsnorm`` fuses (``auto``: the measured rule,
+        ``1``: always, ``0``: never; default ``LIGHTWELL_HOSTMEM_FUSE_NORM`` or auto)."""
         if protocol not in ("flag", "ll"):
             raise ValueError(f"hostmem protocol must be flag or ll, got {protocol!r}")
         self.protocol = protocol
@@ -126,7 +135,15 @@ class HostMemAllReduce:
         )
         self._run = kernel.hostmem_ll_all_reduce if protocol == "ll" else kernel.hostmem_all_reduce
         self._kernel = kernel
-        self.fuse_norm = os.environ.get(FUSE_NORM_ENV, "1") != "0"
+        fuse = fuse_norm or os.environ.get(FUSE_NORM_ENV, "auto")
+        if fuse not in ("auto", "0", "1"):
+            raise ValueError(f"{FUSE_NORM_ENV} must be auto, 0 or 1, got {fuse!r}")
+        # the largest message whose norm is fused
+        self.fuse_norm_max_bytes = {
+            "auto": -1 if int8 else FUSE_NORM_MAX_BYTES,
+            "0": -1,
+            "1": max_bytes,
+        }[fuse]
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -156,8 +173,10 @@ class HostMemAllReduce:
         """``(rmsnorm(sum + residual) * weight, sum + residual)`` in the all-reduce's own kernel
         (one launch and one pass fewer), or None where it cannot fuse (H not dividing the
         block, dtypes or layouts that differ): the caller then reduces and norms apart."""
+        if message_bytes(x) > self.fuse_norm_max_bytes:
+            return None
         norm = self._kernel.AddRMSNorm(residual, weight, eps)
-        if not self.fuse_norm or not self._kernel.can_fuse_norm(x, norm, self.bufs.block):
+        if not self._kernel.can_fuse_norm(x, norm, self.bufs.block):
             return None
         return self._run(x, self.bufs, self.int8, norm)
 
@@ -216,5 +235,6 @@ class HostMemInt8AllReduce(HostMemAllReduce):
         max_programs: int | None = None,
         block: int | None = None,
         protocol: str = "flag",
+        fuse_norm: str | None = None,
     ) -> None:
-        super().__init__(ctx, max_bytes, True, max_programs, block, protocol)
+        super().__init__(ctx, max_bytes, True, max_programs, block, protocol, fuse_norm)
