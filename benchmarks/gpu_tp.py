@@ -40,8 +40,9 @@ MODE_ENV = {
     "pcie-emulated": {"NCCL_P2P_DISABLE": "1"},
 }
 COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# hostmem without the residual add + RMSNorm fused into its kernel (for comparison)
+# hostmem never / always fusing the residual add + RMSNorm into its kernel (for comparison)
 NOFUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "0"}
+FUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "1"}
 # (label, engine options, stages), most important first: the budget cuts from the end.
 ENGINES = {
     "nvlink": [
@@ -65,6 +66,7 @@ ENGINES = {
         ),
         ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
         ("tp2-auto-nofuse", dict(all_reduce="auto", _env=NOFUSE), ("w1", "ttft", "decode")),
+        ("tp2-hostmem-int8-fuse", dict(all_reduce="hostmem-int8", _env=FUSE), ("ttft", "decode")),
         (
             "tp2-hostmem-int8-dual",
             dict(all_reduce="hostmem-int8", dual_stream=True),

@@ -105,8 +105,11 @@ def _strategies(ctx, mode: str) -> dict:
     makers = {"nccl": lambda: create_strategy("nccl", ctx)}
     if mode == "nvlink" and is_available("oneshot", ctx):
         makers["oneshot"] = lambda: create_strategy("oneshot", ctx, max_bytes=big)
-    makers["hostmem"] = lambda: create_strategy("hostmem", ctx, max_bytes=big)
-    makers["hostmem-int8"] = lambda: create_strategy("hostmem-int8", ctx, max_bytes=big)
+    # fuse_norm "1": the +norm rows fuse at every size (the default rule would refuse some)
+    makers["hostmem"] = lambda: create_strategy("hostmem", ctx, max_bytes=big, fuse_norm="1")
+    makers["hostmem-int8"] = lambda: create_strategy(
+        "hostmem-int8", ctx, max_bytes=big, fuse_norm="1"
+    )
     for kind in ("hostmem", "hostmem-int8"):  # the low-latency protocol (decode sizes)
         makers[f"{kind}-ll"] = lambda kind=kind: create_strategy(
             kind, ctx, max_bytes=big, protocol="ll"
@@ -222,6 +225,7 @@ def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: f
 
 def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
     """Logits of one prefill batch (3 requests, 700 tokens) per strategy, vs NCCL's."""
+    from lightwell.distributed.comm.hostmem import FUSE_NORM_ENV
     from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.parallel_state import get_tp_all_reduce, set_tp_all_reduce
     from lightwell.models.hf_config import load_hf_config
@@ -247,6 +251,7 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "int8",
         "host",
         "hostmem",
+        "hostmem-fused",  # every all-reduce fused with its norm (1,024 hidden: 4 rows a block)
         "hostmem-int8",
         "nccl+dual",
         "hostmem+dual",
@@ -256,10 +261,11 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         choices = [c for c in choices if c not in ("auto", "oneshot")]
     ref = None
     for step, choice in enumerate(choices):
-        name = choice.split("+")[0]
+        name = choice.split("+")[0].removesuffix("-fused")
         previous = get_tp_all_reduce()
         if previous is not None:
             previous.close()
+        os.environ[FUSE_NORM_ENV] = "1" if choice.endswith("-fused") else "auto"
         set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20))
         runner.overlap = (
             TwoBatchOverlap(model, 2, torch.cuda.Stream()) if choice.endswith("+dual") else None
