@@ -133,15 +133,17 @@ def _check_fused_norm(rank: int, ctx) -> None:
         assert strategy.all_reduce_add_rmsnorm(x, x, torch.ones(128).half(), 1e-5) is None
         assert torch.equal(strategy.all_reduce(x), 2 * x)  # still in step after the refusals
         strategy.close()
-    # the default rule (auto): bf16/fp32 messages up to FUSE_NORM_MAX_BYTES, never int8
+    # the default rule (auto): messages up to FUSE_NORM_MAX_BYTES; 0: never; 1: always
     x, w = torch.ones(4, 128), torch.ones(128)
     for name, fuse, small, big in (
         ("hostmem", None, True, False),
-        ("hostmem-int8", None, False, False),
+        ("hostmem-int8", None, True, False),
         ("hostmem", "0", False, False),
+        ("hostmem-int8", "1", True, True),
     ):
         strategy = create_strategy(name, ctx, max_bytes=1 << 16, block=512, fuse_norm=fuse)
-        strategy.fuse_norm_max_bytes = min(strategy.fuse_norm_max_bytes, 4 << 10)  # [8, 128]
+        if fuse is None:  # lower the limit to 4 KB: x fits, y does not
+            strategy.fuse_norm_max_bytes = 4 << 10
         assert (strategy.all_reduce_add_rmsnorm(x, x, w, 1e-5) is not None) == small, name
         y = torch.ones(16, 128)  # 8 KB: above the (lowered) limit
         assert (strategy.all_reduce_add_rmsnorm(y, y, w, 1e-5) is not None) == big, name

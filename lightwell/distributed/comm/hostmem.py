@@ -49,11 +49,12 @@ LL_MAX_BYTES_ENV = "LIGHTWELL_HOSTMEM_LL_MAX_BYTES"
 # but 52.5 vs 33.7 at 64 (twice the bytes wins nothing once a message is bandwidth-bound).
 # hostmem-int8 has no ll lane: its ll form was slower at every size but 8 tokens.
 LL_MAX_BYTES = 64 * 1024
-# Fusing the residual add + RMSNorm into the kernel (all_reduce_add_rmsnorm), measured on the
-# H200 pair (tp_run5): it wins for small bf16 messages (1 token: W1 +2 %; 64 tokens: 35.1 vs
-# 36.0 us for the all-reduce then the norm kernel) and loses from 512 tokens (168 vs 163 us)
-# and with int8 at every size (64 tokens: 30.3 vs 29.1 us; 2,048: 579 vs 392 us; its epilogue
-# takes the kernel from 128 to 137 registers a thread: one resident program an SM, not two).
+# Fusing the residual add + RMSNorm into the kernel (all_reduce_add_rmsnorm) pays for small
+# messages and costs for large ones. Measured on the H200 pair (benchmarks/results/tp_run5):
+# decode step at batch 64 (64 tokens, 512 KB) 5.40 vs 5.54 ms for hostmem, 5.00 vs 5.10 ms for
+# hostmem-int8; but from 512 tokens the fused kernel is slower (int8 at 2,048 tokens: 545 vs
+# 383 us for the all-reduce then the norm kernel: its epilogue needs more registers a thread,
+# which halves the programs resident on an SM), so prefills keep the two kernels.
 FUSE_NORM_MAX_BYTES = 1 << 20
 # the rule above (auto, the default), or 1: fuse whatever can be, 0: never (for comparisons)
 FUSE_NORM_ENV = "LIGHTWELL_HOSTMEM_FUSE_NORM"
@@ -140,7 +141,7 @@ class HostMemAllReduce:
             raise ValueError(f"{FUSE_NORM_ENV} must be auto, 0 or 1, got {fuse!r}")
         # the largest message whose norm is fused
         self.fuse_norm_max_bytes = {
-            "auto": -1 if int8 else FUSE_NORM_MAX_BYTES,
+            "auto": FUSE_NORM_MAX_BYTES,
             "0": -1,
             "1": max_bytes,
         }[fuse]
