@@ -133,8 +133,8 @@ def _quantize(v, BLOCK: tl.constexpr, GROUP: tl.constexpr):
 
 @triton.jit
 def _norm_inputs(res_ptr, w_ptr, offs, mask, NORM: tl.constexpr, HIDDEN: tl.constexpr):
-    """The residual block and the norm weight, loaded before the wait (their HBM latency
-    hides behind the PCIe round trip); placeholders without NORM."""
+    """The residual block and the norm weight (the flag kernel loads them before its wait, so
+    their HBM latency hides behind the PCIe round trip); placeholders without NORM."""
     if NORM:
         return tl.load(res_ptr + offs, mask=mask, other=0.0), tl.load(w_ptr + tl.arange(0, HIDDEN))
     else:
@@ -489,7 +489,6 @@ def _hostmem_ll_kernel(
         tl.store(
             slot_ptr + mine + tl.arange(0, NDATA), _ll_words(data, epoch), cache_modifier=".wt"
         )
-        r, w = _norm_inputs(res_ptr, w_ptr, offs, mask, NORM, HIDDEN)
 
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         gave_up = 0
@@ -516,6 +515,9 @@ def _hostmem_ll_kernel(
                     acc += vals.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         if gave_up > 0:
             _give_up(status_ptr, ASM)
+        # loaded after the polls, unlike the flag kernel: loaded before, they made W1 (one
+        # program) 2 % slower (tp_run5 calls 2 and 4)
+        r, w = _norm_inputs(res_ptr, w_ptr, offs, mask, NORM, HIDDEN)
         _finish(acc, offs, mask, out_ptr, r, w, res_out_ptr, eps, BLOCK, NORM, HIDDEN)
         tl.store(epoch_ptr + b, epoch)
 
