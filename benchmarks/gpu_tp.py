@@ -54,6 +54,7 @@ ENGINES = {
         ("tp2-oneshot", dict(all_reduce="oneshot"), ("ttft", "decode")),
         ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
         ("tp2-auto-dual-profile", dict(all_reduce="auto", dual_stream=True), ("profile",)),
+        ("tp2-auto-pdec", dict(all_reduce="auto"), ("profile-decode",)),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
@@ -67,6 +68,8 @@ ENGINES = {
         ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
         ("tp2-auto-nofuse", dict(all_reduce="auto", _env=NOFUSE), ("w1", "ttft", "decode")),
         ("tp2-hostmem-int8-fuse", dict(all_reduce="hostmem-int8", _env=FUSE), ("ttft", "decode")),
+        ("tp2-nccl-pdec", dict(all_reduce="nccl"), ("profile-decode",)),
+        ("tp2-hostmem-int8-pdec", dict(all_reduce="hostmem-int8"), ("profile-decode",)),
         (
             "tp2-hostmem-int8-dual",
             dict(all_reduce="hostmem-int8", dual_stream=True),
@@ -163,16 +166,21 @@ def stage_ttft(llm, emit) -> None:
     emit("ttft_ms", statistics.median(t), workload="TTFT-2048", prompt_len=2048, runs=t)
 
 
-def stage_decode(llm, emit, batch: int = 64, steps: int = 24) -> None:
-    """Median wall time of one engine step with ``batch`` requests all decoding."""
+def _start_decoding(engine, batch: int, steps: int, tag: str) -> None:
+    """``batch`` requests of 128 prompt tokens, prefilled: every next step decodes them all."""
     from lightwell import SamplingParams
 
-    engine = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True, detokenize=False)
     for i, p in enumerate(rand_prompts(batch, 128, 70)):
-        engine.add_request(f"dec{i}", p, sp, final_only=True)
+        engine.add_request(f"{tag}{i}", p, sp, final_only=True)
     while engine.scheduler.waiting or _prefilling(engine):
         engine.step()
+
+
+def stage_decode(llm, emit, batch: int = 64, steps: int = 24) -> None:
+    """Median wall time of one engine step with ``batch`` requests all decoding."""
+    engine = llm.engine
+    _start_decoding(engine, batch, steps, "dec")
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -216,6 +224,66 @@ def stage_profile(llm, emit, out: str, name: str) -> None:
     emit("profile_span_us", span, workload="profile-2048", busy_us_by_stream=busy)
 
 
+KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("all-reduce", ("hostmem", "nccl", "allreduce", "all_reduce")),
+    ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "gemv", "matmul")),
+    ("attention", ("attn", "attention", "split_kv")),
+    ("norm", ("rmsnorm",)),
+)
+
+
+def stage_profile_decode(llm, emit, out: str, name: str, batch: int = 64) -> None:
+    """Rank 0's GPU over 8 steady decode steps at ``batch``: busy and idle time, and kernel
+    time by kind (all-reduce, GEMM, attention, norm, other), per step."""
+    import torch
+    from gpu_profile import cuda_kernels
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.engine
+    _start_decoding(engine, batch, 40, "pdec")
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 8
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished_requests():
+        engine.step()
+    kernels = [k for k in cuda_kernels(prof) if k["dur"] > 0]
+    by_kind: dict = {}
+    busy, end = 0.0, None  # the union of the kernels' intervals
+    for k in kernels:
+        low = k["name"].lower()
+        kind = next((n for n, keys in KERNEL_KINDS if any(s in low for s in keys)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"] / steps
+        start, stop = k["ts"], k["ts"] + k["dur"]
+        if end is None or start >= end:
+            busy += stop - start
+            end = stop
+        elif stop > end:
+            busy += stop - end
+            end = stop
+    span = (end - kernels[0]["ts"]) if kernels else 0.0
+    top: dict = {}
+    for k in kernels:
+        top[k["name"]] = top.get(k["name"], 0.0) + k["dur"] / steps
+    with open(os.path.join(out, f"profile_decode_{name}.json"), "w") as f:
+        json.dump({"span_us": span, "busy_us": busy, "kernels": kernels}, f)
+    emit(
+        "decode_profile_us_per_step",
+        span / steps,
+        workload="decode-batch64-profile",
+        batch=batch,
+        gpu_busy_us_per_step=busy / steps,
+        by_kind_us_per_step={k: round(v, 1) for k, v in by_kind.items()},
+        top_kernels_us_per_step={
+            n: round(v, 1) for n, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]
+        },
+    )
+
+
 def _prefilling(engine) -> bool:
     return any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running)
 
@@ -254,6 +322,7 @@ def run_engine(args: argparse.Namespace) -> int:
         "ttft": lambda: stage_ttft(llm, emit),
         "decode": lambda: stage_decode(llm, emit),
         "profile": lambda: stage_profile(llm, emit, args.out, f"{mode}_{label}"),
+        "profile-decode": lambda: stage_profile_decode(llm, emit, args.out, f"{mode}_{label}"),
     }
     for stage in stages:
         run_stage[stage]()
