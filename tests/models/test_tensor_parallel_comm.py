@@ -212,6 +212,17 @@ def _check_selector(rank: int, ctx) -> None:
     assert [lanes.pick(t).protocol for t in (x, big)] == ["ll", "flag"]
     assert torch.equal(lanes.all_reduce(big.clone()), 2 * big)
     lanes.close()
+    from lightwell.distributed.comm import hostmem
+
+    large_min = hostmem.INT8_LARGE_MIN_BYTES
+    hostmem.INT8_LARGE_MIN_BYTES = 64 << 10  # (1 MiB in use) so that big is "large" here
+    try:
+        int8 = AllReduceSelector(ctx, "hostmem-int8", max_bytes=1 << 20)
+    finally:
+        hostmem.INT8_LARGE_MIN_BYTES = large_min
+    assert [int8.pick(t).bufs.block for t in (x, big)] == [4096, hostmem.INT8_LARGE_BLOCK]
+    assert torch.equal(int8.all_reduce(big.clone()), 2 * big)  # ones: exact in int8
+    int8.close()
 
 
 def _check_setup_failures(rank: int, ctx) -> None:
@@ -383,5 +394,9 @@ def test_auto_rule_on_gpus(monkeypatch):
     cpu = CommContext(0, 2, None, None, torch.device("cpu"))
     assert selector._preferred(cpu, "auto", False, 16 << 20) == []  # gloo
     assert selector._preferred(cpu, "hostmem-int8", False, 16 << 20) == [
-        ("hostmem-int8", {"max_bytes": 16 << 20})  # no ll lane: it measured slower
+        ("hostmem-int8", {"max_bytes": 1 << 20}),  # no ll lane: it measured slower
+        ("hostmem-int8", {"max_bytes": 16 << 20, "block": 2048}),  # prefill sizes
+    ]
+    assert selector._preferred(cpu, "hostmem-int8", False, 1 << 20) == [
+        ("hostmem-int8", {"max_bytes": 1 << 20})
     ]
