@@ -50,6 +50,17 @@ def cuda_kernels(prof) -> list[dict]:
     return sorted(kernels, key=lambda k: k["ts"])
 
 
+def idle_gaps(kernels: list[dict]) -> list[float]:
+    """The gaps (us) in which no kernel of ``kernels`` (``cuda_kernels``' rows, by start) ran."""
+    gaps, end = [], None
+    for k in kernels:
+        if end is not None and k["ts"] > end:
+            gaps.append(k["ts"] - end)
+        stop = k["ts"] + k["dur"]
+        end = stop if end is None else max(end, stop)
+    return gaps
+
+
 def profiled_step(engine) -> tuple:
     """(torch.profiler result, wall seconds) of one ``engine.step()``, the GPU drained."""
     from torch.profiler import ProfilerActivity, profile
@@ -126,14 +137,8 @@ def gpu_gaps(args, batch: int, steps: int = 8) -> None:
             engine.step()
         wall = time.perf_counter() - t0
     prof.export_chrome_trace(os.path.join(args.out, "async_decode_trace.json"))
-    kernels = [(k["ts"], k["ts"] + k["dur"]) for k in cuda_kernels(prof)]
-    busy, idle, end = 0.0, [], None
-    for a, b in kernels:
-        if end is not None and a > end:
-            idle.append(a - end)
-        end = b if end is None else max(end, b)
-        busy += b - a
-    idle.sort(reverse=True)
+    kernels = cuda_kernels(prof)
+    idle = sorted(idle_gaps(kernels), reverse=True)
     summary = dict(
         steps=steps,
         wall_ms=wall * 1e3,

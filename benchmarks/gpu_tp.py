@@ -225,6 +225,8 @@ def stage_profile(llm, emit, out: str, name: str) -> None:
 
 
 KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("gather", ("allgather", "all_gather")),  # greedy sampling's (value, index) exchange
+    # hostmem's kernel includes the fused residual add + RMSNorm where it fuses (decode)
     ("all-reduce", ("hostmem", "nccl", "allreduce", "all_reduce")),
     ("gemm", ("gemm", "nvjet", "sm90", "cutlass", "gemv", "matmul")),
     ("attention", ("attn", "attention", "split_kv")),
@@ -233,10 +235,10 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
 
 
 def stage_profile_decode(llm, emit, out: str, name: str, batch: int = 64) -> None:
-    """Rank 0's GPU over 8 steady decode steps at ``batch``: busy and idle time, and kernel
-    time by kind (all-reduce, GEMM, attention, norm, other), per step."""
+    """Rank 0's GPU over 8 steady decode steps at ``batch``, per step: the span, the time some
+    kernel ran (busy), and kernel time by kind (KERNEL_KINDS, else other) and by kernel."""
     import torch
-    from gpu_profile import cuda_kernels
+    from gpu_profile import cuda_kernels, idle_gaps
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
@@ -253,19 +255,13 @@ def stage_profile_decode(llm, emit, out: str, name: str, batch: int = 64) -> Non
         engine.step()
     kernels = [k for k in cuda_kernels(prof) if k["dur"] > 0]
     by_kind: dict = {}
-    busy, end = 0.0, None  # the union of the kernels' intervals
     for k in kernels:
         low = k["name"].lower()
         kind = next((n for n, keys in KERNEL_KINDS if any(s in low for s in keys)), "other")
         by_kind[kind] = by_kind.get(kind, 0.0) + k["dur"] / steps
-        start, stop = k["ts"], k["ts"] + k["dur"]
-        if end is None or start >= end:
-            busy += stop - start
-            end = stop
-        elif stop > end:
-            busy += stop - end
-            end = stop
+    end = max((k["ts"] + k["dur"] for k in kernels), default=0.0)
     span = (end - kernels[0]["ts"]) if kernels else 0.0
+    busy = span - sum(idle_gaps(kernels))
     top: dict = {}
     for k in kernels:
         top[k["name"]] = top.get(k["name"], 0.0) + k["dur"] / steps

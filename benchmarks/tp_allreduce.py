@@ -259,7 +259,7 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
     ]
     if mode != "nvlink":
         choices = [c for c in choices if c not in ("auto", "oneshot")]
-    ref = None
+    ref, fuse_env = None, os.environ.get(FUSE_NORM_ENV)
     for step, choice in enumerate(choices):
         name = choice.split("+")[0].removesuffix("-fused")
         previous = get_tp_all_reduce()
@@ -294,6 +294,10 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
                 f"argmax equal {same}",
                 flush=True,
             )
+    if fuse_env is None:  # as it was: the strategies built later follow their default rule
+        os.environ.pop(FUSE_NORM_ENV, None)
+    else:
+        os.environ[FUSE_NORM_ENV] = fuse_env
 
 
 def _prefill_logits(runner, step: int) -> torch.Tensor:

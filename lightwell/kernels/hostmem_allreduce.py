@@ -8,7 +8,8 @@ up). One launch per all-reduce, one program per block of ``BLOCK`` elements:
     2. flag: a system-scope release store of the program's epoch into flags[rank, block];
     3. wait: acquire loads of flags[peer, block] until every peer has published this epoch;
     4. sum: the peers' blocks are read from host memory (cache-bypassing loads), this rank's own
-       from x, summed in fp32 in rank order (every rank computes the same bytes), stored to out.
+       from x, summed in fp32 in rank order (every rank computes the same bytes), stored to out;
+       or (NORM) added to the residual and RMS-normalised, both stored (``_finish``).
 
 Epochs are counted per block in device memory, so a CUDA graph replays correctly. Slots alternate
 between two buffers by epoch parity: a program writes buffer e % 2 at epoch e only after it has
@@ -158,7 +159,8 @@ def _finish(
     """Store the sum, rounded to the output dtype; with NORM (the block holds BLOCK // HIDDEN
     whole rows) store instead ``h = sum + residual`` to res_out and RMSNorm(h) * w to out, with
     the rounding of lightwell/kernels/rmsnorm.py's fused_add_rmsnorm applied to the rounded
-    sum: the values of the all-reduce followed by that kernel, in one pass."""
+    sum: the all-reduce followed by that kernel, in one pass (the new residual bit for bit;
+    the norm's sum of squares may differ in the last bit, being reduced in another order)."""
     s = acc.to(out_ptr.dtype.element_ty)
     if NORM:
         h = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
@@ -319,7 +321,7 @@ class AddRMSNorm:
 def can_fuse_norm(x: torch.Tensor, norm: AddRMSNorm, block: int = BLOCK) -> bool:
     """Whether the kernels can fuse ``norm`` for ``x``: x is [T, H] with H dividing ``block``
     (every block holds whole rows), residual like x, weight [H] of x's dtype, all contiguous."""
-    if x.dim() != 2 or block % x.shape[1] or not x.is_contiguous():
+    if x.dim() != 2 or x.shape[1] == 0 or block % x.shape[1] or not x.is_contiguous():
         return False
     r, w = norm.residual, norm.weight
     return (
@@ -351,8 +353,8 @@ def hostmem_all_reduce(
     x: torch.Tensor, bufs: HostMemBuffers, int8: bool, norm: AddRMSNorm | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Sum of ``x`` over the ranks (a new tensor shaped like x), flag protocol; with ``norm``,
-    ``(rmsnorm(sum + residual), sum + residual)`` instead (``AddRMSNorm``). Every rank calls
-    with the same shape and dtype, in the same order."""
+    ``(rmsnorm(sum + residual) * weight, sum + residual)`` instead (``AddRMSNorm``). Every
+    rank calls with the same shape and dtype, in the same order."""
     x = x.contiguous()
     size = 1 if int8 else x.element_size()
     per_block = int8_block_bytes(bufs.block) if int8 else bufs.block * size

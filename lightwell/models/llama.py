@@ -157,12 +157,6 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    # forward returns the MLP's partial sum, not all-reduced: whatever consumes it (the next
-    # layer's input norm, the model's final norm) all-reduces it, fused with its residual add
-    # + norm where the all-reduce strategy can (reduce_norm). Subclasses that override forward
-    # and return a reduced output set this False.
-    partial_output = True
-
     def __init__(
         self,
         config: Any,
@@ -177,6 +171,15 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = attention_cls(config, layer_idx, rotary_emb, quant_method)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
         self.mlp = LlamaMLP(config, quant_method)
+
+    @property
+    def partial_output(self) -> bool:
+        """Whether ``forward`` returns the MLP's partial sum, not all-reduced: whatever consumes
+        it (the next layer's input norm, the model's final norm) all-reduces it, fused with its
+        residual add + norm where the all-reduce strategy can (``reduce_norm``). True of this
+        class's ``forward``; a subclass that overrides ``forward`` returns a reduced output
+        (MiniCPM scales it after the all-reduce) unless it overrides this too."""
+        return type(self).forward is LlamaDecoderLayer.forward
 
     def forward(
         self,
@@ -260,8 +263,11 @@ class LlamaForCausalLM(nn.Module):
     @property
     def sharded_greedy(self) -> bool:
         """Whether ``greedy_tokens`` applies: not for families that transform their logits
-        (their own ``compute_logits``)."""
-        return type(self).compute_logits is LlamaForCausalLM.compute_logits
+        (their own ``compute_logits``, or an LM head's)."""
+        return (
+            type(self).compute_logits is LlamaForCausalLM.compute_logits
+            and type(self.lm_head).compute_logits is ParallelLMHead.compute_logits
+        )
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] int64
         """``compute_logits(hidden).argmax(-1)`` without gathering the vocab-sharded logits

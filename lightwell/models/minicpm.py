@@ -30,8 +30,6 @@ from lightwell.quant.base import QuantMethod
 
 
 class MiniCPMDecoderLayer(LlamaDecoderLayer):
-    partial_output = False  # its output is scaled after the all-reduce
-
     def __init__(
         self,
         config: Any,

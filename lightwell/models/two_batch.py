@@ -8,8 +8,10 @@ Per decoder layer, with A and B the two halves of the step (``lightwell.attentio
 
 Each stage ends with a row-parallel partial sum (o_proj, down_proj) whose all-reduce is launched
 on the comm stream; the next stage of the same micro-batch starts by waiting for it and
-consuming it in the fused residual-add + RMSNorm. Every token sees exactly the operations of
-the plain forward; only the row blocks the kernels run on differ.
+consuming it in the fused residual-add + RMSNorm. Every token sees the operations of the
+plain forward, except that the plain forward may fuse that add + norm into the all-reduce
+(``reduce_norm``, hostmem at decode sizes), which this one never does (the same values, the
+norm within its last bit); only the row blocks the kernels run on differ.
 
 Supported: ``LlamaModel`` with plain ``LlamaDecoderLayer`` layers (Llama, Mistral, Qwen2,
 Qwen3: attention subclasses that keep ``LlamaAttention.forward``). Others run the plain forward.

@@ -18,7 +18,7 @@ from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
 from lightwell.worker.overlap import TwoBatchOverlap
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
-from lightwell.worker.sampling_metadata import build_sampling_metadata
+from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +75,9 @@ class ModelRunner:
         is_driver: bool = True,
     ) -> None:
         """``is_driver``: this rank samples. Under tensor parallelism only rank 0 does; the
-        others compute the same logits (their share of the LM head's all-gather) and drop them:
-        the engine uses rank 0's tokens, and every rank learns them from the next step's
+        others compute the same logits (their share of the LM head's all-gather) and drop them
+        (in all-greedy steps every rank computes the tokens: ``_sharded_greedy``): the engine
+        uses rank 0's tokens, and every rank learns them from the next step's
         SchedulerOutput, so there is nothing for ranks to disagree on."""
         self.model = model
         self.is_driver = is_driver
@@ -232,17 +233,10 @@ class ModelRunner:
         requests' parameters and output counts), so all ranks take the same path."""
         if get_tp_size() == 1 or not getattr(self.model, "sharded_greedy", False):
             return False
-        for req_id, n_out in zip(inp.sample_req_ids, inp.num_outputs):
-            p = self.batch.requests[req_id].sampling_params
-            if (
-                not p.greedy
-                or p.logprobs is not None
-                or p.logit_bias
-                or p.uses_penalties
-                or n_out < p.min_tokens
-            ):
-                return False
-        return True
+        return all(
+            plain_greedy(self.batch.requests[r].sampling_params, n_out)
+            for r, n_out in zip(inp.sample_req_ids, inp.num_outputs)
+        )
 
     def _run_sampler(self, inp: ModelInput, logits: torch.Tensor) -> SamplerOutput:
         # logits: [S, V]

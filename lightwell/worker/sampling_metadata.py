@@ -96,6 +96,20 @@ def build_sampling_metadata(
     )
 
 
+def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
+    """Whether the sampler's token for this row is the argmax of the raw logits: greedy, and
+    none of what ``Sampler`` applies to a greedy row's logits (min_tokens still in force, logit
+    bias, penalties) nor wants from them (logprobs). Keep in step with ``Sampler.__call__``:
+    tensor-parallel steps of such rows skip it (``ModelRunner._sharded_greedy``)."""
+    return (
+        params.greedy
+        and params.logprobs is None
+        and not params.logit_bias
+        and not params.uses_penalties
+        and num_outputs >= params.min_tokens
+    )
+
+
 def derive_seed(seed: int, step: int) -> int:
     """A generator seed for one sampling step of a seeded request (splitmix64-style mixing).
 

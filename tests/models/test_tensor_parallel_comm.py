@@ -103,7 +103,7 @@ def _check_fused_norm(rank: int, ctx) -> None:
     int8: the same values as the all-reduce followed by the fused_add_rmsnorm kernel (the new
     residual bit for bit), interleaved with plain calls on the same buffers (the epochs stay in
     step); None where the hidden size does not divide the block or the dtypes differ."""
-    from lightwell.distributed.comm import create_strategy
+    from lightwell.distributed.comm import create_strategy, hostmem
     from lightwell.kernels.rmsnorm import fused_add_rmsnorm
 
     for name, options in (
@@ -142,7 +142,8 @@ def _check_fused_norm(rank: int, ctx) -> None:
         ("hostmem-int8", "1", True, True),
     ):
         strategy = create_strategy(name, ctx, max_bytes=1 << 16, block=512, fuse_norm=fuse)
-        if fuse is None:  # lower the limit to 4 KB: x fits, y does not
+        if fuse is None:  # auto is the measured limit; lowered to 4 KB: x fits, y does not
+            assert strategy.fuse_norm_max_bytes == hostmem.FUSE_NORM_MAX_BYTES
             strategy.fuse_norm_max_bytes = 4 << 10
         assert (strategy.all_reduce_add_rmsnorm(x, x, w, 1e-5) is not None) == small, name
         y = torch.ones(16, 128)  # 8 KB: above the (lowered) limit
@@ -153,24 +154,40 @@ def _check_fused_norm(rank: int, ctx) -> None:
 def _check_greedy_tokens(rank: int) -> None:
     """The vocab-sharded argmax (no logits gathered) equals the argmax of the gathered logits,
     on both ranks: a vocabulary of 150 padded to 256 (rank 1 holds 22 real rows + padding
-    whose zero rows would win when every logit is negative), ties across and within shards
-    (the first wins), and a bias."""
+    whose zero logits would win when every real one is negative), ties across and within
+    shards (the first wins), a bias, NaN logits, and a vocabulary that leaves rank 1's shard
+    all padding."""
     from lightwell.layers.embedding import ParallelLMHead
+
+    def head(table: torch.Tensor, bias: torch.Tensor) -> ParallelLMHead:
+        h = ParallelLMHead(table.shape[0], table.shape[1], bias=True)
+        h.weight_loader(h.weight, table)
+        h.weight_loader(h.bias, bias)
+        return h
+
+    def check(h: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+        want = h.compute_logits(hidden).argmax(-1)
+        assert torch.equal(h.greedy_tokens(hidden), want), (rank, want)
+        return want
 
     g = torch.Generator().manual_seed(5)
     table, bias = torch.randn(150, 16, generator=g), -5 - torch.rand(150, generator=g)
-    table[[40, 140, 141]] = table[7].clone()  # ties: 7 (rank 0) with 40 (rank 0), 140, 141 (rank 1)
+    table[[40, 140, 141]] = table[7].clone()  # ties: 7 (rank 0) with 40, 140 and 141
     bias[[40, 140, 141]] = bias[7].clone()
-    head = ParallelLMHead(150, 16, bias=True)
-    head.weight_loader(head.weight, table)
-    head.weight_loader(head.bias, bias)
     hidden = torch.randn(6, 16, generator=g)
     hidden[2] = 50 * table[7]  # token 7 ties with 40, 140 and 141: the first, 7, wins
     hidden[3] = 0  # every logit the (negative) bias: the padding's zero logits must not win
     hidden[4] = 50 * table[145]  # a row of rank 1's shard
-    want = head.compute_logits(hidden).argmax(-1)
-    assert want[2] == 7 and want[4] == 145
-    assert torch.equal(head.greedy_tokens(hidden), want), rank
+    want = check(head(table, bias), hidden)
+    assert want[2] == 7 and want[4] == 145 and want[3] == bias.argmax()
+    nan = bias.clone()
+    nan[[20, 145]] = float("nan")  # one NaN logit in each shard: argmax's pick, the first
+    assert (check(head(table, nan), hidden) == 20).all()
+    small = ParallelLMHead(40, 16)  # padded to 128: rank 1's 64 rows are all padding
+    assert small.vocab_start_index >= 40 or rank == 0
+    small.weight_loader(small.weight, table[:40])
+    want = small.compute_logits(hidden).argmax(-1)
+    assert torch.equal(small.greedy_tokens(hidden), want) and (want < 40).all()
 
 
 def _check_hostmem_gives_up(rank: int, ctx) -> None:

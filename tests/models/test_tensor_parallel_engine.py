@@ -36,6 +36,18 @@ def _count_sharded_greedy(llm: LLM) -> list[bool]:
     return chosen
 
 
+def _check_both_sampling_paths(llm: LLM, expected: list[list[int]]) -> None:
+    """All-greedy steps take the sharded argmax; a request wanting logprobs makes its steps
+    gather the logits and run the sampler; the tokens are TP=1's either way."""
+    sharded = _count_sharded_greedy(llm)
+    assert _greedy(llm) == expected
+    assert sharded and all(sharded)  # every step: the argmax without gathering logits
+    sharded.clear()
+    logprobs = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
+    assert _greedy(llm, [GREEDY, logprobs, GREEDY]) == expected
+    assert False in sharded and True in sharded  # (the others go on alone at the end)
+
+
 def test_tp2_greedy_equals_tp1_smollm2():
     ref = LLM(num_threads=1)
     expected = _greedy(ref)
@@ -45,25 +57,17 @@ def test_tp2_greedy_equals_tp1_smollm2():
     try:
         heads = llm.engine.executor.worker.runner.model.model.layers[0].self_attn.qkv_proj
         assert (heads.num_heads, heads.num_kv_heads) == (6, 2)  # rank 0's share of 9 / 3
-        sharded = _count_sharded_greedy(llm)
-        assert _greedy(llm) == expected
-        assert sharded and all(sharded)  # every step: the argmax without gathering logits
-        # one request wants logprobs: its steps gather the logits and run the sampler
-        sharded.clear()
-        logprobs = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2)
-        assert _greedy(llm, [GREEDY, logprobs, GREEDY]) == expected
-        assert False in sharded and True in sharded  # (the others go on alone at the end)
+        _check_both_sampling_paths(llm, expected)
     finally:
         llm.engine.shutdown()
-    # Async scheduling: rank 1 feeds the tokens in flight from rank 0's broadcast.
+    # Async scheduling: rank 1 feeds the tokens in flight from its own sharded argmax, or,
+    # in steps with a logprobs request, from rank 0's broadcast.
     llm = LLM(
         tensor_parallel_size=2, num_threads=1, max_num_batched_tokens=16, async_scheduling=True
     )
     try:
         assert llm.engine._overlap is not None
-        sharded = _count_sharded_greedy(llm)
-        assert _greedy(llm) == expected
-        assert sharded and all(sharded)
+        _check_both_sampling_paths(llm, expected)
     finally:
         llm.engine.shutdown()
 

@@ -6,7 +6,11 @@ import torch
 from lightwell.types import SamplingParams
 from lightwell.worker import logits_processors as lp
 from lightwell.worker.sampler import Sampler, compute_prompt_logprobs
-from lightwell.worker.sampling_metadata import build_sampling_metadata, derive_seed
+from lightwell.worker.sampling_metadata import (
+    build_sampling_metadata,
+    derive_seed,
+    plain_greedy,
+)
 
 NEG_INF = float("-inf")
 # Probabilities with clear gaps, so no filter boundary sits on a rounding edge.
@@ -47,6 +51,35 @@ def test_greedy_rows_take_the_argmax():
     meta = make_meta([SamplingParams(temperature=0.0)] * 4, vocab=50)
     assert meta.all_greedy and meta.temperature is None and not meta.any_top_k
     assert Sampler()(logits.clone(), meta).token_ids.tolist() == expected.tolist()
+
+
+PLAIN_GREEDY_CASES = [  # (params, output tokens so far, plain greedy?)
+    (SamplingParams(temperature=0.0), 0, True),
+    (SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=7), 0, True),  # no effect
+    (SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), 2, True),  # reached
+    (SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[3]), 1, False),
+    (SamplingParams(temperature=0.7), 0, False),
+    (SamplingParams(temperature=0.0, logprobs=0), 0, False),
+    (SamplingParams(temperature=0.0, logit_bias={2: 5.0}), 0, False),
+    (SamplingParams(temperature=0.0, presence_penalty=0.5), 0, False),
+    (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0, False),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.2), 0, False),
+]
+
+
+@pytest.mark.parametrize("params, done, plain", PLAIN_GREEDY_CASES)
+def test_plain_greedy_is_exactly_the_rows_the_sampler_leaves_alone(params, done, plain):
+    """plain_greedy (the tensor-parallel argmax without the sampler) accepts a row exactly when
+    the sampler would take the argmax of its raw logits and return nothing else."""
+    assert plain_greedy(params, done) == plain
+    meta = make_meta([params], outputs=[[0] * done], eos=4)
+    untouched = meta.all_greedy and meta.max_num_logprobs is None
+    untouched = untouched and not (meta.any_min_tokens or meta.any_logit_bias)
+    assert (untouched and not meta.any_penalties) == plain
+    if plain:  # and the sampler then gives the argmax
+        logits = torch.randn(3, 5, generator=torch.Generator().manual_seed(done))
+        meta = make_meta([params] * 3, outputs=[[0] * done] * 3, eos=4)
+        assert torch.equal(Sampler()(logits.clone(), meta).token_ids, logits.argmax(-1))
 
 
 def _generate(seed_row_logits, others, position, steps, seed=1234):
