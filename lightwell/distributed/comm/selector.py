@@ -36,7 +36,10 @@ from lightwell.distributed.comm.hostmem import lanes
 
 logger = logging.getLogger(__name__)
 
-AUTO_PEER_MAX_BYTES = 1 << 20  # 128 tokens x 4096 bf16; tune from benchmarks/gpu_tp.py
+# 512 tokens x 4096 bf16: the largest step a CUDA graph holds. Measured over NVLink in a graph
+# (tp_run3/tp_run4 tables): two-shot 26.0 vs NCCL 34.6 us at 512 tokens, 13.5 vs 15.7 at 128;
+# at 2,048 tokens (eager) NCCL wins or ties (84-112 vs 92-97 us), so larger messages stay on it.
+AUTO_PEER_MAX_BYTES = 4 << 20
 
 
 class AllReduceSelector:
