@@ -40,14 +40,9 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.int8_pack import GROUP, _round_clamp
+from lightwell.kernels.int8_pack import GROUP, _round_clamp, packed_row_bytes
 
 BLOCK = 4096  # elements per program: 8 KB of bf16, 4 KB + 128 B of int8 + scales
-
-
-def int8_block_bytes(block: int = BLOCK) -> int:
-    """Bytes of one block in an int8 slot: values, then one fp32 scale per GROUP values."""
-    return block + 4 * (block // GROUP)
 
 
 @triton.jit
@@ -334,12 +329,11 @@ def can_fuse_norm(x: torch.Tensor, norm: AddRMSNorm, block: int = BLOCK) -> bool
     )
 
 
-def _norm_launch(x: torch.Tensor, out: torch.Tensor, norm: AddRMSNorm | None, block: int):
-    """The kernels' NORM arguments: (pointer args, constexprs, the new-residual tensor)."""
+def _norm_launch(x: torch.Tensor, out: torch.Tensor, norm: AddRMSNorm | None):
+    """The kernels' NORM arguments: (pointer args, constexprs, the new-residual tensor). The
+    caller has checked ``can_fuse_norm`` (once per call: this is the launch path)."""
     if norm is None:
         return (x, out, x, 0.0), {"NORM": False, "HIDDEN": 1}, None
-    if not can_fuse_norm(x, norm, block):
-        raise ValueError(f"cannot fuse the norm into the host all-reduce of {tuple(x.shape)}")
     res_out = torch.empty_like(x)
     args = (norm.residual, res_out, norm.weight, float(norm.eps))
     return args, {"NORM": True, "HIDDEN": x.shape[1]}, res_out
@@ -352,16 +346,17 @@ def _result(out: torch.Tensor, res_out: torch.Tensor | None):
 def hostmem_all_reduce(
     x: torch.Tensor, bufs: HostMemBuffers, int8: bool, norm: AddRMSNorm | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Sum of ``x`` over the ranks (a new tensor shaped like x), flag protocol; with ``norm``,
-    ``(rmsnorm(sum + residual) * weight, sum + residual)`` instead (``AddRMSNorm``). Every
-    rank calls with the same shape and dtype, in the same order."""
+    """Sum of ``x`` over the ranks (a new tensor shaped like x), flag protocol; with ``norm``
+    (one that ``can_fuse_norm`` accepts), ``(rmsnorm(sum + residual) * weight, sum +
+    residual)`` instead (``AddRMSNorm``). Every rank calls with the same shape and dtype, in
+    the same order."""
     x = x.contiguous()
     size = 1 if int8 else x.element_size()
-    per_block = int8_block_bytes(bufs.block) if int8 else bufs.block * size
+    per_block = packed_row_bytes(bufs.block) if int8 else bufs.block * size  # int8: + scales
     blocks = bufs.check_fits(x, per_block)
     slots = bufs.view(torch.int8 if int8 else x.dtype)
     out = torch.empty_like(x)
-    norm_args, norm_consts, res_out = _norm_launch(x, out, norm, bufs.block)
+    norm_args, norm_consts, res_out = _norm_launch(x, out, norm)
     _hostmem_all_reduce_kernel[(min(blocks, bufs.max_programs),)](
         x,
         out,
@@ -537,7 +532,7 @@ def hostmem_ll_all_reduce(
     blocks = bufs.check_fits(x, 8 * wpb)
     words = bufs.view(torch.int64)
     out = torch.empty_like(x)
-    norm_args, norm_consts, res_out = _norm_launch(x, out, norm, bufs.block)
+    norm_args, norm_consts, res_out = _norm_launch(x, out, norm)
     _hostmem_ll_kernel[(min(blocks, bufs.max_programs),)](
         x,
         out,

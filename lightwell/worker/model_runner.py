@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -225,13 +226,19 @@ class ModelRunner:
         self._last_sampled = (inp.sample_req_ids, result.token_ids)
         pending.set_tokens(inp.sample_req_ids, result)
 
+    @functools.cached_property
+    def _can_shard_greedy(self) -> bool:
+        """Tensor parallel, and a model whose logits ``greedy_tokens`` can argmax in shards
+        (fixed for the runner's life: worked out once, not every step)."""
+        return get_tp_size() > 1 and bool(getattr(self.model, "sharded_greedy", False))
+
     def _sharded_greedy(self, inp: ModelInput) -> bool:
         """Under tensor parallelism, a step whose every sampling row is plain greedy (no
         logprobs, logit bias, penalties or min_tokens still in force) takes the argmax of the
         vocab-sharded logits without gathering them (``greedy_tokens``): every rank gets the
         tokens, so none is broadcast either. Decided from what every rank holds alike (the
         requests' parameters and output counts), so all ranks take the same path."""
-        if get_tp_size() == 1 or not getattr(self.model, "sharded_greedy", False):
+        if not self._can_shard_greedy:
             return False
         return all(
             plain_greedy(self.batch.requests[r].sampling_params, n_out)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import os
 import weakref
+from typing import Any
 
 import torch
 
@@ -244,13 +245,5 @@ def _device_pointer(host_ptr: int) -> int:
 class HostMemInt8AllReduce(HostMemAllReduce):
     """``hostmem`` with the int8 payload."""
 
-    def __init__(
-        self,
-        ctx: CommContext,
-        max_bytes: int = DEFAULT_MAX_BYTES,
-        max_programs: int | None = None,
-        block: int | None = None,
-        protocol: str = "flag",
-        fuse_norm: str | None = None,
-    ) -> None:
-        super().__init__(ctx, max_bytes, True, max_programs, block, protocol, fuse_norm)
+    def __init__(self, ctx: CommContext, **options: Any) -> None:
+        super().__init__(ctx, int8=True, **options)  # HostMemAllReduce's options
