@@ -145,13 +145,20 @@ class Timer:
 
 
 def sleep_cycles_per_us() -> float:
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    torch.cuda._sleep(1_000_000)
-    b.record()
-    torch.cuda.synchronize()
-    return 1_000_000 / (a.elapsed_time(b) * 1e3)
+    """The slope of torch.cuda._sleep's time over its cycle count (after a warm-up launch)."""
+
+    def us(cycles: int) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        torch.cuda._sleep(cycles)
+        b.record()
+        torch.cuda.synchronize()
+        return a.elapsed_time(b) * 1e3
+
+    us(1000)
+    t1 = statistics.median(us(200_000) for _ in range(5))
+    t2 = statistics.median(us(400_000) for _ in range(5))
+    return 200_000 / (t2 - t1)
 
 
 def main() -> None:
@@ -159,7 +166,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--parts", default="gemm,layers")
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--methods", default="bulk64,bulk16,lines,load")
+    ap.add_argument("--methods", default="lines,load,bulk16")
+    ap.add_argument("--sleeps", default="10,25")
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -174,6 +182,7 @@ def main() -> None:
             "l2_bytes": getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", None)}
     print(info, flush=True)
     methods = args.methods.split(",")
+    sleeps = [float(v) for v in args.sleeps.split(",")]
 
     def sleep(us: float) -> None:
         torch.cuda._sleep(int(us * cyc))
@@ -186,42 +195,33 @@ def main() -> None:
                 x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
                 r = {"part": "gemm", "shape": name, "m": m, "weight_mb": wbytes / MB}
                 r["gemm"] = timer.time(lambda: F.linear(x, w))
-                r["sleep10+gemm"] = timer.time(lambda: (sleep(10), F.linear(x, w)))
-                r["sleep10"] = timer.time(lambda: sleep(10))
-                for meth in methods:
-                    for pmb in (16, 32, 48):
-                        p = pmb * MB
-                        if p > wbytes + 16 * MB:
-                            continue
-                        key = f"{meth}:{pmb}"
-                        side = meth == "load"
-                        if side:
-                            ss = torch.cuda.Stream()
+                for sl in sleeps:
+                    r[f"sleep{sl}+gemm"] = timer.time(lambda sl=sl: (sleep(sl), F.linear(x, w)))
+                    r[f"sleep{sl}"] = timer.time(lambda sl=sl: sleep(sl))
+                    for meth in methods:
+                        for pmb in (16, 32, 48):
+                            p = pmb * MB
+                            if p > wbytes + 16 * MB:
+                                continue
+                            ss = torch.cuda.Stream() if meth in ("load", "bulk16") else None
 
-                            def fn(p=p, meth=meth, ss=ss):
-                                ss.wait_stream(torch.cuda.current_stream())
-                                with torch.cuda.stream(ss):
+                            def fn(gemm, p=p, meth=meth, ss=ss, sl=sl):
+                                if ss is None:
                                     prefetch(w, p, meth)
-                                sleep(10)
-                                torch.cuda.current_stream().wait_stream(ss)
-                                F.linear(x, w)
+                                    sleep(sl)
+                                else:  # a blocking prefetch: on a side stream beside the sleep
+                                    ss.wait_stream(torch.cuda.current_stream())
+                                    with torch.cuda.stream(ss):
+                                        prefetch(w, p, meth)
+                                    sleep(sl)
+                                    torch.cuda.current_stream().wait_stream(ss)
+                                if gemm:
+                                    F.linear(x, w)
 
-                            def fn_nogemm(p=p, meth=meth, ss=ss):
-                                ss.wait_stream(torch.cuda.current_stream())
-                                with torch.cuda.stream(ss):
-                                    prefetch(w, p, meth)
-                                sleep(10)
-                                torch.cuda.current_stream().wait_stream(ss)
-
-                            r[f"{key}|sleep10+gemm"] = timer.time(fn)
-                            r[f"{key}|sleep10"] = timer.time(fn_nogemm)
-                        else:
-                            r[f"{key}+gemm"] = timer.time(lambda p=p, meth=meth: (prefetch(w, p, meth), F.linear(x, w)))
-                            r[f"{key}"] = timer.time(lambda p=p, meth=meth: prefetch(w, p, meth))
-                            r[f"{key}+sleep10+gemm"] = timer.time(
-                                lambda p=p, meth=meth: (prefetch(w, p, meth), sleep(10), F.linear(x, w)))
-                            r[f"{key}+sleep10"] = timer.time(
-                                lambda p=p, meth=meth: (prefetch(w, p, meth), sleep(10)))
+                            key = f"{meth}:{pmb}+sleep{sl}"
+                            r[key + "+gemm"] = timer.time(lambda fn=fn: fn(True))
+                            r[key] = timer.time(lambda fn=fn: fn(False))
+                            r[key + ":gemm_after"] = r[key + "+gemm"] - r[key]
                 rows.append(r)
                 print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
             del w
@@ -260,7 +260,7 @@ def main() -> None:
             r["plain"] = timer.time(lambda: run(None, 0))
             r["sleeps_only"] = timer.time(lambda: [sleep(3 + attn_us + ar_us + 3 + 2 + ar_us) for _ in range(layers)])
             for meth in methods:
-                if meth == "load":
+                if meth != "lines":  # the others block the stream they run on
                     continue
                 for gmb in (16, 32, 40):
                     r[f"{meth}:gate{gmb}"] = timer.time(lambda meth=meth, gmb=gmb: run(meth, gmb))
