@@ -60,6 +60,12 @@ ENGINES = {
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
         ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
         ("tp2-hostmem-int8", dict(all_reduce="hostmem-int8"), ("w1", "ttft", "decode")),
+        ("tp2-hostmem-copy", dict(all_reduce="hostmem-copy"), ("ttft", "decode")),
+        (
+            "tp2-hostmem-copy-dual",
+            dict(all_reduce="hostmem-copy", dual_stream=True),
+            ("ttft", "decode", "profile"),
+        ),
         (
             "tp2-hostmem-int8-nofuse",
             dict(all_reduce="hostmem-int8", _env=NOFUSE),

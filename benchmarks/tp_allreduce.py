@@ -117,6 +117,12 @@ def _strategies(ctx, mode: str) -> dict:
     makers["hostmem-int8-ll-b2048"] = lambda: create_strategy(
         "hostmem-int8", ctx, max_bytes=big, protocol="ll", block=2048
     )
+    # the copy engines (eager only), the message in 1 / 4 (default) / 8 pieces
+    makers["hostmem-copy"] = lambda: create_strategy("hostmem-copy", ctx, max_bytes=big)
+    for chunks in (1, 8):
+        makers[f"hostmem-copy-c{chunks}"] = lambda chunks=chunks: create_strategy(
+            "hostmem-copy", ctx, max_bytes=big, chunks=chunks
+        )
     if os.environ.get("TP_TABLE_ALL"):  # measured in tp_run4 calls 1-2
         makers["int8-torch-ops"] = lambda: Int8AllReduce(ctx, fused=False)
         makers["int8"] = lambda: create_strategy("int8", ctx)  # fused kernels on GPUs
@@ -194,7 +200,7 @@ def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: f
             ok = rel < (0.03 if "int8" in name else 5e-3)
             iters = 50 if tokens <= 512 else 10
             timings = {"eager": _time_eager(fn, x, iters)}
-            if tokens <= GRAPH_MAX_TOKENS and name != "host":
+            if tokens <= GRAPH_MAX_TOKENS and name != "host" and "copy" not in name:
                 timings["graph"] = _time_graph(fn, x)
             if rank == 0:
                 for how, us in timings.items():
@@ -256,6 +262,8 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "nccl+dual",
         "hostmem+dual",
         "hostmem-int8+dual",
+        "hostmem-copy",  # the 700-token prefill's messages (2.8 MB) through the copy engines
+        "hostmem-copy+dual",
     ]
     if mode != "nvlink":
         choices = [c for c in choices if c not in ("auto", "oneshot")]

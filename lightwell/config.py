@@ -23,7 +23,9 @@ def is_preset_dummy(m: ModelConfig) -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-ALL_REDUCE = ("auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "gloo")
+ALL_REDUCE = (
+    "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy", "gloo"
+)  # fmt: skip
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: Any) -> Any:
@@ -127,7 +129,9 @@ class ParallelConfig:
         "(GPU); int8: group-wise int8-quantized over NCCL (lossy, halves the bytes); host: "
         "through shared host memory, summed by the CPUs; hostmem: one GPU kernel through "
         "pinned host memory, exact (for PCIe boxes without P2P); hostmem-int8: the same with "
-        "an int8 payload (lossy, fastest over PCIe); gloo: over the CPU group. See "
+        "an int8 payload (lossy); hostmem-copy: hostmem with the eager (prefill-sized) "
+        "messages moved by the copy engines, no SMs held (for --dual-stream); gloo: over the "
+        "CPU group. See "
         "docs/parallelism.md.",
         ALL_REDUCE,
     )

@@ -15,7 +15,7 @@ from tests.models.test_tensor_parallel import _free_port
 WORLD = 2
 # odd sizes: padding, uneven chunks; (40, 1000): above torch's intra-op grain (32,768 elements)
 SHAPES = [(1, 576), (7, 576), (33, 1000), (5,), (40, 1000)]
-EXACT = ("nccl", "gloo", "host", "hostmem", "hostmem-ll")
+EXACT = ("nccl", "gloo", "host", "hostmem", "hostmem-ll", "hostmem-copy", "hostmem-copy-chunked")
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tensor:
@@ -63,6 +63,11 @@ def _check_strategies(rank: int, ctx) -> None:
             strategy = create_strategy("hostmem", ctx, protocol="ll")
         elif name == "hostmem-int8-ll":
             strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
+        elif name == "hostmem-copy-chunked":  # 8 pieces of >= 256 bytes: (40, 1000) has 8
+            from lightwell.distributed.comm import hostmem_copy
+
+            hostmem_copy.MIN_CHUNK_BYTES = 256
+            strategy = create_strategy("hostmem-copy", ctx, chunks=8)
         strategy = strategy or create_strategy(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)
@@ -93,6 +98,8 @@ def _check_strategies(rank: int, ctx) -> None:
                 else:
                     assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
         strategy.close()
+        if name == "hostmem-copy-chunked":
+            hostmem_copy.MIN_CHUNK_BYTES = 256 * 1024
     torch.set_num_threads(threads)
     _check_fused_norm(rank, ctx)
     _check_hostmem_gives_up(rank, ctx)
@@ -240,6 +247,14 @@ def _check_selector(rank: int, ctx) -> None:
     assert [int8.pick(t).bufs.block for t in (x, big)] == [4096, hostmem.INT8_LARGE_BLOCK]
     assert torch.equal(int8.all_reduce(big.clone()), 2 * big)  # ones: exact in int8
     int8.close()
+    # hostmem-copy: messages from COPY_MIN_BYTES through the copy path, smaller ones (and any
+    # inside a CUDA-graph capture) through hostmem's lanes
+    copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=2 << 20)
+    large = torch.ones(300, 1000)  # 1.2 MB
+    assert [copy.pick(t).name for t in (x, big, large)] == ["hostmem", "hostmem", "hostmem-copy"]
+    assert copy.pick(big).protocol == "flag" and copy.pick(x).protocol == "ll"
+    assert torch.equal(copy.all_reduce(large.clone()), 2 * large)
+    copy.close()
 
 
 def _check_setup_failures(rank: int, ctx) -> None:
@@ -284,6 +299,7 @@ TABLES = [[3, 9, 1, 12], [7, 2], [5, 0, 14]]
 def _check_two_batch(rank: int, ctx, folder: str) -> None:
     from lightwell.attention.metadata import forward_context
     from lightwell.attention.micro_batch import split_batch
+    from lightwell.distributed.comm import selector
     from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.overlap import CommStream
     from lightwell.models.two_batch import supports_two_batch, two_batch_forward
@@ -291,6 +307,12 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
     from tests.models.tiny import load_ours
 
     hostmem = AllReduceSelector(ctx, "hostmem", max_bytes=1 << 16)
+    copy_min = selector.COPY_MIN_BYTES
+    selector.COPY_MIN_BYTES = 0  # every message through the copy path
+    try:
+        copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=1 << 16)
+    finally:
+        selector.COPY_MIN_BYTES = copy_min
     plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
     assert supports_two_batch(split)
     for model in (plain, split):
@@ -311,7 +333,18 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
             got = plain(ids, pos)
         assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1}, calls
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # every all-reduce through the copy path (no fused form: reduce, then norm), in the
+        # plain forward and in the two-micro-batch one
+        with torch.no_grad(), forward_context(meta), _through(copy) as calls:
+            got = plain(ids, pos)
+        assert calls == {"fused": 0, "plain": 2 * len(plain.model.layers) + 1}, calls
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        with torch.no_grad(), _through(copy) as calls:
+            got = two_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
+        assert calls["plain"] == 2 * (2 * len(plain.model.layers) + 1), calls
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     hostmem.close()
+    copy.close()
 
 
 @contextlib.contextmanager
@@ -417,3 +450,29 @@ def test_auto_rule_on_gpus(monkeypatch):
     assert selector._preferred(cpu, "hostmem-int8", False, 1 << 20) == [
         ("hostmem-int8", {"max_bytes": 1 << 20})
     ]
+    assert selector._preferred(cpu, "hostmem-copy", False, 16 << 20) == [
+        ("hostmem-copy", {"max_bytes": 16 << 20, "min_bytes": selector.COPY_MIN_BYTES}),
+        *hostmem,
+    ]
+
+
+def test_hostmem_copy_chunks():
+    """A message's pieces: contiguous, covering it, multiples of 64 elements but the last, at
+    most ``chunks`` of them and none under MIN_CHUNK_BYTES (but one piece at least)."""
+    from lightwell.distributed.comm.hostmem_copy import MIN_CHUNK_BYTES, chunk_bounds
+
+    for n, item, chunks, pieces in (
+        (1, 2, 4, 1),
+        (MIN_CHUNK_BYTES // 2 - 1, 2, 4, 1),
+        (MIN_CHUNK_BYTES, 2, 4, 2),
+        (2048 * 4096, 2, 4, 4),
+        (2048 * 4096, 2, 1, 1),
+        (1000 * 4096 + 3, 4, 16, 16),
+    ):
+        bounds = chunk_bounds(n, item, chunks)
+        assert len(bounds) == pieces, (n, item, chunks, bounds)
+        assert bounds[0][0] == 0 and bounds[-1][1] == n
+        assert all(b == a2 for (_, b), (a2, _) in zip(bounds, bounds[1:]))
+        assert all(a % 64 == 0 for a, _ in bounds)
+        if pieces > 1:
+            assert min((b - a) * item for a, b in bounds[:-1]) >= MIN_CHUNK_BYTES

@@ -1,8 +1,9 @@
 """All-reduce strategies for tensor parallelism: a Protocol, a registry and lazy imports.
 
-One module per strategy (``nccl``, ``oneshot``, ``int8``, ``host``, ``hostmem``); ``selector``
-picks one per call by message size and backend. A strategy's module is imported only when it
-is built, so optional machinery (symmetric memory, pinned shared memory) loads only when chosen.
+One module per strategy (``nccl``, ``oneshot``, ``int8``, ``host``, ``hostmem``,
+``hostmem_copy``); ``selector`` picks one per call by message size and backend. A strategy's
+module is imported only when it is built, so optional machinery (symmetric memory, pinned
+shared memory) loads only when chosen.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "host": ("lightwell.distributed.comm.host", "HostAllReduce"),
     "hostmem": ("lightwell.distributed.comm.hostmem", "HostMemAllReduce"),
     "hostmem-int8": ("lightwell.distributed.comm.hostmem", "HostMemInt8AllReduce"),
+    "hostmem-copy": ("lightwell.distributed.comm.hostmem_copy", "HostMemCopyAllReduce"),
 }
 
 

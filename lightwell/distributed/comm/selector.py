@@ -18,6 +18,9 @@ The rule (``--all-reduce``):
   NCCL is used: decode steps replayed from graphs then run NCCL.
 - hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
   payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
+- hostmem-copy: outside CUDA-graph captures, messages of at least ``COPY_MIN_BYTES`` through
+  pinned host memory moved by the copy engines (exact, no SMs held: for dual-stream
+  prefills); everything else as hostmem.
 A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
 sees the same shape, dtype and capture state, so every rank picks the same strategy.
 """
@@ -40,6 +43,8 @@ logger = logging.getLogger(__name__)
 # (tp_run3/tp_run4 tables): two-shot 26.0 vs NCCL 34.6 us at 512 tokens, 13.5 vs 15.7 at 128;
 # at 2,048 tokens (eager) NCCL wins or ties (84-112 vs 92-97 us), so larger messages stay on it.
 AUTO_PEER_MAX_BYTES = 4 << 20
+# hostmem-copy's smallest message (128 tokens x 4096 bf16); smaller ones take hostmem's lanes
+COPY_MIN_BYTES = 1 << 20
 
 
 class AllReduceSelector:
@@ -126,6 +131,9 @@ def _preferred(
         return [("oneshot", {"max_bytes": max_bytes})]
     if choice in ("hostmem", "hostmem-int8"):
         return lanes(choice, max_bytes)
+    if choice == "hostmem-copy":
+        copy = {"max_bytes": max_bytes, "min_bytes": COPY_MIN_BYTES}
+        return [("hostmem-copy", copy), *lanes("hostmem", max_bytes)]
     if choice == "host":
         return [(choice, {"max_bytes": max_bytes})]
     if choice == "int8":
