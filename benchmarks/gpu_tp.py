@@ -43,6 +43,7 @@ COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # hostmem never / always fusing the residual add + RMSNorm into its kernel (for comparison)
 NOFUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "0"}
 FUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "1"}
+G2048 = {"cuda_graph_prefill_tokens": 2048}
 # (label, engine options, stages), most important first: the budget cuts from the end.
 ENGINES = {
     "nvlink": [
@@ -66,6 +67,20 @@ ENGINES = {
             dict(all_reduce="hostmem-copy", dual_stream=True),
             ("ttft", "decode", "profile"),
         ),
+        # -g2048: steps up to 2,048 tokens replay CUDA graphs (the TTFT prompt's prefill too)
+        ("tp2-nccl-g2048", dict(all_reduce="nccl", **G2048), ("ttft", "decode")),
+        ("tp2-hostmem-copy-g2048", dict(all_reduce="hostmem-copy", **G2048), ("ttft",)),
+        (
+            "tp2-hostmem-copy-dual-g2048",
+            dict(all_reduce="hostmem-copy", dual_stream=True, **G2048),
+            ("ttft", "decode", "profile"),
+        ),
+        (
+            "tp2-hostmem-int8-dual-g2048",
+            dict(all_reduce="hostmem-int8", dual_stream=True, **G2048),
+            ("ttft", "decode"),
+        ),
+        ("tp2-hostmem-int8-g2048", dict(all_reduce="hostmem-int8", **G2048), ("ttft",)),
         (
             "tp2-hostmem-int8-nofuse",
             dict(all_reduce="hostmem-int8", _env=NOFUSE),

@@ -200,7 +200,7 @@ def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: f
             ok = rel < (0.03 if "int8" in name else 5e-3)
             iters = 50 if tokens <= 512 else 10
             timings = {"eager": _time_eager(fn, x, iters)}
-            if tokens <= GRAPH_MAX_TOKENS and name != "host" and "copy" not in name:
+            if tokens <= GRAPH_MAX_TOKENS and name != "host":
                 timings["graph"] = _time_graph(fn, x)
             if rank == 0:
                 for how, us in timings.items():

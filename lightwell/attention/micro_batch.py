@@ -5,6 +5,13 @@ token, which may fall inside a request: its first tokens go to micro-batch A and
 whose attention then reads A's part from the KV cache like a cached prefix (A runs first in
 every layer, so A's K/V are stored before B attends). Device tensors are sliced or derived with
 device ops only, so a split made during CUDA-graph capture replays correctly.
+
+A mixed-step graph's metadata (``static_layout``) describes a placeholder layout at capture:
+only its token and request counts hold at replay. Such a step splits at its middle token with
+every request in both halves (``_split_static``): a request's query tokens on the other side
+of the cut count as none in this half (A: fewer keys; B: A's tokens as cached keys), which the
+attention kernel takes for any layout, since its grid depends only on the token and request
+counts.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ def split_batch(
     meta: AttentionMetadata,
 ) -> tuple[MicroBatch, MicroBatch]:
     """(A, B): tokens [0, s) and [s, T) with their own attention metadata; needs T >= 2."""
+    if meta.static_layout and meta.max_query_len > 1:
+        return _split_static(input_ids, positions, meta)
     s = split_point(meta)
     if not 0 < s < meta.num_tokens:
         raise ValueError(f"cannot split a batch of {meta.num_tokens} tokens at {s}")
@@ -79,6 +88,42 @@ def _tail(meta: AttentionMetadata, s: int, i: int) -> AttentionMetadata:
         qsl_cpu,
         list(meta.seq_lens_cpu[i:]),
     )
+
+
+def _split_static(
+    input_ids: torch.Tensor,  # [T]
+    positions: torch.Tensor,  # [T]
+    meta: AttentionMetadata,
+) -> tuple[MicroBatch, MicroBatch]:
+    """A mixed graph's split at token T // 2, every request kept in both halves, the device
+    metadata derived with device ops (replays with any layout of the same counts)."""
+    t = meta.num_tokens
+    s = t // 2
+    qsl = meta.query_start_loc  # [R + 1] int32
+    in_b = (qsl[1:] - qsl[:-1].clamp_min(s)).clamp_min(0)  # [R]: each request's tokens in B
+    qsl_cpu = meta.query_start_loc_cpu
+    in_b_cpu = [max(0, b - max(a, s)) for a, b in zip(qsl_cpu, qsl_cpu[1:])]
+    halves = []
+    for lo, hi, starts, lens, starts_cpu, lens_cpu in (
+        (0, s, qsl.clamp_max(s), meta.seq_lens - in_b, [min(q, s) for q in qsl_cpu],
+         [n - m for n, m in zip(meta.seq_lens_cpu, in_b_cpu)]),
+        (s, t, (qsl - s).clamp_min(0), meta.seq_lens, [max(q - s, 0) for q in qsl_cpu],
+         list(meta.seq_lens_cpu)),
+    ):  # fmt: skip
+        half = AttentionMetadata(
+            query_start_loc=starts,
+            seq_lens=lens,
+            block_table=meta.block_table,
+            slot_mapping=meta.slot_mapping[lo:hi],
+            max_query_len=max(hi - lo, 2),  # any request may hold every token: general tiles
+            max_seq_len=meta.max_seq_len,
+            query_start_loc_cpu=starts_cpu,
+            seq_lens_cpu=lens_cpu,
+            num_decodes=0,  # one launch over every request
+            static_layout=True,
+        )
+        halves.append(MicroBatch(input_ids[lo:hi], positions[lo:hi], half))
+    return halves[0], halves[1]
 
 
 def _meta(

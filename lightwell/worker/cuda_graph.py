@@ -100,6 +100,7 @@ class CudaGraphRunner:
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[self.max_model_len] * size,
             num_decodes=size,
+            static_layout=True,
         )
 
     def _mixed_meta(self, tokens: int) -> AttentionMetadata:
@@ -124,6 +125,7 @@ class CudaGraphRunner:
             query_start_loc_cpu=qsl,
             seq_lens_cpu=[first] + [1] * (reqs - 2) + [0],
             num_decodes=0,  # one launch over every request (no separate decode launch)
+            static_layout=True,
         )
 
     def _args(self, key: tuple[str, int]) -> tuple:

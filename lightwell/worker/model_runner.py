@@ -114,8 +114,6 @@ class ModelRunner:
         """Decode graphs up to ``max_batch`` requests, mixed-step graphs up to ``prefill_tokens``
         tokens. ``capture=False`` (CPU tests) sets up the padded inputs and replays by running
         the forward on them."""
-        if self.overlap is not None:  # a capture would bake in the capture-time split point
-            prefill_tokens = min(prefill_tokens, self.overlap.min_tokens - 1)
         kv_heads = self.attn_layers[0].num_kv_heads if self.attn_layers else 0
         self.graphs = CudaGraphRunner(
             max_batch,

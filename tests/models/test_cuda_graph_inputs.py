@@ -10,11 +10,13 @@ import random
 import pytest
 import torch
 
+from lightwell.attention.metadata import forward_context
 from lightwell.models.loader import load_model
 from lightwell.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from lightwell.types import SamplingParams
 from lightwell.worker.cuda_graph import mixed_capture_sizes
 from lightwell.worker.model_runner import ModelRunner
+from lightwell.worker.overlap import TwoBatchOverlap
 from tests.models.tiny import randomize, tiny_config
 
 BLOCK = 4
@@ -27,7 +29,11 @@ def test_mixed_capture_sizes():
     assert mixed_capture_sizes(512) == [16, 32, 64, 128, 256, 512]
 
 
-def _tiny_runner(max_model_len: int, prefill_tokens: int, seed: int) -> ModelRunner:
+def _tiny_runner(
+    max_model_len: int, prefill_tokens: int, seed: int, dual_min_tokens: int = 0
+) -> ModelRunner:
+    """``dual_min_tokens``: run steps of at least that many tokens as two micro-batches (the
+    dual-stream split, in order on CPU), in the graphs and eagerly."""
     cfg = tiny_config(num_key_value_heads=1)  # GQA 4: query tiles of 32 tokens
     model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
     randomize(model, seed=seed)
@@ -35,15 +41,21 @@ def _tiny_runner(max_model_len: int, prefill_tokens: int, seed: int) -> ModelRun
                     dtype=torch.float32)  # fmt: skip
     r.set_attention_backend("triton")
     r.init_kv_cache(96)
+    if dual_min_tokens:
+        r.overlap = TwoBatchOverlap(model, dual_min_tokens, None)
     r.capture_cuda_graphs(
         max_batch=6, max_model_len=max_model_len, prefill_tokens=prefill_tokens, capture=False
     )
     return r
 
 
-@pytest.fixture(scope="module")
-def runner():
-    return _tiny_runner(max_model_len=128, prefill_tokens=128, seed=3)
+@pytest.fixture(scope="module", params=["plain", "two-batch"])
+def runner(request):
+    """plain; two-batch: steps of 32 tokens or more as two micro-batches (in the 64- and
+    128-token graphs: split at the graph's middle token whatever the layout; eagerly: at the
+    step's middle token)."""
+    dual = 32 if request.param == "two-batch" else 0
+    return _tiny_runner(max_model_len=128, prefill_tokens=128, seed=3, dual_min_tokens=dual)
 
 
 class Blocks:
@@ -66,6 +78,10 @@ def _check_step(runner: ModelRunner, sched: SchedulerOutput, kind: str) -> None:
     inp = runner.batch.prepare(sched)
     assert runner.graphs.can_run(inp.meta)
     eager = runner.forward(inp.input_ids, inp.positions, inp.meta).clone()
+    if runner.overlap is not None:  # both equal the forward of one batch
+        with forward_context(inp.meta):
+            whole = runner.model(inp.input_ids, inp.positions)
+        torch.testing.assert_close(eager, whole, rtol=1e-5, atol=1e-5)
     padded = runner.graphs.run(inp.input_ids, inp.positions, inp.meta)
     assert padded.shape == eager.shape
     assert padded.abs().max() > 0.1  # real activations, not zeros

@@ -247,8 +247,8 @@ def _check_selector(rank: int, ctx) -> None:
     assert [int8.pick(t).bufs.block for t in (x, big)] == [4096, hostmem.INT8_LARGE_BLOCK]
     assert torch.equal(int8.all_reduce(big.clone()), 2 * big)  # ones: exact in int8
     int8.close()
-    # hostmem-copy: messages from COPY_MIN_BYTES through the copy path, smaller ones (and any
-    # inside a CUDA-graph capture) through hostmem's lanes
+    # hostmem-copy: messages from COPY_MIN_BYTES through the copy path, smaller ones through
+    # hostmem's lanes
     copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=2 << 20)
     large = torch.ones(300, 1000)  # 1.2 MB
     assert [copy.pick(t).name for t in (x, big, large)] == ["hostmem", "hostmem", "hostmem-copy"]

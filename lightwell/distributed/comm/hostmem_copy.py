@@ -3,29 +3,32 @@ on boxes without peer access, where the all-reduce should hold no SMs (so that d
 overlap leaves the compute every SM).
 
 Every rank maps one shared segment (/dev/shm, registered with CUDA as portable + mapped). A
-call, with the message cut into ``chunks`` pieces:
+call, with the message cut into ``chunks`` pieces, writing slot ``p`` (calls alternate between
+two slots a rank):
 
-    up stream (the caller's):    D2H chunk 0 -> my slot | flag[me][0] = epoch | D2H chunk 1 ...
-    down stream (a second one):  wait flag[peer][c] >= epoch | H2D peer's chunk c -> recv ...
+    up stream (the caller's): wait flag[p][me][peer][c] == 0 | D2H chunk c -> my slot p |
+                              flag[p][me][peer][c] = 1 | ... next chunk
+    down stream (a second):   wait flag[p][peer][me][c] == 1 | H2D peer's chunk c -> recv |
+                              flag[p][peer][me][c] = 0 | ... next chunk
     then the caller's stream waits for the down stream and sums x and the peers' copies.
 
+A flag is a one-place handshake between a writer and one reader: the writer raises it once the
+chunk is in host memory, the reader lowers it once it has copied the chunk out, and the writer
+reuses the slot only after seeing it lowered. Every value is fixed, so the whole call can be
+captured in a CUDA graph and replayed (the dual-stream prefill graphs do), and eager calls and
+replays mix freely: all ranks make the same calls in the same order, so they agree on each
+call's slot.
+
 The copies are the driver's ``cuMemcpyDtoHAsync``/``cuMemcpyHtoDAsync`` (the copy engines;
-the two directions overlap chunk by chunk), the flag write ``cuStreamWriteValue32`` (fenced:
-the chunk's bytes are in host memory before the flag) and the wait ``cuStreamWaitValue32``:
+the two directions overlap chunk by chunk), the flag writes ``cuStreamWriteValue32`` (fenced:
+a chunk's bytes are in host memory before its flag) and the waits ``cuStreamWaitValue32``:
 stream memory operations, no kernel. The only kernel is the sum: each rank adds the same
 values in rank order in fp32 (x + peer for two ranks, x's dtype computed in fp32), so every
-rank gets the same result; exact, like ``hostmem``.
+rank gets the same result; exact, like ``hostmem``. A wait has no timeout on the GPU (a stream
+memory operation cannot give up): a peer that died is noticed by the executor, not here.
 
-Slots alternate between two buffers by call parity, and a rank reaches call k + 2 only after
-its peers raised call k + 1's flags, which they do after reading call k's slots: a slot is
-never overwritten while a peer still reads it. The epoch and parity are counted on the host,
-so the strategy is not graph-safe: the selector uses it for eager steps only (prefills above
-the CUDA graphs' token count), and the graph-safe ``hostmem`` lanes for everything captured.
-A wait has no timeout on the GPU (a stream memory operation cannot give up): a peer that
-died is noticed by the executor, not by this strategy.
-
-On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag write a
-store, the wait a bounded spin.
+On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag writes
+stores, the waits bounded spins.
 """
 
 from __future__ import annotations
@@ -56,8 +59,8 @@ CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
 MIN_CHUNK_BYTES = 256 * 1024
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
-_FLAG_ROW = 64  # bytes of flags per rank: MAX_CHUNKS int32
-_CU_STREAM_WAIT_VALUE_GEQ = 0  # (int32)(*addr - value) >= 0: wraps like the epoch
+_FLAG_ROW = 4 * MAX_CHUNKS  # bytes of flags per (slot, writer, reader)
+_CU_STREAM_WAIT_VALUE_EQ = 1
 
 
 def chunk_bounds(n: int, itemsize: int, chunks: int) -> list[tuple[int, int]]:
@@ -72,7 +75,7 @@ def chunk_bounds(n: int, itemsize: int, chunks: int) -> list[tuple[int, int]]:
 
 class HostMemCopyAllReduce:
     name = "hostmem-copy"
-    graph_safe = False
+    graph_safe = True
 
     def __init__(
         self,
@@ -92,7 +95,7 @@ class HostMemCopyAllReduce:
             raise ValueError(f"hostmem-copy chunks must be 1..{MAX_CHUNKS}, got {chunks}")
         self.chunks = chunks
         self.slot_bytes = -(-max_bytes // 4096) * 4096
-        self.flag_bytes = -(-(_FLAG_ROW * ctx.size) // 4096) * 4096
+        self.flag_bytes = -(-(2 * _FLAG_ROW * ctx.size**2) // 4096) * 4096
         total = self.flag_bytes + 2 * ctx.size * self.slot_bytes
         self.memory = map_shared(ctx, total)  # CPU view, uint8 [total]
         self.on_gpu = ctx.device.type == "cuda"
@@ -132,8 +135,8 @@ class HostMemCopyAllReduce:
     def _slot(self, parity: int, rank: int) -> int:  # byte offset of a slot in the segment
         return self.flag_bytes + (parity * self.size + rank) * self.slot_bytes
 
-    def _flag(self, rank: int, chunk: int) -> int:  # byte offset of a flag
-        return rank * _FLAG_ROW + 4 * chunk
+    def _flag(self, parity: int, writer: int, reader: int, chunk: int) -> int:  # byte offset
+        return ((parity * self.size + writer) * self.size + reader) * _FLAG_ROW + 4 * chunk
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -141,23 +144,27 @@ class HostMemCopyAllReduce:
         n, item = flat.numel(), flat.element_size()
         bounds = chunk_bounds(n, item, self.chunks)
         self.calls += 1
-        epoch = self.calls % (1 << 32)  # 32-bit flags; the waits compare cyclically
-        parity = self.calls % 2
+        p = self.calls % 2
         ops = self.ops
         up = torch.cuda.current_stream(self.device) if self.on_gpu else None
         if self.down is not None:
             self.down.wait_stream(up)  # x is ready, and the previous call's sum has read recv
-        mine = self._slot(parity, self.rank)
+        me = self.rank
+        peers = [r for r in range(self.size) if r != me]
+        mine = self._slot(p, me)
         for c, (a, b) in enumerate(bounds):
+            for peer in peers:  # every reader copied this chunk of the slot's previous use
+                ops.wait_flag(self._flag(p, me, peer, c), 0, up)
             ops.d2h(mine + a * item, flat, a, b, up)
-            ops.write_flag(self._flag(self.rank, c), epoch, up)
-        peers = [r for r in range(self.size) if r != self.rank]
+            for peer in peers:
+                ops.write_flag(self._flag(p, me, peer, c), 1, up)
         for i, peer in enumerate(peers):
-            theirs = self._slot(parity, peer)
+            theirs = self._slot(p, peer)
             recv = self.recv[i][: n * item].view(x.dtype)
             for c, (a, b) in enumerate(bounds):
-                ops.wait_flag(self._flag(peer, c), epoch, self.down)
+                ops.wait_flag(self._flag(p, peer, me, c), 1, self.down)
                 ops.h2d(recv, a, b, theirs + a * item, self.down)
+                ops.write_flag(self._flag(p, peer, me, c), 0, self.down)
         if self.down is not None:
             up.wait_stream(self.down)
         received = [self.recv[i][: n * item].view(x.dtype).view(x.shape) for i in range(len(peers))]
@@ -205,13 +212,12 @@ class _HostOps(_Ops):
         dst[a:b].copy_(self._view(src, dst.dtype, b - a))
 
     def write_flag(self, offset: int, value: int, stream: Any) -> None:
-        # after the data: x86 stores are ordered; the uint32 epoch stored as its int32 bits
-        self._view(offset, torch.int32, 1)[0] = value - (1 << 32) if value >= 1 << 31 else value
+        self._view(offset, torch.int32, 1)[0] = value  # after the data: x86 stores are ordered
 
     def wait_flag(self, offset: int, value: int, stream: Any) -> None:
         flag = self._view(offset, torch.int32, 1)
         deadline = time.monotonic() + WAIT_TIMEOUT_S
-        while (int(flag[0]) - value) % (1 << 32) >= 1 << 31:  # flag behind value, cyclically
+        while int(flag[0]) != value:
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"hostmem-copy: no peer flag within {WAIT_TIMEOUT_S:.0f} s (is it alive?)"
@@ -261,6 +267,6 @@ class _DriverOps(_Ops):
 
     def wait_flag(self, offset: int, value: int, stream: Any) -> None:
         err = self.cuda.cuStreamWaitValue32_v2(
-            stream.cuda_stream, self.dev + offset, value, _CU_STREAM_WAIT_VALUE_GEQ
+            stream.cuda_stream, self.dev + offset, value, _CU_STREAM_WAIT_VALUE_EQ
         )
         self._check(err, "cuStreamWaitValue32")

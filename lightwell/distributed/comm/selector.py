@@ -18,9 +18,9 @@ The rule (``--all-reduce``):
   NCCL is used: decode steps replayed from graphs then run NCCL.
 - hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
   payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
-- hostmem-copy: outside CUDA-graph captures, messages of at least ``COPY_MIN_BYTES`` through
-  pinned host memory moved by the copy engines (exact, no SMs held: for dual-stream
-  prefills); everything else as hostmem.
+- hostmem-copy: messages of at least ``COPY_MIN_BYTES`` through pinned host memory moved by
+  the copy engines (exact, no SMs held: for dual-stream prefills); smaller ones as hostmem;
+  graph-safe.
 A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
 sees the same shape, dtype and capture state, so every rank picks the same strategy.
 """
