@@ -75,6 +75,22 @@ ENGINES = {
             dict(all_reduce="hostmem-copy", dual_stream=True, **G2048),
             ("ttft", "decode", "profile"),
         ),
+        # dual-stream from 512 tokens only: decode steps run plain (hostmem's kernels)
+        (
+            "tp2-hostmem-copy-dual512-g2048",
+            dict(all_reduce="hostmem-copy", dual_stream=True, dual_stream_min_tokens=512, **G2048),
+            ("w1", "ttft", "decode"),
+        ),
+        (
+            "tp2-hostmem-copy-int8-dual512-g2048",
+            dict(
+                all_reduce="hostmem-copy-int8",
+                dual_stream=True,
+                dual_stream_min_tokens=512,
+                **G2048,
+            ),
+            ("w1", "ttft", "decode", "profile"),
+        ),
         (
             "tp2-hostmem-int8-dual-g2048",
             dict(all_reduce="hostmem-int8", dual_stream=True, **G2048),

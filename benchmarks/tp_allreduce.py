@@ -119,6 +119,7 @@ def _strategies(ctx, mode: str) -> dict:
     )
     # the copy engines (eager only), the message in 1 / 4 (default) / 8 pieces
     makers["hostmem-copy"] = lambda: create_strategy("hostmem-copy", ctx, max_bytes=big)
+    makers["hostmem-copy-int8"] = lambda: create_strategy("hostmem-copy-int8", ctx, max_bytes=big)
     for chunks in (1, 8):
         makers[f"hostmem-copy-c{chunks}"] = lambda chunks=chunks: create_strategy(
             "hostmem-copy", ctx, max_bytes=big, chunks=chunks
@@ -264,6 +265,9 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "hostmem-int8+dual",
         "hostmem-copy",  # the 700-token prefill's messages (2.8 MB) through the copy engines
         "hostmem-copy+dual",
+        "hostmem-copy-int8+dual",
+        "hostmem-copy+dual+graph",  # replayed from a mixed-step graph, split inside it
+        "hostmem-copy-int8+dual+graph",
     ]
     if mode != "nvlink":
         choices = [c for c in choices if c not in ("auto", "oneshot")]
@@ -276,8 +280,11 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         os.environ[FUSE_NORM_ENV] = "1" if choice.endswith("-fused") else "auto"
         set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20))
         runner.overlap = (
-            TwoBatchOverlap(model, 2, torch.cuda.Stream()) if choice.endswith("+dual") else None
+            TwoBatchOverlap(model, 2, torch.cuda.Stream()) if "+dual" in choice else None
         )
+        runner.graphs = None
+        if choice.endswith("+graph"):  # every mixed graph (16..1,024 tokens) split in two
+            runner.capture_cuda_graphs(max_batch=4, max_model_len=2048, prefill_tokens=1024)
         logits = _prefill_logits(runner, step)  # [3, V]
         if ref is None:
             ref = logits
@@ -333,7 +340,11 @@ def _prefill_logits(runner, step: int) -> torch.Tensor:
     with torch.inference_mode():
         runner.batch.apply(sched)
         inp = runner.batch.prepare(sched)
-        hidden = runner.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+        if runner.graphs is not None:  # the 700 tokens padded into the 1,024-token graph
+            assert runner.graphs.graph_for(inp.meta) == ("mixed", 1024)
+            hidden = runner.graphs.run(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+        else:
+            hidden = runner.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
         return runner.model.compute_logits(hidden[inp.logits_indices])  # [3, V]
 
 

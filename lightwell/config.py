@@ -24,7 +24,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 ALL_REDUCE = (
-    "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy", "gloo"
+    "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy",
+    "hostmem-copy-int8", "gloo",
 )  # fmt: skip
 
 
@@ -129,9 +130,9 @@ class ParallelConfig:
         "(GPU); int8: group-wise int8-quantized over NCCL (lossy, halves the bytes); host: "
         "through shared host memory, summed by the CPUs; hostmem: one GPU kernel through "
         "pinned host memory, exact (for PCIe boxes without P2P); hostmem-int8: the same with "
-        "an int8 payload (lossy); hostmem-copy: hostmem with the eager (prefill-sized) "
-        "messages moved by the copy engines, no SMs held (for --dual-stream); gloo: over the "
-        "CPU group. See "
+        "an int8 payload (lossy); hostmem-copy / hostmem-copy-int8: hostmem / hostmem-int8 "
+        "with messages of 128 tokens or more moved by the copy engines, no SMs held (with "
+        "--dual-stream: the fastest prefills over PCIe); gloo: over the CPU group. See "
         "docs/parallelism.md.",
         ALL_REDUCE,
     )

@@ -8,6 +8,9 @@ ops each way:
     dequant_sum_requant(recv, C)     uint8 [w, bytes] -> uint8 [1, bytes]: sum of the w chunks
                                      in fp32, requantized
     unpack_dequant(gathered, C, n)   uint8 [w, bytes] -> [n] in the output dtype
+    dequant_sum(stage, C, R, out)    uint8 [w, >= R bytes] (every rank's R packed chunks) ->
+                                     out [n]: the sum over ranks in fp32, rounded once
+                                     (hostmem-copy-int8)
 
 Rounding is half away from zero (torch.round in the reference rounds half to even): the same
 bound, half a step per rounding, and every rank computes the same bytes.
@@ -73,6 +76,24 @@ def _unpack_dequant_kernel(q_ptr, s_ptr, out_ptr, n, row_bytes, cols, GROUP: tl.
     tl.store(out_ptr + idx, vals.to(out_ptr.dtype.element_ty), mask=idx < n)
 
 
+@triton.jit(do_not_specialize=["n", "world", "rank_stride", "row_bytes", "cols"])
+def _dequant_sum_kernel(
+    q_ptr, s_ptr, out_ptr, n, world, rank_stride, row_bytes, cols, GROUP: tl.constexpr
+):
+    g, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
+    offs = tl.arange(0, GROUP)
+    acc = tl.zeros([GROUP], dtype=tl.float32)
+    base = row.to(tl.int64) * row_bytes  # rank 0's row; pointers step a rank at a time
+    q_row = q_ptr + base + g * GROUP
+    s_row = s_ptr + (base + cols) // 4 + g
+    for _ in range(world):  # rank order: every rank adds the same values the same way
+        acc += tl.load(q_row + offs).to(tl.float32) * tl.load(s_row)
+        q_row += rank_stride
+        s_row += rank_stride // 4
+    idx = row.to(tl.int64) * cols + g * GROUP + offs
+    tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=idx < n)
+
+
 def packed_row_bytes(cols: int) -> int:
     return cols + 4 * (cols // GROUP)
 
@@ -87,14 +108,18 @@ def _check_cols(cols: int) -> None:
         raise ValueError(f"chunk length must be a positive multiple of {GROUP}, got {cols}")
 
 
-def quantize_pack(x: torch.Tensor, num_rows: int, cols: int) -> torch.Tensor:
-    """x (any shape, contiguous, numel <= num_rows * cols) -> uint8 [num_rows, bytes]; the
-    elements past x's end count as zeros."""
+def quantize_pack(
+    x: torch.Tensor, num_rows: int, cols: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x (any shape, contiguous, numel <= num_rows * cols) -> uint8 [num_rows, bytes] (into
+    ``out`` when given: contiguous, that shape); the elements past x's end count as zeros."""
     _check_cols(cols)
     if not x.is_contiguous() or x.numel() > num_rows * cols:
         raise ValueError("x must be contiguous and fit num_rows x cols")
     rb = packed_row_bytes(cols)
-    buf = torch.empty((num_rows, rb), dtype=torch.uint8, device=x.device)
+    if out is not None and (out.shape != (num_rows, rb) or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{num_rows}, {rb}] uint8 buffer")
+    buf = torch.empty((num_rows, rb), dtype=torch.uint8, device=x.device) if out is None else out
     q, s = _views(buf)
     _quantize_pack_kernel[(cols // GROUP, num_rows)](
         x, q, s, x.numel(), rb, cols, GROUP=GROUP, num_warps=1
@@ -128,5 +153,26 @@ def unpack_dequant(
     q, s = _views(gathered)
     _unpack_dequant_kernel[(cols // GROUP, gathered.shape[0])](
         q, s, out, n, rb, cols, GROUP=GROUP, num_warps=1
+    )
+    return out
+
+
+def dequant_sum(
+    stage: torch.Tensor,  # uint8 [w, S]: row r holds rank r's packed chunks in its first bytes
+    cols: int,
+    num_rows: int,  # packed chunks a rank
+    out: torch.Tensor,  # [n], contiguous: the sum's first n values, in out's dtype
+) -> torch.Tensor:
+    """The sum over ranks of every rank's dequantized chunks, in fp32 in rank order, rounded
+    once into ``out`` (every rank that holds the same bytes gets the same values)."""
+    _check_cols(cols)
+    rb = packed_row_bytes(cols)
+    if not stage.is_contiguous() or stage.shape[1] < num_rows * rb or stage.shape[1] % 4:
+        raise ValueError(f"want a contiguous [w, >= {num_rows * rb}] uint8 stage (4-byte rows)")
+    if not out.is_contiguous() or out.numel() > num_rows * cols:
+        raise ValueError("out must be contiguous and fit num_rows x cols")
+    q, s = _views(stage)
+    _dequant_sum_kernel[(cols // GROUP, num_rows)](
+        q, s, out, out.numel(), stage.shape[0], stage.shape[1], rb, cols, GROUP=GROUP, num_warps=1
     )
     return out

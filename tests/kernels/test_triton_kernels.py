@@ -296,6 +296,26 @@ def test_int8_pack_kernels_match_torch_ops(n, rows, cols, dtype):
     torch.testing.assert_close(out, ref.dequantize(*ref.unpack(want, cols)).view(-1)[:n].to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_int8_dequant_sum_into_out(dtype):
+    """hostmem-copy-int8's sum: each rank's packed rows (quantized into a row of a stage buffer
+    wider than they need), dequantized and added in rank order in fp32, into out[:n]."""
+    n, rows, cols, world = 1000, 4, 256, 3
+    rb = i8.packed_row_bytes(cols)
+    stage = torch.full((world, rows * rb + 4 * 40), 7, dtype=torch.uint8, device=DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    xs = [_randn(n, dtype=dtype, gen=gen) * (r + 1) for r in range(world)]
+    for r, x in enumerate(xs):
+        i8.quantize_pack(x, rows, cols, out=stage[r][: rows * rb].view(rows, rb))
+    want = sum(i8.unpack_dequant(stage[r][: rows * rb].view(rows, rb), cols, n, torch.float32)
+               for r in range(world))  # fmt: skip
+    out = torch.zeros(n, dtype=dtype, device=DEVICE)
+    assert i8.dequant_sum(stage, cols, rows, out) is out
+    torch.testing.assert_close(out, want.to(dtype), rtol=1e-6, atol=1e-6)
+    exact = sum(x.float() for x in xs)
+    assert (out.float() - exact).norm() / exact.norm() < 0.01  # one rounding a rank
+
+
 def test_int8_pack_rejects_bad_input():
     x = torch.ones(300, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -304,6 +324,10 @@ def test_int8_pack_rejects_bad_input():
         i8.quantize_pack(x, 1, 256)
     with pytest.raises(ValueError, match="packed buffer"):
         i8.dequant_sum_requant(torch.zeros(2, 10, dtype=torch.uint8, device=DEVICE), 128)
+    with pytest.raises(ValueError, match="out must be"):
+        i8.quantize_pack(x, 3, 128, out=torch.zeros(2, 132, dtype=torch.uint8, device=DEVICE))
+    with pytest.raises(ValueError, match="stage"):
+        i8.dequant_sum(torch.zeros(2, 100, dtype=torch.uint8, device=DEVICE), 128, 1, x)
 
 
 def test_int8_pack_grids_put_groups_on_axis_0(monkeypatch):

@@ -54,7 +54,10 @@ def _check_strategies(rank: int, ctx) -> None:
 
     threads = torch.get_num_threads()
     # hostmem(-int8): the Triton kernel through shared memory, interpreted, 2 processes
-    for name in (*EXACT, "int8", "int8-fused", "hostmem-int8", "hostmem-int8-ll"):
+    for name in (
+        *EXACT, "int8", "int8-fused", "hostmem-int8", "hostmem-int8-ll", "hostmem-copy-int8",
+        "hostmem-copy-int8-chunked",
+    ):  # fmt: skip
         # int8-fused: the Triton kernels (interpreted here) between the same collectives
         strategy = Int8AllReduce(ctx, fused=True) if name == "int8-fused" else None
         if name == "hostmem-int8":  # 3 persistent programs share the blocks (40 at most here)
@@ -63,11 +66,11 @@ def _check_strategies(rank: int, ctx) -> None:
             strategy = create_strategy("hostmem", ctx, protocol="ll")
         elif name == "hostmem-int8-ll":
             strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
-        elif name == "hostmem-copy-chunked":  # 8 pieces of >= 256 bytes: (40, 1000) has 8
+        elif name.endswith("-chunked"):  # 8 pieces of >= 256 bytes: (40, 1000) has 8
             from lightwell.distributed.comm import hostmem_copy
 
             hostmem_copy.MIN_CHUNK_BYTES = 256
-            strategy = create_strategy("hostmem-copy", ctx, chunks=8)
+            strategy = create_strategy(name.removesuffix("-chunked"), ctx, chunks=8)
         strategy = strategy or create_strategy(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)
@@ -98,7 +101,7 @@ def _check_strategies(rank: int, ctx) -> None:
                 else:
                     assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
         strategy.close()
-        if name == "hostmem-copy-chunked":
+        if name.endswith("-chunked"):
             hostmem_copy.MIN_CHUNK_BYTES = 256 * 1024
     torch.set_num_threads(threads)
     _check_fused_norm(rank, ctx)
@@ -255,6 +258,10 @@ def _check_selector(rank: int, ctx) -> None:
     assert copy.pick(big).protocol == "flag" and copy.pick(x).protocol == "ll"
     assert torch.equal(copy.all_reduce(large.clone()), 2 * large)
     copy.close()
+    copy8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=2 << 20)
+    assert [copy8.pick(t).name for t in (x, large)] == ["hostmem-int8", "hostmem-copy-int8"]
+    assert torch.equal(copy8.all_reduce(large.clone()), 2 * large)  # ones: exact in int8
+    copy8.close()
 
 
 def _check_setup_failures(rank: int, ctx) -> None:
@@ -450,9 +457,14 @@ def test_auto_rule_on_gpus(monkeypatch):
     assert selector._preferred(cpu, "hostmem-int8", False, 1 << 20) == [
         ("hostmem-int8", {"max_bytes": 1 << 20})
     ]
+    copy = {"max_bytes": 16 << 20, "min_bytes": selector.COPY_MIN_BYTES}
     assert selector._preferred(cpu, "hostmem-copy", False, 16 << 20) == [
-        ("hostmem-copy", {"max_bytes": 16 << 20, "min_bytes": selector.COPY_MIN_BYTES}),
+        ("hostmem-copy", copy),
         *hostmem,
+    ]
+    assert selector._preferred(cpu, "hostmem-copy-int8", False, 16 << 20) == [
+        ("hostmem-copy-int8", copy),
+        *selector._preferred(cpu, "hostmem-int8", False, 16 << 20),
     ]
 
 
@@ -476,3 +488,16 @@ def test_hostmem_copy_chunks():
         assert all(a % 64 == 0 for a, _ in bounds)
         if pieces > 1:
             assert min((b - a) * item for a, b in bounds[:-1]) >= MIN_CHUNK_BYTES
+
+
+def test_hostmem_copy_int8_layout():
+    """int8 rows: whole 128-element groups, covering the message with less than a row to
+    spare, at most ``chunks`` of them and none under MIN_CHUNK_BYTES (but one at least)."""
+    from lightwell.distributed.comm.hostmem_copy import MIN_CHUNK_BYTES, int8_layout
+
+    for n, chunks, want in ((5, 4, 1), (MIN_CHUNK_BYTES * 2, 4, 2), (2048 * 4096, 4, 4),
+                            (1000 * 4096 + 3, 16, 15), (2048 * 4096, 1, 1)):  # fmt: skip
+        rows, cols = int8_layout(n, chunks)
+        assert rows == want and cols % 128 == 0 and rows * cols >= n > (rows - 1) * cols
+        if rows > 1:
+            assert cols >= MIN_CHUNK_BYTES

@@ -25,6 +25,7 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "hostmem": ("lightwell.distributed.comm.hostmem", "HostMemAllReduce"),
     "hostmem-int8": ("lightwell.distributed.comm.hostmem", "HostMemInt8AllReduce"),
     "hostmem-copy": ("lightwell.distributed.comm.hostmem_copy", "HostMemCopyAllReduce"),
+    "hostmem-copy-int8": ("lightwell.distributed.comm.hostmem_copy", "HostMemCopyInt8AllReduce"),
 }
 
 

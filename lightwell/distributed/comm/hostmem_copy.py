@@ -27,8 +27,13 @@ values in rank order in fp32 (x + peer for two ranks, x's dtype computed in fp32
 rank gets the same result; exact, like ``hostmem``. A wait has no timeout on the GPU (a stream
 memory operation cannot give up): a peer that died is noticed by the executor, not here.
 
+``hostmem-copy-int8`` sends int8 values with one fp32 scale per 128 (``int8_pack``'s rows,
+one row a chunk: about 0.52x the bytes of bf16), and every rank sums every rank's dequantized
+values in rank order (each element off by at most the sum over ranks of its group's absmax /
+254, one rounding, like ``hostmem-int8``).
+
 On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag writes
-stores, the waits bounded spins.
+stores, the waits bounded spins; the int8 kernels run under the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -63,6 +68,18 @@ _FLAG_ROW = 4 * MAX_CHUNKS  # bytes of flags per (slot, writer, reader)
 _CU_STREAM_WAIT_VALUE_EQ = 1
 
 
+def int8_layout(n: int, chunks: int) -> tuple[int, int]:
+    """(rows, cols) of a message of ``n`` elements sent as int8: at most ``chunks`` rows of
+    ``cols`` elements (a multiple of the 128-element group), each at least MIN_CHUNK_BYTES
+    of int8 (but one row at least)."""
+    from lightwell.kernels.int8_pack import GROUP
+
+    rows = max(1, min(chunks, n // MIN_CHUNK_BYTES))
+    per = -(-n // rows)
+    cols = -(-per // GROUP) * GROUP
+    return -(-n // cols), cols
+
+
 def chunk_bounds(n: int, itemsize: int, chunks: int) -> list[tuple[int, int]]:
     """[start, end) element ranges of a message of ``n`` elements: at most ``chunks`` pieces of
     at least ``MIN_CHUNK_BYTES`` (but one piece at least), multiples of 64 elements but the
@@ -83,10 +100,13 @@ class HostMemCopyAllReduce:
         max_bytes: int = DEFAULT_MAX_BYTES,
         min_bytes: int = 0,
         chunks: int | None = None,
+        int8: bool = False,
     ) -> None:
         """``min_bytes``: smaller messages are left to other strategies (``supports``);
         ``chunks``: pieces per message (default ``LIGHTWELL_HOSTMEM_COPY_CHUNKS`` or
-        ``CHUNKS``)."""
+        ``CHUNKS``); ``int8``: the int8 payload."""
+        self.int8 = int8
+        self.name = "hostmem-copy-int8" if int8 else "hostmem-copy"
         self.rank, self.size = ctx.rank, ctx.size
         self.max_bytes, self.min_bytes = max_bytes, min_bytes
         if chunks is None:
@@ -94,7 +114,8 @@ class HostMemCopyAllReduce:
         if not 1 <= chunks <= MAX_CHUNKS:
             raise ValueError(f"hostmem-copy chunks must be 1..{MAX_CHUNKS}, got {chunks}")
         self.chunks = chunks
-        self.slot_bytes = -(-max_bytes // 4096) * 4096
+        # room for max_bytes of a 2-byte dtype as int8 rows too (+ their scales and padding)
+        self.slot_bytes = -(-(max_bytes + 8 * MAX_CHUNKS * 132) // 4096) * 4096
         self.flag_bytes = -(-(2 * _FLAG_ROW * ctx.size**2) // 4096) * 4096
         total = self.flag_bytes + 2 * ctx.size * self.slot_bytes
         self.memory = map_shared(ctx, total)  # CPU view, uint8 [total]
@@ -106,24 +127,39 @@ class HostMemCopyAllReduce:
         self.flags = self.memory[: self.flag_bytes].view(torch.int32)
         self.calls = 0
         self.device = ctx.device
+        # Row r: what rank r sent (a peer's, copied in; int8: this rank's own packed message
+        # too), reused by every call: a call's copies into it are on the down stream after the
+        # caller's stream, which consumed the previous call's sum.
+        self.stage = torch.empty(ctx.size, self.slot_bytes, dtype=torch.uint8, device=ctx.device)
         if self.on_gpu:
             self.ops: _Ops = _DriverOps(self.memory, ctx.device)
             self.down = torch.cuda.Stream(ctx.device)
-            # one receive buffer per peer, reused by every call: a call's H2D copies are on
-            # the down stream after the caller's stream (which consumed the previous call)
-            self.recv = torch.empty(
-                max(1, ctx.size - 1), self.slot_bytes, dtype=torch.uint8, device=ctx.device
-            )
         else:
             self.ops = _HostOps(self.memory)
             self.down = None
-            self.recv = torch.empty(max(1, ctx.size - 1), self.slot_bytes, dtype=torch.uint8)
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
         if not 2 <= ctx.size <= 8:
             return False
         return torch.cuda.is_available() if ctx.device.type == "cuda" else True
+
+    def _payload(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The bytes to send (uint8 [B]) and their [start, end) byte range a chunk."""
+        n = flat.numel()
+        if not self.int8:
+            item = flat.element_size()
+            bounds = chunk_bounds(n, item, self.chunks)
+            return flat.view(torch.uint8), [(a * item, b * item) for a, b in bounds]
+        from lightwell.kernels.int8_pack import packed_row_bytes, quantize_pack
+
+        rows, cols = int8_layout(n, self.chunks)
+        rb = packed_row_bytes(cols)
+        if rows * rb > self.slot_bytes:
+            raise ValueError(f"{n} elements do not fit hostmem-copy's {self.slot_bytes}-byte slot")
+        mine = self.stage[self.rank][: rows * rb]
+        quantize_pack(flat, rows, cols, out=mine.view(rows, rb))
+        return mine, [(r * rb, (r + 1) * rb) for r in range(rows)]
 
     def supports(self, x: torch.Tensor) -> bool:
         return (
@@ -141,36 +177,41 @@ class HostMemCopyAllReduce:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         flat = x.view(-1)
-        n, item = flat.numel(), flat.element_size()
-        bounds = chunk_bounds(n, item, self.chunks)
         self.calls += 1
         p = self.calls % 2
         ops = self.ops
         up = torch.cuda.current_stream(self.device) if self.on_gpu else None
         if self.down is not None:
-            self.down.wait_stream(up)  # x is ready, and the previous call's sum has read recv
+            self.down.wait_stream(up)  # x is ready, and the previous call's sum has read stage
+        payload, bounds = self._payload(flat)  # (int8: quantized on the caller's stream)
         me = self.rank
         peers = [r for r in range(self.size) if r != me]
         mine = self._slot(p, me)
         for c, (a, b) in enumerate(bounds):
             for peer in peers:  # every reader copied this chunk of the slot's previous use
                 ops.wait_flag(self._flag(p, me, peer, c), 0, up)
-            ops.d2h(mine + a * item, flat, a, b, up)
+            ops.d2h(mine + a, payload, a, b, up)
             for peer in peers:
                 ops.write_flag(self._flag(p, me, peer, c), 1, up)
-        for i, peer in enumerate(peers):
+        for peer in peers:
             theirs = self._slot(p, peer)
-            recv = self.recv[i][: n * item].view(x.dtype)
             for c, (a, b) in enumerate(bounds):
                 ops.wait_flag(self._flag(p, peer, me, c), 1, self.down)
-                ops.h2d(recv, a, b, theirs + a * item, self.down)
+                ops.h2d(self.stage[peer], a, b, theirs + a, self.down)
                 ops.write_flag(self._flag(p, peer, me, c), 0, self.down)
         if self.down is not None:
             up.wait_stream(self.down)
-        received = [self.recv[i][: n * item].view(x.dtype).view(x.shape) for i in range(len(peers))]
+        if self.int8:
+            from lightwell.kernels.int8_pack import dequant_sum
+
+            rows, cols = int8_layout(flat.numel(), self.chunks)
+            dequant_sum(self.stage, cols, rows, flat)
+            return x
+        nbytes = payload.numel()
+        received = [self.stage[r][:nbytes].view(x.dtype).view(x.shape) for r in peers]
         if self.size == 2:  # one add in x's dtype: computed in fp32, rounded once
-            return flat.view(x.shape).add_(received[0])
-        terms = received[: self.rank] + [x] + received[self.rank :]  # rank order
+            return x.add_(received[0])
+        terms = received[:me] + [x] + received[me:]  # rank order
         acc = terms[0].float()
         for t in terms[1:]:
             acc += t
@@ -179,7 +220,7 @@ class HostMemCopyAllReduce:
     def close(self) -> None:
         if self.on_gpu and self.registered:
             torch.cuda.synchronize(self.device)  # no copy may still use it
-        self.ops = self.flags = self.memory = self.recv = None
+        self.ops = self.flags = self.memory = self.stage = None
         self._release()
 
 
@@ -270,3 +311,16 @@ class _DriverOps(_Ops):
             stream.cuda_stream, self.dev + offset, value, _CU_STREAM_WAIT_VALUE_EQ
         )
         self._check(err, "cuStreamWaitValue32")
+
+
+class HostMemCopyInt8AllReduce(HostMemCopyAllReduce):
+    """``hostmem-copy`` with the int8 payload."""
+
+    def __init__(self, ctx: CommContext, **options: Any) -> None:
+        super().__init__(ctx, int8=True, **options)  # HostMemCopyAllReduce's options
+
+    @staticmethod
+    def available(ctx: CommContext) -> bool:
+        if ctx.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return False  # its kernels need a GPU or the Triton interpreter
+        return HostMemCopyAllReduce.available(ctx)

@@ -18,9 +18,9 @@ The rule (``--all-reduce``):
   NCCL is used: decode steps replayed from graphs then run NCCL.
 - hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
   payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
-- hostmem-copy: messages of at least ``COPY_MIN_BYTES`` through pinned host memory moved by
-  the copy engines (exact, no SMs held: for dual-stream prefills); smaller ones as hostmem;
-  graph-safe.
+- hostmem-copy / hostmem-copy-int8: messages of at least ``COPY_MIN_BYTES`` through pinned
+  host memory moved by the copy engines (exact / int8 payload; no SMs held: for dual-stream
+  prefills); smaller ones as hostmem / hostmem-int8; graph-safe.
 A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
 sees the same shape, dtype and capture state, so every rank picks the same strategy.
 """
@@ -131,9 +131,9 @@ def _preferred(
         return [("oneshot", {"max_bytes": max_bytes})]
     if choice in ("hostmem", "hostmem-int8"):
         return lanes(choice, max_bytes)
-    if choice == "hostmem-copy":
+    if choice in ("hostmem-copy", "hostmem-copy-int8"):
         copy = {"max_bytes": max_bytes, "min_bytes": COPY_MIN_BYTES}
-        return [("hostmem-copy", copy), *lanes("hostmem", max_bytes)]
+        return [(choice, copy), *lanes(choice.replace("-copy", ""), max_bytes)]
     if choice == "host":
         return [(choice, {"max_bytes": max_bytes})]
     if choice == "int8":
