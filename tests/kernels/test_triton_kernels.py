@@ -269,7 +269,10 @@ def test_gemv_matches_reference(m, n, k, dtype):
 
 # ---- int8 all-reduce kernels vs the torch ops of lightwell/distributed/comm/int8.py -----------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("n,rows,cols", [(512, 2, 256), (700, 2, 384), (1000, 4, 256)])
+# (2,400, 2, 1,280): 10 groups a row, two programs of GROUPS_PER_PROGRAM (the second half full)
+@pytest.mark.parametrize(
+    "n,rows,cols", [(512, 2, 256), (700, 2, 384), (1000, 4, 256), (2400, 2, 1280)]
+)
 def test_int8_pack_kernels_match_torch_ops(n, rows, cols, dtype):
     from lightwell.distributed.comm import int8 as ref
 
@@ -300,7 +303,7 @@ def test_int8_pack_kernels_match_torch_ops(n, rows, cols, dtype):
 def test_int8_dequant_sum_into_out(dtype):
     """hostmem-copy-int8's sum: each rank's packed rows (quantized into a row of a stage buffer
     wider than they need), dequantized and added in rank order in fp32, into out[:n]."""
-    n, rows, cols, world = 1000, 4, 256, 3
+    n, rows, cols, world = 4000, 4, 1280, 3  # 10 groups a row: two programs of 8
     rb = i8.packed_row_bytes(cols)
     stage = torch.full((world, rows * rb + 4 * 40), 7, dtype=torch.uint8, device=DEVICE)
     gen = torch.Generator().manual_seed(9)
@@ -348,4 +351,5 @@ def test_int8_pack_grids_put_groups_on_axis_0(monkeypatch):
     x = torch.randn(3 * 512)
     buf = i8.quantize_pack(x, 3, 512)
     i8.unpack_dequant(buf, 512, x.numel(), torch.float32)
-    assert grids == [(512 // i8.GROUP, 3), (512 // i8.GROUP, 3)]
+    groups = 512 // i8.GROUP
+    assert grids == [(-(-groups // i8.GROUPS_PER_PROGRAM), 3), (groups, 3)]
