@@ -91,6 +91,29 @@ ENGINES = {
             ),
             ("w1", "ttft", "decode", "profile"),
         ),
+        # the copy-engine messages in 8 pieces (default 4)
+        (
+            "tp2-hostmem-copy-int8-dual512-g2048-c8",
+            dict(
+                all_reduce="hostmem-copy-int8",
+                dual_stream=True,
+                dual_stream_min_tokens=512,
+                _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"},
+                **G2048,
+            ),
+            ("w1", "ttft", "decode"),
+        ),
+        (
+            "tp2-hostmem-copy-dual512-g2048-c8",
+            dict(
+                all_reduce="hostmem-copy",
+                dual_stream=True,
+                dual_stream_min_tokens=512,
+                _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"},
+                **G2048,
+            ),
+            ("ttft",),
+        ),
         (
             "tp2-hostmem-int8-dual-g2048",
             dict(all_reduce="hostmem-int8", dual_stream=True, **G2048),
