@@ -91,18 +91,21 @@ ENGINES = {
             ),
             ("w1", "ttft", "decode", "profile"),
         ),
-        # the copy-engine messages in 8 pieces (default 4)
-        (
-            "tp2-hostmem-copy-int8-dual512-g2048-c8",
-            dict(
-                all_reduce="hostmem-copy-int8",
-                dual_stream=True,
-                dual_stream_min_tokens=512,
-                _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"},
-                **G2048,
-            ),
-            ("w1", "ttft", "decode"),
-        ),
+        # the copy-engine messages in 2, 3 or 8 pieces (default 4)
+        *[
+            (
+                f"tp2-hostmem-copy-int8-dual512-g2048-c{c}",
+                dict(
+                    all_reduce="hostmem-copy-int8",
+                    dual_stream=True,
+                    dual_stream_min_tokens=512,
+                    _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": str(c)},
+                    **G2048,
+                ),
+                ("ttft",) if c < 8 else ("w1", "ttft", "decode"),
+            )
+            for c in (2, 3, 8)
+        ],
         (
             "tp2-hostmem-copy-dual512-g2048-c8",
             dict(
