@@ -148,7 +148,10 @@ class ParallelConfig:
         "layers). Results are unchanged.",
     )
     dual_stream_min_tokens: int = _opt(
-        128, "Smallest step (in tokens) that --dual-stream splits into two micro-batches."
+        512,
+        "Smallest step (in tokens) that --dual-stream splits into two micro-batches (eagerly or "
+        "inside its CUDA graph). The default keeps decode batches whole: split, they stream "
+        "the weights twice (docs/parallelism.md).",
     )
 
 
