@@ -12,6 +12,10 @@ them. Times are medians of per-replay CUDA events, minus the flush-only graph.
     python3 benchmarks/gpu_l2_prefetch.py --out $OUT/l2.json
 """
 
+# Every closure below is captured into a CUDA graph and timed inside the loop iteration that
+# defines it, so late binding of loop variables (B023) cannot bite.
+# ruff: noqa: B023
+
 from __future__ import annotations
 
 import argparse
@@ -131,8 +135,10 @@ class Timer:
         g = self.graph(fn)
         for _ in range(3):
             g.replay()
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.reps)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(self.reps)
+        ]
         for a, b in events:
             a.record()
             g.replay()
@@ -176,10 +182,15 @@ def main() -> None:
     timer.base = timer.time(lambda: None)
     cyc = sleep_cycles_per_us()
     rows: list[dict] = []
-    info = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "commit": os.environ.get("LIGHTWELL_COMMIT", "?"),
-            "flush_us": timer.base, "sleep_cycles_per_us": cyc,
-            "l2_bytes": getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", None)}
+    info = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": os.environ.get("LIGHTWELL_COMMIT", "?"),
+        "flush_us": timer.base,
+        "sleep_cycles_per_us": cyc,
+        "l2_bytes": getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", None),
+    }
     print(info, flush=True)
     methods = args.methods.split(",")
     sleeps = [float(v) for v in args.sleeps.split(",")]
@@ -223,14 +234,21 @@ def main() -> None:
                             r[key] = timer.time(lambda fn=fn: fn(False))
                             r[key + ":gemm_after"] = r[key + "+gemm"] - r[key]
                 rows.append(r)
-                print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+                print(
+                    json.dumps(
+                        {k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}
+                    ),
+                    flush=True,
+                )
             del w
             torch.cuda.empty_cache()
 
     if "layers" in args.parts:
         layers = 32
-        ws = [{nm: torch.randn(*SHAPES[nm], device=dev, dtype=torch.bfloat16) * 0.02 for nm in SHAPES}
-              for _ in range(layers)]
+        ws = [
+            {nm: torch.randn(*SHAPES[nm], device=dev, dtype=torch.bfloat16) * 0.02 for nm in SHAPES}
+            for _ in range(layers)
+        ]
         for m, ar_us in ((1, 9.0), (64, 30.0)):
             x = torch.randn(m, 4096, device=dev, dtype=torch.bfloat16)
             xo = torch.randn(m, 2048, device=dev, dtype=torch.bfloat16)
@@ -258,14 +276,19 @@ def main() -> None:
 
             r = {"part": "layers", "m": m, "ar_us": ar_us, "attn_us": attn_us}
             r["plain"] = timer.time(lambda: run(None, 0))
-            r["sleeps_only"] = timer.time(lambda: [sleep(3 + attn_us + ar_us + 3 + 2 + ar_us) for _ in range(layers)])
+            r["sleeps_only"] = timer.time(
+                lambda: [sleep(3 + attn_us + ar_us + 3 + 2 + ar_us) for _ in range(layers)]
+            )
             for meth in methods:
                 if meth != "lines":  # the others block the stream they run on
                     continue
                 for gmb in (16, 32, 40):
                     r[f"{meth}:gate{gmb}"] = timer.time(lambda meth=meth, gmb=gmb: run(meth, gmb))
             rows.append(r)
-            print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}), flush=True)
+            print(
+                json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in r.items()}),
+                flush=True,
+            )
 
     with open(args.out, "w") as f:
         json.dump({"info": info, "rows": rows, "command": " ".join(sys.argv)}, f, indent=1)

@@ -269,7 +269,8 @@ def test_gemv_matches_reference(m, n, k, dtype):
 
 # ---- int8 all-reduce kernels vs the torch ops of lightwell/distributed/comm/int8.py -----------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-# (2,400, 2, 1,280): 10 groups a row, two programs of GROUPS_PER_PROGRAM (the second half full)
+# (2,400, 2, 1,280): 10 groups a row: two programs of GROUPS_PER_PROGRAM (8), the second
+# holding 2 groups (the rest masked)
 @pytest.mark.parametrize(
     "n,rows,cols", [(512, 2, 256), (700, 2, 384), (1000, 4, 256), (2400, 2, 1280)]
 )

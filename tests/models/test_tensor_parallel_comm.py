@@ -67,45 +67,88 @@ def _check_strategies(rank: int, ctx) -> None:
         elif name == "hostmem-int8-ll":
             strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
         elif name.endswith("-chunked"):  # 8 pieces of >= 256 bytes: (40, 1000) has 8
-            from lightwell.distributed.comm import hostmem_copy
-
-            hostmem_copy.MIN_CHUNK_BYTES = 256
             strategy = create_strategy(name.removesuffix("-chunked"), ctx, chunks=8)
         strategy = strategy or create_strategy(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)
-        for shape in SHAPES:
-            for dtype in (torch.float32, torch.bfloat16):
-                exact = _exact(shape, dtype)
-                got = strategy.all_reduce(_inputs(shape, dtype, rank))
-                assert torch.get_num_threads() == (2 if name == "host" else threads)
-                seen = [torch.empty(shape) for _ in range(WORLD)]
-                torch.distributed.all_gather(seen, got.float(), group=ctx.group)
-                assert all(torch.equal(seen[0], t) for t in seen), (name, shape)  # every rank
-                assert got.shape == shape and got.dtype == dtype, (name, shape)
-                if name in EXACT and dtype == torch.float32:
-                    assert torch.equal(got, exact), (name, shape)
-                elif name in (
-                    "hostmem",
-                    "hostmem-ll",
-                ):  # the interpreter rounds fp32 -> bf16 its own way
-                    ulp = exact.abs() * 2.0**-7 + 1e-30
-                    assert ((got.float() - exact).abs() <= ulp).all(), (name, shape)
-                elif name in EXACT:
-                    assert torch.equal(got, exact.to(dtype)), (name, shape)
-                elif dtype == torch.float32:
-                    err = (got - exact).abs()
-                    bound = int8_bound(shape, exact, requantized=name in ("int8", "int8-fused"))
-                    assert (err <= bound).all(), (name, shape, err.max())
-                    assert err.norm() / exact.norm() < 0.015, shape
-                else:
-                    assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
+        with _min_chunk_bytes(256 if name.endswith("-chunked") else None):
+            _check_sums(name, strategy, rank, ctx, threads)
         strategy.close()
-        if name.endswith("-chunked"):
-            hostmem_copy.MIN_CHUNK_BYTES = 256 * 1024
     torch.set_num_threads(threads)
     _check_fused_norm(rank, ctx)
     _check_hostmem_gives_up(rank, ctx)
+    _check_copy_slot_reuse(rank, ctx)
+
+
+@contextlib.contextmanager
+def _min_chunk_bytes(value: int | None):
+    """hostmem_copy.MIN_CHUNK_BYTES set to ``value`` for a while (None: left as it is)."""
+    from lightwell.distributed.comm import hostmem_copy
+
+    before = hostmem_copy.MIN_CHUNK_BYTES
+    hostmem_copy.MIN_CHUNK_BYTES = before if value is None else value
+    try:
+        yield
+    finally:
+        hostmem_copy.MIN_CHUNK_BYTES = before
+
+
+def _check_sums(name: str, strategy, rank: int, ctx, threads: int) -> None:
+    for shape in SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            exact = _exact(shape, dtype)
+            got = strategy.all_reduce(_inputs(shape, dtype, rank))
+            assert torch.get_num_threads() == (2 if name == "host" else threads)
+            seen = [torch.empty(shape) for _ in range(WORLD)]
+            torch.distributed.all_gather(seen, got.float(), group=ctx.group)
+            assert all(torch.equal(seen[0], t) for t in seen), (name, shape)  # every rank
+            assert got.shape == shape and got.dtype == dtype, (name, shape)
+            if name in EXACT and dtype == torch.float32:
+                assert torch.equal(got, exact), (name, shape)
+            elif name in (
+                "hostmem",
+                "hostmem-ll",
+            ):  # the interpreter rounds fp32 -> bf16 its own way
+                ulp = exact.abs() * 2.0**-7 + 1e-30
+                assert ((got.float() - exact).abs() <= ulp).all(), (name, shape)
+            elif name in EXACT:
+                assert torch.equal(got, exact.to(dtype)), (name, shape)
+            elif dtype == torch.float32:
+                err = (got - exact).abs()
+                bound = int8_bound(shape, exact, requantized=name in ("int8", "int8-fused"))
+                assert (err <= bound).all(), (name, shape, err.max())
+                assert err.norm() / exact.norm() < 0.015, shape
+            else:
+                assert (got.float() - exact).norm() / exact.norm() < 0.02, shape
+
+
+def _check_copy_slot_reuse(rank: int, ctx) -> None:
+    """hostmem-copy: two calls in a row on the same slot (a CUDA-graph replay does not advance
+    the host's parity counter), cut into chunks differently (4 KB, then 16 KB), while rank 1 is
+    slow to copy out the first message's later chunks: rank 0 must not overwrite them."""
+    import time
+
+    from lightwell.distributed.comm import create_strategy
+
+    with _min_chunk_bytes(256):
+        strategy = create_strategy("hostmem-copy", ctx, chunks=4)
+        if rank == 1:
+            h2d = strategy.ops.h2d
+
+            def slow_h2d(dst, a, b, src, stream):
+                if b - a == 4096 and a > 0 and strategy.calls == 1:
+                    time.sleep(0.3)  # the first message's chunks 1-3 copied out late
+                h2d(dst, a, b, src, stream)
+
+            strategy.ops.h2d = slow_h2d
+        small = [_inputs((4096,), torch.float32, r) for r in range(WORLD)]  # 4 chunks of 4 KB
+        large = [_inputs((16384,), torch.float32, r) for r in range(WORLD)]  # 4 of 16 KB
+        got = strategy.all_reduce(small[rank].clone())
+        strategy.calls += 1  # the next call takes the same slot
+        got_large = strategy.all_reduce(large[rank].clone())
+        assert torch.equal(got, small[0] + small[1])
+        assert torch.equal(got_large, large[0] + large[1])
+        strategy.close()
 
 
 def _check_fused_norm(rank: int, ctx) -> None:
@@ -342,6 +385,9 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # every all-reduce through the copy path (no fused form: reduce, then norm), in the
         # plain forward and in the two-micro-batch one
+        copied = copy.preferred[0]  # the copy-engine strategy: every message goes to it
+        assert copied.name == "hostmem-copy"
+        before = copied.calls
         with torch.no_grad(), forward_context(meta), _through(copy) as calls:
             got = plain(ids, pos)
         assert calls == {"fused": 0, "plain": 2 * len(plain.model.layers) + 1}, calls
@@ -349,6 +395,7 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         with torch.no_grad(), _through(copy) as calls:
             got = two_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
         assert calls["plain"] == 2 * (2 * len(plain.model.layers) + 1), calls
+        assert copied.calls - before == 3 * (2 * len(plain.model.layers) + 1)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     hostmem.close()
     copy.close()
@@ -501,3 +548,56 @@ def test_hostmem_copy_int8_layout():
         assert rows == want and cols % 128 == 0 and rows * cols >= n > (rows - 1) * cols
         if rows > 1:
             assert cols >= MIN_CHUNK_BYTES
+
+
+def _run_three(rank: int, port: int) -> None:
+    """hostmem-copy(-int8) over 3 processes: every reader's handshake, the rank-order sum."""
+    import torch.distributed as dist
+
+    from lightwell.distributed.comm import CommContext, create_strategy
+    from lightwell.kernels.int8_pack import GROUP
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
+    group = dist.group.WORLD
+    ctx = CommContext(rank, 3, group, group, torch.device("cpu"))
+
+    def inputs(n: int, dtype: torch.dtype, r: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(100 * r + n)
+        return (torch.randn(n, generator=g) * (r + 1)).to(dtype)
+
+    with _min_chunk_bytes(256):
+        for name in ("hostmem-copy", "hostmem-copy-int8"):
+            strategy = create_strategy(name, ctx, chunks=3)
+            for n, dtype in ((5, torch.float32), (3000, torch.float32), (3000, torch.bfloat16),
+                             (700, torch.float32)):  # fmt: skip
+                xs = [inputs(n, dtype, r) for r in range(3)]
+                exact = (xs[0].float() + xs[1].float()) + xs[2].float()  # rank order, fp32
+                got = strategy.all_reduce(xs[rank].clone())
+                seen = [torch.empty(n) for _ in range(3)]
+                dist.all_gather(seen, got.float(), group=group)
+                assert all(torch.equal(seen[0], t) for t in seen), (name, n)  # every rank
+                if name == "hostmem-copy":
+                    assert torch.equal(got, exact.to(dtype)), (name, n, dtype)
+                elif dtype == torch.float32:
+                    pad = (0, -n % GROUP)
+                    amax = sum(
+                        torch.nn.functional.pad(x.abs(), pad).view(-1, GROUP).amax(-1) for x in xs
+                    ).repeat_interleave(GROUP)[:n]
+                    assert ((got - exact).abs() <= amax / 254 * 1.001 + 1e-6).all(), (name, n)
+                    assert (got - exact).norm() < 0.02 * exact.norm()
+            strategy.close()
+    del ctx, group
+    dist.destroy_process_group()
+
+
+def test_hostmem_copy_three_ranks():
+    import torch.multiprocessing as mp
+
+    for attempt in range(2):  # a free port can be taken by another process before we bind it
+        try:
+            mp.spawn(_run_three, args=(_free_port(),), nprocs=3, join=True)
+            return
+        except mp.ProcessRaisedException as e:
+            if attempt or "address already in use" not in str(e).lower():
+                raise

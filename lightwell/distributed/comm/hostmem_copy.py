@@ -6,18 +6,22 @@ Every rank maps one shared segment (/dev/shm, registered with CUDA as portable +
 call, with the message cut into ``chunks`` pieces, writing slot ``p`` (calls alternate between
 two slots a rank):
 
-    up stream (the caller's): wait flag[p][me][peer][c] == 0 | D2H chunk c -> my slot p |
-                              flag[p][me][peer][c] = 1 | ... next chunk
-    down stream (a second):   wait flag[p][peer][me][c] == 1 | H2D peer's chunk c -> recv |
-                              flag[p][peer][me][c] = 0 | ... next chunk
+    up stream (the caller's): wait busy[p][me][r] == 0, then busy[p][me][r] = 1 (every reader
+                              r) | per chunk c: D2H chunk c -> my slot p, flag[p][me][r][c] = 1
+    down stream (a second):   per chunk c, per peer q: (after this rank raised its chunk c)
+                              wait flag[p][q][me][c] == 1 | H2D q's chunk c -> stage |
+                              flag[p][q][me][c] = 0 | finally busy[p][q][me] = 0
     then the caller's stream waits for the down stream and sums x and the peers' copies.
 
-A flag is a one-place handshake between a writer and one reader: the writer raises it once the
-chunk is in host memory, the reader lowers it once it has copied the chunk out, and the writer
-reuses the slot only after seeing it lowered. Every value is fixed, so the whole call can be
-captured in a CUDA graph and replayed (the dual-stream prefill graphs do), and eager calls and
-replays mix freely: all ranks make the same calls in the same order, so they agree on each
-call's slot.
+Flags are handshakes with fixed values: a chunk flag is raised by the writer once the chunk is
+in host memory and lowered by its reader once copied out; a slot's busy word is raised by the
+writer when it starts a message and lowered by each reader after its last chunk (its chunk
+flags are all down by then). A writer reuses a slot only once every reader has lowered its busy
+word, whatever the previous message's size and chunks, so calls that reuse a slot back to back
+are safe: the slot's parity comes from a counter on the host, which CUDA-graph replays do not
+advance. Every rank makes the same calls in the same order, so all agree on each call's slot,
+and eager calls and replays mix freely. The reader of chunk c waits for this rank's own raise
+of chunk c (an event), so a graph whose branches run one after the other still progresses.
 
 The copies are the driver's ``cuMemcpyDtoHAsync``/``cuMemcpyHtoDAsync`` (the copy engines;
 the two directions overlap chunk by chunk), the flag writes ``cuStreamWriteValue32`` (fenced:
@@ -51,6 +55,7 @@ from lightwell.distributed.comm.host import map_shared, pin
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
     _HOST_REGISTER_PORTABLE_MAPPED,
+    HostMemAllReduce,
     _device_pointer,
     _unregister,
 )
@@ -64,7 +69,7 @@ CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
 MIN_CHUNK_BYTES = 256 * 1024
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
-_FLAG_ROW = 4 * MAX_CHUNKS  # bytes of flags per (slot, writer, reader)
+_FLAG_ROW = 4 * (MAX_CHUNKS + 1)  # bytes per (slot, writer, reader): chunk flags, busy word
 _CU_STREAM_WAIT_VALUE_EQ = 1
 
 
@@ -81,9 +86,9 @@ def int8_layout(n: int, chunks: int) -> tuple[int, int]:
 
 
 def chunk_bounds(n: int, itemsize: int, chunks: int) -> list[tuple[int, int]]:
-    """[start, end) element ranges of a message of ``n`` elements: at most ``chunks`` pieces of
-    at least ``MIN_CHUNK_BYTES`` (but one piece at least), multiples of 64 elements but the
-    last."""
+    """[start, end) element ranges of a message of ``n`` elements: at most ``chunks`` pieces,
+    as many as leave each at least ``MIN_CHUNK_BYTES`` on average (one at least), multiples
+    of 64 elements but the last (which may be a little shorter)."""
     pieces = max(1, min(chunks, n * itemsize // MIN_CHUNK_BYTES))
     per = -(-n // pieces)
     step = -(-per // 64) * 64
@@ -124,13 +129,13 @@ class HostMemCopyAllReduce:
         self._release = weakref.finalize(self, _unregister, self.memory, self.registered)
         if self.on_gpu and not self.registered:
             raise RuntimeError("cudaHostRegister of the hostmem-copy segment failed")
-        self.flags = self.memory[: self.flag_bytes].view(torch.int32)
         self.calls = 0
         self.device = ctx.device
-        # Row r: what rank r sent (a peer's, copied in; int8: this rank's own packed message
-        # too), reused by every call: a call's copies into it are on the down stream after the
+        # What each peer sent, copied in (int8: this rank's own packed message too; ``_row``),
+        # reused by every call: a call's copies into it are on the down stream after the
         # caller's stream, which consumed the previous call's sum.
-        self.stage = torch.empty(ctx.size, self.slot_bytes, dtype=torch.uint8, device=ctx.device)
+        rows = ctx.size if int8 else ctx.size - 1
+        self.stage = torch.empty(rows, self.slot_bytes, dtype=torch.uint8, device=ctx.device)
         if self.on_gpu:
             self.ops: _Ops = _DriverOps(self.memory, ctx.device)
             self.down = torch.cuda.Stream(ctx.device)
@@ -157,7 +162,7 @@ class HostMemCopyAllReduce:
         rb = packed_row_bytes(cols)
         if rows * rb > self.slot_bytes:
             raise ValueError(f"{n} elements do not fit hostmem-copy's {self.slot_bytes}-byte slot")
-        mine = self.stage[self.rank][: rows * rb]
+        mine = self._row(self.rank)[: rows * rb]
         quantize_pack(flat, rows, cols, out=mine.view(rows, rb))
         return mine, [(r * rb, (r + 1) * rb) for r in range(rows)]
 
@@ -172,7 +177,11 @@ class HostMemCopyAllReduce:
         return self.flag_bytes + (parity * self.size + rank) * self.slot_bytes
 
     def _flag(self, parity: int, writer: int, reader: int, chunk: int) -> int:  # byte offset
+        """Chunk ``chunk``'s flag, or (chunk ``MAX_CHUNKS``) the slot's busy word."""
         return ((parity * self.size + writer) * self.size + reader) * _FLAG_ROW + 4 * chunk
+
+    def _row(self, rank: int) -> torch.Tensor:  # uint8 [slot_bytes]: rank's bytes in stage
+        return self.stage[rank if self.int8 else rank - (rank > self.rank)]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
@@ -186,29 +195,35 @@ class HostMemCopyAllReduce:
         payload, bounds = self._payload(flat)  # (int8: quantized on the caller's stream)
         me = self.rank
         peers = [r for r in range(self.size) if r != me]
-        mine = self._slot(p, me)
+        mine, busy = self._slot(p, me), MAX_CHUNKS
+        for r in peers:  # every reader is done with this slot's previous message
+            ops.wait_flag(self._flag(p, me, r, busy), 0, up)
+        for r in peers:
+            ops.write_flag(self._flag(p, me, r, busy), 1, up)
+        raised = []
         for c, (a, b) in enumerate(bounds):
-            for peer in peers:  # every reader copied this chunk of the slot's previous use
-                ops.wait_flag(self._flag(p, me, peer, c), 0, up)
             ops.d2h(mine + a, payload, a, b, up)
-            for peer in peers:
-                ops.write_flag(self._flag(p, me, peer, c), 1, up)
-        for peer in peers:
-            theirs = self._slot(p, peer)
-            for c, (a, b) in enumerate(bounds):
-                ops.wait_flag(self._flag(p, peer, me, c), 1, self.down)
-                ops.h2d(self.stage[peer], a, b, theirs + a, self.down)
-                ops.write_flag(self._flag(p, peer, me, c), 0, self.down)
+            for r in peers:
+                ops.write_flag(self._flag(p, me, r, c), 1, up)
+            raised.append(ops.record(up))
+        for c, (a, b) in enumerate(bounds):
+            ops.after(raised[c], self.down)  # progress if the graph runs the streams in series
+            for q in peers:
+                ops.wait_flag(self._flag(p, q, me, c), 1, self.down)
+                ops.h2d(self._row(q), a, b, self._slot(p, q) + a, self.down)
+                ops.write_flag(self._flag(p, q, me, c), 0, self.down)
+        for q in peers:
+            ops.write_flag(self._flag(p, q, me, busy), 0, self.down)
         if self.down is not None:
             up.wait_stream(self.down)
         if self.int8:
             from lightwell.kernels.int8_pack import dequant_sum
 
             rows, cols = int8_layout(flat.numel(), self.chunks)
-            dequant_sum(self.stage, cols, rows, flat)
+            dequant_sum(self.stage, cols, rows, flat)  # rows in rank order
             return x
         nbytes = payload.numel()
-        received = [self.stage[r][:nbytes].view(x.dtype).view(x.shape) for r in peers]
+        received = [self._row(q)[:nbytes].view(x.dtype).view(x.shape) for q in peers]
         if self.size == 2:  # one add in x's dtype: computed in fp32, rounded once
             return x.add_(received[0])
         terms = received[:me] + [x] + received[me:]  # rank order
@@ -220,12 +235,13 @@ class HostMemCopyAllReduce:
     def close(self) -> None:
         if self.on_gpu and self.registered:
             torch.cuda.synchronize(self.device)  # no copy may still use it
-        self.ops = self.flags = self.memory = self.stage = None
+        self.ops = self.memory = self.stage = None
         self._release()
 
 
 class _Ops:
-    """The four primitives of a call, on a stream (GPU) or in order (CPU)."""
+    """The four primitives of a call, on a stream (GPU) or in order (CPU). Offsets are
+    byte offsets into the segment; tensors are uint8, ``[a, b)`` a byte range of them."""
 
     def d2h(self, dst: int, src: torch.Tensor, a: int, b: int, stream: Any) -> None: ...
 
@@ -235,6 +251,12 @@ class _Ops:
 
     def wait_flag(self, offset: int, value: int, stream: Any) -> None: ...
 
+    def record(self, stream: Any) -> Any:  # a marker of the stream's work so far
+        return None
+
+    def after(self, marker: Any, stream: Any) -> None:  # stream waits for the marker
+        return None
+
 
 class _HostOps(_Ops):
     """CPU emulation: the segment is plain shared memory."""
@@ -242,21 +264,20 @@ class _HostOps(_Ops):
     def __init__(self, memory: torch.Tensor) -> None:
         self.memory = memory
 
-    def _view(self, offset: int, dtype: torch.dtype, count: int) -> torch.Tensor:
-        size = torch.empty((), dtype=dtype).element_size()
-        return self.memory[offset : offset + count * size].view(dtype)
+    def _flag(self, offset: int) -> torch.Tensor:  # int32 [1]
+        return self.memory[offset : offset + 4].view(torch.int32)
 
     def d2h(self, dst: int, src: torch.Tensor, a: int, b: int, stream: Any) -> None:
-        self._view(dst, src.dtype, b - a).copy_(src[a:b])
+        self.memory[dst : dst + b - a].copy_(src[a:b])
 
     def h2d(self, dst: torch.Tensor, a: int, b: int, src: int, stream: Any) -> None:
-        dst[a:b].copy_(self._view(src, dst.dtype, b - a))
+        dst[a:b].copy_(self.memory[src : src + b - a])
 
     def write_flag(self, offset: int, value: int, stream: Any) -> None:
-        self._view(offset, torch.int32, 1)[0] = value  # after the data: x86 stores are ordered
+        self._flag(offset)[0] = value  # after the data: x86 stores are ordered
 
     def wait_flag(self, offset: int, value: int, stream: Any) -> None:
-        flag = self._view(offset, torch.int32, 1)
+        flag = self._flag(offset)
         deadline = time.monotonic() + WAIT_TIMEOUT_S
         while int(flag[0]) != value:
             if time.monotonic() > deadline:
@@ -283,21 +304,27 @@ class _DriverOps(_Ops):
                 ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint
             ]  # fmt: skip
 
+    def record(self, stream: Any) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def after(self, marker: torch.cuda.Event, stream: Any) -> None:
+        stream.wait_event(marker)
+
     def _check(self, err: int, what: str) -> None:
         if err != 0:
             raise RuntimeError(f"hostmem-copy: {what} failed with CUDA driver error {err}")
 
     def d2h(self, dst: int, src: torch.Tensor, a: int, b: int, stream: Any) -> None:
-        item = src.element_size()
         err = self.cuda.cuMemcpyDtoHAsync_v2(
-            self.host + dst, src.data_ptr() + a * item, (b - a) * item, stream.cuda_stream
+            self.host + dst, src.data_ptr() + a, b - a, stream.cuda_stream
         )
         self._check(err, "cuMemcpyDtoHAsync")
 
     def h2d(self, dst: torch.Tensor, a: int, b: int, src: int, stream: Any) -> None:
-        item = dst.element_size()
         err = self.cuda.cuMemcpyHtoDAsync_v2(
-            dst.data_ptr() + a * item, self.host + src, (b - a) * item, stream.cuda_stream
+            dst.data_ptr() + a, self.host + src, b - a, stream.cuda_stream
         )
         self._check(err, "cuMemcpyHtoDAsync")
 
@@ -321,6 +348,4 @@ class HostMemCopyInt8AllReduce(HostMemCopyAllReduce):
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
-        if ctx.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            return False  # its kernels need a GPU or the Triton interpreter
-        return HostMemCopyAllReduce.available(ctx)
+        return HostMemAllReduce.available(ctx)  # Triton kernels: a GPU or the interpreter
