@@ -263,7 +263,7 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "nccl+dual",
         "hostmem+dual",
         "hostmem-int8+dual",
-        "hostmem-copy",  # the 700-token prefill's messages (2.8 MB) through the copy engines
+        "hostmem-copy",  # plain: hostmem's lanes; +dual: the copy engines (2.8 / 1.4 MB)
         "hostmem-copy+dual",
         "hostmem-copy-int8+dual",
         "hostmem-copy+dual+graph",  # replayed from a mixed-step graph, split inside it

@@ -131,9 +131,9 @@ class ParallelConfig:
         "through shared host memory, summed by the CPUs; hostmem: one GPU kernel through "
         "pinned host memory, exact (for PCIe boxes without P2P); hostmem-int8: the same with "
         "an int8 payload (lossy); hostmem-copy / hostmem-copy-int8: hostmem / hostmem-int8 "
-        "with messages of 1 MiB or more (128 tokens x 4096 bf16) moved by the copy engines, "
-        "no SMs held (with "
-        "--dual-stream: the fastest prefills over PCIe); gloo: over the CPU group. See "
+        "with the --dual-stream overlap's all-reduces (of 1 MiB or more) moved by the copy "
+        "engines, no SMs held (the fastest prefills over PCIe, with --dual-stream and "
+        "prefill CUDA graphs); gloo: over the CPU group. See "
         "docs/parallelism.md.",
         ALL_REDUCE,
     )

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightwell.distributed.comm.base import beside_compute
 from lightwell.distributed.parallel_state import tp_all_reduce
 
 
@@ -34,10 +35,11 @@ class CommStream:
         self.stream = stream
 
     def launch(self, x: torch.Tensor) -> PendingAllReduce:
-        if self.stream is None:
-            return PendingAllReduce(tp_all_reduce(x), None, None)
+        if self.stream is None:  # (in order: the CPU tests; the same picks as on a stream)
+            with beside_compute():
+                return PendingAllReduce(tp_all_reduce(x), None, None)
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), beside_compute():
             result = tp_all_reduce(x)
             event = torch.cuda.Event()
             event.record(self.stream)

@@ -293,17 +293,25 @@ def _check_selector(rank: int, ctx) -> None:
     assert [int8.pick(t).bufs.block for t in (x, big)] == [4096, hostmem.INT8_LARGE_BLOCK]
     assert torch.equal(int8.all_reduce(big.clone()), 2 * big)  # ones: exact in int8
     int8.close()
-    # hostmem-copy: messages from COPY_MIN_BYTES through the copy path, smaller ones through
-    # hostmem's lanes
+    # hostmem-copy: all-reduces issued beside compute from COPY_MIN_BYTES through the copy
+    # path; smaller ones, and every one issued plainly, through hostmem's lanes
+    from lightwell.distributed.comm.base import beside_compute
+
     copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=2 << 20)
     large = torch.ones(300, 1000)  # 1.2 MB
-    assert [copy.pick(t).name for t in (x, big, large)] == ["hostmem", "hostmem", "hostmem-copy"]
-    assert copy.pick(big).protocol == "flag" and copy.pick(x).protocol == "ll"
+    assert [copy.pick(t).name for t in (x, big, large)] == ["hostmem"] * 3
+    assert [copy.pick(t).protocol for t in (x, big, large)] == ["ll", "flag", "flag"]
+    with beside_compute():
+        picks = [copy.pick(t).name for t in (x, big, large)]
+        assert picks == ["hostmem", "hostmem", "hostmem-copy"], picks
+        assert torch.equal(copy.all_reduce(large.clone()), 2 * large)
     assert torch.equal(copy.all_reduce(large.clone()), 2 * large)
     copy.close()
     copy8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=2 << 20)
-    assert [copy8.pick(t).name for t in (x, large)] == ["hostmem-int8", "hostmem-copy-int8"]
-    assert torch.equal(copy8.all_reduce(large.clone()), 2 * large)  # ones: exact in int8
+    assert copy8.pick(large).name == "hostmem-int8"
+    with beside_compute():
+        assert [copy8.pick(t).name for t in (x, large)] == ["hostmem-int8", "hostmem-copy-int8"]
+        assert torch.equal(copy8.all_reduce(large.clone()), 2 * large)  # ones: exact in int8
     copy8.close()
 
 
@@ -385,17 +393,21 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # every all-reduce through the copy path (no fused form: reduce, then norm), in the
         # plain forward and in the two-micro-batch one
-        copied = copy.preferred[0]  # the copy-engine strategy: every message goes to it
+        # the copy engines take only the two-micro-batch forward's layer all-reduces (issued
+        # beside compute: 2 stages x 2 micro-batches a layer); the plain forward's, and the
+        # embedding's, go to hostmem's lanes (fused with the norm where they feed one)
+        copied = copy.preferred[0]
         assert copied.name == "hostmem-copy"
         before = copied.calls
         with torch.no_grad(), forward_context(meta), _through(copy) as calls:
             got = plain(ids, pos)
-        assert calls == {"fused": 0, "plain": 2 * len(plain.model.layers) + 1}, calls
+        assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1}, calls
+        assert copied.calls == before
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         with torch.no_grad(), _through(copy) as calls:
             got = two_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
         assert calls["plain"] == 2 * (2 * len(plain.model.layers) + 1), calls
-        assert copied.calls - before == 3 * (2 * len(plain.model.layers) + 1)
+        assert copied.calls - before == 4 * len(plain.model.layers)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     hostmem.close()
     copy.close()
@@ -504,7 +516,11 @@ def test_auto_rule_on_gpus(monkeypatch):
     assert selector._preferred(cpu, "hostmem-int8", False, 1 << 20) == [
         ("hostmem-int8", {"max_bytes": 1 << 20})
     ]
-    copy = {"max_bytes": 16 << 20, "min_bytes": selector.COPY_MIN_BYTES}
+    copy = {
+        "max_bytes": 16 << 20,
+        "min_bytes": selector.COPY_MIN_BYTES,
+        "beside_compute_only": True,
+    }
     assert selector._preferred(cpu, "hostmem-copy", False, 16 << 20) == [
         ("hostmem-copy", copy),
         *hostmem,

@@ -1,7 +1,10 @@
-"""The all-reduce strategy interface and the context every strategy is built from."""
+"""The all-reduce strategy interface, the context every strategy is built from, and whether the
+all-reduce being issued runs beside compute (the dual-stream overlap)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -40,3 +43,24 @@ class AllReduceStrategy(Protocol):
 
 def message_bytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
+
+
+_BESIDE_COMPUTE = False
+
+
+@contextlib.contextmanager
+def beside_compute() -> Iterator[None]:
+    """All-reduces issued inside run beside compute on another stream (the dual-stream
+    overlap's comm stream): strategies that hold no SMs are preferred for them
+    (``hostmem-copy``). Set while the call is issued, so a CUDA-graph capture bakes the
+    choice in; every rank issues the same calls the same way, so all pick alike."""
+    global _BESIDE_COMPUTE
+    before, _BESIDE_COMPUTE = _BESIDE_COMPUTE, True
+    try:
+        yield
+    finally:
+        _BESIDE_COMPUTE = before
+
+
+def is_beside_compute() -> bool:
+    return _BESIDE_COMPUTE

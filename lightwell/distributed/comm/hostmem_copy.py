@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from lightwell.distributed.comm.base import CommContext, message_bytes
+from lightwell.distributed.comm.base import CommContext, is_beside_compute, message_bytes
 from lightwell.distributed.comm.host import map_shared, pin
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
@@ -106,10 +106,15 @@ class HostMemCopyAllReduce:
         min_bytes: int = 0,
         chunks: int | None = None,
         int8: bool = False,
+        beside_compute_only: bool = False,
     ) -> None:
         """``min_bytes``: smaller messages are left to other strategies (``supports``);
         ``chunks``: pieces per message (default ``LIGHTWELL_HOSTMEM_COPY_CHUNKS`` or
-        ``CHUNKS``); ``int8``: the int8 payload."""
+        ``CHUNKS``); ``int8``: the int8 payload; ``beside_compute_only``: take only the
+        all-reduces issued beside compute (``comm.base.beside_compute``: the dual-stream
+        overlap), leaving the rest to other strategies (the selector's rule: back to back,
+        hostmem's kernel is faster)."""
+        self.beside_compute_only = beside_compute_only
         self.int8 = int8
         self.name = "hostmem-copy-int8" if int8 else "hostmem-copy"
         self.rank, self.size = ctx.rank, ctx.size
@@ -171,6 +176,7 @@ class HostMemCopyAllReduce:
             x.dtype in _DTYPES
             and x.device.type == self.device.type
             and self.min_bytes <= message_bytes(x) <= self.max_bytes
+            and (is_beside_compute() or not self.beside_compute_only)
         )
 
     def _slot(self, parity: int, rank: int) -> int:  # byte offset of a slot in the segment

@@ -18,9 +18,10 @@ The rule (``--all-reduce``):
   NCCL is used: decode steps replayed from graphs then run NCCL.
 - hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
   payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
-- hostmem-copy / hostmem-copy-int8: messages of at least ``COPY_MIN_BYTES`` through pinned
-  host memory moved by the copy engines (exact / int8 payload; no SMs held: for dual-stream
-  prefills); smaller ones as hostmem / hostmem-int8; graph-safe.
+- hostmem-copy / hostmem-copy-int8: the all-reduces issued beside compute (the dual-stream
+  overlap's, ``comm.base.beside_compute``) of at least ``COPY_MIN_BYTES`` through pinned host
+  memory moved by the copy engines (exact / int8 payload; no SMs held); everything else as
+  hostmem / hostmem-int8 (whose kernel is faster back to back); graph-safe.
 A strategy that is not available here (oneshot on CPU) is skipped with a warning. Every rank
 sees the same shape, dtype and capture state, so every rank picks the same strategy.
 """
@@ -43,7 +44,10 @@ logger = logging.getLogger(__name__)
 # (tp_run3/tp_run4 tables): two-shot 26.0 vs NCCL 34.6 us at 512 tokens, 13.5 vs 15.7 at 128;
 # at 2,048 tokens (eager) NCCL wins or ties (84-112 vs 92-97 us), so larger messages stay on it.
 AUTO_PEER_MAX_BYTES = 4 << 20
-# hostmem-copy's smallest message (128 tokens x 4096 bf16); smaller ones take hostmem's lanes
+# hostmem-copy's smallest message (128 tokens x 4096 bf16); smaller ones take hostmem's lanes.
+# Back to back in a graph hostmem's kernel wins at every size to 512 tokens (tp_run6: 52 vs 82
+# us at 128 tokens, 154 vs 166 at 512), so the copy engines only take the dual-stream
+# overlap's all-reduces, which run beside compute that needs the SMs.
 COPY_MIN_BYTES = 1 << 20
 
 
@@ -132,7 +136,7 @@ def _preferred(
     if choice in ("hostmem", "hostmem-int8"):
         return lanes(choice, max_bytes)
     if choice in ("hostmem-copy", "hostmem-copy-int8"):
-        copy = {"max_bytes": max_bytes, "min_bytes": COPY_MIN_BYTES}
+        copy = {"max_bytes": max_bytes, "min_bytes": COPY_MIN_BYTES, "beside_compute_only": True}
         return [(choice, copy), *lanes(choice.replace("-copy", ""), max_bytes)]
     if choice == "host":
         return [(choice, {"max_bytes": max_bytes})]
