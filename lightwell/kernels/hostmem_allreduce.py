@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.int8_pack import GROUP, _round_clamp, packed_row_bytes
+from lightwell.kernels.int8_pack import GROUP, packed_row_bytes, quantize_groups
 
 BLOCK = 4096  # elements per program: 8 KB of bf16, 4 KB + 128 B of int8 + scales
 
@@ -122,9 +122,7 @@ def _release(ptr, value, ASM: tl.constexpr):
 @triton.jit
 def _quantize(v, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     """fp32 [BLOCK] -> (int8-valued fp32 [BLOCK // GROUP, GROUP], scales [BLOCK // GROUP])."""
-    g = tl.reshape(v, (BLOCK // GROUP, GROUP))
-    scale = tl.maximum(tl.max(tl.abs(g), 1), 1e-30) / 127.0
-    return _round_clamp(g / scale[:, None]), scale
+    return quantize_groups(tl.reshape(v, (BLOCK // GROUP, GROUP)))
 
 
 @triton.jit

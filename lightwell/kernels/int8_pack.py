@@ -45,6 +45,23 @@ def _store_group(q_ptr, s_ptr, row, g, vals, row_bytes, cols, GROUP: tl.constexp
     tl.store(s_ptr + (base + cols) // 4 + g, scale)
 
 
+@triton.jit
+def quantize_groups(g):
+    """fp32 [G, GROUP] -> (int8-valued fp32 [G, GROUP], scales [G]): each row's absmax / 127,
+    rounded half away from zero (the hostmem kernel quantizes its blocks with this too)."""
+    scale = tl.maximum(tl.max(tl.abs(g), 1), 1e-30) / 127.0
+    return _round_clamp(g / scale[:, None]), scale
+
+
+@triton.jit
+def _group_tile(gp, cols, GROUP: tl.constexpr, GPP: tl.constexpr):
+    """Program ``gp``'s GPP groups of a packed row: (group indices [GPP], which exist [GPP],
+    element offsets in the row [GPP, GROUP])."""
+    gi = gp * GPP + tl.arange(0, GPP)
+    offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    return gi, gi < cols // GROUP, offs
+
+
 # Sizes change with every message: not specialised (no compile per new "divisible by 16" mix).
 @triton.jit(do_not_specialize=["n", "row_bytes", "cols"])
 def _quantize_pack_kernel(
@@ -52,13 +69,11 @@ def _quantize_pack_kernel(
 ):
     """GPP groups a program (a [GPP, GROUP] tile; each group's math as ``_store_group``)."""
     gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
-    gi = gp * GPP + tl.arange(0, GPP)  # [GPP] group indices in the row
-    g_ok = gi < cols // GROUP
-    offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GPP, GROUP] in the row
+    gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     idx = row.to(tl.int64) * cols + offs
     vals = tl.load(x_ptr + idx, mask=g_ok[:, None] & (idx < n), other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(vals), 1), 1e-30) / 127.0  # [GPP]
-    q = _round_clamp(vals / scale[:, None]).to(tl.int8)
+    q, scale = quantize_groups(vals)
+    q = q.to(tl.int8)
     base = row.to(tl.int64) * row_bytes
     tl.store(q_ptr + base + offs, q, mask=g_ok[:, None])
     tl.store(s_ptr + (base + cols) // 4 + gi, scale, mask=g_ok)
@@ -95,9 +110,7 @@ def _dequant_sum_kernel(
     GROUP: tl.constexpr, GPP: tl.constexpr,
 ):  # fmt: skip
     gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
-    gi = gp * GPP + tl.arange(0, GPP)  # [GPP] group indices in the row
-    g_ok = gi < cols // GROUP
-    offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GPP, GROUP] in the row
+    gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     acc = tl.zeros([GPP, GROUP], dtype=tl.float32)
     base = row.to(tl.int64) * row_bytes  # rank 0's row; pointers step a rank at a time
     q_row = q_ptr + base

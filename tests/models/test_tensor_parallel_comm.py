@@ -467,16 +467,23 @@ def _run(rank: int, port: int, folder: str) -> None:
 
 
 def test_all_reduce_strategies_and_two_batch_tp2(tmp_path):
-    import torch.multiprocessing as mp
 
     from tests.models.tiny import hf_tiny_model, save_hf, tiny_config
 
     cfg = tiny_config("base", num_key_value_heads=2, attention_bias=True, mlp_bias=True)
     folder = save_hf(hf_tiny_model(cfg, seed=3), str(tmp_path / "tiny"))
     torch.set_num_threads(1)
-    for attempt in range(2):  # a free port can be taken by another process before we bind it
+    _spawn(_run, WORLD, folder)
+
+
+def _spawn(fn, nprocs: int, *args) -> None:
+    """``fn(rank, port, *args)`` in ``nprocs`` processes, retried once if the free port was
+    taken by another process before the group bound it."""
+    import torch.multiprocessing as mp
+
+    for attempt in range(2):
         try:
-            mp.spawn(_run, args=(_free_port(), folder), nprocs=WORLD, join=True)
+            mp.spawn(fn, args=(_free_port(), *args), nprocs=nprocs, join=True)
             return
         except mp.ProcessRaisedException as e:
             if attempt or "address already in use" not in str(e).lower():
@@ -608,12 +615,4 @@ def _run_three(rank: int, port: int) -> None:
 
 
 def test_hostmem_copy_three_ranks():
-    import torch.multiprocessing as mp
-
-    for attempt in range(2):  # a free port can be taken by another process before we bind it
-        try:
-            mp.spawn(_run_three, args=(_free_port(),), nprocs=3, join=True)
-            return
-        except mp.ProcessRaisedException as e:
-            if attempt or "address already in use" not in str(e).lower():
-                raise
+    _spawn(_run_three, 3)

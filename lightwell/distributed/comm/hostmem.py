@@ -123,16 +123,9 @@ class HostMemAllReduce:
             slot_bytes *= 2
         flag_bytes = -(-(4 * ctx.size * max_blocks) // 4096) * 4096
         total = flag_bytes + 2 * ctx.size * slot_bytes
-        self.memory = map_shared(ctx, total)  # CPU view, uint8 [total]
         self.on_gpu = ctx.device.type == "cuda"
-        self.registered = False
+        self.memory, self.registered = map_pinned(self, ctx, total)
         if self.on_gpu:
-            self.registered = pin(self.memory, _HOST_REGISTER_PORTABLE_MAPPED)
-        # unregister before the mapping goes (at close, when dropped unclosed, or below)
-        self._release = weakref.finalize(self, _unregister, self.memory, self.registered)
-        if self.on_gpu:
-            if not self.registered:
-                raise RuntimeError("cudaHostRegister of the host all-reduce segment failed")
             segment = _device_view(self.memory, ctx.device)  # the same bytes, GPU-addressed
         else:
             segment = self.memory
@@ -206,6 +199,19 @@ class HostMemAllReduce:
             torch.cuda.synchronize(self.bufs.epochs.device)  # no kernel may still use it
         self.bufs = self.memory = None
         self._release()
+
+
+def map_pinned(owner: Any, ctx: CommContext, nbytes: int) -> tuple[torch.Tensor, bool]:
+    """(memory, registered): ``map_shared``'s segment, on a GPU registered with CUDA as
+    portable + mapped (page-locked, GPU-addressable), and ``owner._release`` set to unregister
+    it before the mapping goes (called at close, or run when ``owner`` is dropped unclosed).
+    Raises if registration fails on a GPU."""
+    memory = map_shared(ctx, nbytes)  # CPU view, uint8 [nbytes]
+    registered = ctx.device.type == "cuda" and pin(memory, _HOST_REGISTER_PORTABLE_MAPPED)
+    owner._release = weakref.finalize(owner, _unregister, memory, registered)
+    if ctx.device.type == "cuda" and not registered:
+        raise RuntimeError("cudaHostRegister of a host all-reduce segment failed")
+    return memory, registered
 
 
 def _unregister(memory: torch.Tensor, registered: bool) -> None:

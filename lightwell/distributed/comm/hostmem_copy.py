@@ -45,19 +45,16 @@ from __future__ import annotations
 import ctypes
 import os
 import time
-import weakref
 from typing import Any
 
 import torch
 
 from lightwell.distributed.comm.base import CommContext, is_beside_compute, message_bytes
-from lightwell.distributed.comm.host import map_shared, pin
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
-    _HOST_REGISTER_PORTABLE_MAPPED,
     HostMemAllReduce,
     _device_pointer,
-    _unregister,
+    map_pinned,
 )
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -128,12 +125,8 @@ class HostMemCopyAllReduce:
         self.slot_bytes = -(-(max_bytes + 8 * MAX_CHUNKS * 132) // 4096) * 4096
         self.flag_bytes = -(-(2 * _FLAG_ROW * ctx.size**2) // 4096) * 4096
         total = self.flag_bytes + 2 * ctx.size * self.slot_bytes
-        self.memory = map_shared(ctx, total)  # CPU view, uint8 [total]
         self.on_gpu = ctx.device.type == "cuda"
-        self.registered = self.on_gpu and pin(self.memory, _HOST_REGISTER_PORTABLE_MAPPED)
-        self._release = weakref.finalize(self, _unregister, self.memory, self.registered)
-        if self.on_gpu and not self.registered:
-            raise RuntimeError("cudaHostRegister of the hostmem-copy segment failed")
+        self.memory, self.registered = map_pinned(self, ctx, total)
         self.calls = 0
         self.device = ctx.device
         # What each peer sent, copied in (int8: this rank's own packed message too; ``_row``),
@@ -142,7 +135,7 @@ class HostMemCopyAllReduce:
         rows = ctx.size if int8 else ctx.size - 1
         self.stage = torch.empty(rows, self.slot_bytes, dtype=torch.uint8, device=ctx.device)
         if self.on_gpu:
-            self.ops: _Ops = _DriverOps(self.memory, ctx.device)
+            self.ops: _Ops = _DriverOps(self.memory)
             self.down = torch.cuda.Stream(ctx.device)
         else:
             self.ops = _HostOps(self.memory)
@@ -154,16 +147,19 @@ class HostMemCopyAllReduce:
             return False
         return torch.cuda.is_available() if ctx.device.type == "cuda" else True
 
-    def _payload(self, flat: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
-        """The bytes to send (uint8 [B]) and their [start, end) byte range a chunk."""
+    def _payload(
+        self, flat: torch.Tensor, layout: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+        """The bytes to send (uint8 [B]) and their [start, end) byte range a chunk; int8: the
+        message quantized into ``layout``'s (rows, cols)."""
         n = flat.numel()
-        if not self.int8:
+        if layout is None:
             item = flat.element_size()
             bounds = chunk_bounds(n, item, self.chunks)
             return flat.view(torch.uint8), [(a * item, b * item) for a, b in bounds]
         from lightwell.kernels.int8_pack import packed_row_bytes, quantize_pack
 
-        rows, cols = int8_layout(n, self.chunks)
+        rows, cols = layout
         rb = packed_row_bytes(cols)
         if rows * rb > self.slot_bytes:
             raise ValueError(f"{n} elements do not fit hostmem-copy's {self.slot_bytes}-byte slot")
@@ -198,7 +194,8 @@ class HostMemCopyAllReduce:
         up = torch.cuda.current_stream(self.device) if self.on_gpu else None
         if self.down is not None:
             self.down.wait_stream(up)  # x is ready, and the previous call's sum has read stage
-        payload, bounds = self._payload(flat)  # (int8: quantized on the caller's stream)
+        layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
+        payload, bounds = self._payload(flat, layout)  # (int8: quantized on the caller's stream)
         me = self.rank
         peers = [r for r in range(self.size) if r != me]
         mine, busy = self._slot(p, me), MAX_CHUNKS
@@ -222,10 +219,10 @@ class HostMemCopyAllReduce:
             ops.write_flag(self._flag(p, q, me, busy), 0, self.down)
         if self.down is not None:
             up.wait_stream(self.down)
-        if self.int8:
+        if layout is not None:
             from lightwell.kernels.int8_pack import dequant_sum
 
-            rows, cols = int8_layout(flat.numel(), self.chunks)
+            rows, cols = layout
             dequant_sum(self.stage, cols, rows, flat)  # rows in rank order
             return x
         nbytes = payload.numel()
@@ -297,7 +294,7 @@ class _DriverOps(_Ops):
     """The CUDA driver's async copies and stream memory operations (through ctypes: no kernel,
     a few microseconds of host time each)."""
 
-    def __init__(self, memory: torch.Tensor, device: torch.device) -> None:
+    def __init__(self, memory: torch.Tensor) -> None:
         self.host = memory.data_ptr()
         self.dev = _device_pointer(self.host)  # flags are addressed from the device side
         self.cuda = ctypes.CDLL("libcuda.so.1")
