@@ -268,9 +268,14 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "hostmem-copy-int8+dual",
         "hostmem-copy+dual+graph",  # replayed from a mixed-step graph, split inside it
         "hostmem-copy-int8+dual+graph",
+        "hostmem-copy+dual3+graph",  # the same in three micro-batches
+        "hostmem-copy-int8+dual3+graph",
     ]
     if mode != "nvlink":
         choices = [c for c in choices if c not in ("auto", "oneshot")]
+    only = os.environ.get("TP_CHECK_ONLY")  # comma-separated choices (nccl, the reference, kept)
+    if only:
+        choices = ["nccl"] + [c for c in choices if c in only.split(",") and c != "nccl"]
     ref, fuse_env = None, os.environ.get(FUSE_NORM_ENV)
     for step, choice in enumerate(choices):
         name = choice.split("+")[0].removesuffix("-fused")
@@ -279,11 +284,12 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
             previous.close()
         os.environ[FUSE_NORM_ENV] = "1" if choice.endswith("-fused") else "auto"
         set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20))
+        parts = 3 if "+dual3" in choice else 2
         runner.overlap = (
-            TwoBatchOverlap(model, 2, torch.cuda.Stream()) if "+dual" in choice else None
+            TwoBatchOverlap(model, 2, torch.cuda.Stream(), parts) if "+dual" in choice else None
         )
         runner.graphs = None
-        if choice.endswith("+graph"):  # every mixed graph (16..1,024 tokens) split in two
+        if choice.endswith("+graph"):  # every mixed graph (16..1,024 tokens) split in parts
             runner.capture_cuda_graphs(max_batch=4, max_model_len=2048, prefill_tokens=1024)
         logits = _prefill_logits(runner, step)  # [3, V]
         if ref is None:

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightwell.cli_args import (
+    DefaultsHelpFormatter,
     add_engine_args,
     add_sampling_args,
     engine_config_from_args,
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="store_true", help="Print the version and exit.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = DefaultsHelpFormatter
 
     gen = sub.add_parser("generate", help="Generate text for one prompt, streamed.")
     gen.add_argument(

@@ -43,6 +43,16 @@ def _base_type(hint: Any) -> Any:
     return args[0] if args else hint
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" to an option's help unless the help states its default already
+    (the engine and sampling options do, some with a friendlier value than the raw one)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One option per config field, help text from the field's metadata."""
     for cls in CONFIG_CLASSES:

@@ -154,6 +154,12 @@ class ParallelConfig:
         "inside its CUDA graph). The default keeps decode batches whole: split, they stream "
         "the weights twice (docs/parallelism.md).",
     )
+    dual_stream_micro_batches: int = _opt(
+        2,
+        "Micro-batches --dual-stream splits a step into (2-8): with more, each all-reduce "
+        "hides under the stages of all the others, at smaller matmuls and more launches "
+        "(docs/parallelism.md).",
+    )
 
 
 @dataclass(frozen=True)
@@ -228,6 +234,7 @@ class EngineConfig:
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")
         _check(p.all_reduce in ALL_REDUCE, f"all_reduce must be one of {', '.join(ALL_REDUCE)}")
         _check(p.dual_stream_min_tokens >= 2, "dual_stream_min_tokens must be >= 2")
+        _check(2 <= p.dual_stream_micro_batches <= 8, "dual_stream_micro_batches must be in 2..8")
         _check(
             0 <= self.device.cuda_graph_prefill_tokens <= 65536,
             "cuda_graph_prefill_tokens must be in [0, 65536]",

@@ -1,17 +1,18 @@
-"""Split one step's flat batch into two micro-batches (for the dual-stream overlap).
+"""Split one step's flat batch into micro-batches (for the dual-stream overlap): two, or more.
 
-Decode-only batches split between requests (half the requests each); others at the middle
-token, which may fall inside a request: its first tokens go to micro-batch A and the rest to B,
-whose attention then reads A's part from the KV cache like a cached prefix (A runs first in
-every layer, so A's K/V are stored before B attends). Device tensors are sliced or derived with
-device ops only, so a split made during CUDA-graph capture replays correctly.
+Decode-only batches split between requests (an equal share of the requests each); others at
+equal token counts, a cut possibly inside a request: its first tokens go to the earlier
+micro-batch and the rest to the later ones, whose attention then reads the earlier part from
+the KV cache like a cached prefix (micro-batches run in order in every layer, so earlier K/V
+are stored before later ones attend). Device tensors are sliced or derived with device ops
+only, so a split made during CUDA-graph capture replays correctly.
 
 A mixed-step graph's metadata (``static_layout``) describes a placeholder layout at capture:
-only its token and request counts hold at replay. Such a step splits at its middle token with
-every request in both halves (``_split_static``): a request's query tokens on the other side
-of the cut count as none in this half (A: fewer keys; B: A's tokens as cached keys), which the
-attention kernel takes for any layout, since its grid depends only on the token and request
-counts.
+only its token and request counts hold at replay. Such a step splits at equal token counts
+with every request in every part (``_split_static``): a request's query tokens outside a part
+count as none in it (those before it as cached keys, those after it as not yet there), which
+the attention kernel takes for any layout, since its grid depends only on the token and
+request counts.
 """
 
 from __future__ import annotations
@@ -31,29 +32,42 @@ class MicroBatch:
     meta: AttentionMetadata
 
 
-def split_point(meta: AttentionMetadata) -> int:
-    """The first token of micro-batch B."""
+def split_points(meta: AttentionMetadata, parts: int = 2) -> list[int]:
+    """The first token of every micro-batch after the first (``parts - 1`` of them)."""
     qsl = meta.query_start_loc_cpu
     if meta.max_query_len == 1:
-        return qsl[meta.num_reqs // 2]
-    return qsl[-1] // 2
+        return [qsl[meta.num_reqs * j // parts] for j in range(1, parts)]
+    return [qsl[-1] * j // parts for j in range(1, parts)]
+
+
+def can_split(meta: AttentionMetadata, parts: int) -> bool:
+    """Every one of ``parts`` micro-batches would get a token (a request, decode-only)."""
+    if meta.max_query_len == 1:
+        return meta.num_reqs >= parts
+    return meta.num_tokens >= parts
 
 
 def split_batch(
     input_ids: torch.Tensor,  # [T]
     positions: torch.Tensor,  # [T]
     meta: AttentionMetadata,
-) -> tuple[MicroBatch, MicroBatch]:
-    """(A, B): tokens [0, s) and [s, T) with their own attention metadata; needs T >= 2."""
+    parts: int = 2,
+) -> list[MicroBatch]:
+    """``parts`` micro-batches, tokens [0, s1), [s1, s2), ... [s_last, T), each with its own
+    attention metadata; needs ``can_split(meta, parts)``."""
+    if parts < 2 or not can_split(meta, parts):
+        raise ValueError(f"cannot split a batch of {meta.num_tokens} tokens in {parts}")
     if meta.static_layout and meta.max_query_len > 1:
-        return _split_static(input_ids, positions, meta)
-    s = split_point(meta)
-    if not 0 < s < meta.num_tokens:
-        raise ValueError(f"cannot split a batch of {meta.num_tokens} tokens at {s}")
-    i = bisect.bisect_right(meta.query_start_loc_cpu, s) - 1  # request holding token s
-    a = MicroBatch(input_ids[:s], positions[:s], _head(meta, s, i))
-    b = MicroBatch(input_ids[s:], positions[s:], _tail(meta, s, i))
-    return a, b
+        return _split_static(input_ids, positions, meta, parts)
+    out, done = [], 0  # tokens [0, done) are split off; ``meta`` describes the rest
+    for s in split_points(meta, parts):
+        cut = s - done
+        i = bisect.bisect_right(meta.query_start_loc_cpu, cut) - 1  # request holding the cut
+        out.append(MicroBatch(input_ids[:cut], positions[:cut], _head(meta, cut, i)))
+        input_ids, positions, meta = input_ids[cut:], positions[cut:], _tail(meta, cut, i)
+        done = s
+    out.append(MicroBatch(input_ids, positions, meta))
+    return out
 
 
 def _head(meta: AttentionMetadata, s: int, i: int) -> AttentionMetadata:
@@ -94,36 +108,33 @@ def _split_static(
     input_ids: torch.Tensor,  # [T]
     positions: torch.Tensor,  # [T]
     meta: AttentionMetadata,
-) -> tuple[MicroBatch, MicroBatch]:
-    """A mixed graph's split at token T // 2, every request kept in both halves, the device
-    metadata derived with device ops (replays with any layout of the same counts)."""
+    parts: int,
+) -> list[MicroBatch]:
+    """A mixed graph's split at equal token counts, every request kept in every part, the
+    device metadata derived with device ops (replays with any layout of the same counts)."""
     t = meta.num_tokens
-    s = t // 2
     qsl = meta.query_start_loc  # [R + 1] int32
-    in_b = (qsl[1:] - qsl[:-1].clamp_min(s)).clamp_min(0)  # [R]: each request's tokens in B
     qsl_cpu = meta.query_start_loc_cpu
-    in_b_cpu = [max(0, b - max(a, s)) for a, b in zip(qsl_cpu, qsl_cpu[1:])]
-    halves = []
-    for lo, hi, starts, lens, starts_cpu, lens_cpu in (
-        (0, s, qsl.clamp_max(s), meta.seq_lens - in_b, [min(q, s) for q in qsl_cpu],
-         [n - m for n, m in zip(meta.seq_lens_cpu, in_b_cpu)]),
-        (s, t, (qsl - s).clamp_min(0), meta.seq_lens, [max(q - s, 0) for q in qsl_cpu],
-         list(meta.seq_lens_cpu)),
-    ):  # fmt: skip
+    out = []
+    for j in range(parts):
+        lo, hi = t * j // parts, t * (j + 1) // parts
+        # each request's query tokens at or after ``hi``: not in the KV cache yet
+        later = (qsl[1:] - qsl[:-1].clamp_min(hi)).clamp_min(0)  # [R]
+        later_cpu = [max(0, b - max(a, hi)) for a, b in zip(qsl_cpu, qsl_cpu[1:])]
         half = AttentionMetadata(
-            query_start_loc=starts,
-            seq_lens=lens,
+            query_start_loc=qsl.clamp(lo, hi) - lo,
+            seq_lens=meta.seq_lens - later,
             block_table=meta.block_table,
             slot_mapping=meta.slot_mapping[lo:hi],
             max_query_len=max(hi - lo, 2),  # any request may hold every token: general tiles
             max_seq_len=meta.max_seq_len,
-            query_start_loc_cpu=starts_cpu,
-            seq_lens_cpu=lens_cpu,
+            query_start_loc_cpu=[min(max(q, lo), hi) - lo for q in qsl_cpu],
+            seq_lens_cpu=[n - m for n, m in zip(meta.seq_lens_cpu, later_cpu)],
             num_decodes=0,  # one launch over every request
             static_layout=True,
         )
-        halves.append(MicroBatch(input_ids[lo:hi], positions[lo:hi], half))
-    return halves[0], halves[1]
+        out.append(MicroBatch(input_ids[lo:hi], positions[lo:hi], half))
+    return out
 
 
 def _meta(

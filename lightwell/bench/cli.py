@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from lightwell.bench.client import CHAT_ENDPOINT, COMPLETIONS_ENDPOINT
+from lightwell.cli_args import DefaultsHelpFormatter
 
 H200_PEAK_TFLOPS = 788.0  # bf16 matmul 8192^3, measured (PERFORMANCE.md)
 H200_PEAK_BANDWIDTH_GBS = 4221.0  # device-to-device copy, measured (PERFORMANCE.md)
@@ -18,7 +19,7 @@ def register(commands: dict[str, tuple[str, Any]]) -> None:
 
 def add_bench(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", metavar="BENCHMARK", required=True)
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = DefaultsHelpFormatter
     serve = sub.add_parser(
         "serve", formatter_class=fmt, help="Load-test an OpenAI-compatible server (W3)."
     )

@@ -1,10 +1,14 @@
-"""Two-micro-batch forward of Llama-family models: one micro-batch's all-reduce runs on the comm
-stream while the other micro-batch computes.
+"""Micro-batch forward of Llama-family models: one micro-batch's all-reduce runs on the comm
+stream while the others compute.
 
 Per decoder layer, with A and B the two halves of the step (``lightwell.attention.micro_batch``):
 
     main stream: attn(A) | attn(B) | norm+mlp(A) | norm+mlp(B) | attn(A) of the next layer ...
     comm stream:          AR(A)    | AR(B)       | AR(A)       | AR(B) ...
+
+With three or more micro-batches (``--dual-stream-micro-batches``) each all-reduce has the
+stages of all the others to hide under, not one: two halves leave a gap wherever one
+micro-batch's attention stage is shorter than the other's all-reduce.
 
 Each stage ends with a row-parallel partial sum (o_proj, down_proj) whose all-reduce is launched
 on the comm stream; the next stage of the same micro-batch starts by waiting for it and
@@ -19,6 +23,7 @@ Qwen3: attention subclasses that keep ``LlamaAttention.forward``). Others run th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -71,9 +76,9 @@ def _mlp_stage(
     return layer.mlp.partial(hidden), residual
 
 
-def two_batch_forward(
-    model: nn.Module, batches: tuple[MicroBatch, MicroBatch], comm: CommStream
-) -> torch.Tensor:  # [T, H]: the final-norm hidden states of A then B
+def micro_batch_forward(
+    model: nn.Module, batches: Sequence[MicroBatch], comm: CommStream
+) -> torch.Tensor:  # [T, H]: the final-norm hidden states of the micro-batches in order
     inner: LlamaModel = model.model
     streams = []
     for mb in batches:  # the embedding's own all-reduce runs in place, on the main stream

@@ -1,4 +1,5 @@
-"""When a step runs as two micro-batches with their all-reduces on a second CUDA stream.
+"""When a step runs as micro-batches (``--dual-stream-micro-batches``, two by default) with
+their all-reduces on a second CUDA stream.
 
 On only under tensor parallelism on GPU with ``--dual-stream``, for steps of at least
 ``--dual-stream-min-tokens`` tokens, for models ``lightwell.models.two_batch`` supports;
@@ -13,18 +14,27 @@ import torch
 from torch import nn
 
 from lightwell.attention.metadata import AttentionMetadata
-from lightwell.attention.micro_batch import split_batch
+from lightwell.attention.micro_batch import can_split, split_batch
 from lightwell.config import ParallelConfig
 from lightwell.distributed.overlap import CommStream
 from lightwell.distributed.parallel_state import get_tp_size
-from lightwell.models.two_batch import supports_two_batch, two_batch_forward
+from lightwell.models.two_batch import micro_batch_forward, supports_two_batch
 
 logger = logging.getLogger(__name__)
 
 
 class TwoBatchOverlap:
-    def __init__(self, model: nn.Module, min_tokens: int, stream: torch.cuda.Stream | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        min_tokens: int,
+        stream: torch.cuda.Stream | None,
+        micro_batches: int = 2,
+    ):
+        if micro_batches < 2:
+            raise ValueError(f"micro_batches must be >= 2, got {micro_batches}")
         self.model = model
+        self.parts = micro_batches
         self.min_tokens = max(2, min_tokens)
         self.comm = CommStream(stream)
 
@@ -42,12 +52,12 @@ class TwoBatchOverlap:
         # high priority: an all-reduce's programs are scheduled ahead of the other
         # micro-batch's queued compute, so the link starts moving bytes as early as possible
         stream = torch.cuda.Stream(device, priority=-1)
-        return cls(model, parallel.dual_stream_min_tokens, stream)
+        return cls(
+            model, parallel.dual_stream_min_tokens, stream, parallel.dual_stream_micro_batches
+        )
 
     def applies(self, meta: AttentionMetadata) -> bool:
-        if meta.num_tokens < self.min_tokens:
-            return False
-        return meta.max_query_len > 1 or meta.num_reqs >= 2
+        return meta.num_tokens >= self.min_tokens and can_split(meta, self.parts)
 
     def forward(
         self,
@@ -55,4 +65,5 @@ class TwoBatchOverlap:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
-        return two_batch_forward(self.model, split_batch(input_ids, positions, meta), self.comm)
+        batches = split_batch(input_ids, positions, meta, self.parts)
+        return micro_batch_forward(self.model, batches, self.comm)

@@ -30,10 +30,14 @@ def test_mixed_capture_sizes():
 
 
 def _tiny_runner(
-    max_model_len: int, prefill_tokens: int, seed: int, dual_min_tokens: int = 0
+    max_model_len: int,
+    prefill_tokens: int,
+    seed: int,
+    dual_min_tokens: int = 0,
+    micro_batches: int = 2,
 ) -> ModelRunner:
-    """``dual_min_tokens``: run steps of at least that many tokens as two micro-batches (the
-    dual-stream split, in order on CPU), in the graphs and eagerly."""
+    """``dual_min_tokens``: run steps of at least that many tokens as ``micro_batches``
+    micro-batches (the dual-stream split, in order on CPU), in the graphs and eagerly."""
     cfg = tiny_config(num_key_value_heads=1)  # GQA 4: query tiles of 32 tokens
     model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
     randomize(model, seed=seed)
@@ -42,20 +46,23 @@ def _tiny_runner(
     r.set_attention_backend("triton")
     r.init_kv_cache(96)
     if dual_min_tokens:
-        r.overlap = TwoBatchOverlap(model, dual_min_tokens, None)
+        r.overlap = TwoBatchOverlap(model, dual_min_tokens, None, micro_batches)
     r.capture_cuda_graphs(
         max_batch=6, max_model_len=max_model_len, prefill_tokens=prefill_tokens, capture=False
     )
     return r
 
 
-@pytest.fixture(scope="module", params=["plain", "two-batch"])
+@pytest.fixture(scope="module", params=["plain", "two-batch", "three-batch"])
 def runner(request):
     """plain; two-batch: steps of 32 tokens or more as two micro-batches (in the 64- and
     128-token graphs: split at the graph's middle token whatever the layout; eagerly: at the
-    step's middle token)."""
-    dual = 32 if request.param == "two-batch" else 0
-    return _tiny_runner(max_model_len=128, prefill_tokens=128, seed=3, dual_min_tokens=dual)
+    step's middle token); three-batch: the same in three (cuts at a third and two thirds,
+    a request cut twice where it spans both)."""
+    dual = 0 if request.param == "plain" else 32
+    parts = 3 if request.param == "three-batch" else 2
+    return _tiny_runner(max_model_len=128, prefill_tokens=128, seed=3, dual_min_tokens=dual,
+                        micro_batches=parts)  # fmt: skip
 
 
 class Blocks:

@@ -356,11 +356,11 @@ TABLES = [[3, 9, 1, 12], [7, 2], [5, 0, 14]]
 
 def _check_two_batch(rank: int, ctx, folder: str) -> None:
     from lightwell.attention.metadata import forward_context
-    from lightwell.attention.micro_batch import split_batch
+    from lightwell.attention.micro_batch import can_split, split_batch
     from lightwell.distributed.comm import selector
     from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.overlap import CommStream
-    from lightwell.models.two_batch import supports_two_batch, two_batch_forward
+    from lightwell.models.two_batch import micro_batch_forward, supports_two_batch
     from tests.models.paged import bind_kv_caches, build_metadata
     from tests.models.tiny import load_ours
 
@@ -382,8 +382,20 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         with torch.no_grad(), forward_context(meta):
             want = plain(ids, pos)  # [T, H]
         with torch.no_grad():
-            got = two_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
+            got = micro_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # three micro-batches (prefills: a request cut twice; the decode-only step of two
+        # requests cannot be cut in three); the same K/V are written again, the same slots
+        if can_split(meta, 3):
+            with torch.no_grad():
+                parts = split_batch(ids, pos, meta, 3)
+                assert [len(mb.input_ids) for mb in parts] == [
+                    len(ids) * (j + 1) // 3 - len(ids) * j // 3 for j in range(3)
+                ]
+                got = micro_batch_forward(split, parts, CommStream(None))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert step == 1
         # the plain forward through hostmem, whose kernel fuses every all-reduce that feeds a
         # norm with its residual add + RMSNorm: o_proj's and down_proj's of every layer (the
         # last one's feeds the final norm); the embedding's all-reduce stays plain
@@ -405,7 +417,7 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         assert copied.calls == before
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         with torch.no_grad(), _through(copy) as calls:
-            got = two_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
+            got = micro_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
         assert calls["plain"] == 2 * (2 * len(plain.model.layers) + 1), calls
         assert copied.calls - before == 4 * len(plain.model.layers)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -592,11 +604,14 @@ def _run_three(rank: int, port: int) -> None:
     with _min_chunk_bytes(256):
         for name in ("hostmem-copy", "hostmem-copy-int8"):
             strategy = create_strategy(name, ctx, chunks=3)
+            # one kernel each way (eager GPU calls), for the chunk-by-chunk results to equal
+            whole = create_strategy(name, ctx, chunks=3, pipeline=False)
             for n, dtype in ((5, torch.float32), (3000, torch.float32), (3000, torch.bfloat16),
                              (700, torch.float32)):  # fmt: skip
                 xs = [inputs(n, dtype, r) for r in range(3)]
                 exact = (xs[0].float() + xs[1].float()) + xs[2].float()  # rank order, fp32
                 got = strategy.all_reduce(xs[rank].clone())
+                assert torch.equal(whole.all_reduce(xs[rank].clone()), got), (name, n, dtype)
                 seen = [torch.empty(n) for _ in range(3)]
                 dist.all_gather(seen, got.float(), group=group)
                 assert all(torch.equal(seen[0], t) for t in seen), (name, n)  # every rank
@@ -610,6 +625,7 @@ def _run_three(rank: int, port: int) -> None:
                     assert ((got - exact).abs() <= amax / 254 * 1.001 + 1e-6).all(), (name, n)
                     assert (got - exact).norm() < 0.02 * exact.norm()
             strategy.close()
+            whole.close()
     del ctx, group
     dist.destroy_process_group()
 

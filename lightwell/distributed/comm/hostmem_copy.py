@@ -42,6 +42,7 @@ stores, the waits bounded spins; the int8 kernels run under the Triton interpret
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import time
@@ -65,6 +66,9 @@ CHUNKS = 4
 CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
 MIN_CHUNK_BYTES = 256 * 1024
+# "0" / "1": never / always quantize and sum chunk by chunk (default: inside CUDA graphs and on
+# CPU); for experiments, like CHUNKS_ENV.
+PIPELINE_ENV = "LIGHTWELL_HOSTMEM_COPY_PIPELINE"
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
 _FLAG_ROW = 4 * (MAX_CHUNKS + 1)  # bytes per (slot, writer, reader): chunk flags, busy word
 _CU_STREAM_WAIT_VALUE_EQ = 1
@@ -104,14 +108,20 @@ class HostMemCopyAllReduce:
         chunks: int | None = None,
         int8: bool = False,
         beside_compute_only: bool = False,
+        pipeline: bool | None = None,
     ) -> None:
         """``min_bytes``: smaller messages are left to other strategies (``supports``);
         ``chunks``: pieces per message (default ``LIGHTWELL_HOSTMEM_COPY_CHUNKS`` or
         ``CHUNKS``); ``int8``: the int8 payload; ``beside_compute_only``: take only the
         all-reduces issued beside compute (``comm.base.beside_compute``: the dual-stream
         overlap), leaving the rest to other strategies (the selector's rule: back to back,
-        hostmem's kernel is faster)."""
+        hostmem's kernel is faster); ``pipeline``: quantize and sum chunk by chunk (default:
+        inside CUDA graphs and on CPU, or ``PIPELINE_ENV``; eager GPU calls launch one
+        kernel each way)."""
         self.beside_compute_only = beside_compute_only
+        if pipeline is None and os.environ.get(PIPELINE_ENV) in ("0", "1"):
+            pipeline = os.environ[PIPELINE_ENV] == "1"
+        self.pipeline = pipeline
         self.int8 = int8
         self.name = "hostmem-copy-int8" if int8 else "hostmem-copy"
         self.rank, self.size = ctx.rank, ctx.size
@@ -136,7 +146,8 @@ class HostMemCopyAllReduce:
         self.stage = torch.empty(rows, self.slot_bytes, dtype=torch.uint8, device=ctx.device)
         if self.on_gpu:
             self.ops: _Ops = _DriverOps(self.memory)
-            self.down = torch.cuda.Stream(ctx.device)
+            # high priority: the pipelined sums on it are the end of the critical path
+            self.down = torch.cuda.Stream(ctx.device, priority=-1)
         else:
             self.ops = _HostOps(self.memory)
             self.down = None
@@ -151,21 +162,56 @@ class HostMemCopyAllReduce:
         self, flat: torch.Tensor, layout: tuple[int, int] | None
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The bytes to send (uint8 [B]) and their [start, end) byte range a chunk; int8: the
-        message quantized into ``layout``'s (rows, cols)."""
+        buffer that ``_quantize`` fills, a row of ``layout``'s (rows, cols) a chunk."""
         n = flat.numel()
         if layout is None:
             item = flat.element_size()
             bounds = chunk_bounds(n, item, self.chunks)
             return flat.view(torch.uint8), [(a * item, b * item) for a, b in bounds]
-        from lightwell.kernels.int8_pack import packed_row_bytes, quantize_pack
+        from lightwell.kernels.int8_pack import packed_row_bytes
 
         rows, cols = layout
         rb = packed_row_bytes(cols)
         if rows * rb > self.slot_bytes:
             raise ValueError(f"{n} elements do not fit hostmem-copy's {self.slot_bytes}-byte slot")
-        mine = self._row(self.rank)[: rows * rb]
-        quantize_pack(flat, rows, cols, out=mine.view(rows, rb))
-        return mine, [(r * rb, (r + 1) * rb) for r in range(rows)]
+        return self._row(self.rank)[: rows * rb], [(r * rb, (r + 1) * rb) for r in range(rows)]
+
+    def _quantize(
+        self, flat: torch.Tensor, layout: tuple[int, int], payload: torch.Tensor, rows: range
+    ) -> None:  # int8: rows ``rows`` of this rank's message into its packed buffer
+        from lightwell.kernels.int8_pack import quantize_pack
+
+        n_rows, cols = layout
+        out = payload.view(n_rows, -1)
+        quantize_pack(flat, n_rows, cols, out=out, rows=(rows.start, rows.stop))
+
+    def _sum(
+        self,
+        x: torch.Tensor,
+        layout: tuple[int, int] | None,
+        peers: list[int],
+        part: tuple[int, int],  # [a, b): chunks (int8: packed rows), or elements
+    ) -> None:
+        """Sums the part that every peer's copy of has landed into x, in rank order."""
+        flat = x.view(-1)
+        if layout is not None:
+            from lightwell.kernels.int8_pack import dequant_sum
+
+            rows, cols = layout
+            dequant_sum(self.stage, cols, rows, flat, rows=part)  # rows in rank order
+            return
+        a, b = part
+        item = x.element_size()
+        received = [self._row(q)[a * item : b * item].view(x.dtype) for q in peers]
+        mine = flat[a:b]
+        if self.size == 2:  # one add in x's dtype: computed in fp32, rounded once
+            mine.add_(received[0])
+            return
+        terms = received[: self.rank] + [mine] + received[self.rank :]  # rank order
+        acc = terms[0].float()
+        for t in terms[1:]:
+            acc += t
+        mine.copy_(acc)
 
     def supports(self, x: torch.Tensor) -> bool:
         return (
@@ -194,8 +240,17 @@ class HostMemCopyAllReduce:
         up = torch.cuda.current_stream(self.device) if self.on_gpu else None
         if self.down is not None:
             self.down.wait_stream(up)  # x is ready, and the previous call's sum has read stage
+        # Pipelined (in a CUDA graph, and on CPU): chunk c is quantized just before its copy
+        # and summed on the down stream as soon as it lands, so only the first chunk's
+        # quantize and the last one's sum are not under the copies. Eager calls on a GPU take
+        # one kernel each way instead (their launches, not the copies, are the cost there).
+        pipelined = self.pipeline
+        if pipelined is None:
+            pipelined = not self.on_gpu or torch.cuda.is_current_stream_capturing()
         layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
-        payload, bounds = self._payload(flat, layout)  # (int8: quantized on the caller's stream)
+        payload, bounds = self._payload(flat, layout)
+        if layout is not None and not pipelined:
+            self._quantize(flat, layout, payload, range(len(bounds)))
         me = self.rank
         peers = [r for r in range(self.size) if r != me]
         mine, busy = self._slot(p, me), MAX_CHUNKS
@@ -205,41 +260,44 @@ class HostMemCopyAllReduce:
             ops.write_flag(self._flag(p, me, r, busy), 1, up)
         raised = []
         for c, (a, b) in enumerate(bounds):
+            if layout is not None and pipelined:
+                self._quantize(flat, layout, payload, range(c, c + 1))
             ops.d2h(mine + a, payload, a, b, up)
             for r in peers:
                 ops.write_flag(self._flag(p, me, r, c), 1, up)
             raised.append(ops.record(up))
+        # what a chunk's sum covers: its packed row (int8), its elements (exact)
+        if layout is not None:
+            parts = [(c, c + 1) for c in range(len(bounds))]
+        else:
+            parts = [(a // x.element_size(), b // x.element_size()) for a, b in bounds]
+        down = self.down if self.down is not None else up
         for c, (a, b) in enumerate(bounds):
             ops.after(raised[c], self.down)  # progress if the graph runs the streams in series
             for q in peers:
                 ops.wait_flag(self._flag(p, q, me, c), 1, self.down)
                 ops.h2d(self._row(q), a, b, self._slot(p, q) + a, self.down)
                 ops.write_flag(self._flag(p, q, me, c), 0, self.down)
+            if pipelined:
+                with _on(down):
+                    self._sum(x, layout, peers, parts[c])
         for q in peers:
             ops.write_flag(self._flag(p, q, me, busy), 0, self.down)
         if self.down is not None:
             up.wait_stream(self.down)
-        if layout is not None:
-            from lightwell.kernels.int8_pack import dequant_sum
-
-            rows, cols = layout
-            dequant_sum(self.stage, cols, rows, flat)  # rows in rank order
-            return x
-        nbytes = payload.numel()
-        received = [self._row(q)[:nbytes].view(x.dtype).view(x.shape) for q in peers]
-        if self.size == 2:  # one add in x's dtype: computed in fp32, rounded once
-            return x.add_(received[0])
-        terms = received[:me] + [x] + received[me:]  # rank order
-        acc = terms[0].float()
-        for t in terms[1:]:
-            acc += t
-        return x.copy_(acc)
+        if not pipelined:
+            self._sum(x, layout, peers, (parts[0][0], parts[-1][1]))
+        return x
 
     def close(self) -> None:
         if self.on_gpu and self.registered:
             torch.cuda.synchronize(self.device)  # no copy may still use it
         self.ops = self.memory = self.stage = None
         self._release()
+
+
+def _on(stream: torch.cuda.Stream | None) -> Any:  # a stream context, or nothing on CPU
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class _Ops:
