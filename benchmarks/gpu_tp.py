@@ -102,7 +102,7 @@ ENGINES = {
                     dual_stream_micro_batches=m,
                     **G2048,
                 ),
-                ("ttft", "decode", "w1") if kind and m == 3 else ("ttft",),
+                ("ttft", "profile") if kind and m == 3 else ("ttft",),
             )
             for kind in ("-int8", "")
             for m in (3, 4)
