@@ -1,0 +1,185 @@
+"""Costs of the pieces of hostmem-copy's all-reduce on one GPU, in CUDA graphs (run 7).
+
+    python3 benchmarks/gpu_copy_ops.py --out $OUT/copy_ops.json
+
+1. Copies and stream memory operations: 4 x 1 MB D2H into pinned memory back to back, with a
+   cuStreamWriteValue32 after each (fenced, flags 0, and unfenced, flags 1), one 4 MB copy;
+   the same for H2D with a (satisfied) cuStreamWaitValue32 before each; D2H and H2D together
+   on two streams.
+2. A small kernel's latency beside a large GEMM: the int8 quantize of a 1,024 x 4,096 bf16
+   message (and the 2-rank dequant-sum) made ready on a second stream while the GEMM runs,
+   normal and high priority, against the same kernel alone, and on the GEMM's own stream.
+Medians of 30 graph replays (CUDA events). Prints a table; writes JSON rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MB = 1 << 20
+REPS = 30
+
+
+def timed_graph(build) -> float:
+    """Median µs of one replay of the graph ``build`` records (side streams joined back)."""
+    g = torch.cuda.CUDAGraph()
+    main = torch.cuda.Stream()
+    with torch.cuda.stream(main):
+        build()  # warm-up (compiles kernels)
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g, stream=main):
+        build()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPS + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b))
+    return statistics.median(times[3:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from lightwell.distributed.comm.hostmem import _device_pointer
+    from lightwell.kernels.int8_pack import dequant_sum, packed_row_bytes, quantize_pack
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    cuda = ctypes.CDLL("libcuda.so.1")
+    for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2"):
+        getattr(cuda, name).argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
+                                        ctypes.c_void_p]  # fmt: skip
+    for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
+        getattr(cuda, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                                        ctypes.c_uint]  # fmt: skip
+    host = torch.zeros(8 * MB + 4096, dtype=torch.uint8, pin_memory=True)
+    flags_host = host.data_ptr() + 8 * MB
+    flags_dev = _device_pointer(flags_host)
+    host[8 * MB :].view(torch.int32)[:].fill_(1)  # every wait below is already satisfied
+    src = torch.randint(0, 255, (4 * MB,), dtype=torch.uint8, device=dev)
+    dst = torch.empty(4 * MB, dtype=torch.uint8, device=dev)
+
+    def s():
+        return torch.cuda.current_stream().cuda_stream
+
+    def d2h(a, n):
+        assert cuda.cuMemcpyDtoHAsync_v2(host.data_ptr() + a, src.data_ptr() + a, n, s()) == 0
+
+    def h2d(a, n):
+        assert cuda.cuMemcpyHtoDAsync_v2(dst.data_ptr() + a, host.data_ptr() + 4 * MB + a, n,
+                                         s()) == 0  # fmt: skip
+
+    def write(i, flags):
+        assert cuda.cuStreamWriteValue32_v2(s(), flags_dev + 4 * (64 + i), 1, flags) == 0
+
+    def wait(i):
+        assert cuda.cuStreamWaitValue32_v2(s(), flags_dev + 4 * i, 1, 1) == 0
+
+    rows = []
+
+    def emit(what, us):
+        rows.append({"what": what, "us": round(us, 2)})
+        print(f"{what:60s} {us:8.1f} us", flush=True)
+
+    def each(*ops):  # the ops once per chunk c (each op takes c)
+        return lambda: [[op(c) for op in ops] for c in range(4)]
+
+    cases = {
+        "d2h 4 x 1 MB": each(lambda c: d2h(c * MB, MB)),
+        "d2h 1 x 4 MB": lambda: d2h(0, 4 * MB),
+        "d2h 4 x (1 MB + write, fenced)": each(lambda c: d2h(c * MB, MB), lambda c: write(c, 0)),
+        "d2h 4 x (1 MB + write, unfenced)": each(lambda c: d2h(c * MB, MB), lambda c: write(c, 1)),
+        "h2d 4 x 1 MB": each(lambda c: h2d(c * MB, MB)),
+        "h2d 4 x (wait + 1 MB + write)": each(
+            wait, lambda c: h2d(c * MB, MB), lambda c: write(8 + c, 0)
+        ),
+        "h2d 4 x (wait + 1 MB)": each(wait, lambda c: h2d(c * MB, MB)),
+        "write x 4 (fenced)": each(lambda c: write(c, 0)),
+        "wait x 4 (satisfied)": each(wait),
+    }
+    for what, fn in cases.items():
+        emit(what, timed_graph(fn))
+
+    side = torch.cuda.Stream()
+
+    def both():  # D2H on this stream, H2D on a side stream, concurrently
+        side.wait_stream(torch.cuda.current_stream())
+        for c in range(4):
+            d2h(c * MB, MB)
+        with torch.cuda.stream(side):
+            for c in range(4):
+                h2d(c * MB, MB)
+        torch.cuda.current_stream().wait_stream(side)
+
+    emit("d2h 4 x 1 MB || h2d 4 x 1 MB (two streams)", timed_graph(both))
+
+    # 2. a small kernel beside a GEMM
+    x = torch.randn(1024, 4096, device=dev, dtype=torch.bfloat16)
+    n = x.numel()
+    rows_, cols = 4, n // 4
+    rb = packed_row_bytes(cols)
+    packed = torch.empty(rows_, rb, dtype=torch.uint8, device=dev)
+    stage = torch.empty(2, rows_ * rb, dtype=torch.uint8, device=dev)
+    out = torch.empty(n, dtype=torch.bfloat16, device=dev)
+    a = torch.randn(1024, 4096, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(14336 * 2 // 2, 4096, device=dev, dtype=torch.bfloat16)  # gate_up at TP=2
+    quant = lambda: quantize_pack(x.view(-1), rows_, cols, out=packed)  # noqa: E731
+    dsum = lambda: dequant_sum(stage, cols, rows_, out)  # noqa: E731
+    gemm = lambda: torch.matmul(a, w.t())  # noqa: E731
+    for name, fn in (("quantize 1024x4096", quant), ("dequant_sum 1024x4096", dsum)):
+        emit(f"{name} alone", timed_graph(fn))
+        emit("gemm 1024x4096x14336 alone", timed_graph(gemm))
+        for prio in (0, -1):
+            st = torch.cuda.Stream(priority=prio)
+
+            def beside(fn=fn, st=st):
+                gemm()  # a first GEMM; the kernel becomes ready as the second starts
+                st.wait_stream(torch.cuda.current_stream())
+                gemm()
+                with torch.cuda.stream(st):
+                    fn()
+                torch.cuda.current_stream().wait_stream(st)
+
+            emit(f"2 gemms + {name} beside the second (priority {prio})", timed_graph(beside))
+
+            def tail(fn=fn, st=st):  # when the kernel alone finishes: its latency beside
+                gemm()
+                st.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(st):
+                    fn()
+                torch.cuda.current_stream().wait_stream(st)
+                gemm()
+
+            emit(f"gemm, {name} ready with the second, joined first (priority {prio})",
+                 timed_graph(tail))  # fmt: skip
+        emit(f"2 gemms + {name} in series", timed_graph(lambda fn=fn: (gemm(), fn(), gemm())))
+    commit = (
+        os.environ.get("LIGHTWELL_COMMIT")
+        or subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    )
+    meta = {"gpu": torch.cuda.get_device_name(dev), "commit": commit,
+            "command": "python3 benchmarks/gpu_copy_ops.py --out $OUT/copy_ops.json"}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump([{**r, **meta} for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
