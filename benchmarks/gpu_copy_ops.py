@@ -7,9 +7,9 @@
    the same for H2D with a (satisfied) cuStreamWaitValue32 before each; D2H and H2D together
    on two streams.
 2. A small kernel's latency beside a large GEMM: the int8 quantize of a 1,024 x 4,096 bf16
-   message (and the 2-rank dequant-sum) made ready on a second stream while the GEMM runs,
-   normal and high priority, against the same kernel alone, and on the GEMM's own stream.
-Medians of 30 graph replays (CUDA events). Prints a table; writes JSON rows.
+   message (and the 2-rank dequant-sum) made ready on a second stream as the GEMM starts,
+   normal and high priority, against the same kernel alone (eager, CUDA events).
+Medians of 30 runs (part 1: graph replays). Prints a table; writes JSON rows.
 """
 
 from __future__ import annotations
@@ -48,6 +48,26 @@ def timed_graph(build) -> float:
         b.record()
         b.synchronize()
         times.append(1e3 * a.elapsed_time(b))
+    return statistics.median(times[3:])
+
+
+def ready_to_done(fn, gemm, side: torch.cuda.Stream) -> float:
+    """Median µs from the moment ``fn`` may start on ``side`` (an event on the main stream,
+    behind queued work so that the host is ahead) to its end, with ``gemm`` (if any) started
+    on the main stream at the same moment (eager: events around graph nodes cannot time)."""
+    times = []
+    for _ in range(REPS + 3):
+        torch.cuda._sleep(1_000_000)  # keep the host ahead
+        ready, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ready.record()
+        side.wait_event(ready)
+        if gemm is not None:
+            gemm()
+        with torch.cuda.stream(side):
+            fn()
+            done.record(side)
+        torch.cuda.synchronize()
+        times.append(1e3 * ready.elapsed_time(done))
     return statistics.median(times[3:])
 
 
@@ -141,33 +161,17 @@ def main() -> int:
     quant = lambda: quantize_pack(x.view(-1), rows_, cols, out=packed)  # noqa: E731
     dsum = lambda: dequant_sum(stage, cols, rows_, out)  # noqa: E731
     gemm = lambda: torch.matmul(a, w.t())  # noqa: E731
+    emit("gemm 1024x4096x14336 alone (graph)", timed_graph(gemm))
     for name, fn in (("quantize 1024x4096", quant), ("dequant_sum 1024x4096", dsum)):
-        emit(f"{name} alone", timed_graph(fn))
-        emit("gemm 1024x4096x14336 alone", timed_graph(gemm))
+        emit(f"{name} alone (graph)", timed_graph(fn))
         for prio in (0, -1):
-            st = torch.cuda.Stream(priority=prio)
-
-            def beside(fn=fn, st=st):
-                gemm()  # a first GEMM; the kernel becomes ready as the second starts
-                st.wait_stream(torch.cuda.current_stream())
-                gemm()
-                with torch.cuda.stream(st):
-                    fn()
-                torch.cuda.current_stream().wait_stream(st)
-
-            emit(f"2 gemms + {name} beside the second (priority {prio})", timed_graph(beside))
-
-            def tail(fn=fn, st=st):  # when the kernel alone finishes: its latency beside
-                gemm()
-                st.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(st):
-                    fn()
-                torch.cuda.current_stream().wait_stream(st)
-                gemm()
-
-            emit(f"gemm, {name} ready with the second, joined first (priority {prio})",
-                 timed_graph(tail))  # fmt: skip
-        emit(f"2 gemms + {name} in series", timed_graph(lambda fn=fn: (gemm(), fn(), gemm())))
+            side = torch.cuda.Stream(priority=prio)
+            for beside in (False, True):
+                emit(
+                    f"{name} from ready to done, priority {prio}, "
+                    + ("a GEMM starting beside" if beside else "alone"),
+                    ready_to_done(fn, gemm if beside else None, side),
+                )
     commit = (
         os.environ.get("LIGHTWELL_COMMIT")
         or subprocess.run(
