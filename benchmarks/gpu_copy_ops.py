@@ -154,12 +154,28 @@ def main() -> int:
     rb = packed_row_bytes(cols)
     packed = torch.empty(rows_, rb, dtype=torch.uint8, device=dev)
     stage = torch.empty(2, rows_ * rb, dtype=torch.uint8, device=dev)
+    for r in range(2):  # two ranks' packed messages
+        quantize_pack((x * (r + 1)).view(-1), rows_, cols, out=stage[r].view(rows_, rb))
     out = torch.empty(n, dtype=torch.bfloat16, device=dev)
     a = torch.randn(1024, 4096, device=dev, dtype=torch.bfloat16)
     w = torch.randn(14336 * 2 // 2, 4096, device=dev, dtype=torch.bfloat16)  # gate_up at TP=2
     quant = lambda: quantize_pack(x.view(-1), rows_, cols, out=packed)  # noqa: E731
     dsum = lambda: dequant_sum(stage, cols, rows_, out)  # noqa: E731
     gemm = lambda: torch.matmul(a, w.t())  # noqa: E731
+    # the two int8 kernels' tiles: groups a program x warps a program
+    from lightwell.kernels import int8_pack
+
+    default = int8_pack.GROUPS_PER_PROGRAM, int8_pack.TILE_WARPS
+    ref_q, ref_s = quant().clone(), dsum().clone()
+    for gpp in (4, 8, 16, 32):
+        for warps in (2, 4, 8):
+            int8_pack.GROUPS_PER_PROGRAM, int8_pack.TILE_WARPS = gpp, warps
+            tq, ts = timed_graph(quant), timed_graph(dsum)
+            same = torch.equal(quant(), ref_q) and torch.equal(dsum(), ref_s)
+            emit(f"quantize / dequant_sum 1024x4096, {gpp} groups x {warps} warps {same}", tq)
+            rows[-1]["us_dequant_sum"] = round(ts, 2)
+            print(f"{'':60s} {ts:8.1f} us (dequant_sum)")
+    int8_pack.GROUPS_PER_PROGRAM, int8_pack.TILE_WARPS = default
     emit("gemm 1024x4096x14336 alone (graph)", timed_graph(gemm))
     for name, fn in (("quantize 1024x4096", quant), ("dequant_sum 1024x4096", dsum)):
         emit(f"{name} alone (graph)", timed_graph(fn))

@@ -102,7 +102,7 @@ ENGINES = {
                     dual_stream_micro_batches=m,
                     **G2048,
                 ),
-                ("ttft", "profile") if kind and m == 3 else ("ttft",),
+                ("ttft",),
             )
             for kind in ("-int8", "")
             for m in (3, 4)
@@ -118,22 +118,6 @@ ENGINES = {
             ),
             ("ttft",),
         ),
-        # quantize and sum in one kernel each, not chunk by chunk (as before run 7)
-        *[
-            (
-                f"tp2-hostmem-copy-int8-dual512-g2048{m}-nopipe",
-                dict(
-                    all_reduce="hostmem-copy-int8",
-                    dual_stream=True,
-                    dual_stream_min_tokens=512,
-                    dual_stream_micro_batches=int(m[2:]) if m else 2,
-                    _env={"LIGHTWELL_HOSTMEM_COPY_PIPELINE": "0"},
-                    **G2048,
-                ),
-                ("ttft",),
-            )
-            for m in ("", "-m3")
-        ],
         # the copy-engine messages in 2, 3 or 8 pieces (default 4)
         *[
             (

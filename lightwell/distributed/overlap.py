@@ -6,28 +6,35 @@
     reduced = comm.wait(handle)               # main stream waits for that all-reduce
 
 Every launch goes to the one comm stream, in the same order on every rank, so collectives never
-interleave differently across ranks. Memory: the input stays referenced by the handle until the
-main stream has waited for the reduction (so the allocator cannot hand its block to a kernel that
-might run first), and each launch first waits for the main stream, so a block freed after a
-``wait`` is never reused on the comm stream before the main stream is done with it. Works under
-CUDA-graph capture (fork and join through events).
+interleave differently across ranks. A strategy with phases (``tp_all_reduce_start``:
+``hostmem-copy``) begins on the main stream at ``launch`` (its int8 quantize), moves the bytes
+on the comm stream, and sums on the main stream at ``wait``: kernels on the comm stream would
+wait for the SMs, which the other micro-batch's GEMMs hold until they end.
+
+Memory: the input stays referenced by the handle until the main stream has waited for the
+reduction (so the allocator cannot hand its block to a kernel that might run first), and each
+launch first waits for the main stream, so a block freed after a ``wait`` is never reused on
+the comm stream before the main stream is done with it. Works under CUDA-graph capture (fork
+and join through events).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightwell.distributed.comm.base import beside_compute
-from lightwell.distributed.parallel_state import tp_all_reduce
+from lightwell.distributed.parallel_state import tp_all_reduce, tp_all_reduce_start
 
 
 @dataclass
 class PendingAllReduce:
-    result: torch.Tensor  # the reduced tensor (valid after ``CommStream.wait``)
+    result: torch.Tensor | None  # the reduced tensor (valid after ``CommStream.wait``)
     event: torch.cuda.Event | None  # recorded on the comm stream after the reduction
     source: torch.Tensor | None  # the input, kept alive until the wait
+    phased: Any = None  # a call in phases, finished (summed) by the wait
 
 
 class CommStream:
@@ -35,18 +42,29 @@ class CommStream:
         self.stream = stream
 
     def launch(self, x: torch.Tensor) -> PendingAllReduce:
-        if self.stream is None:  # (in order: the CPU tests; the same picks as on a stream)
-            with beside_compute():
-                return PendingAllReduce(tp_all_reduce(x), None, None)
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream), beside_compute():
-            result = tp_all_reduce(x)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return PendingAllReduce(result, event, x)
+        with beside_compute():  # (the same picks in order on CPU as on a stream)
+            phased = tp_all_reduce_start(x)  # on this (the main) stream
+            if self.stream is None:  # in order: the CPU tests
+                if phased is None:
+                    return PendingAllReduce(tp_all_reduce(x), None, None)
+                phased.transfer()
+                return PendingAllReduce(None, None, None, phased)
+            self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream):
+                if phased is None:
+                    result = tp_all_reduce(x)
+                else:
+                    result = None
+                    phased.transfer()
+                event = torch.cuda.Event()
+                event.record(self.stream)
+        return PendingAllReduce(result, event, x, phased)
 
     def wait(self, pending: PendingAllReduce) -> torch.Tensor:
         if pending.event is not None:
             torch.cuda.current_stream().wait_event(pending.event)
-            pending.source = None
+            pending.event = None
+        if pending.phased is not None:  # the sum, here on the consumer's stream
+            pending.result, pending.phased = pending.phased.finish(), None
+        pending.source = None
         return pending.result

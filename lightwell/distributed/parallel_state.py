@@ -80,6 +80,16 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def tp_all_reduce_start(x: torch.Tensor) -> Any:
+    """The all-reduce of ``x`` in phases, when its strategy has them (``hostmem-copy``): begun
+    on the current stream, then ``.transfer()`` (on a comm stream: no kernel) and ``.finish()``
+    (on the stream that consumes the sum, which returns it). None otherwise (and at TP=1)."""
+    if _STATE.size == 1 or _STATE.all_reduce is None:
+        return None
+    start = getattr(_STATE.all_reduce, "start", None)
+    return None if start is None else start(x)
+
+
 def tp_all_reduce_add_rmsnorm(
     x: torch.Tensor,  # [T, H] this rank's partial sum
     residual: torch.Tensor,  # [T, H]

@@ -26,6 +26,7 @@ GROUP = 128  # elements per scale: equals lightwell.distributed.comm.int8.GROUP 
 # Groups a program of quantize_pack / dequant_sum: one group a program (a warp's worth of
 # work) left an 8 MB message's quantize at 22 us on the H200, ~0.5 TB/s (tp_run6).
 GROUPS_PER_PROGRAM = 8
+TILE_WARPS = 4  # warps a program of those two kernels
 
 
 @triton.jit
@@ -63,12 +64,12 @@ def _group_tile(gp, cols, GROUP: tl.constexpr, GPP: tl.constexpr):
 
 
 # Sizes change with every message: not specialised (no compile per new "divisible by 16" mix).
-@triton.jit(do_not_specialize=["n", "row_bytes", "cols", "row0"])
+@triton.jit(do_not_specialize=["n", "row_bytes", "cols"])
 def _quantize_pack_kernel(
-    x_ptr, q_ptr, s_ptr, n, row_bytes, cols, row0, GROUP: tl.constexpr, GPP: tl.constexpr
+    x_ptr, q_ptr, s_ptr, n, row_bytes, cols, GROUP: tl.constexpr, GPP: tl.constexpr
 ):
     """GPP groups a program (a [GPP, GROUP] tile; each group's math as ``_store_group``)."""
-    gp, row = tl.program_id(0), row0 + tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
+    gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     idx = row.to(tl.int64) * cols + offs
     vals = tl.load(x_ptr + idx, mask=g_ok[:, None] & (idx < n), other=0.0).to(tl.float32)
@@ -104,12 +105,12 @@ def _unpack_dequant_kernel(q_ptr, s_ptr, out_ptr, n, row_bytes, cols, GROUP: tl.
     tl.store(out_ptr + idx, vals.to(out_ptr.dtype.element_ty), mask=idx < n)
 
 
-@triton.jit(do_not_specialize=["n", "world", "rank_stride", "row_bytes", "cols", "row0"])
+@triton.jit(do_not_specialize=["n", "world", "rank_stride", "row_bytes", "cols"])
 def _dequant_sum_kernel(
-    q_ptr, s_ptr, out_ptr, n, world, rank_stride, row_bytes, cols, row0,
+    q_ptr, s_ptr, out_ptr, n, world, rank_stride, row_bytes, cols,
     GROUP: tl.constexpr, GPP: tl.constexpr,
 ):  # fmt: skip
-    gp, row = tl.program_id(0), row0 + tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
+    gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     acc = tl.zeros([GPP, GROUP], dtype=tl.float32)
     base = row.to(tl.int64) * row_bytes  # rank 0's row; pointers step a rank at a time
@@ -139,15 +140,10 @@ def _check_cols(cols: int) -> None:
 
 
 def quantize_pack(
-    x: torch.Tensor,
-    num_rows: int,
-    cols: int,
-    out: torch.Tensor | None = None,
-    rows: tuple[int, int] | None = None,
+    x: torch.Tensor, num_rows: int, cols: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x (any shape, contiguous, numel <= num_rows * cols) -> uint8 [num_rows, bytes] (into
-    ``out`` when given: contiguous, that shape); the elements past x's end count as zeros.
-    ``rows``: only rows [r0, r1) are written (the rest of ``out`` is left as it is)."""
+    ``out`` when given: contiguous, that shape); the elements past x's end count as zeros."""
     _check_cols(cols)
     if not x.is_contiguous() or x.numel() > num_rows * cols:
         raise ValueError("x must be contiguous and fit num_rows x cols")
@@ -155,19 +151,11 @@ def quantize_pack(
     if out is not None and (out.shape != (num_rows, rb) or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous [{num_rows}, {rb}] uint8 buffer")
     buf = torch.empty((num_rows, rb), dtype=torch.uint8, device=x.device) if out is None else out
-    r0, r1 = _row_range(rows, num_rows)
     q, s = _views(buf)
-    _quantize_pack_kernel[(triton.cdiv(cols // GROUP, GROUPS_PER_PROGRAM), r1 - r0)](
-        x, q, s, x.numel(), rb, cols, r0, GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, num_warps=4
+    _quantize_pack_kernel[(triton.cdiv(cols // GROUP, GROUPS_PER_PROGRAM), num_rows)](
+        x, q, s, x.numel(), rb, cols, GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, num_warps=TILE_WARPS
     )
     return buf
-
-
-def _row_range(rows: tuple[int, int] | None, num_rows: int) -> tuple[int, int]:
-    r0, r1 = (0, num_rows) if rows is None else rows
-    if not 0 <= r0 < r1 <= num_rows:
-        raise ValueError(f"rows {rows} not a non-empty range within {num_rows} rows")
-    return r0, r1
 
 
 def dequant_sum_requant(recv: torch.Tensor, cols: int) -> torch.Tensor:
@@ -205,21 +193,18 @@ def dequant_sum(
     cols: int,
     num_rows: int,  # packed chunks a rank
     out: torch.Tensor,  # [n], contiguous: the sum's first n values, in out's dtype
-    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The sum over ranks of every rank's dequantized chunks, in fp32 in rank order, rounded
-    once into ``out`` (every rank that holds the same bytes gets the same values). ``rows``:
-    only chunks [r0, r1) are summed (their elements of ``out`` written, the rest left)."""
+    once into ``out`` (every rank that holds the same bytes gets the same values)."""
     _check_cols(cols)
     rb = packed_row_bytes(cols)
     if not stage.is_contiguous() or stage.shape[1] < num_rows * rb or stage.shape[1] % 4:
         raise ValueError(f"want a contiguous [w, >= {num_rows * rb}] uint8 stage (4-byte rows)")
     if not out.is_contiguous() or out.numel() > num_rows * cols:
         raise ValueError("out must be contiguous and fit num_rows x cols")
-    r0, r1 = _row_range(rows, num_rows)
     q, s = _views(stage)
-    _dequant_sum_kernel[(triton.cdiv(cols // GROUP, GROUPS_PER_PROGRAM), r1 - r0)](
-        q, s, out, out.numel(), stage.shape[0], stage.shape[1], rb, cols, r0,
-        GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, num_warps=4,
+    _dequant_sum_kernel[(triton.cdiv(cols // GROUP, GROUPS_PER_PROGRAM), num_rows)](
+        q, s, out, out.numel(), stage.shape[0], stage.shape[1], rb, cols,
+        GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, num_warps=TILE_WARPS,
     )  # fmt: skip
     return out

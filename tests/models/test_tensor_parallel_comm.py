@@ -401,7 +401,7 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         # last one's feeds the final norm); the embedding's all-reduce stays plain
         with torch.no_grad(), forward_context(meta), _through(hostmem) as calls:
             got = plain(ids, pos)
-        assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1}, calls
+        assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1, "phased": 0}, calls
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         # every all-reduce through the copy path (no fused form: reduce, then norm), in the
         # plain forward and in the two-micro-batch one
@@ -413,13 +413,17 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         before = copied.calls
         with torch.no_grad(), forward_context(meta), _through(copy) as calls:
             got = plain(ids, pos)
-        assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1}, calls
+        assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1, "phased": 0}, calls
         assert copied.calls == before
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # in phases (begun by CommStream.launch, summed by its wait), the embedding's two
+        # plain (the main stream's own, not launched)
         with torch.no_grad(), _through(copy) as calls:
             got = micro_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
-        assert calls["plain"] == 2 * (2 * len(plain.model.layers) + 1), calls
-        assert copied.calls - before == 4 * len(plain.model.layers)
+        layers = len(plain.model.layers)
+        assert calls == {"fused": 0, "plain": 2, "phased": 4 * layers}, calls
+        assert copied.calls - before == 4 * layers
+        assert not any(copied.in_use)  # every stage set given back
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     hostmem.close()
     copy.close()
@@ -427,12 +431,13 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
 
 @contextlib.contextmanager
 def _through(selector):
-    """Route tp_all_reduce through ``selector`` for a while, counting its plain and fused
-    calls (fused: those that returned the fused result)."""
+    """Route tp_all_reduce through ``selector`` for a while, counting its plain, fused and
+    phased calls (fused: those that returned the fused result; phased: those begun in phases
+    by ``start``)."""
     from lightwell.distributed.parallel_state import get_tp_all_reduce, set_tp_all_reduce
 
-    calls = {"fused": 0, "plain": 0}
-    plain, fused = selector.all_reduce, selector.all_reduce_add_rmsnorm
+    calls = {"fused": 0, "plain": 0, "phased": 0}
+    plain, fused, start = selector.all_reduce, selector.all_reduce_add_rmsnorm, selector.start
 
     def count_plain(x):
         calls["plain"] += 1
@@ -443,14 +448,20 @@ def _through(selector):
         calls["fused"] += out is not None
         return out
 
+    def count_phased(x):
+        out = start(x)
+        calls["phased"] += out is not None
+        return out
+
     before = get_tp_all_reduce()
     selector.all_reduce, selector.all_reduce_add_rmsnorm = count_plain, count_fused
+    selector.start = count_phased
     set_tp_all_reduce(selector)
     try:
         yield calls
     finally:
         set_tp_all_reduce(before)
-        del selector.all_reduce, selector.all_reduce_add_rmsnorm
+        del selector.all_reduce, selector.all_reduce_add_rmsnorm, selector.start
 
 
 def _run(rank: int, port: int, folder: str) -> None:
@@ -590,6 +601,7 @@ def _run_three(rank: int, port: int) -> None:
     import torch.distributed as dist
 
     from lightwell.distributed.comm import CommContext, create_strategy
+    from lightwell.distributed.comm.hostmem_copy import RING
     from lightwell.kernels.int8_pack import GROUP
 
     torch.set_num_threads(1)
@@ -604,14 +616,19 @@ def _run_three(rank: int, port: int) -> None:
     with _min_chunk_bytes(256):
         for name in ("hostmem-copy", "hostmem-copy-int8"):
             strategy = create_strategy(name, ctx, chunks=3)
-            # one kernel each way (eager GPU calls), for the chunk-by-chunk results to equal
-            whole = create_strategy(name, ctx, chunks=3, pipeline=False)
             for n, dtype in ((5, torch.float32), (3000, torch.float32), (3000, torch.bfloat16),
                              (700, torch.float32)):  # fmt: skip
                 xs = [inputs(n, dtype, r) for r in range(3)]
                 exact = (xs[0].float() + xs[1].float()) + xs[2].float()  # rank order, fp32
                 got = strategy.all_reduce(xs[rank].clone())
-                assert torch.equal(whole.all_reduce(xs[rank].clone()), got), (name, n, dtype)
+                # in phases (two calls in flight, finished in the other order): the same sums
+                first = strategy.start(xs[rank].clone())
+                second = strategy.start(xs[(rank + 1) % 3].clone())
+                first.transfer()
+                second.transfer()
+                shifted = strategy.all_reduce(xs[(rank + 1) % 3].clone())
+                assert torch.equal(second.finish(), shifted), (name, n, dtype)
+                assert torch.equal(first.finish(), got), (name, n, dtype)
                 seen = [torch.empty(n) for _ in range(3)]
                 dist.all_gather(seen, got.float(), group=group)
                 assert all(torch.equal(seen[0], t) for t in seen), (name, n)  # every rank
@@ -624,8 +641,13 @@ def _run_three(rank: int, port: int) -> None:
                     ).repeat_interleave(GROUP)[:n]
                     assert ((got - exact).abs() <= amax / 254 * 1.001 + 1e-6).all(), (name, n)
                     assert (got - exact).norm() < 0.02 * exact.norm()
+            # every stage set in flight: start declines (the caller runs the call whole)
+            held = [strategy.start(xs[rank].clone()) for _ in range(RING)]
+            assert all(h is not None for h in held) and strategy.start(xs[rank]) is None
+            for h in held:
+                h.transfer()
+                h.finish()
             strategy.close()
-            whole.close()
     del ctx, group
     dist.destroy_process_group()
 

@@ -36,13 +36,21 @@ one row a chunk: about 0.52x the bytes of bf16), and every rank sums every rank'
 values in rank order (each element off by at most the sum over ranks of its group's absmax /
 254, one rounding, like ``hostmem-int8``).
 
+In phases (``start`` / ``transfer`` / ``finish``, the dual-stream overlap's calls through
+``CommStream``): the int8 quantize runs on the stream that produced x, the copies and flags on
+the comm stream, the sum on the stream that consumes the result, so the comm stream runs no
+kernel. A kernel there waits for the SMs, and the GEMM beside it holds every SM until it ends
+(benchmarks/gpu_copy_ops.py on the H200: a 13 us quantize took 164 us ready-to-done beside a
+153 us GEMM, at either stream priority). Calls in flight in phases each own one of ``RING``
+stage sets (this rank's packed message, the peers' copies), taken at ``start`` and given back
+at ``finish``; with none free, ``start`` declines and the call runs whole on the comm stream.
+
 On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag writes
 stores, the waits bounded spins; the int8 kernels run under the Triton interpreter.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import time
@@ -66,10 +74,10 @@ CHUNKS = 4
 CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
 MIN_CHUNK_BYTES = 256 * 1024
-# "0" / "1": never / always quantize and sum chunk by chunk (default: inside CUDA graphs and on
-# CPU); for experiments, like CHUNKS_ENV.
-PIPELINE_ENV = "LIGHTWELL_HOSTMEM_COPY_PIPELINE"
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
+# Stage sets for calls in flight in phases: one per micro-batch of the dual-stream overlap at
+# its default of two, with room; a call that finds none free runs whole (its own set).
+RING = 4
 _FLAG_ROW = 4 * (MAX_CHUNKS + 1)  # bytes per (slot, writer, reader): chunk flags, busy word
 _CU_STREAM_WAIT_VALUE_EQ = 1
 
@@ -108,20 +116,14 @@ class HostMemCopyAllReduce:
         chunks: int | None = None,
         int8: bool = False,
         beside_compute_only: bool = False,
-        pipeline: bool | None = None,
     ) -> None:
         """``min_bytes``: smaller messages are left to other strategies (``supports``);
         ``chunks``: pieces per message (default ``LIGHTWELL_HOSTMEM_COPY_CHUNKS`` or
         ``CHUNKS``); ``int8``: the int8 payload; ``beside_compute_only``: take only the
         all-reduces issued beside compute (``comm.base.beside_compute``: the dual-stream
         overlap), leaving the rest to other strategies (the selector's rule: back to back,
-        hostmem's kernel is faster); ``pipeline``: quantize and sum chunk by chunk (default:
-        inside CUDA graphs and on CPU, or ``PIPELINE_ENV``; eager GPU calls launch one
-        kernel each way)."""
+        hostmem's kernel is faster)."""
         self.beside_compute_only = beside_compute_only
-        if pipeline is None and os.environ.get(PIPELINE_ENV) in ("0", "1"):
-            pipeline = os.environ[PIPELINE_ENV] == "1"
-        self.pipeline = pipeline
         self.int8 = int8
         self.name = "hostmem-copy-int8" if int8 else "hostmem-copy"
         self.rank, self.size = ctx.rank, ctx.size
@@ -139,15 +141,20 @@ class HostMemCopyAllReduce:
         self.memory, self.registered = map_pinned(self, ctx, total)
         self.calls = 0
         self.device = ctx.device
-        # What each peer sent, copied in (int8: this rank's own packed message too; ``_row``),
-        # reused by every call: a call's copies into it are on the down stream after the
-        # caller's stream, which consumed the previous call's sum.
+        # What each peer sent, copied in (int8: this rank's own packed message too; ``_row``):
+        # RING sets for calls in phases (``start``), the last one for whole calls. A whole
+        # call's copies into its set are on the down stream after the caller's stream, which
+        # consumed the previous whole call's sum; a set in phases is reused only after the
+        # consumer's stream has run the previous ``finish`` on it (and waited for its copies).
         rows = ctx.size if int8 else ctx.size - 1
-        self.stage = torch.empty(rows, self.slot_bytes, dtype=torch.uint8, device=ctx.device)
+        self.stage = torch.empty(
+            RING + 1, rows, self.slot_bytes, dtype=torch.uint8, device=ctx.device
+        )
+        self.in_use = [False] * RING
+        self.next_set = 0
         if self.on_gpu:
             self.ops: _Ops = _DriverOps(self.memory)
-            # high priority: the pipelined sums on it are the end of the critical path
-            self.down = torch.cuda.Stream(ctx.device, priority=-1)
+            self.down = torch.cuda.Stream(ctx.device)
         else:
             self.ops = _HostOps(self.memory)
             self.down = None
@@ -159,59 +166,25 @@ class HostMemCopyAllReduce:
         return torch.cuda.is_available() if ctx.device.type == "cuda" else True
 
     def _payload(
-        self, flat: torch.Tensor, layout: tuple[int, int] | None
+        self, flat: torch.Tensor, layout: tuple[int, int] | None, stage: int
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
         """The bytes to send (uint8 [B]) and their [start, end) byte range a chunk; int8: the
-        buffer that ``_quantize`` fills, a row of ``layout``'s (rows, cols) a chunk."""
+        message quantized into ``layout``'s (rows, cols), in stage set ``stage`` (on the
+        current stream)."""
         n = flat.numel()
         if layout is None:
             item = flat.element_size()
             bounds = chunk_bounds(n, item, self.chunks)
             return flat.view(torch.uint8), [(a * item, b * item) for a, b in bounds]
-        from lightwell.kernels.int8_pack import packed_row_bytes
+        from lightwell.kernels.int8_pack import packed_row_bytes, quantize_pack
 
         rows, cols = layout
         rb = packed_row_bytes(cols)
         if rows * rb > self.slot_bytes:
             raise ValueError(f"{n} elements do not fit hostmem-copy's {self.slot_bytes}-byte slot")
-        return self._row(self.rank)[: rows * rb], [(r * rb, (r + 1) * rb) for r in range(rows)]
-
-    def _quantize(
-        self, flat: torch.Tensor, layout: tuple[int, int], payload: torch.Tensor, rows: range
-    ) -> None:  # int8: rows ``rows`` of this rank's message into its packed buffer
-        from lightwell.kernels.int8_pack import quantize_pack
-
-        n_rows, cols = layout
-        out = payload.view(n_rows, -1)
-        quantize_pack(flat, n_rows, cols, out=out, rows=(rows.start, rows.stop))
-
-    def _sum(
-        self,
-        x: torch.Tensor,
-        layout: tuple[int, int] | None,
-        peers: list[int],
-        part: tuple[int, int],  # [a, b): chunks (int8: packed rows), or elements
-    ) -> None:
-        """Sums the part that every peer's copy of has landed into x, in rank order."""
-        flat = x.view(-1)
-        if layout is not None:
-            from lightwell.kernels.int8_pack import dequant_sum
-
-            rows, cols = layout
-            dequant_sum(self.stage, cols, rows, flat, rows=part)  # rows in rank order
-            return
-        a, b = part
-        item = x.element_size()
-        received = [self._row(q)[a * item : b * item].view(x.dtype) for q in peers]
-        mine = flat[a:b]
-        if self.size == 2:  # one add in x's dtype: computed in fp32, rounded once
-            mine.add_(received[0])
-            return
-        terms = received[: self.rank] + [mine] + received[self.rank :]  # rank order
-        acc = terms[0].float()
-        for t in terms[1:]:
-            acc += t
-        mine.copy_(acc)
+        mine = self._row(stage, self.rank)[: rows * rb]
+        quantize_pack(flat, rows, cols, out=mine.view(rows, rb))
+        return mine, [(r * rb, (r + 1) * rb) for r in range(rows)]
 
     def supports(self, x: torch.Tensor) -> bool:
         return (
@@ -228,29 +201,43 @@ class HostMemCopyAllReduce:
         """Chunk ``chunk``'s flag, or (chunk ``MAX_CHUNKS``) the slot's busy word."""
         return ((parity * self.size + writer) * self.size + reader) * _FLAG_ROW + 4 * chunk
 
-    def _row(self, rank: int) -> torch.Tensor:  # uint8 [slot_bytes]: rank's bytes in stage
-        return self.stage[rank if self.int8 else rank - (rank > self.rank)]
+    def _row(self, stage: int, rank: int) -> torch.Tensor:  # uint8 [slot_bytes]
+        """Rank ``rank``'s bytes in stage set ``stage``."""
+        return self.stage[stage, rank if self.int8 else rank - (rank > self.rank)]
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole call on the current stream (the last stage set)."""
         x = x.contiguous()
         flat = x.view(-1)
+        layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
+        payload, bounds = self._payload(flat, layout, RING)  # (int8: quantized here)
+        self._transfer(payload, bounds, RING)
+        return self._sum(x, layout, RING)
+
+    def start(self, x: torch.Tensor) -> _Phased | None:
+        """The call in phases, begun on the current stream (the stream that produced x: the
+        int8 quantize runs here); ``transfer`` then goes on the comm stream and ``finish`` on
+        the consumer's. None when every stage set is in flight (call ``all_reduce``)."""
+        stage = self.next_set
+        if self.in_use[stage]:
+            return None
+        self.in_use[stage] = True
+        self.next_set = (stage + 1) % RING
+        x = x.contiguous()
+        flat = x.view(-1)
+        layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
+        payload, bounds = self._payload(flat, layout, stage)
+        return _Phased(self, x, layout, payload, bounds, stage)
+
+    def _transfer(self, payload: torch.Tensor, bounds: list[tuple[int, int]], stage: int) -> None:
+        """Send ``payload``'s chunks and copy every peer's into stage set ``stage``: the
+        handshake above, on the current stream (up) and ``down``, joined back at the end."""
         self.calls += 1
         p = self.calls % 2
         ops = self.ops
         up = torch.cuda.current_stream(self.device) if self.on_gpu else None
-        if self.down is not None:
-            self.down.wait_stream(up)  # x is ready, and the previous call's sum has read stage
-        # Pipelined (in a CUDA graph, and on CPU): chunk c is quantized just before its copy
-        # and summed on the down stream as soon as it lands, so only the first chunk's
-        # quantize and the last one's sum are not under the copies. Eager calls on a GPU take
-        # one kernel each way instead (their launches, not the copies, are the cost there).
-        pipelined = self.pipeline
-        if pipelined is None:
-            pipelined = not self.on_gpu or torch.cuda.is_current_stream_capturing()
-        layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
-        payload, bounds = self._payload(flat, layout)
-        if layout is not None and not pipelined:
-            self._quantize(flat, layout, payload, range(len(bounds)))
+        if self.down is not None:  # the payload is ready; the set's last sum has read it
+            self.down.wait_stream(up)
         me = self.rank
         peers = [r for r in range(self.size) if r != me]
         mine, busy = self._slot(p, me), MAX_CHUNKS
@@ -260,34 +247,41 @@ class HostMemCopyAllReduce:
             ops.write_flag(self._flag(p, me, r, busy), 1, up)
         raised = []
         for c, (a, b) in enumerate(bounds):
-            if layout is not None and pipelined:
-                self._quantize(flat, layout, payload, range(c, c + 1))
             ops.d2h(mine + a, payload, a, b, up)
             for r in peers:
                 ops.write_flag(self._flag(p, me, r, c), 1, up)
             raised.append(ops.record(up))
-        # what a chunk's sum covers: its packed row (int8), its elements (exact)
-        if layout is not None:
-            parts = [(c, c + 1) for c in range(len(bounds))]
-        else:
-            parts = [(a // x.element_size(), b // x.element_size()) for a, b in bounds]
-        down = self.down if self.down is not None else up
         for c, (a, b) in enumerate(bounds):
             ops.after(raised[c], self.down)  # progress if the graph runs the streams in series
             for q in peers:
                 ops.wait_flag(self._flag(p, q, me, c), 1, self.down)
-                ops.h2d(self._row(q), a, b, self._slot(p, q) + a, self.down)
+                ops.h2d(self._row(stage, q), a, b, self._slot(p, q) + a, self.down)
                 ops.write_flag(self._flag(p, q, me, c), 0, self.down)
-            if pipelined:
-                with _on(down):
-                    self._sum(x, layout, peers, parts[c])
         for q in peers:
             ops.write_flag(self._flag(p, q, me, busy), 0, self.down)
         if self.down is not None:
             up.wait_stream(self.down)
-        if not pipelined:
-            self._sum(x, layout, peers, (parts[0][0], parts[-1][1]))
-        return x
+
+    def _sum(self, x: torch.Tensor, layout: tuple[int, int] | None, stage: int) -> torch.Tensor:
+        """x plus every peer's copy in stage set ``stage``, in rank order, into x (on the
+        current stream, after the copies)."""
+        flat = x.view(-1)
+        if layout is not None:
+            from lightwell.kernels.int8_pack import dequant_sum
+
+            rows, cols = layout
+            dequant_sum(self.stage[stage], cols, rows, flat)  # rows in rank order
+            return x
+        peers = [r for r in range(self.size) if r != self.rank]
+        nbytes = flat.numel() * x.element_size()
+        received = [self._row(stage, q)[:nbytes].view(x.dtype).view(x.shape) for q in peers]
+        if self.size == 2:  # one add in x's dtype: computed in fp32, rounded once
+            return x.add_(received[0])
+        terms = received[: self.rank] + [x] + received[self.rank :]  # rank order
+        acc = terms[0].float()
+        for t in terms[1:]:
+            acc += t
+        return x.copy_(acc)
 
     def close(self) -> None:
         if self.on_gpu and self.registered:
@@ -296,8 +290,31 @@ class HostMemCopyAllReduce:
         self._release()
 
 
-def _on(stream: torch.cuda.Stream | None) -> Any:  # a stream context, or nothing on CPU
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+class _Phased:
+    """One call in phases (``HostMemCopyAllReduce.start``)."""
+
+    def __init__(
+        self,
+        owner: HostMemCopyAllReduce,
+        x: torch.Tensor,
+        layout: tuple[int, int] | None,
+        payload: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        stage: int,
+    ) -> None:
+        self.owner, self.x, self.layout = owner, x, layout
+        self.payload, self.bounds, self.stage = payload, bounds, stage
+
+    def transfer(self) -> None:
+        """The copies and flags, on the current stream (the comm stream): no kernel."""
+        self.owner._transfer(self.payload, self.bounds, self.stage)
+
+    def finish(self) -> torch.Tensor:
+        """The sum, on the current stream (the consumer's, after it waited for ``transfer``);
+        gives the stage set back."""
+        out = self.owner._sum(self.x, self.layout, self.stage)
+        self.owner.in_use[self.stage] = False
+        return out
 
 
 class _Ops:

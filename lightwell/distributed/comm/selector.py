@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,12 @@ class AllReduceSelector:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self.pick(x).all_reduce(x)
+
+    def start(self, x: torch.Tensor) -> Any:
+        """The picked strategy's all-reduce of x in phases (``start`` on this stream, then
+        ``transfer()`` and ``finish()``: ``hostmem-copy``), or None when it has none."""
+        start = getattr(self.pick(x), "start", None)
+        return None if start is None else start(x)
 
     def all_reduce_add_rmsnorm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
