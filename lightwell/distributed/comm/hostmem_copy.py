@@ -9,9 +9,11 @@ two slots a rank):
     up stream (the caller's): wait busy[p][me][r] == 0, then busy[p][me][r] = 1 (every reader
                               r) | per chunk c: D2H chunk c -> my slot p, flag[p][me][r][c] = 1
     down stream (a second):   per chunk c, per peer q: (after this rank raised its chunk c)
-                              wait flag[p][q][me][c] == 1 | H2D q's chunk c -> stage |
-                              flag[p][q][me][c] = 0 | finally busy[p][q][me] = 0
-    then the caller's stream waits for the down stream and sums x and the peers' copies.
+                              wait flag[p][q][me][c] == 1 | H2D q's chunk c -> stage | then
+                              every flag[p][q][me][c] = 0, and busy[p][q][me] = 0
+    then the stream that sums (the caller's) waits for the down stream's copies and sums x and
+    the peers' copies. The up stream does not wait for the down stream in phases, so the
+    next call's D2H copies follow this one's at once.
 
 Flags are handshakes with fixed values: a chunk flag is raised by the writer once the chunk is
 in host memory and lowered by its reader once copied out; a slot's busy word is raised by the
@@ -211,8 +213,7 @@ class HostMemCopyAllReduce:
         flat = x.view(-1)
         layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
         payload, bounds = self._payload(flat, layout, RING)  # (int8: quantized here)
-        self._transfer(payload, bounds, RING)
-        return self._sum(x, layout, RING)
+        return self._sum_after(x, layout, RING, self._transfer(payload, bounds, RING))
 
     def start(self, x: torch.Tensor) -> _Phased | None:
         """The call in phases, begun on the current stream (the stream that produced x: the
@@ -229,9 +230,12 @@ class HostMemCopyAllReduce:
         payload, bounds = self._payload(flat, layout, stage)
         return _Phased(self, x, layout, payload, bounds, stage)
 
-    def _transfer(self, payload: torch.Tensor, bounds: list[tuple[int, int]], stage: int) -> None:
+    def _transfer(
+        self, payload: torch.Tensor, bounds: list[tuple[int, int]], stage: int
+    ) -> tuple[Any, Any]:
         """Send ``payload``'s chunks and copy every peer's into stage set ``stage``: the
-        handshake above, on the current stream (up) and ``down``, joined back at the end."""
+        handshake above, on the current stream (up) and ``down``. Returns markers (on
+        ``down``) of the copies' end and of the flags' lowering after them (``_sum_after``)."""
         self.calls += 1
         p = self.calls % 2
         ops = self.ops
@@ -256,11 +260,27 @@ class HostMemCopyAllReduce:
             for q in peers:
                 ops.wait_flag(self._flag(p, q, me, c), 1, self.down)
                 ops.h2d(self._row(stage, q), a, b, self._slot(p, q) + a, self.down)
-                ops.write_flag(self._flag(p, q, me, c), 0, self.down)
+        landed = ops.record(self.down)
+        # the flags lowered after the last copy (off the copies' path): the writer raises them
+        # again only once it sees the busy word down, lowered last
         for q in peers:
+            for c in range(len(bounds)):
+                ops.write_flag(self._flag(p, q, me, c), 0, self.down)
             ops.write_flag(self._flag(p, q, me, busy), 0, self.down)
-        if self.down is not None:
-            up.wait_stream(self.down)
+        return landed, ops.record(self.down)
+
+    def _sum_after(
+        self, x: torch.Tensor, layout: tuple[int, int] | None, stage: int, marks: tuple[Any, Any]
+    ) -> torch.Tensor:
+        """``_sum`` on the current stream once the copies have landed; then the current stream
+        also waits for the down stream's flag writes (it joins a CUDA-graph capture's fork;
+        they are done by the end of the sum, as a rule)."""
+        here = torch.cuda.current_stream(self.device) if self.on_gpu else None
+        landed, lowered = marks
+        self.ops.after(landed, here)
+        out = self._sum(x, layout, stage)
+        self.ops.after(lowered, here)
+        return out
 
     def _sum(self, x: torch.Tensor, layout: tuple[int, int] | None, stage: int) -> torch.Tensor:
         """x plus every peer's copy in stage set ``stage``, in rank order, into x (on the
@@ -304,15 +324,18 @@ class _Phased:
     ) -> None:
         self.owner, self.x, self.layout = owner, x, layout
         self.payload, self.bounds, self.stage = payload, bounds, stage
+        self.marks: tuple[Any, Any] = (None, None)  # set by transfer
 
     def transfer(self) -> None:
-        """The copies and flags, on the current stream (the comm stream): no kernel."""
-        self.owner._transfer(self.payload, self.bounds, self.stage)
+        """The copies and flags, on the current stream (the comm stream) and the strategy's
+        down stream: no kernel; the current stream does not wait for the down stream."""
+        self.marks = self.owner._transfer(self.payload, self.bounds, self.stage)
 
     def finish(self) -> torch.Tensor:
-        """The sum, on the current stream (the consumer's, after it waited for ``transfer``);
-        gives the stage set back."""
-        out = self.owner._sum(self.x, self.layout, self.stage)
+        """The sum, on the current stream (the consumer's, after it waited for the current
+        stream of ``transfer``), once the peers' copies have landed; gives the set back."""
+        owner = self.owner
+        out = owner._sum_after(self.x, self.layout, self.stage, self.marks)
         self.owner.in_use[self.stage] = False
         return out
 
