@@ -176,6 +176,17 @@ def main() -> int:
             rows[-1]["us_dequant_sum"] = round(ts, 2)
             print(f"{'':60s} {ts:8.1f} us (dequant_sum)")
     int8_pack.GROUPS_PER_PROGRAM, int8_pack.TILE_WARPS = default
+    # the sum fused into the residual add + RMSNorm that consumes it (bf16: checked here, on
+    # the GPU, against the two kernels in turn)
+    from lightwell.kernels.rmsnorm import fused_add_rmsnorm
+
+    residual = torch.randn(1024, 4096, device=dev, dtype=torch.bfloat16)
+    weight = torch.rand(4096, device=dev, dtype=torch.bfloat16) + 0.5
+    fused = lambda: int8_pack.dequant_sum_add_rmsnorm(stage, cols, rows_, residual, weight, 1e-5)  # noqa: E731
+    apart = lambda: fused_add_rmsnorm(dsum().view(1024, 4096), residual, weight, 1e-5)  # noqa: E731
+    same = all(torch.equal(a, b) for a, b in zip(fused(), apart()))
+    emit(f"dequant_sum + add + rmsnorm 1024x4096, fused (equal: {same})", timed_graph(fused))
+    emit("dequant_sum, then add + rmsnorm 1024x4096", timed_graph(apart))
     emit("gemm 1024x4096x14336 alone (graph)", timed_graph(gemm))
     for name, fn in (("quantize 1024x4096", quant), ("dequant_sum 1024x4096", dsum)):
         emit(f"{name} alone (graph)", timed_graph(fn))

@@ -9,7 +9,9 @@ Every launch goes to the one comm stream, in the same order on every rank, so co
 interleave differently across ranks. A strategy with phases (``tp_all_reduce_start``:
 ``hostmem-copy``) begins on the main stream at ``launch`` (its int8 quantize), moves the bytes
 on the comm stream, and sums on the main stream at ``wait``: kernels on the comm stream would
-wait for the SMs, which the other micro-batch's GEMMs hold until they end.
+wait for the SMs, which the other micro-batch's GEMMs hold until they end. Such a call's last
+stream work (its flags) is joined into the main stream at the next ``wait`` or at ``join``,
+which the forward calls at its end (a CUDA-graph capture must end with every fork joined).
 
 Memory: the input stays referenced by the handle until the main stream has waited for the
 reduction (so the allocator cannot hand its block to a kernel that might run first), and each
@@ -40,6 +42,7 @@ class PendingAllReduce:
 class CommStream:
     def __init__(self, stream: torch.cuda.Stream | None) -> None:
         self.stream = stream
+        self.unjoined: list[Any] = []  # finished calls in phases, their last writes not joined
 
     def launch(self, x: torch.Tensor) -> PendingAllReduce:
         with beside_compute():  # (the same picks in order on CPU as on a stream)
@@ -65,6 +68,33 @@ class CommStream:
             torch.cuda.current_stream().wait_event(pending.event)
             pending.event = None
         if pending.phased is not None:  # the sum, here on the consumer's stream
+            self.join()  # the calls finished before (their writes are done by now)
+            self.unjoined.append(pending.phased)
             pending.result, pending.phased = pending.phased.finish(), None
         pending.source = None
         return pending.result
+
+    def wait_add_rmsnorm(
+        self, pending: PendingAllReduce, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``wait`` fused with the residual add + RMSNorm that consumes the sum, ``(norm(sum
+        + residual) * weight, sum + residual)``, where the call in phases has that form
+        (``hostmem-copy-int8``); None otherwise, having done nothing (``wait``, then norm)."""
+        phased = pending.phased
+        if phased is None or not getattr(phased, "can_finish_add_rmsnorm", None):
+            return None
+        if not phased.can_finish_add_rmsnorm(residual):
+            return None
+        if pending.event is not None:
+            torch.cuda.current_stream().wait_event(pending.event)
+            pending.event = None
+        self.join()
+        self.unjoined.append(phased)
+        pending.phased = pending.source = None
+        return phased.finish_add_rmsnorm(residual, weight, eps)
+
+    def join(self) -> None:
+        """The main stream waits for every finished call's last stream work."""
+        for phased in self.unjoined:
+            phased.join()
+        self.unjoined = []

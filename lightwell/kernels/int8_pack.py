@@ -11,6 +11,10 @@ ops each way:
     dequant_sum(stage, C, R, out)    uint8 [w, >= R bytes] (every rank's R packed chunks) ->
                                      out [n]: the sum over ranks in fp32, rounded once
                                      (hostmem-copy-int8)
+    dequant_sum_add_rmsnorm(stage, C, R, residual, w, eps)
+                                     the same sum as [T, H] rows, then the residual add +
+                                     RMSNorm of ``fused_add_rmsnorm``, in one pass (the same
+                                     values as the two kernels in turn)
 
 Rounding is half away from zero (torch.round in the reference rounds half to even): the same
 bound, half a step per rounding, and every rank computes the same bytes.
@@ -21,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from lightwell.kernels.rmsnorm import norm_row
 
 GROUP = 128  # elements per scale: equals lightwell.distributed.comm.int8.GROUP (tested)
 # Groups a program of quantize_pack / dequant_sum: one group a program (a warp's worth of
@@ -127,6 +133,38 @@ def _dequant_sum_kernel(
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (idx < n))
 
 
+@triton.jit(do_not_specialize=["world", "rank_stride", "row_bytes", "cols"])
+def _dequant_sum_add_rmsnorm_kernel(
+    q_ptr, s_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    world, rank_stride, row_bytes, cols, eps,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    """One token row a program: element e of the message is packed chunk e // cols, place
+    e % cols (a 128-group never straddles chunks: cols is a multiple of it)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    e = t * HIDDEN + offs
+    chunk = e // cols
+    within = e - chunk * cols
+    base = chunk * row_bytes
+    q_at = q_ptr + base + within
+    s_at = s_ptr + (base + cols) // 4 + within // GROUP
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for _ in range(world):  # rank order, as dequant_sum
+        q = tl.load(q_at, mask=mask, other=0).to(tl.float32)
+        acc += q * tl.load(s_at, mask=mask, other=0.0)
+        q_at += rank_stride
+        s_at += rank_stride // 4
+    dtype = res_ptr.dtype.element_ty
+    r = tl.load(res_ptr + t * HIDDEN + offs, mask=mask, other=0.0)
+    x = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # the sum, rounded, + r
+    tl.store(res_out_ptr + t * HIDDEN + offs, x, mask=mask)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out = norm_row(x, w, eps, HIDDEN)
+    tl.store(out_ptr + t * HIDDEN + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def packed_row_bytes(cols: int) -> int:
     return cols + 4 * (cols // GROUP)
 
@@ -210,3 +248,37 @@ def dequant_sum(
         GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, num_warps=TILE_WARPS,
     )  # fmt: skip
     return out
+
+
+def dequant_sum_add_rmsnorm(
+    stage: torch.Tensor,  # uint8 [w, S]: as dequant_sum's
+    cols: int,
+    num_rows: int,
+    residual: torch.Tensor,  # [T, H] contiguous: T * H elements of the message
+    weight: torch.Tensor,  # [H]
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] normed, [T, H] new residual)
+    """``fused_add_rmsnorm(dequant_sum(...).view(T, H), residual, weight, eps)`` in one pass
+    (the same values: the sum is rounded to the residual's dtype before the add)."""
+    _check_cols(cols)
+    rb = packed_row_bytes(cols)
+    tokens, hidden = residual.shape
+    if not stage.is_contiguous() or stage.shape[1] < num_rows * rb or stage.shape[1] % 4:
+        raise ValueError(f"want a contiguous [w, >= {num_rows * rb}] uint8 stage (4-byte rows)")
+    if not residual.is_contiguous() or tokens * hidden > num_rows * cols:
+        raise ValueError("residual must be contiguous and fit num_rows x cols")
+    if weight.shape != (hidden,) or not weight.is_contiguous():
+        raise ValueError(f"want a contiguous weight [{hidden}]")
+    out = torch.empty(residual.shape, dtype=torch.result_type(residual, weight),
+                      device=residual.device)  # fmt: skip
+    res_out = torch.empty_like(residual)
+    if tokens == 0:
+        return out, res_out
+    q, s = _views(stage)
+    block = triton.next_power_of_2(hidden)
+    _dequant_sum_add_rmsnorm_kernel[(tokens,)](
+        q, s, residual, weight, out, res_out,
+        stage.shape[0], stage.shape[1], rb, cols, eps,
+        HIDDEN=hidden, BLOCK=block, GROUP=GROUP, num_warps=min(16, max(1, block // 512)),
+    )  # fmt: skip
+    return out, res_out

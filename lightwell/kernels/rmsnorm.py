@@ -13,6 +13,15 @@ import triton.language as tl
 
 
 @triton.jit
+def norm_row(x, w, eps, HIDDEN: tl.constexpr):
+    """One row's RMSNorm from x (the activation dtype, masked lanes 0) and w (fp32): the
+    normalised value rounded to x's dtype, times w, in fp32 (the caller rounds on store)."""
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
+    return (xf * rstd).to(x.dtype).to(tl.float32) * w
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr,  # [T, H]
     res_ptr,  # [T, H] (read only when HAS_RESIDUAL)
@@ -36,13 +45,9 @@ def _rmsnorm_kernel(
         r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
-    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        out_ptr + row * stride_out + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask
-    )
+    out = norm_row(x, w, eps, HIDDEN)
+    tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _launch(

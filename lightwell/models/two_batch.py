@@ -12,7 +12,8 @@ micro-batch's attention stage is shorter than the other's all-reduce.
 
 Each stage ends with a row-parallel partial sum (o_proj, down_proj) whose all-reduce is launched
 on the comm stream; the next stage of the same micro-batch starts by waiting for it and
-consuming it in the fused residual-add + RMSNorm. Every token sees the operations of the
+consuming it in the fused residual-add + RMSNorm (with ``hostmem-copy-int8``, the sum of the
+peers' int8 copies is fused into that norm too). Every token sees the operations of the
 plain forward, except that the plain forward may fuse that add + norm into the all-reduce
 (``reduce_norm``, hostmem at decode sizes), which this one never does (the same values, the
 norm within its last bit); only the row blocks the kernels run on differ.
@@ -32,7 +33,7 @@ from torch import nn
 from lightwell.attention.metadata import forward_context
 from lightwell.attention.micro_batch import MicroBatch
 from lightwell.distributed.overlap import CommStream, PendingAllReduce
-from lightwell.layers.norm import pre_norm
+from lightwell.layers.norm import RMSNorm
 from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
@@ -56,24 +57,38 @@ class _Stream:
     residual: torch.Tensor | None = None  # [Tm, H]
 
 
+def _reduce_norm(
+    comm: CommStream,
+    pending: PendingAllReduce,
+    norm: nn.Module,
+    residual: torch.Tensor | None,  # [Tm, H]; None before the first layer
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [Tm, H], new residual [Tm, H])
+    """A stage's input: the previous stage's sum through the residual add + norm (``pre_norm``),
+    the sum itself fused into the norm where the all-reduce allows (hostmem-copy-int8)."""
+    if residual is None:  # the first layer's input (the embedding) becomes the residual
+        hidden = comm.wait(pending)
+        return norm(hidden), hidden
+    if type(norm) is RMSNorm:
+        fused = comm.wait_add_rmsnorm(pending, residual, norm.weight, norm.eps)
+        if fused is not None:
+            return fused
+    return norm(comm.wait(pending), residual)
+
+
 def _attention_stage(
     layer: LlamaDecoderLayer,
     positions: torch.Tensor,  # [Tm]
-    hidden: torch.Tensor,  # [Tm, H]: the reduced output of the previous stage
-    residual: torch.Tensor | None,  # [Tm, H]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (o_proj partial sum [Tm, H], residual [Tm, H])
-    hidden, residual = pre_norm(layer.input_layernorm, hidden, residual)
-    return layer.self_attn.partial(positions, hidden), residual
+    hidden: torch.Tensor,  # [Tm, H]: normalised
+) -> torch.Tensor:  # o_proj's partial sum [Tm, H]
+    return layer.self_attn.partial(positions, hidden)
 
 
 def _mlp_stage(
     layer: LlamaDecoderLayer,
     positions: torch.Tensor,  # [Tm]
-    hidden: torch.Tensor,  # [Tm, H]
-    residual: torch.Tensor,  # [Tm, H]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (down_proj partial sum [Tm, H], residual [Tm, H])
-    hidden, residual = layer.post_attention_layernorm(hidden, residual)
-    return layer.mlp.partial(hidden), residual
+    hidden: torch.Tensor,  # [Tm, H]: normalised
+) -> torch.Tensor:  # down_proj's partial sum [Tm, H]
+    return layer.mlp.partial(hidden)
 
 
 def micro_batch_forward(
@@ -85,11 +100,15 @@ def micro_batch_forward(
         hidden = inner.embed(mb.input_ids)  # [Tm, H]
         streams.append(_Stream(mb, PendingAllReduce(hidden, None, None)))
     for layer in inner.layers:
-        for stage in (_attention_stage, _mlp_stage):
+        for norm, stage in (
+            (layer.input_layernorm, _attention_stage),
+            (layer.post_attention_layernorm, _mlp_stage),
+        ):
             for st in streams:
-                hidden = comm.wait(st.pending)
+                hidden, st.residual = _reduce_norm(comm, st.pending, norm, st.residual)
                 with forward_context(st.batch.meta):
-                    partial, st.residual = stage(layer, st.batch.positions, hidden, st.residual)
+                    partial = stage(layer, st.batch.positions, hidden)
                 st.pending = comm.launch(partial)
-    outs = [inner.norm(comm.wait(st.pending), st.residual)[0] for st in streams]
+    outs = [_reduce_norm(comm, st.pending, inner.norm, st.residual)[0] for st in streams]
+    comm.join()
     return torch.cat(outs)

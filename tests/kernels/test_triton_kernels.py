@@ -320,6 +320,33 @@ def test_int8_dequant_sum_into_out(dtype):
     assert (out.float() - exact).norm() / exact.norm() < 0.01  # one rounding a rank
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_int8_dequant_sum_add_rmsnorm_equals_the_two_kernels(dtype):
+    """The fused finish of hostmem-copy-int8: the same values as dequant_sum, then the
+    residual add + RMSNorm kernel, bit for bit; token rows that straddle a packed chunk
+    (cols = 640, hidden 384) and a hidden size that is not a power of two."""
+    from lightwell.kernels.rmsnorm import fused_add_rmsnorm
+
+    tokens, hidden, world, cols = 7, 384, 2, 640
+    n = tokens * hidden
+    rows = -(-n // cols)
+    rb = i8.packed_row_bytes(cols)
+    stage = torch.zeros((world, rows * rb), dtype=torch.uint8, device=DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    for r in range(world):
+        x = _randn(n, dtype=dtype, gen=gen) * (r + 2)
+        i8.quantize_pack(x, rows, cols, out=stage[r].view(rows, rb))
+    residual = _randn(n, dtype=dtype, gen=gen).view(tokens, hidden)
+    weight = (1 + 0.1 * _randn(hidden, dtype=torch.float32, gen=gen)).to(dtype)
+    summed = i8.dequant_sum(stage, cols, rows, torch.empty(n, dtype=dtype, device=DEVICE))
+    want = fused_add_rmsnorm(summed.view(tokens, hidden), residual, weight, 1e-5)
+    got = i8.dequant_sum_add_rmsnorm(stage, cols, rows, residual, weight, 1e-5)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    assert got[0].abs().max() > 0.5  # real values
+    with pytest.raises(ValueError, match="fit"):
+        i8.dequant_sum_add_rmsnorm(stage, cols, 1, residual, weight, 1e-5)
+
+
 def test_int8_pack_rejects_bad_input():
     x = torch.ones(300, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of 128"):

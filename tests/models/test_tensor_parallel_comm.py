@@ -369,6 +369,7 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
     selector.COPY_MIN_BYTES = 0  # every message through the copy path
     try:
         copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=1 << 16)
+        copy_int8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=1 << 16)
     finally:
         selector.COPY_MIN_BYTES = copy_min
     plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
@@ -424,9 +425,31 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         assert calls == {"fused": 0, "plain": 2, "phased": 4 * layers}, calls
         assert copied.calls - before == 4 * layers
         assert not any(copied.in_use)  # every stage set given back
+        # hostmem-copy-int8: the peers' int8 copies summed inside the norm that consumes them
+        # (CommStream.wait_add_rmsnorm: every layer all-reduce, 2 a micro-batch a layer), the
+        # same as the sum, then the norm; within the int8 bound of the exact forward
+        outs = {}
+        for fuse in (True, False):
+            comm, fused = CommStream(None), []
+
+            def wait_add_rmsnorm(*args, comm=comm, fused=fused, fuse=fuse):
+                fused.append(CommStream.wait_add_rmsnorm(comm, *args) if fuse else None)
+                return fused[-1]
+
+            comm.wait_add_rmsnorm = wait_add_rmsnorm
+            with torch.no_grad(), _through(copy_int8) as calls:
+                outs[fuse] = micro_batch_forward(split, split_batch(ids, pos, meta), comm)
+            assert calls["phased"] == 4 * layers, calls
+            assert sum(f is not None for f in fused) == (4 * layers if fuse else 0), fused
+        assert not any(copy_int8.preferred[0].in_use)
+        torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+        assert 0 < (outs[True] - want).norm() < 0.05 * want.norm()
+        with torch.no_grad():  # this step's K/V exact again, for the next steps
+            micro_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     hostmem.close()
     copy.close()
+    copy_int8.close()
 
 
 @contextlib.contextmanager

@@ -270,16 +270,22 @@ class HostMemCopyAllReduce:
         return landed, ops.record(self.down)
 
     def _sum_after(
-        self, x: torch.Tensor, layout: tuple[int, int] | None, stage: int, marks: tuple[Any, Any]
+        self,
+        x: torch.Tensor,
+        layout: tuple[int, int] | None,
+        stage: int,
+        marks: tuple[Any, Any],
+        join: bool = True,
     ) -> torch.Tensor:
-        """``_sum`` on the current stream once the copies have landed; then the current stream
-        also waits for the down stream's flag writes (it joins a CUDA-graph capture's fork;
-        they are done by the end of the sum, as a rule)."""
+        """``_sum`` on the current stream once the copies have landed; with ``join``, the
+        current stream then also waits for the down stream's flag writes (which joins a
+        CUDA-graph capture's fork); without, the caller joins later (``_Phased.join``)."""
         here = torch.cuda.current_stream(self.device) if self.on_gpu else None
         landed, lowered = marks
         self.ops.after(landed, here)
         out = self._sum(x, layout, stage)
-        self.ops.after(lowered, here)
+        if join:
+            self.ops.after(lowered, here)
         return out
 
     def _sum(self, x: torch.Tensor, layout: tuple[int, int] | None, stage: int) -> torch.Tensor:
@@ -333,11 +339,43 @@ class _Phased:
 
     def finish(self) -> torch.Tensor:
         """The sum, on the current stream (the consumer's, after it waited for the current
-        stream of ``transfer``), once the peers' copies have landed; gives the set back."""
+        stream of ``transfer``), once the peers' copies have landed; gives the set back. The
+        flags' lowering after the copies is left to ``join`` (waiting for it here held the
+        consumer ~10 us a call: run 7 call 3)."""
         owner = self.owner
-        out = owner._sum_after(self.x, self.layout, self.stage, self.marks)
+        out = owner._sum_after(self.x, self.layout, self.stage, self.marks, join=False)
         self.owner.in_use[self.stage] = False
         return out
+
+    def can_finish_add_rmsnorm(self, residual: torch.Tensor) -> bool:
+        """``finish_add_rmsnorm`` applies: the int8 payload, x of residual's [T, H] shape."""
+        return (
+            self.layout is not None
+            and residual.dim() == 2
+            and residual.shape == self.x.shape
+            and residual.dtype == self.x.dtype
+            and residual.is_contiguous()
+        )
+
+    def finish_add_rmsnorm(
+        self, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] normed, [T, H] new residual)
+        """``finish`` fused with the residual add + RMSNorm that consumes the sum (one pass,
+        the same values; needs ``can_finish_add_rmsnorm``): x is left unsummed."""
+        from lightwell.kernels.int8_pack import dequant_sum_add_rmsnorm
+
+        owner = self.owner
+        owner.ops.after(self.marks[0], torch.cuda.current_stream() if owner.on_gpu else None)
+        rows, cols = self.layout
+        out = dequant_sum_add_rmsnorm(owner.stage[self.stage], cols, rows, residual, weight, eps)
+        owner.in_use[self.stage] = False
+        return out
+
+    def join(self) -> None:
+        """The current stream waits for the down stream's last writes of this call (done long
+        since, as a rule): before a CUDA-graph capture ends, every call must be joined."""
+        owner = self.owner
+        owner.ops.after(self.marks[1], torch.cuda.current_stream() if owner.on_gpu else None)
 
 
 class _Ops:
