@@ -91,6 +91,18 @@ ENGINES = {
             ),
             ("w1", "ttft", "decode", "profile"),
         ),
+        # the peers' int8 copies summed apart from the norm that consumes them
+        (
+            "tp2-hostmem-copy-int8-dual512-g2048-nofuse",
+            dict(
+                all_reduce="hostmem-copy-int8",
+                dual_stream=True,
+                dual_stream_min_tokens=512,
+                _env=NOFUSE,
+                **G2048,
+            ),
+            ("ttft",),
+        ),
         # three or four micro-batches (--dual-stream-micro-batches)
         *[
             (

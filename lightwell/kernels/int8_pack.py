@@ -137,32 +137,36 @@ def _dequant_sum_kernel(
 def _dequant_sum_add_rmsnorm_kernel(
     q_ptr, s_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     world, rank_stride, row_bytes, cols, eps,
-    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    HIDDEN: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    """One token row a program: element e of the message is packed chunk e // cols, place
-    e % cols (a 128-group never straddles chunks: cols is a multiple of it)."""
+    """One token row a program, as a [GROUPS, GROUP] tile: the row's group g is group
+    t * HIDDEN / GROUP + g of the message, in packed chunk (that) // (cols / GROUP) (a group
+    never straddles chunks: cols is a multiple of GROUP)."""
     t = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
-    e = t * HIDDEN + offs
-    chunk = e // cols
-    within = e - chunk * cols
+    gi = tl.arange(0, GROUPS)
+    g_ok = gi < HIDDEN // GROUP
+    lane = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]: in the row
+    mask = g_ok[:, None]
+    group = t * (HIDDEN // GROUP) + gi  # [GROUPS]: in the message
+    per_chunk = cols // GROUP
+    chunk = group // per_chunk
     base = chunk * row_bytes
-    q_at = q_ptr + base + within
-    s_at = s_ptr + (base + cols) // 4 + within // GROUP
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    at = group - chunk * per_chunk  # the group's place in its chunk
+    q_at = q_ptr + (base + at * GROUP)[:, None] + tl.arange(0, GROUP)[None, :]
+    s_at = s_ptr + (base + cols) // 4 + at
+    acc = tl.zeros([GROUPS, GROUP], dtype=tl.float32)
     for _ in range(world):  # rank order, as dequant_sum
         q = tl.load(q_at, mask=mask, other=0).to(tl.float32)
-        acc += q * tl.load(s_at, mask=mask, other=0.0)
+        acc += q * tl.load(s_at, mask=g_ok, other=0.0)[:, None]
         q_at += rank_stride
         s_at += rank_stride // 4
     dtype = res_ptr.dtype.element_ty
-    r = tl.load(res_ptr + t * HIDDEN + offs, mask=mask, other=0.0)
+    r = tl.load(res_ptr + t * HIDDEN + lane, mask=mask, other=0.0)
     x = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # the sum, rounded, + r
-    tl.store(res_out_ptr + t * HIDDEN + offs, x, mask=mask)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(res_out_ptr + t * HIDDEN + lane, x, mask=mask)
+    w = tl.load(w_ptr + lane, mask=mask, other=0.0).to(tl.float32)
     out = norm_row(x, w, eps, HIDDEN)
-    tl.store(out_ptr + t * HIDDEN + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + t * HIDDEN + lane, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def packed_row_bytes(cols: int) -> int:
@@ -269,6 +273,8 @@ def dequant_sum_add_rmsnorm(
         raise ValueError("residual must be contiguous and fit num_rows x cols")
     if weight.shape != (hidden,) or not weight.is_contiguous():
         raise ValueError(f"want a contiguous weight [{hidden}]")
+    if hidden % GROUP:
+        raise ValueError(f"hidden size {hidden} is not a multiple of {GROUP}")
     out = torch.empty(residual.shape, dtype=torch.result_type(residual, weight),
                       device=residual.device)  # fmt: skip
     res_out = torch.empty_like(residual)
@@ -279,6 +285,7 @@ def dequant_sum_add_rmsnorm(
     _dequant_sum_add_rmsnorm_kernel[(tokens,)](
         q, s, residual, weight, out, res_out,
         stage.shape[0], stage.shape[1], rb, cols, eps,
-        HIDDEN=hidden, BLOCK=block, GROUP=GROUP, num_warps=min(16, max(1, block // 512)),
+        HIDDEN=hidden, GROUPS=triton.next_power_of_2(hidden // GROUP), GROUP=GROUP,
+        num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
     return out, res_out

@@ -14,10 +14,11 @@ import triton.language as tl
 
 @triton.jit
 def norm_row(x, w, eps, HIDDEN: tl.constexpr):
-    """One row's RMSNorm from x (the activation dtype, masked lanes 0) and w (fp32): the
-    normalised value rounded to x's dtype, times w, in fp32 (the caller rounds on store)."""
+    """One row's RMSNorm from x (the activation dtype, masked lanes 0; any shape, every
+    element of it in the row) and w (fp32, x's shape): the normalised value rounded to x's
+    dtype, times w, in fp32 (the caller rounds on store)."""
     xf = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / HIDDEN + eps)
+    rstd = 1.0 / tl.sqrt(tl.sum(tl.reshape(xf * xf, [xf.numel]), 0) / HIDDEN + eps)
     return (xf * rstd).to(x.dtype).to(tl.float32) * w
 
 

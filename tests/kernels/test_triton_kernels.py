@@ -324,7 +324,8 @@ def test_int8_dequant_sum_into_out(dtype):
 def test_int8_dequant_sum_add_rmsnorm_equals_the_two_kernels(dtype):
     """The fused finish of hostmem-copy-int8: the same values as dequant_sum, then the
     residual add + RMSNorm kernel, bit for bit; token rows that straddle a packed chunk
-    (cols = 640, hidden 384) and a hidden size that is not a power of two."""
+    (cols = 640, hidden 384: 3 groups a row, a tile of 4) and a hidden size that is not a
+    power of two."""
     from lightwell.kernels.rmsnorm import fused_add_rmsnorm
 
     tokens, hidden, world, cols = 7, 384, 2, 640
@@ -345,6 +346,9 @@ def test_int8_dequant_sum_add_rmsnorm_equals_the_two_kernels(dtype):
     assert got[0].abs().max() > 0.5  # real values
     with pytest.raises(ValueError, match="fit"):
         i8.dequant_sum_add_rmsnorm(stage, cols, 1, residual, weight, 1e-5)
+    with pytest.raises(ValueError, match="multiple of 128"):  # rows of whole groups only
+        i8.dequant_sum_add_rmsnorm(stage, cols, rows, residual[:, :320].contiguous(),
+                                   weight[:320].contiguous(), 1e-5)  # fmt: skip
 
 
 def test_int8_pack_rejects_bad_input():

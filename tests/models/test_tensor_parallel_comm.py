@@ -516,7 +516,10 @@ def test_all_reduce_strategies_and_two_batch_tp2(tmp_path):
 
     from tests.models.tiny import hf_tiny_model, save_hf, tiny_config
 
-    cfg = tiny_config("base", num_key_value_heads=2, attention_bias=True, mlp_bias=True)
+    # hidden 128: a row of whole int8 groups (hostmem-copy-int8's sum fused into the norm)
+    cfg = tiny_config(
+        "base", num_key_value_heads=2, attention_bias=True, mlp_bias=True, hidden_size=128
+    )
     folder = save_hf(hf_tiny_model(cfg, seed=3), str(tmp_path / "tiny"))
     torch.set_num_threads(1)
     _spawn(_run, WORLD, folder)

@@ -63,6 +63,7 @@ import torch
 from lightwell.distributed.comm.base import CommContext, is_beside_compute, message_bytes
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
+    FUSE_NORM_ENV,
     HostMemAllReduce,
     _device_pointer,
     map_pinned,
@@ -126,6 +127,9 @@ class HostMemCopyAllReduce:
         overlap), leaving the rest to other strategies (the selector's rule: back to back,
         hostmem's kernel is faster)."""
         self.beside_compute_only = beside_compute_only
+        # int8 calls in phases sum inside the consuming norm (``_Phased.finish_add_rmsnorm``)
+        # unless hostmem's switch says never (for comparisons)
+        self.fuse_norm = os.environ.get(FUSE_NORM_ENV, "auto") != "0"
         self.int8 = int8
         self.name = "hostmem-copy-int8" if int8 else "hostmem-copy"
         self.rank, self.size = ctx.rank, ctx.size
@@ -351,7 +355,9 @@ class _Phased:
         """``finish_add_rmsnorm`` applies: the int8 payload, x of residual's [T, H] shape."""
         return (
             self.layout is not None
+            and self.owner.fuse_norm
             and residual.dim() == 2
+            and residual.shape[1] % 128 == 0  # whole int8 groups a row
             and residual.shape == self.x.shape
             and residual.dtype == self.x.dtype
             and residual.is_contiguous()
