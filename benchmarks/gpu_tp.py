@@ -91,14 +91,14 @@ ENGINES = {
             ),
             ("w1", "ttft", "decode", "profile"),
         ),
-        # the peers' int8 copies summed apart from the norm that consumes them
+        # the peers' int8 copies summed inside the norm that consumes them (default: apart)
         (
-            "tp2-hostmem-copy-int8-dual512-g2048-nofuse",
+            "tp2-hostmem-copy-int8-dual512-g2048-fuse",
             dict(
                 all_reduce="hostmem-copy-int8",
                 dual_stream=True,
                 dual_stream_min_tokens=512,
-                _env=NOFUSE,
+                _env=FUSE,
                 **G2048,
             ),
             ("ttft",),

@@ -372,6 +372,8 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         copy_int8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=1 << 16)
     finally:
         selector.COPY_MIN_BYTES = copy_min
+    assert not copy_int8.preferred[0].fuse_norm  # by default the sum, then the norm
+    copy_int8.preferred[0].fuse_norm = True  # (LIGHTWELL_HOSTMEM_FUSE_NORM=1)
     plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
     assert supports_two_batch(split)
     for model in (plain, split):
@@ -425,9 +427,10 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
         assert calls == {"fused": 0, "plain": 2, "phased": 4 * layers}, calls
         assert copied.calls - before == 4 * layers
         assert not any(copied.in_use)  # every stage set given back
-        # hostmem-copy-int8: the peers' int8 copies summed inside the norm that consumes them
-        # (CommStream.wait_add_rmsnorm: every layer all-reduce, 2 a micro-batch a layer), the
-        # same as the sum, then the norm; within the int8 bound of the exact forward
+        # hostmem-copy-int8 with its fused form on: the peers' int8 copies summed inside the
+        # norm that consumes them (CommStream.wait_add_rmsnorm: every layer all-reduce, 2 a
+        # micro-batch a layer), the same as the sum, then the norm; within the int8 bound of
+        # the exact forward
         outs = {}
         for fuse in (True, False):
             comm, fused = CommStream(None), []
