@@ -98,7 +98,7 @@ ENGINES = {
                 all_reduce="hostmem-copy-int8",
                 dual_stream=True,
                 dual_stream_min_tokens=512,
-                _env=FUSE,
+                _env={"LIGHTWELL_HOSTMEM_COPY_FUSE_NORM": "1"},
                 **G2048,
             ),
             ("ttft",),

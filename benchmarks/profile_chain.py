@@ -23,8 +23,10 @@ def chains(kernels: list[dict]) -> list[dict]:
     sums = [e for e in k if "dequant_sum" in e["name"]]
     d2h = [e for e in k if "DtoH" in e["name"] and e["dur"] > 3]  # not the small scalar ones
     h2d = [e for e in k if "HtoD" in e["name"] and e["dur"] > 3]
-    per = len(d2h) // max(1, len(quant))
-    out = []
+    per = len(d2h) // max(1, len(quant))  # copies a call (every call alike: the prefill's)
+    out: list[dict] = []
+    if per == 0:
+        return out
 
     def end(e: dict) -> float:
         return e["ts"] + e["dur"]

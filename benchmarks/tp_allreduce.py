@@ -238,7 +238,7 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
     from lightwell.models.hf_config import load_hf_config
     from lightwell.models.loader import load_model
     from lightwell.worker.model_runner import ModelRunner
-    from lightwell.worker.overlap import TwoBatchOverlap
+    from lightwell.worker.overlap import MicroBatchOverlap
 
     hf = load_hf_config(None, CHECK_MODEL)
     model = load_model(None, hf, torch.float32, ctx.device, load_format="dummy", seed=5)
@@ -283,11 +283,9 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         if previous is not None:
             previous.close()
         os.environ[FUSE_NORM_ENV] = "1" if choice.endswith("-fused") else "auto"
-        set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20))
-        parts = 3 if "+dual3" in choice else 2
-        runner.overlap = (
-            TwoBatchOverlap(model, 2, torch.cuda.Stream(), parts) if "+dual" in choice else None
-        )
+        parts = (3 if "+dual3" in choice else 2) if "+dual" in choice else 0
+        set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20, parts))
+        runner.overlap = MicroBatchOverlap(model, 2, torch.cuda.Stream(), parts) if parts else None
         runner.graphs = None
         if choice.endswith("+graph"):  # every mixed graph (16..1,024 tokens) split in parts
             runner.capture_cuda_graphs(max_batch=4, max_model_len=2048, prefill_tokens=1024)

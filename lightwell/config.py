@@ -144,15 +144,15 @@ class ParallelConfig:
     )
     dual_stream: bool = _opt(
         False,
-        "GPU, tensor parallel: split a step's tokens into two micro-batches so that one's "
-        "all-reduce runs on a second CUDA stream while the other computes (Llama-family "
-        "layers). Results are unchanged.",
+        "GPU, tensor parallel: split a step's tokens into micro-batches (two by default) so "
+        "that one's all-reduce runs on a second CUDA stream while the others compute "
+        "(Llama-family layers). Results are unchanged.",
     )
     dual_stream_min_tokens: int = _opt(
         512,
-        "Smallest step (in tokens) that --dual-stream splits into two micro-batches (eagerly or "
+        "Smallest step (in tokens) that --dual-stream splits into micro-batches (eagerly or "
         "inside its CUDA graph). The default keeps decode batches whole: split, they stream "
-        "the weights twice (docs/parallelism.md).",
+        "the weights once a micro-batch (docs/parallelism.md).",
     )
     dual_stream_micro_batches: int = _opt(
         2,

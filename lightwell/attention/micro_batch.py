@@ -32,7 +32,7 @@ class MicroBatch:
     meta: AttentionMetadata
 
 
-def split_points(meta: AttentionMetadata, parts: int = 2) -> list[int]:
+def split_points(meta: AttentionMetadata, parts: int) -> list[int]:
     """The first token of every micro-batch after the first (``parts - 1`` of them)."""
     qsl = meta.query_start_loc_cpu
     if meta.max_query_len == 1:
@@ -79,7 +79,7 @@ def _head(meta: AttentionMetadata, s: int, i: int) -> AttentionMetadata:
     query_start = meta.query_start_loc[: r + 1]  # [r + 1]
     seq_lens = meta.seq_lens[:r]  # [r]
     if cut:
-        moved = qsl[i + 1] - s  # request i's tokens that go to B
+        moved = qsl[i + 1] - s  # request i's tokens that go to the later pieces
         lens_cpu[-1] -= moved
         query_start = query_start.clone()
         query_start[-1:].fill_(s)
@@ -121,7 +121,7 @@ def _split_static(
         # each request's query tokens at or after ``hi``: not in the KV cache yet
         later = (qsl[1:] - qsl[:-1].clamp_min(hi)).clamp_min(0)  # [R]
         later_cpu = [max(0, b - max(a, hi)) for a, b in zip(qsl_cpu, qsl_cpu[1:])]
-        half = AttentionMetadata(
+        piece = AttentionMetadata(
             query_start_loc=qsl.clamp(lo, hi) - lo,
             seq_lens=meta.seq_lens - later,
             block_table=meta.block_table,
@@ -133,7 +133,7 @@ def _split_static(
             num_decodes=0,  # one launch over every request
             static_layout=True,
         )
-        out.append(MicroBatch(input_ids[lo:hi], positions[lo:hi], half))
+        out.append(MicroBatch(input_ids[lo:hi], positions[lo:hi], piece))
     return out
 
 

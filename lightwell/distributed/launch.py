@@ -44,10 +44,10 @@ def init_distributed(rank: int, size: int, init_method: str, device: torch.devic
 
 
 def init_all_reduce(
-    device: torch.device, choice: str, custom_all_reduce: bool, max_bytes: int
+    device: torch.device, choice: str, custom_all_reduce: bool, max_bytes: int, phases: int = 0
 ) -> None:
     """Build the selector of ``lightwell.distributed.comm`` and route ``tp_all_reduce`` to it
-    (a collective: every rank calls it at the same point)."""
+    (a collective: every rank calls it at the same point); ``phases``: the selector's."""
     from lightwell.distributed.comm import CommContext
     from lightwell.distributed.comm.selector import AllReduceSelector
 
@@ -56,7 +56,7 @@ def init_all_reduce(
     ctx = CommContext(
         ps.get_tp_rank(), ps.get_tp_size(), ps.get_tp_group(), ps.get_tp_cpu_group(), device
     )
-    ps.set_tp_all_reduce(AllReduceSelector(ctx, choice, custom_all_reduce, max_bytes))
+    ps.set_tp_all_reduce(AllReduceSelector(ctx, choice, custom_all_reduce, max_bytes, phases))
 
 
 def shutdown_distributed() -> None:

@@ -4,13 +4,14 @@
     handle = comm.launch(partial)             # comm stream waits for the main stream's work so far
     ...                                       # more compute on the main stream
     reduced = comm.wait(handle)               # main stream waits for that all-reduce
+    comm.end()                                # at the forward's end (comm.abandon() if it failed)
 
 Every launch goes to the one comm stream, in the same order on every rank, so collectives never
 interleave differently across ranks. A strategy with phases (``tp_all_reduce_start``:
 ``hostmem-copy``) begins on the main stream at ``launch`` (its int8 quantize), moves the bytes
 on the comm stream, and sums on the main stream at ``wait``: kernels on the comm stream would
 wait for the SMs, which the other micro-batch's GEMMs hold until they end. Such a call's last
-stream work (its flags) is joined into the main stream at the next ``wait`` or at ``join``,
+stream work (its flags) is joined into the main stream at the next ``wait`` or at ``end``,
 which the forward calls at its end (a CUDA-graph capture must end with every fork joined).
 
 Memory: the input stays referenced by the handle until the main stream has waited for the
@@ -43,10 +44,13 @@ class CommStream:
     def __init__(self, stream: torch.cuda.Stream | None) -> None:
         self.stream = stream
         self.unjoined: list[Any] = []  # finished calls in phases, their last writes not joined
+        self.launched: list[Any] = []  # calls in phases of this forward
 
     def launch(self, x: torch.Tensor) -> PendingAllReduce:
         with beside_compute():  # (the same picks in order on CPU as on a stream)
             phased = tp_all_reduce_start(x)  # on this (the main) stream
+            if phased is not None:
+                self.launched.append(phased)
             if self.stream is None:  # in order: the CPU tests
                 if phased is None:
                     return PendingAllReduce(tp_all_reduce(x), None, None)
@@ -63,15 +67,22 @@ class CommStream:
                 event.record(self.stream)
         return PendingAllReduce(result, event, x, phased)
 
-    def wait(self, pending: PendingAllReduce) -> torch.Tensor:
+    def _take(self, pending: PendingAllReduce) -> Any:
+        """The main stream waits for the comm stream's part; returns the call in phases (if
+        any) for the caller to finish, having joined the calls finished before it."""
         if pending.event is not None:
             torch.cuda.current_stream().wait_event(pending.event)
             pending.event = None
-        if pending.phased is not None:  # the sum, here on the consumer's stream
+        phased, pending.phased, pending.source = pending.phased, None, None
+        if phased is not None:
             self.join()  # the calls finished before (their writes are done by now)
-            self.unjoined.append(pending.phased)
-            pending.result, pending.phased = pending.phased.finish(), None
-        pending.source = None
+            self.unjoined.append(phased)
+        return phased
+
+    def wait(self, pending: PendingAllReduce) -> torch.Tensor:
+        phased = self._take(pending)
+        if phased is not None:  # the sum, here on the consumer's stream
+            pending.result = phased.finish()
         return pending.result
 
     def wait_add_rmsnorm(
@@ -79,22 +90,36 @@ class CommStream:
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``wait`` fused with the residual add + RMSNorm that consumes the sum, ``(norm(sum
         + residual) * weight, sum + residual)``, where the call in phases has that form
-        (``hostmem-copy-int8``); None otherwise, having done nothing (``wait``, then norm)."""
+        (``hostmem-copy-int8`` with it enabled); None otherwise, having done nothing."""
         phased = pending.phased
-        if phased is None or not getattr(phased, "can_finish_add_rmsnorm", None):
+        fusable = getattr(phased, "can_finish_add_rmsnorm", None)
+        if fusable is None or not fusable(residual):
             return None
-        if not phased.can_finish_add_rmsnorm(residual):
-            return None
-        if pending.event is not None:
-            torch.cuda.current_stream().wait_event(pending.event)
-            pending.event = None
-        self.join()
-        self.unjoined.append(phased)
-        pending.phased = pending.source = None
+        self._take(pending)
         return phased.finish_add_rmsnorm(residual, weight, eps)
 
     def join(self) -> None:
-        """The main stream waits for every finished call's last stream work."""
-        for phased in self.unjoined:
-            phased.join()
+        """The main stream waits for the finished calls' last stream work (a strategy's down
+        stream runs in order: its last call's marker covers its others)."""
+        joined: set[int] = set()
+        for phased in reversed(self.unjoined):
+            if id(phased.owner) not in joined:
+                joined.add(id(phased.owner))
+                phased.join()
         self.unjoined = []
+
+    def end(self) -> None:
+        """The forward's end: every call joined (a CUDA-graph capture must end so), and the
+        strategies forget this forward's calls."""
+        self.join()
+        for phased in self.launched:
+            phased.end_forward()
+        self.launched = []
+
+    def abandon(self) -> None:
+        """After a forward failed midway: give every call's stage set back, forget the rest
+        (the work already queued runs on; nothing waits for it)."""
+        for phased in self.launched:
+            phased.release()
+            phased.end_forward()
+        self.launched, self.unjoined = [], []

@@ -17,7 +17,7 @@ from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
-from lightwell.worker.overlap import TwoBatchOverlap
+from lightwell.worker.overlap import MicroBatchOverlap
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
 
@@ -93,7 +93,7 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
-        self.overlap: TwoBatchOverlap | None = None  # set by the worker (--dual-stream)
+        self.overlap: MicroBatchOverlap | None = None  # set by the worker (--dual-stream)
         # Async scheduling under tensor parallelism: rank 0 broadcasts its sampled tokens so
         # every rank can feed a token still in flight to the next step (set by the worker).
         self.share_sampled_tokens = False

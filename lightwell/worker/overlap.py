@@ -2,7 +2,7 @@
 their all-reduces on a second CUDA stream.
 
 On only under tensor parallelism on GPU with ``--dual-stream``, for steps of at least
-``--dual-stream-min-tokens`` tokens, for models ``lightwell.models.two_batch`` supports;
+``--dual-stream-min-tokens`` tokens, for models ``lightwell.models.micro_batch_forward`` supports;
 a no-op on CPU. Tests build it with ``stream=None`` to run the same split in order on CPU.
 """
 
@@ -18,12 +18,12 @@ from lightwell.attention.micro_batch import can_split, split_batch
 from lightwell.config import ParallelConfig
 from lightwell.distributed.overlap import CommStream
 from lightwell.distributed.parallel_state import get_tp_size
-from lightwell.models.two_batch import micro_batch_forward, supports_two_batch
+from lightwell.models.micro_batch_forward import micro_batch_forward, supports_micro_batches
 
 logger = logging.getLogger(__name__)
 
 
-class TwoBatchOverlap:
+class MicroBatchOverlap:
     def __init__(
         self,
         model: nn.Module,
@@ -41,13 +41,12 @@ class TwoBatchOverlap:
     @classmethod
     def create(
         cls, model: nn.Module, parallel: ParallelConfig, device: torch.device
-    ) -> TwoBatchOverlap | None:
+    ) -> MicroBatchOverlap | None:
         if not parallel.dual_stream or get_tp_size() == 1 or device.type != "cuda":
             return None
-        if not supports_two_batch(model):
-            logger.warning(
-                "--dual-stream: %s has no two-batch forward; running it plain", type(model).__name__
-            )
+        if not supports_micro_batches(model):
+            name = type(model).__name__
+            logger.warning("--dual-stream: %s has no micro-batch forward; running it plain", name)
             return None
         # high priority: an all-reduce's programs are scheduled ahead of the other
         # micro-batch's queued compute, so the link starts moving bytes as early as possible

@@ -121,9 +121,9 @@ class Worker:
             is_driver=self.rank == 0,
         )
         self.runner.set_attention_backend(self.config.device.attention_backend)
-        from lightwell.worker.overlap import TwoBatchOverlap
+        from lightwell.worker.overlap import MicroBatchOverlap
 
-        self.runner.overlap = TwoBatchOverlap.create(model, self.config.parallel, self.device)
+        self.runner.overlap = MicroBatchOverlap.create(model, self.config.parallel, self.device)
         return ModelInfo(
             name=self.files.name if files is not None else str(overrides),
             architecture=(getattr(hf, "architectures", None) or ["?"])[0],
@@ -145,7 +145,8 @@ class Worker:
         p = self.config.parallel
         elem = torch.tensor([], dtype=self.runner.dtype).element_size()
         max_bytes = resolved.scheduler.max_num_batched_tokens * self.hf_config.hidden_size * elem
-        init_all_reduce(self.device, p.all_reduce, p.custom_all_reduce, max_bytes)
+        phases = p.dual_stream_micro_batches if p.dual_stream else 0  # all-reduces in flight
+        init_all_reduce(self.device, p.all_reduce, p.custom_all_reduce, max_bytes, phases)
 
     def determine_num_blocks(self, resolved: EngineConfig) -> int:
         self.init_all_reduce(resolved)

@@ -354,13 +354,13 @@ STEPS = [([11, 6], [11, 6]), ([1, 1], [12, 7]), ([1, 1, 9], [13, 8, 9])]
 TABLES = [[3, 9, 1, 12], [7, 2], [5, 0, 14]]
 
 
-def _check_two_batch(rank: int, ctx, folder: str) -> None:
+def _check_micro_batches(rank: int, ctx, folder: str) -> None:
     from lightwell.attention.metadata import forward_context
     from lightwell.attention.micro_batch import can_split, split_batch
     from lightwell.distributed.comm import selector
     from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.overlap import CommStream
-    from lightwell.models.two_batch import micro_batch_forward, supports_two_batch
+    from lightwell.models.micro_batch_forward import micro_batch_forward, supports_micro_batches
     from tests.models.paged import bind_kv_caches, build_metadata
     from tests.models.tiny import load_ours
 
@@ -368,14 +368,14 @@ def _check_two_batch(rank: int, ctx, folder: str) -> None:
     copy_min = selector.COPY_MIN_BYTES
     selector.COPY_MIN_BYTES = 0  # every message through the copy path
     try:
-        copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=1 << 16)
-        copy_int8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=1 << 16)
+        copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=1 << 16, phases=2)
+        copy_int8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=1 << 16, phases=2)
     finally:
         selector.COPY_MIN_BYTES = copy_min
     assert not copy_int8.preferred[0].fuse_norm  # by default the sum, then the norm
-    copy_int8.preferred[0].fuse_norm = True  # (LIGHTWELL_HOSTMEM_FUSE_NORM=1)
+    copy_int8.preferred[0].fuse_norm = True  # (LIGHTWELL_HOSTMEM_COPY_FUSE_NORM=1)
     plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
-    assert supports_two_batch(split)
+    assert supports_micro_batches(split)
     for model in (plain, split):
         bind_kv_caches(model, 16, 4, torch.float32, torch.device("cpu"))
     for step, (query_lens, seq_lens) in enumerate(STEPS):
@@ -508,14 +508,14 @@ def _run(rank: int, port: int, folder: str) -> None:
     _check_selector(rank, ctx)
     _check_greedy_tokens(rank)
     _check_setup_failures(rank, ctx)
-    _check_two_batch(rank, ctx, folder)
+    _check_micro_batches(rank, ctx, folder)
     # every reference to the gloo group must go before it is destroyed: one left for the
     # interpreter's exit aborts the process now and then ("terminate called ...")
     del ctx, group
     shutdown_distributed()
 
 
-def test_all_reduce_strategies_and_two_batch_tp2(tmp_path):
+def test_all_reduce_strategies_and_micro_batches_tp2(tmp_path):
 
     from tests.models.tiny import hf_tiny_model, save_hf, tiny_config
 
@@ -579,12 +579,13 @@ def test_auto_rule_on_gpus(monkeypatch):
         "max_bytes": 16 << 20,
         "min_bytes": selector.COPY_MIN_BYTES,
         "beside_compute_only": True,
+        "phases": 3,
     }
-    assert selector._preferred(cpu, "hostmem-copy", False, 16 << 20) == [
+    assert selector._preferred(cpu, "hostmem-copy", False, 16 << 20, 3) == [
         ("hostmem-copy", copy),
         *hostmem,
     ]
-    assert selector._preferred(cpu, "hostmem-copy-int8", False, 16 << 20) == [
+    assert selector._preferred(cpu, "hostmem-copy-int8", False, 16 << 20, 3) == [
         ("hostmem-copy-int8", copy),
         *selector._preferred(cpu, "hostmem-int8", False, 16 << 20),
     ]
@@ -630,7 +631,6 @@ def _run_three(rank: int, port: int) -> None:
     import torch.distributed as dist
 
     from lightwell.distributed.comm import CommContext, create_strategy
-    from lightwell.distributed.comm.hostmem_copy import RING
     from lightwell.kernels.int8_pack import GROUP
 
     torch.set_num_threads(1)
@@ -644,7 +644,7 @@ def _run_three(rank: int, port: int) -> None:
 
     with _min_chunk_bytes(256):
         for name in ("hostmem-copy", "hostmem-copy-int8"):
-            strategy = create_strategy(name, ctx, chunks=3)
+            strategy = create_strategy(name, ctx, chunks=3, phases=2, max_bytes=16 << 10)
             for n, dtype in ((5, torch.float32), (3000, torch.float32), (3000, torch.bfloat16),
                              (700, torch.float32)):  # fmt: skip
                 xs = [inputs(n, dtype, r) for r in range(3)]
@@ -670,12 +670,23 @@ def _run_three(rank: int, port: int) -> None:
                     ).repeat_interleave(GROUP)[:n]
                     assert ((got - exact).abs() <= amax / 254 * 1.001 + 1e-6).all(), (name, n)
                     assert (got - exact).norm() < 0.02 * exact.norm()
-            # every stage set in flight: start declines (the caller runs the call whole)
-            held = [strategy.start(xs[rank].clone()) for _ in range(RING)]
-            assert all(h is not None for h in held) and strategy.start(xs[rank]) is None
-            for h in held:
+            # every stage set in flight: start declines (the caller runs the call whole); a set
+            # given back (finished, or released after a failed forward) is taken again
+            x = xs[rank]
+            held = [strategy.start(x.clone()) for _ in range(strategy.phases)]
+            assert all(h is not None for h in held) and strategy.start(x) is None
+            held[1].release()  # (a failed forward: never transferred)
+            again = strategy.start(x.clone())
+            assert again is not None and again.stage == held[1].stage
+            assert strategy.start(x) is None
+            for h in (held[0], again):  # every rank transfers the same calls in order
                 h.transfer()
-                h.finish()
+            assert torch.equal(again.finish(), held[0].finish())
+            assert not any(strategy.in_use)
+            # a message too large for a stage set in phases (it holds a micro-batch's, half a
+            # step's) runs whole
+            big = torch.ones(2 * strategy.stages[0].shape[1])  # (as int8 too)
+            assert strategy.start(big) is None and not any(strategy.in_use)
             strategy.close()
     del ctx, group
     dist.destroy_process_group()

@@ -16,9 +16,9 @@ two slots a rank):
     next call's D2H copies follow this one's at once.
 
 Flags are handshakes with fixed values: a chunk flag is raised by the writer once the chunk is
-in host memory and lowered by its reader once copied out; a slot's busy word is raised by the
-writer when it starts a message and lowered by each reader after its last chunk (its chunk
-flags are all down by then). A writer reuses a slot only once every reader has lowered its busy
+in host memory and lowered by its reader after its last copy of the message; a slot's busy
+word is raised by the writer when it starts a message and lowered by each reader after its
+chunk flags. A writer reuses a slot only once every reader has lowered its busy
 word, whatever the previous message's size and chunks, so calls that reuse a slot back to back
 are safe: the slot's parity comes from a counter on the host, which CUDA-graph replays do not
 advance. Every rank makes the same calls in the same order, so all agree on each call's slot,
@@ -43,9 +43,13 @@ In phases (``start`` / ``transfer`` / ``finish``, the dual-stream overlap's call
 the comm stream, the sum on the stream that consumes the result, so the comm stream runs no
 kernel. A kernel there waits for the SMs, and the GEMM beside it holds every SM until it ends
 (benchmarks/gpu_copy_ops.py on the H200: a 13 us quantize took 164 us ready-to-done beside a
-153 us GEMM, at either stream priority). Calls in flight in phases each own one of ``RING``
-stage sets (this rank's packed message, the peers' copies), taken at ``start`` and given back
-at ``finish``; with none free, ``start`` declines and the call runs whole on the comm stream.
+153 us GEMM, at either stream priority). Calls in flight in phases each own one of the
+stage sets (``phases``: this rank's packed message, the peers' copies, sized for half a step's
+message), taken at ``start`` and given back at ``finish``; with none free (or a message too
+large), ``start`` declines and the call runs whole on the comm stream. A call in phases also
+waits, on its own up stream, for this rank's flag writes of the previous call of its parity
+in the same forward (``end_forward`` forgets them), so a graph whose branches run one after
+the other still progresses: the comm stream does not wait for the down stream otherwise.
 
 On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag writes
 stores, the waits bounded spins; the int8 kernels run under the Triton interpreter.
@@ -63,7 +67,6 @@ import torch
 from lightwell.distributed.comm.base import CommContext, is_beside_compute, message_bytes
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
-    FUSE_NORM_ENV,
     HostMemAllReduce,
     _device_pointer,
     map_pinned,
@@ -78,11 +81,19 @@ CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
 MIN_CHUNK_BYTES = 256 * 1024
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
-# Stage sets for calls in flight in phases: one per micro-batch of the dual-stream overlap at
-# its default of two, with room; a call that finds none free runs whole (its own set).
-RING = 4
+# A stage set for a call in phases holds a micro-batch's message: at most half the step's
+# (the split is at equal token counts), plus a token row's worth of rounding.
+PHASE_MARGIN_BYTES = 64 * 1024
+# "1": int8 calls in phases sum inside the norm that consumes them (measured slower; default 0)
+FUSE_NORM_ENV = "LIGHTWELL_HOSTMEM_COPY_FUSE_NORM"
 _FLAG_ROW = 4 * (MAX_CHUNKS + 1)  # bytes per (slot, writer, reader): chunk flags, busy word
 _CU_STREAM_WAIT_VALUE_EQ = 1
+
+
+def _room(nbytes: int) -> int:
+    """Bytes of a slot or stage row for messages of up to ``nbytes`` (a 2-byte dtype's as int8
+    rows too, with their scales and padding), in whole pages."""
+    return -(-(nbytes + 8 * MAX_CHUNKS * 132) // 4096) * 4096
 
 
 def int8_layout(n: int, chunks: int) -> tuple[int, int]:
@@ -119,19 +130,23 @@ class HostMemCopyAllReduce:
         chunks: int | None = None,
         int8: bool = False,
         beside_compute_only: bool = False,
+        phases: int = 0,
     ) -> None:
         """``min_bytes``: smaller messages are left to other strategies (``supports``);
         ``chunks``: pieces per message (default ``LIGHTWELL_HOSTMEM_COPY_CHUNKS`` or
         ``CHUNKS``); ``int8``: the int8 payload; ``beside_compute_only``: take only the
         all-reduces issued beside compute (``comm.base.beside_compute``: the dual-stream
         overlap), leaving the rest to other strategies (the selector's rule: back to back,
-        hostmem's kernel is faster)."""
+        hostmem's kernel is faster); ``phases``: calls in phases in flight at once (the
+        dual-stream overlap's micro-batches; 0: ``start`` always declines)."""
         self.beside_compute_only = beside_compute_only
         # int8 calls in phases sum inside the consuming norm (``_Phased.finish_add_rmsnorm``)
-        # only where hostmem's switch says always: measured, the fused kernel lost (40 vs
-        # 25 us for 1,024 x 4,096 against the sum, then the norm; TTFT(2,048) 37.1 vs 34.8
-        # ms: tp_run7 call 5)
-        self.fuse_norm = os.environ.get(FUSE_NORM_ENV, "auto") == "1"
+        # only when asked: measured, the fused kernel lost (40 vs 25 us for 1,024 x 4,096
+        # against the sum, then the norm; TTFT(2,048) 37.1 vs 34.8 ms: tp_run7 call 5)
+        fuse = os.environ.get(FUSE_NORM_ENV, "0")
+        if fuse not in ("0", "1"):
+            raise ValueError(f"{FUSE_NORM_ENV} must be 0 or 1, got {fuse!r}")
+        self.fuse_norm = fuse == "1"
         self.int8 = int8
         self.name = "hostmem-copy-int8" if int8 else "hostmem-copy"
         self.rank, self.size = ctx.rank, ctx.size
@@ -141,8 +156,7 @@ class HostMemCopyAllReduce:
         if not 1 <= chunks <= MAX_CHUNKS:
             raise ValueError(f"hostmem-copy chunks must be 1..{MAX_CHUNKS}, got {chunks}")
         self.chunks = chunks
-        # room for max_bytes of a 2-byte dtype as int8 rows too (+ their scales and padding)
-        self.slot_bytes = -(-(max_bytes + 8 * MAX_CHUNKS * 132) // 4096) * 4096
+        self.slot_bytes = _room(max_bytes)
         self.flag_bytes = -(-(2 * _FLAG_ROW * ctx.size**2) // 4096) * 4096
         total = self.flag_bytes + 2 * ctx.size * self.slot_bytes
         self.on_gpu = ctx.device.type == "cuda"
@@ -150,16 +164,25 @@ class HostMemCopyAllReduce:
         self.calls = 0
         self.device = ctx.device
         # What each peer sent, copied in (int8: this rank's own packed message too; ``_row``):
-        # RING sets for calls in phases (``start``), the last one for whole calls. A whole
+        # ``phases`` sets for calls in phases (``start``), then one for whole calls. A whole
         # call's copies into its set are on the down stream after the caller's stream, which
         # consumed the previous whole call's sum; a set in phases is reused only after the
         # consumer's stream has run the previous ``finish`` on it (and waited for its copies).
+        if phases < 0:
+            raise ValueError(f"phases must be >= 0, got {phases}")
         rows = ctx.size if int8 else ctx.size - 1
-        self.stage = torch.empty(
-            RING + 1, rows, self.slot_bytes, dtype=torch.uint8, device=ctx.device
-        )
-        self.in_use = [False] * RING
+        half = _room(min(max_bytes, max_bytes // 2 + PHASE_MARGIN_BYTES))
+
+        def stage_set(nbytes: int) -> torch.Tensor:
+            return torch.empty(rows, nbytes, dtype=torch.uint8, device=ctx.device)
+
+        self.phases = phases
+        self.stages = [stage_set(half) for _ in range(phases)] + [stage_set(self.slot_bytes)]
+        self.in_use = [False] * phases
         self.next_set = 0
+        # per slot parity: the marker of this rank's flag writes after the last call in phases
+        # of this forward (``_transfer``; cleared by ``end_forward``)
+        self.order: list[Any] = [None, None]
         if self.on_gpu:
             self.ops: _Ops = _DriverOps(self.memory)
             self.down = torch.cuda.Stream(ctx.device)
@@ -188,8 +211,8 @@ class HostMemCopyAllReduce:
 
         rows, cols = layout
         rb = packed_row_bytes(cols)
-        if rows * rb > self.slot_bytes:
-            raise ValueError(f"{n} elements do not fit hostmem-copy's {self.slot_bytes}-byte slot")
+        if rows * rb > self.stages[stage].shape[1]:
+            raise ValueError(f"{n} elements do not fit hostmem-copy's stage set {stage}")
         mine = self._row(stage, self.rank)[: rows * rb]
         quantize_pack(flat, rows, cols, out=mine.view(rows, rb))
         return mine, [(r * rb, (r + 1) * rb) for r in range(rows)]
@@ -209,35 +232,53 @@ class HostMemCopyAllReduce:
         """Chunk ``chunk``'s flag, or (chunk ``MAX_CHUNKS``) the slot's busy word."""
         return ((parity * self.size + writer) * self.size + reader) * _FLAG_ROW + 4 * chunk
 
-    def _row(self, stage: int, rank: int) -> torch.Tensor:  # uint8 [slot_bytes]
+    def _row(self, stage: int, rank: int) -> torch.Tensor:  # uint8 [set bytes]
         """Rank ``rank``'s bytes in stage set ``stage``."""
-        return self.stage[stage, rank if self.int8 else rank - (rank > self.rank)]
+        return self.stages[stage][rank if self.int8 else rank - (rank > self.rank)]
+
+    def _wire_bytes(self, flat: torch.Tensor, layout: tuple[int, int] | None) -> int:
+        if layout is None:
+            return flat.numel() * flat.element_size()
+        from lightwell.kernels.int8_pack import packed_row_bytes
+
+        return layout[0] * packed_row_bytes(layout[1])
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The whole call on the current stream (the last stage set)."""
         x = x.contiguous()
         flat = x.view(-1)
         layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
-        payload, bounds = self._payload(flat, layout, RING)  # (int8: quantized here)
-        return self._sum_after(x, layout, RING, self._transfer(payload, bounds, RING))
+        whole = self.phases
+        payload, bounds = self._payload(flat, layout, whole)  # (int8: quantized here)
+        marks = self._transfer(payload, bounds, whole, phased=False)
+        return self._sum_after(x, layout, whole, marks)
 
     def start(self, x: torch.Tensor) -> _Phased | None:
         """The call in phases, begun on the current stream (the stream that produced x: the
         int8 quantize runs here); ``transfer`` then goes on the comm stream and ``finish`` on
-        the consumer's. None when every stage set is in flight (call ``all_reduce``)."""
-        stage = self.next_set
-        if self.in_use[stage]:
-            return None
-        self.in_use[stage] = True
-        self.next_set = (stage + 1) % RING
+        the consumer's. None when every stage set is in flight or x does not fit one (call
+        ``all_reduce``)."""
         x = x.contiguous()
         flat = x.view(-1)
         layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
+        if not self.phases or self._wire_bytes(flat, layout) > self.stages[0].shape[1]:
+            return None
+        order = [(self.next_set + i) % self.phases for i in range(self.phases)]
+        stage = next((i for i in order if not self.in_use[i]), None)
+        if stage is None:
+            return None
         payload, bounds = self._payload(flat, layout, stage)
+        self.in_use[stage] = True
+        self.next_set = (stage + 1) % self.phases
         return _Phased(self, x, layout, payload, bounds, stage)
 
+    def end_forward(self) -> None:
+        """Forget the calls in phases of this forward (their flag writes are joined into the
+        stream that runs the next one, or a CUDA-graph capture ended with them)."""
+        self.order = [None, None]
+
     def _transfer(
-        self, payload: torch.Tensor, bounds: list[tuple[int, int]], stage: int
+        self, payload: torch.Tensor, bounds: list[tuple[int, int]], stage: int, phased: bool
     ) -> tuple[Any, Any]:
         """Send ``payload``'s chunks and copy every peer's into stage set ``stage``: the
         handshake above, on the current stream (up) and ``down``. Returns markers (on
@@ -245,12 +286,14 @@ class HostMemCopyAllReduce:
         self.calls += 1
         p = self.calls % 2
         ops = self.ops
-        up = torch.cuda.current_stream(self.device) if self.on_gpu else None
+        up = self._here()
         if self.down is not None:  # the payload is ready; the set's last sum has read it
             self.down.wait_stream(up)
         me = self.rank
         peers = [r for r in range(self.size) if r != me]
         mine, busy = self._slot(p, me), MAX_CHUNKS
+        if phased and self.order[p] is not None:  # this rank's lowering for the last call
+            ops.after(self.order[p], up)  # of this parity, before waiting for the peers'
         for r in peers:  # every reader is done with this slot's previous message
             ops.wait_flag(self._flag(p, me, r, busy), 0, up)
         for r in peers:
@@ -273,7 +316,13 @@ class HostMemCopyAllReduce:
             for c in range(len(bounds)):
                 ops.write_flag(self._flag(p, q, me, c), 0, self.down)
             ops.write_flag(self._flag(p, q, me, busy), 0, self.down)
-        return landed, ops.record(self.down)
+        lowered = ops.record(self.down)
+        if phased:
+            self.order[p] = lowered
+        return landed, lowered
+
+    def _here(self) -> torch.cuda.Stream | None:  # the current stream (None on CPU)
+        return torch.cuda.current_stream(self.device) if self.on_gpu else None
 
     def _sum_after(
         self,
@@ -286,7 +335,7 @@ class HostMemCopyAllReduce:
         """``_sum`` on the current stream once the copies have landed; with ``join``, the
         current stream then also waits for the down stream's flag writes (which joins a
         CUDA-graph capture's fork); without, the caller joins later (``_Phased.join``)."""
-        here = torch.cuda.current_stream(self.device) if self.on_gpu else None
+        here = self._here()
         landed, lowered = marks
         self.ops.after(landed, here)
         out = self._sum(x, layout, stage)
@@ -302,7 +351,7 @@ class HostMemCopyAllReduce:
             from lightwell.kernels.int8_pack import dequant_sum
 
             rows, cols = layout
-            dequant_sum(self.stage[stage], cols, rows, flat)  # rows in rank order
+            dequant_sum(self.stages[stage], cols, rows, flat)  # rows in rank order
             return x
         peers = [r for r in range(self.size) if r != self.rank]
         nbytes = flat.numel() * x.element_size()
@@ -318,7 +367,7 @@ class HostMemCopyAllReduce:
     def close(self) -> None:
         if self.on_gpu and self.registered:
             torch.cuda.synchronize(self.device)  # no copy may still use it
-        self.ops = self.memory = self.stage = None
+        self.ops = self.memory = self.stages = None
         self._release()
 
 
@@ -337,29 +386,33 @@ class _Phased:
         self.owner, self.x, self.layout = owner, x, layout
         self.payload, self.bounds, self.stage = payload, bounds, stage
         self.marks: tuple[Any, Any] = (None, None)  # set by transfer
+        self.held = True  # the stage set, until finish (or release)
 
     def transfer(self) -> None:
         """The copies and flags, on the current stream (the comm stream) and the strategy's
         down stream: no kernel; the current stream does not wait for the down stream."""
-        self.marks = self.owner._transfer(self.payload, self.bounds, self.stage)
+        self.marks = self.owner._transfer(self.payload, self.bounds, self.stage, phased=True)
 
     def finish(self) -> torch.Tensor:
         """The sum, on the current stream (the consumer's, after it waited for the current
         stream of ``transfer``), once the peers' copies have landed; gives the set back. The
         flags' lowering after the copies is left to ``join`` (waiting for it here held the
         consumer ~10 us a call: run 7 call 3)."""
-        owner = self.owner
-        out = owner._sum_after(self.x, self.layout, self.stage, self.marks, join=False)
-        self.owner.in_use[self.stage] = False
-        return out
+        try:
+            return self.owner._sum_after(self.x, self.layout, self.stage, self.marks, join=False)
+        finally:
+            self.release()
 
     def can_finish_add_rmsnorm(self, residual: torch.Tensor) -> bool:
-        """``finish_add_rmsnorm`` applies: the int8 payload, x of residual's [T, H] shape."""
+        """``finish_add_rmsnorm`` applies (when enabled): the int8 payload, x of residual's
+        [T, H] shape, rows of whole int8 groups."""
+        from lightwell.kernels.int8_pack import GROUP
+
         return (
             self.layout is not None
             and self.owner.fuse_norm
             and residual.dim() == 2
-            and residual.shape[1] % 128 == 0  # whole int8 groups a row
+            and residual.shape[1] % GROUP == 0
             and residual.shape == self.x.shape
             and residual.dtype == self.x.dtype
             and residual.is_contiguous()
@@ -373,17 +426,27 @@ class _Phased:
         from lightwell.kernels.int8_pack import dequant_sum_add_rmsnorm
 
         owner = self.owner
-        owner.ops.after(self.marks[0], torch.cuda.current_stream() if owner.on_gpu else None)
-        rows, cols = self.layout
-        out = dequant_sum_add_rmsnorm(owner.stage[self.stage], cols, rows, residual, weight, eps)
-        owner.in_use[self.stage] = False
-        return out
+        try:
+            owner.ops.after(self.marks[0], owner._here())
+            rows, cols = self.layout
+            stage = owner.stages[self.stage]
+            return dequant_sum_add_rmsnorm(stage, cols, rows, residual, weight, eps)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        """Give the stage set back (``finish`` does; a forward that failed midway calls it)."""
+        if self.held:
+            self.held = False
+            self.owner.in_use[self.stage] = False
 
     def join(self) -> None:
         """The current stream waits for the down stream's last writes of this call (done long
         since, as a rule): before a CUDA-graph capture ends, every call must be joined."""
-        owner = self.owner
-        owner.ops.after(self.marks[1], torch.cuda.current_stream() if owner.on_gpu else None)
+        self.owner.ops.after(self.marks[1], self.owner._here())
+
+    def end_forward(self) -> None:
+        self.owner.end_forward()
 
 
 class _Ops:

@@ -64,15 +64,18 @@ class AllReduceSelector:
         choice: str = "auto",
         custom_all_reduce: bool = True,
         max_bytes: int = 16 << 20,
+        phases: int = 0,
     ) -> None:
         """``max_bytes``: the largest message expected (the step's token budget x hidden x
-        dtype size); buffers of the strategies that need one are sized from it."""
+        dtype size); buffers of the strategies that need one are sized from it. ``phases``:
+        all-reduces the dual-stream overlap keeps in flight (its micro-batches; 0 without
+        it): the copy strategies' stage sets for calls in phases."""
         self.choice = choice
         self.fallback: AllReduceStrategy = create_strategy(
             "gloo" if choice == "gloo" else "nccl", ctx
         )
         self.preferred: list[AllReduceStrategy] = []
-        for name, options in _preferred(ctx, choice, custom_all_reduce, max_bytes):
+        for name, options in _preferred(ctx, choice, custom_all_reduce, max_bytes, phases):
             if not is_available(name, ctx):
                 if choice == name:
                     logger.warning(
@@ -126,7 +129,7 @@ class AllReduceSelector:
 
 
 def _preferred(
-    ctx: CommContext, choice: str, custom: bool, max_bytes: int
+    ctx: CommContext, choice: str, custom: bool, max_bytes: int, phases: int = 0
 ) -> list[tuple[str, dict]]:
     if choice == "auto":
         if ctx.device.type != "cuda":
@@ -143,7 +146,12 @@ def _preferred(
     if choice in ("hostmem", "hostmem-int8"):
         return lanes(choice, max_bytes)
     if choice in ("hostmem-copy", "hostmem-copy-int8"):
-        copy = {"max_bytes": max_bytes, "min_bytes": COPY_MIN_BYTES, "beside_compute_only": True}
+        copy = {
+            "max_bytes": max_bytes,
+            "min_bytes": COPY_MIN_BYTES,
+            "beside_compute_only": True,
+            "phases": phases,
+        }
         return [(choice, copy), *lanes(choice.replace("-copy", ""), max_bytes)]
     if choice == "host":
         return [(choice, {"max_bytes": max_bytes})]

@@ -12,11 +12,12 @@ micro-batch's attention stage is shorter than the other's all-reduce.
 
 Each stage ends with a row-parallel partial sum (o_proj, down_proj) whose all-reduce is launched
 on the comm stream; the next stage of the same micro-batch starts by waiting for it and
-consuming it in the fused residual-add + RMSNorm (with ``hostmem-copy-int8``, the sum of the
-peers' int8 copies is fused into that norm too). Every token sees the operations of the
-plain forward, except that the plain forward may fuse that add + norm into the all-reduce
-(``reduce_norm``, hostmem at decode sizes), which this one never does (the same values, the
-norm within its last bit); only the row blocks the kernels run on differ.
+consuming it in the fused residual-add + RMSNorm (``hostmem-copy-int8`` can sum the peers'
+int8 copies inside that norm: ``CommStream.wait_add_rmsnorm``, off by default). Every token
+sees the operations of the plain forward, except that the plain forward may fuse that add +
+norm into the all-reduce kernel (``reduce_norm``, hostmem at decode sizes), which this one
+does not (the same values, the norm within its last bit); only the row blocks the kernels
+run on differ.
 
 Supported: ``LlamaModel`` with plain ``LlamaDecoderLayer`` layers (Llama, Mistral, Qwen2,
 Qwen3: attention subclasses that keep ``LlamaAttention.forward``). Others run the plain forward.
@@ -37,8 +38,8 @@ from lightwell.layers.norm import RMSNorm
 from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
-def supports_two_batch(model: nn.Module) -> bool:
-    """``model`` is a causal LM whose ``.model`` this module can run in two micro-batches."""
+def supports_micro_batches(model: nn.Module) -> bool:
+    """``model`` is a causal LM whose ``.model`` this module can run in micro-batches."""
     inner = getattr(model, "model", None)
     if type(inner) is not LlamaModel:
         return False
@@ -94,7 +95,18 @@ def _mlp_stage(
 def micro_batch_forward(
     model: nn.Module, batches: Sequence[MicroBatch], comm: CommStream
 ) -> torch.Tensor:  # [T, H]: the final-norm hidden states of the micro-batches in order
-    inner: LlamaModel = model.model
+    try:
+        outs = _forward(model.model, batches, comm)
+    except BaseException:
+        comm.abandon()  # the all-reduces in flight give their buffers back
+        raise
+    comm.end()
+    return torch.cat(outs)
+
+
+def _forward(
+    inner: LlamaModel, batches: Sequence[MicroBatch], comm: CommStream
+) -> list[torch.Tensor]:  # each micro-batch's final-norm hidden states [Tm, H]
     streams = []
     for mb in batches:  # the embedding's own all-reduce runs in place, on the main stream
         hidden = inner.embed(mb.input_ids)  # [Tm, H]
@@ -109,6 +121,4 @@ def micro_batch_forward(
                 with forward_context(st.batch.meta):
                     partial = stage(layer, st.batch.positions, hidden)
                 st.pending = comm.launch(partial)
-    outs = [_reduce_norm(comm, st.pending, inner.norm, st.residual)[0] for st in streams]
-    comm.join()
-    return torch.cat(outs)
+    return [_reduce_norm(comm, st.pending, inner.norm, st.residual)[0] for st in streams]
