@@ -44,6 +44,14 @@ COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 NOFUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "0"}
 FUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "1"}
 G2048 = {"cuda_graph_prefill_tokens": 2048}
+
+
+def dual512(all_reduce: str, **options) -> dict:
+    """Dual-stream from 512 tokens (decode steps run plain), prefills replayed from graphs."""
+    return dict(all_reduce=all_reduce, dual_stream=True, dual_stream_min_tokens=512, **G2048,
+                **options)  # fmt: skip
+
+
 # (label, engine options, stages), most important first: the budget cuts from the end.
 ENGINES = {
     "nvlink": [
@@ -78,42 +86,25 @@ ENGINES = {
         # dual-stream from 512 tokens only: decode steps run plain (hostmem's kernels)
         (
             "tp2-hostmem-copy-dual512-g2048",
-            dict(all_reduce="hostmem-copy", dual_stream=True, dual_stream_min_tokens=512, **G2048),
+            dual512("hostmem-copy"),
             ("w1", "ttft", "decode"),
         ),
         (
             "tp2-hostmem-copy-int8-dual512-g2048",
-            dict(
-                all_reduce="hostmem-copy-int8",
-                dual_stream=True,
-                dual_stream_min_tokens=512,
-                **G2048,
-            ),
+            dual512("hostmem-copy-int8"),
             ("w1", "ttft", "decode", "profile"),
         ),
         # the peers' int8 copies summed inside the norm that consumes them (default: apart)
         (
             "tp2-hostmem-copy-int8-dual512-g2048-fuse",
-            dict(
-                all_reduce="hostmem-copy-int8",
-                dual_stream=True,
-                dual_stream_min_tokens=512,
-                _env={"LIGHTWELL_HOSTMEM_COPY_FUSE_NORM": "1"},
-                **G2048,
-            ),
+            dual512("hostmem-copy-int8", _env={"LIGHTWELL_HOSTMEM_COPY_FUSE_NORM": "1"}),
             ("ttft",),
         ),
         # three or four micro-batches (--dual-stream-micro-batches)
         *[
             (
                 f"tp2-hostmem-copy{kind}-dual512-g2048-m{m}",
-                dict(
-                    all_reduce=f"hostmem-copy{kind}",
-                    dual_stream=True,
-                    dual_stream_min_tokens=512,
-                    dual_stream_micro_batches=m,
-                    **G2048,
-                ),
+                dual512(f"hostmem-copy{kind}", dual_stream_micro_batches=m),
                 ("ttft",),
             )
             for kind in ("-int8", "")
@@ -121,39 +112,21 @@ ENGINES = {
         ],
         (
             "tp2-hostmem-int8-dual512-g2048-m3",
-            dict(
-                all_reduce="hostmem-int8",
-                dual_stream=True,
-                dual_stream_min_tokens=512,
-                dual_stream_micro_batches=3,
-                **G2048,
-            ),
+            dual512("hostmem-int8", dual_stream_micro_batches=3),
             ("ttft",),
         ),
         # the copy-engine messages in 2, 3 or 8 pieces (default 4)
         *[
             (
                 f"tp2-hostmem-copy-int8-dual512-g2048-c{c}",
-                dict(
-                    all_reduce="hostmem-copy-int8",
-                    dual_stream=True,
-                    dual_stream_min_tokens=512,
-                    _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": str(c)},
-                    **G2048,
-                ),
+                dual512("hostmem-copy-int8", _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": str(c)}),
                 ("ttft",) if c < 8 else ("w1", "ttft", "decode"),
             )
             for c in (2, 3, 8)
         ],
         (
             "tp2-hostmem-copy-dual512-g2048-c8",
-            dict(
-                all_reduce="hostmem-copy",
-                dual_stream=True,
-                dual_stream_min_tokens=512,
-                _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"},
-                **G2048,
-            ),
+            dual512("hostmem-copy", _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"}),
             ("ttft",),
         ),
         (
