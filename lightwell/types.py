@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar, overload
+
+T = TypeVar("T")
 
 
 class FinishReason(enum.StrEnum):
@@ -162,13 +166,64 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+class ListPrefix(Sequence[T], Generic[T]):
+    """The first ``n`` items of a list that only grows (``extend``): a snapshot that copies
+    nothing, so a streamed output costs O(1) a step, not O(tokens so far). Slices are lists of
+    just the items asked for."""
+
+    __slots__ = ("_items", "_n")
+
+    def __init__(self, items: list[T], n: int) -> None:
+        if not 0 <= n <= len(items):
+            raise ValueError(f"a prefix of {n} items of a list of {len(items)}")
+        self._items, self._n = items, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, i: int) -> T: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[T]: ...
+
+    def __getitem__(self, i: int | slice) -> T | list[T]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(self._n)  # (a stop of -1 is "before 0" here)
+            if step == 1:
+                return self._items[start:stop] if start < stop else []
+            return [self._items[k] for k in range(start, stop, step)]
+        if not -self._n <= i < self._n:
+            raise IndexError("ListPrefix index out of range")
+        return self._items[i % self._n]
+
+    def __iter__(self) -> Iterator[T]:
+        items = self._items
+        for k in range(self._n):
+            yield items[k]
+
+    def __eq__(self, other: Any) -> bool:
+        if not isinstance(other, (list, tuple, ListPrefix)):
+            return NotImplemented
+        return len(other) == self._n and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]  (mutable underneath, like a list)
+
+    def __repr__(self) -> str:
+        return repr(self[:])
+
+
 @dataclass
 class CompletionOutput:
+    """One completion of a request. In a streamed (unfinished) output, ``token_ids`` and
+    ``logprobs`` are ``ListPrefix`` views of what was generated so far (read-only sequences:
+    len, index, slice, iterate, compare); a finished output holds lists."""
+
     index: int
     text: str
-    token_ids: list[int]
+    token_ids: Sequence[int]
     cumulative_logprob: float | None = None
-    logprobs: list[PositionLogprobs] | None = None
+    logprobs: Sequence[PositionLogprobs] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 

@@ -11,6 +11,7 @@ from lightwell.scheduler.output import EngineCoreOutput, TokenLogprobs
 from lightwell.types import (
     CompletionOutput,
     FinishReason,
+    ListPrefix,
     Logprob,
     PositionLogprobs,
     RequestMetrics,
@@ -157,7 +158,7 @@ class OutputProcessor:
             self.parents.pop(parent.request_id, None)
             for c in parent.children:
                 self.children.pop(c.req_id, None)
-        outs = [_snapshot(c.out) for c in parent.children]
+        outs = [_snapshot(c.out, finished) for c in parent.children]
         return RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
@@ -184,13 +185,22 @@ def _no_piece(token_id: int) -> None:
     return None
 
 
-def _snapshot(o: CompletionOutput) -> CompletionOutput:
+def _snapshot(o: CompletionOutput, finished: bool) -> CompletionOutput:
+    """The output as it is now: views of the growing lists while the request runs (a copy each
+    step made streaming O(tokens^2): 2.3 ms a step at 4,096 tokens x 64 streams, 10.6 at
+    16,384, against 0.24-0.27 with views: benchmarks/cpu_stream_outputs.py), copies once it
+    has finished."""
+    keep = list if finished else _prefix
     return CompletionOutput(
         index=o.index,
         text=o.text,
-        token_ids=list(o.token_ids),
+        token_ids=keep(o.token_ids),
         cumulative_logprob=o.cumulative_logprob,
-        logprobs=list(o.logprobs) if o.logprobs is not None else None,
+        logprobs=keep(o.logprobs) if o.logprobs is not None else None,
         finish_reason=o.finish_reason,
         stop_reason=o.stop_reason,
     )
+
+
+def _prefix(items: list) -> ListPrefix:
+    return ListPrefix(items, len(items))
