@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightwell.distributed.comm.base import exact_sum
 from lightwell.distributed.parallel_state import (
     get_tp_rank,
     get_tp_size,
@@ -66,7 +67,8 @@ class VocabParallelEmbedding(nn.Module):
         in_range = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index) * in_range
         out = F.embedding(local_ids, self.weight) * in_range.unsqueeze(-1).to(self.weight.dtype)
-        return tp_all_reduce(out)
+        with exact_sum():  # one rank's row each: an int8 payload would only lose precision
+            return tp_all_reduce(out)
 
     def extra_repr(self) -> str:
         return (

@@ -315,6 +315,46 @@ def _check_selector(rank: int, ctx) -> None:
     copy8.close()
 
 
+def _check_exact_sum(rank: int, ctx) -> None:
+    """Under comm.base.exact_sum the int8 strategies sum exactly (the vocab-parallel
+    embedding's all-reduce): the same bits as the fp32 sum in rank order, where the int8
+    payload is off; int8 calls before and after on the same buffers stay int8; the embedding
+    of a sharded vocabulary under hostmem-int8 equals the unsharded table's rows."""
+    from lightwell.distributed.comm import selector
+    from lightwell.distributed.comm.base import beside_compute, exact_sum
+    from lightwell.distributed.comm.selector import AllReduceSelector
+    from lightwell.layers.embedding import VocabParallelEmbedding
+
+    g = torch.Generator().manual_seed(11)
+    xs = [torch.randn(6, 512, generator=g) for _ in range(2)]
+    want = xs[0] + xs[1]
+    copy_min, selector.COPY_MIN_BYTES = selector.COPY_MIN_BYTES, 0  # the copy path takes x
+    try:
+        sels = [AllReduceSelector(ctx, c, max_bytes=1 << 16)
+                for c in ("hostmem-int8", "int8", "hostmem-copy-int8")]  # fmt: skip
+    finally:
+        selector.COPY_MIN_BYTES = copy_min
+    with beside_compute():
+        assert sels[2].pick(xs[rank]).name == "hostmem-copy-int8"
+        with exact_sum():
+            assert sels[2].pick(xs[rank]).name == "hostmem-int8"
+    for choice, sel in zip(("hostmem-int8", "int8", "hostmem-copy-int8"), sels):
+        lossy = sel.all_reduce(xs[rank].clone())
+        assert not torch.equal(lossy, want) and (lossy - want).abs().max() < 0.1, choice
+        with exact_sum(), beside_compute():
+            assert torch.equal(sel.all_reduce(xs[rank].clone()), want), choice
+        assert torch.equal(sel.all_reduce(xs[rank].clone()), lossy), choice
+        sel.close()
+    table = torch.randn(100, 256, generator=g)
+    emb = VocabParallelEmbedding(100, 256)
+    emb.weight_loader(emb.weight, table)
+    ids = torch.tensor([0, 99, 50, 63, 64, 7])  # rows of both shards
+    sel = AllReduceSelector(ctx, "hostmem-int8", max_bytes=1 << 16)
+    with _through(sel):
+        assert torch.equal(emb(ids), table[ids])
+    sel.close()
+
+
 def _check_setup_failures(rank: int, ctx) -> None:
     """auto's optional strategies: a failure on one rank makes every rank fall back; a shared
     segment that does not fit /dev/shm fails on every rank, before anything is mapped."""
@@ -508,6 +548,7 @@ def _run(rank: int, port: int, folder: str) -> None:
     _check_selector(rank, ctx)
     _check_greedy_tokens(rank)
     _check_setup_failures(rank, ctx)
+    _check_exact_sum(rank, ctx)
     _check_micro_batches(rank, ctx, folder)
     # every reference to the gloo group must go before it is destroyed: one left for the
     # interpreter's exit aborts the process now and then ("terminate called ...")

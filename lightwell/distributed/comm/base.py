@@ -1,5 +1,6 @@
-"""The all-reduce strategy interface, the context every strategy is built from, and whether the
-all-reduce being issued runs beside compute (the dual-stream overlap)."""
+"""The all-reduce strategy interface, the context every strategy is built from, whether the
+all-reduce being issued runs beside compute (the dual-stream overlap), and whether it must be
+exact even under a lossy (int8) strategy."""
 
 from __future__ import annotations
 
@@ -64,3 +65,24 @@ def beside_compute() -> Iterator[None]:
 
 def is_beside_compute() -> bool:
     return _BESIDE_COMPUTE
+
+
+_EXACT_SUM = False
+
+
+@contextlib.contextmanager
+def exact_sum() -> Iterator[None]:
+    """All-reduces issued inside are summed exactly even under the int8 strategies (each sends
+    its full-precision payload for them): the vocab-parallel embedding's, where every row has
+    one non-zero contribution, which int8 would only blur. Set while the call is issued, like
+    ``beside_compute``, so a CUDA-graph capture bakes it in."""
+    global _EXACT_SUM
+    before, _EXACT_SUM = _EXACT_SUM, True
+    try:
+        yield
+    finally:
+        _EXACT_SUM = before
+
+
+def is_exact_sum() -> bool:
+    return _EXACT_SUM

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightwell.distributed.comm.base import CommContext, message_bytes
+from lightwell.distributed.comm.base import CommContext, is_exact_sum, message_bytes
 from lightwell.distributed.comm.host import map_shared, pin
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -171,7 +171,8 @@ class HostMemAllReduce:
         )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(x, self.bufs, self.int8)
+        # (the buffers hold any message in full precision: an exact call needs no other)
+        return self._run(x, self.bufs, self.int8 and not is_exact_sum())
 
     def all_reduce_add_rmsnorm(
         self,
@@ -188,7 +189,7 @@ class HostMemAllReduce:
         norm = self._kernel.AddRMSNorm(residual, weight, eps)
         if not self._kernel.can_fuse_norm(x, norm, self.bufs.block):
             return None
-        return self._run(x, self.bufs, self.int8, norm)
+        return self._run(x, self.bufs, self.int8 and not is_exact_sum(), norm)
 
     def timed_out(self) -> bool:
         """Whether any wait gave up on a peer (synchronises with the device)."""

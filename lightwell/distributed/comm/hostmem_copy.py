@@ -64,7 +64,12 @@ from typing import Any
 
 import torch
 
-from lightwell.distributed.comm.base import CommContext, is_beside_compute, message_bytes
+from lightwell.distributed.comm.base import (
+    CommContext,
+    is_beside_compute,
+    is_exact_sum,
+    message_bytes,
+)
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
     HostMemAllReduce,
@@ -223,6 +228,7 @@ class HostMemCopyAllReduce:
             and x.device.type == self.device.type
             and self.min_bytes <= message_bytes(x) <= self.max_bytes
             and (is_beside_compute() or not self.beside_compute_only)
+            and not (self.int8 and is_exact_sum())  # (the next lane: hostmem's)
         )
 
     def _slot(self, parity: int, rank: int) -> int:  # byte offset of a slot in the segment

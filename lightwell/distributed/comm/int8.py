@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from lightwell.distributed.comm.base import CommContext
+from lightwell.distributed.comm.base import CommContext, is_exact_sum
 
 GROUP = 128  # elements per scale
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -114,6 +114,9 @@ class Int8AllReduce:
         return x.is_floating_point()
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if is_exact_sum():  # NCCL's own sum, in full precision
+            dist.all_reduce(x, group=self.group)
+            return x
         ops = self.ops
         n, w = x.numel(), self.size
         cols = -(-n // (w * GROUP)) * GROUP  # elements per rank's chunk
