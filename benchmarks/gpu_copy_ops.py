@@ -15,11 +15,9 @@ Medians of 30 runs (part 1: graph replays). Prints a table; writes JSON rows.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -75,40 +73,33 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from lightwell.distributed.comm.hostmem import _device_pointer
+    from lightwell.bench.results import git_commit
+    from lightwell.distributed.comm.hostmem_copy import _DriverOps
     from lightwell.kernels.int8_pack import dequant_sum, packed_row_bytes, quantize_pack
 
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
-    cuda = ctypes.CDLL("libcuda.so.1")
-    for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyHtoDAsync_v2"):
-        getattr(cuda, name).argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t,
-                                        ctypes.c_void_p]  # fmt: skip
-    for name in ("cuStreamWriteValue32_v2", "cuStreamWaitValue32_v2"):
-        getattr(cuda, name).argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
-                                        ctypes.c_uint]  # fmt: skip
+    # [0, 4 MB): D2H targets, [4, 8 MB): H2D sources, then flags (the strategy's driver calls)
     host = torch.zeros(8 * MB + 4096, dtype=torch.uint8, pin_memory=True)
-    flags_host = host.data_ptr() + 8 * MB
-    flags_dev = _device_pointer(flags_host)
     host[8 * MB :].view(torch.int32)[:].fill_(1)  # every wait below is already satisfied
+    ops = _DriverOps(host)
     src = torch.randint(0, 255, (4 * MB,), dtype=torch.uint8, device=dev)
     dst = torch.empty(4 * MB, dtype=torch.uint8, device=dev)
 
     def s():
-        return torch.cuda.current_stream().cuda_stream
+        return torch.cuda.current_stream()
 
     def d2h(a, n):
-        assert cuda.cuMemcpyDtoHAsync_v2(host.data_ptr() + a, src.data_ptr() + a, n, s()) == 0
+        ops.d2h(a, src, a, a + n, s())
 
     def h2d(a, n):
-        assert cuda.cuMemcpyHtoDAsync_v2(dst.data_ptr() + a, host.data_ptr() + 4 * MB + a, n,
-                                         s()) == 0  # fmt: skip
+        ops.h2d(dst, a, a + n, 4 * MB + a, s())
 
-    def write(i, flags):
-        assert cuda.cuStreamWriteValue32_v2(s(), flags_dev + 4 * (64 + i), 1, flags) == 0
+    def write(i):  # fenced
+        ops.write_flag(8 * MB + 4 * (64 + i), 1, s())
 
     def wait(i):
-        assert cuda.cuStreamWaitValue32_v2(s(), flags_dev + 4 * i, 1, 1) == 0
+        ops.wait_flag(8 * MB + 4 * i, 1, s())
 
     rows = []
 
@@ -122,13 +113,13 @@ def main() -> int:
     cases = {
         "d2h 4 x 1 MB": each(lambda c: d2h(c * MB, MB)),
         "d2h 1 x 4 MB": lambda: d2h(0, 4 * MB),
-        "d2h 4 x (1 MB + write, fenced)": each(lambda c: d2h(c * MB, MB), lambda c: write(c, 0)),
+        "d2h 4 x (1 MB + write, fenced)": each(lambda c: d2h(c * MB, MB), write),
         "h2d 4 x 1 MB": each(lambda c: h2d(c * MB, MB)),
         "h2d 4 x (wait + 1 MB + write)": each(
-            wait, lambda c: h2d(c * MB, MB), lambda c: write(8 + c, 0)
+            wait, lambda c: h2d(c * MB, MB), lambda c: write(8 + c)
         ),
         "h2d 4 x (wait + 1 MB)": each(wait, lambda c: h2d(c * MB, MB)),
-        "write x 4 (fenced)": each(lambda c: write(c, 0)),
+        "write x 4 (fenced)": each(write),
         "wait x 4 (satisfied)": each(wait),
     }
     for what, fn in cases.items():
@@ -198,13 +189,7 @@ def main() -> int:
                     + ("a GEMM starting beside" if beside else "alone"),
                     ready_to_done(fn, gemm if beside else None, side),
                 )
-    commit = (
-        os.environ.get("LIGHTWELL_COMMIT")
-        or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-    )
-    meta = {"gpu": torch.cuda.get_device_name(dev), "commit": commit,
+    meta = {"gpu": torch.cuda.get_device_name(dev), "commit": git_commit(),
             "command": "python3 benchmarks/gpu_copy_ops.py --out $OUT/copy_ops.json"}  # fmt: skip
     with open(args.out, "w") as f:
         json.dump([{**r, **meta} for r in rows], f, indent=1)

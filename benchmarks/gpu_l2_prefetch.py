@@ -31,6 +31,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from lightwell.bench.results import git_commit  # noqa: E402
+
 MB = 1 << 20
 SHAPES = {  # [N, K] per rank at TP=2
     "qkv": (3072, 4096),
@@ -186,7 +188,7 @@ def main() -> None:
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "commit": os.environ.get("LIGHTWELL_COMMIT", "?"),
+        "commit": git_commit(),
         "flush_us": timer.base,
         "sleep_cycles_per_us": cyc,
         "l2_bytes": getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", None),

@@ -30,10 +30,9 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     num_decodes: int = 0  # requests with query_len == 1 come first in decode-heavy batches
-    # A CUDA graph's capture-time metadata: the host values above may describe a placeholder
-    # layout (a mixed-step graph's: only the token and request counts hold at replay; a decode
-    # graph's layout holds), so code that splits or reshapes the batch derives the rest on the
-    # device.
+    # A mixed-step CUDA graph's capture-time metadata: the host values above describe a
+    # placeholder layout (only the token and request counts hold at replay), so code that
+    # splits or reshapes the batch derives the rest on the device.
     static_layout: bool = False
     # Per-step scratch for backends: what the first layer derives from this metadata (a plan,
     # masks, gather indices) is kept here and reused by every other layer of the step.

@@ -57,7 +57,7 @@ def split_batch(
     attention metadata; needs ``can_split(meta, parts)``."""
     if parts < 2 or not can_split(meta, parts):
         raise ValueError(f"cannot split a batch of {meta.num_tokens} tokens in {parts}")
-    if meta.static_layout and meta.max_query_len > 1:
+    if meta.static_layout:  # (a mixed graph's: a decode graph's layout holds at replay)
         return _split_static(input_ids, positions, meta, parts)
     out, done = [], 0  # tokens [0, done) are split off; ``meta`` describes the rest
     for s in split_points(meta, parts):

@@ -23,6 +23,7 @@ and join through events).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,40 +44,43 @@ class PendingAllReduce:
 class CommStream:
     def __init__(self, stream: torch.cuda.Stream | None) -> None:
         self.stream = stream
-        self.unjoined: list[Any] = []  # finished calls in phases, their last writes not joined
-        self.launched: list[Any] = []  # calls in phases of this forward
+        self.unjoined: Any = None  # the last finished call in phases, its flag writes unjoined
+        self.in_flight: list[Any] = []  # calls in phases launched and not yet taken
+        self.owners: list[Any] = []  # the strategies of this forward's calls in phases
 
     def launch(self, x: torch.Tensor) -> PendingAllReduce:
+        on_stream = self.stream is not None  # (None: in order, the CPU tests)
         with beside_compute():  # (the same picks in order on CPU as on a stream)
             phased = tp_all_reduce_start(x)  # on this (the main) stream
             if phased is not None:
-                self.launched.append(phased)
-            if self.stream is None:  # in order: the CPU tests
-                if phased is None:
-                    return PendingAllReduce(tp_all_reduce(x), None, None)
-                phased.transfer()
-                return PendingAllReduce(None, None, None, phased)
-            self.stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.stream):
+                self.in_flight.append(phased)
+                if phased.owner not in self.owners:
+                    self.owners.append(phased.owner)
+            if on_stream:
+                self.stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext():
                 if phased is None:
                     result = tp_all_reduce(x)
                 else:
                     result = None
                     phased.transfer()
-                event = torch.cuda.Event()
-                event.record(self.stream)
-        return PendingAllReduce(result, event, x, phased)
+                event = None
+                if on_stream:
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+        return PendingAllReduce(result, event, x if on_stream else None, phased)
 
     def _take(self, pending: PendingAllReduce) -> Any:
         """The main stream waits for the comm stream's part; returns the call in phases (if
-        any) for the caller to finish, having joined the calls finished before it."""
+        any) for the caller to finish, having joined the call finished before it."""
         if pending.event is not None:
             torch.cuda.current_stream().wait_event(pending.event)
             pending.event = None
         phased, pending.phased, pending.source = pending.phased, None, None
         if phased is not None:
-            self.join()  # the calls finished before (their writes are done by now)
-            self.unjoined.append(phased)
+            self.in_flight.remove(phased)
+            self.join()  # the call finished before (its writes are done by now)
+            self.unjoined = phased
         return phased
 
     def wait(self, pending: PendingAllReduce) -> torch.Tensor:
@@ -99,27 +103,25 @@ class CommStream:
         return phased.finish_add_rmsnorm(residual, weight, eps)
 
     def join(self) -> None:
-        """The main stream waits for the finished calls' last stream work (a strategy's down
-        stream runs in order: its last call's marker covers its others)."""
-        joined: set[int] = set()
-        for phased in reversed(self.unjoined):
-            if id(phased.owner) not in joined:
-                joined.add(id(phased.owner))
-                phased.join()
-        self.unjoined = []
+        """The main stream waits for the last finished call's flag writes (a strategy's down
+        stream runs in order: they come after every earlier call's)."""
+        if self.unjoined is not None:
+            self.unjoined.join()
+            self.unjoined = None
 
     def end(self) -> None:
         """The forward's end: every call joined (a CUDA-graph capture must end so), and the
         strategies forget this forward's calls."""
         self.join()
-        for phased in self.launched:
-            phased.end_forward()
-        self.launched = []
+        for owner in self.owners:
+            owner.end_forward()
+        self.owners = []
 
     def abandon(self) -> None:
-        """After a forward failed midway: give every call's stage set back, forget the rest
-        (the work already queued runs on; nothing waits for it)."""
-        for phased in self.launched:
+        """After a forward failed midway: give the unfinished calls' stage sets back, forget
+        the rest (the work already queued runs on; nothing waits for it)."""
+        for phased in self.in_flight:
             phased.release()
-            phased.end_forward()
-        self.launched, self.unjoined = [], []
+        for owner in self.owners:
+            owner.end_forward()
+        self.in_flight, self.owners, self.unjoined = [], [], None

@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels.int8_pack import GROUP, packed_row_bytes, quantize_groups
+from lightwell.kernels.rmsnorm import norm_row
 
 BLOCK = 4096  # elements per program: 8 KB of bf16, 4 KB + 128 B of int8 + scales
 
@@ -158,11 +159,8 @@ def _finish(
     if NORM:
         h = (s.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + offs, h, mask=mask)
-        if BLOCK == HIDDEN:  # one row a block: no reshapes
-            hf = h.to(tl.float32)
-            rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / HIDDEN + eps)
-            normed = (hf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
-            y = normed * w.to(tl.float32)
+        if BLOCK == HIDDEN:  # one row a block: the norm kernel's own row math
+            y = norm_row(h, w.to(tl.float32), eps, HIDDEN)
         else:
             hf = tl.reshape(h.to(tl.float32), (BLOCK // HIDDEN, HIDDEN))
             rstd = 1.0 / tl.sqrt(tl.sum(hf * hf, 1) / HIDDEN + eps)

@@ -232,6 +232,11 @@ def unpack_dequant(
     return out
 
 
+def _check_stage(stage: torch.Tensor, nbytes: int) -> None:
+    if not stage.is_contiguous() or stage.shape[1] < nbytes or stage.shape[1] % 4:
+        raise ValueError(f"want a contiguous [w, >= {nbytes}] uint8 stage (4-byte rows)")
+
+
 def dequant_sum(
     stage: torch.Tensor,  # uint8 [w, S]: row r holds rank r's packed chunks in its first bytes
     cols: int,
@@ -242,8 +247,7 @@ def dequant_sum(
     once into ``out`` (every rank that holds the same bytes gets the same values)."""
     _check_cols(cols)
     rb = packed_row_bytes(cols)
-    if not stage.is_contiguous() or stage.shape[1] < num_rows * rb or stage.shape[1] % 4:
-        raise ValueError(f"want a contiguous [w, >= {num_rows * rb}] uint8 stage (4-byte rows)")
+    _check_stage(stage, num_rows * rb)
     if not out.is_contiguous() or out.numel() > num_rows * cols:
         raise ValueError("out must be contiguous and fit num_rows x cols")
     q, s = _views(stage)
@@ -267,8 +271,7 @@ def dequant_sum_add_rmsnorm(
     _check_cols(cols)
     rb = packed_row_bytes(cols)
     tokens, hidden = residual.shape
-    if not stage.is_contiguous() or stage.shape[1] < num_rows * rb or stage.shape[1] % 4:
-        raise ValueError(f"want a contiguous [w, >= {num_rows * rb}] uint8 stage (4-byte rows)")
+    _check_stage(stage, num_rows * rb)
     if not residual.is_contiguous() or tokens * hidden > num_rows * cols:
         raise ValueError("residual must be contiguous and fit num_rows x cols")
     if weight.shape != (hidden,) or not weight.is_contiguous():

@@ -34,7 +34,7 @@ from torch import nn
 from lightwell.attention.metadata import forward_context
 from lightwell.attention.micro_batch import MicroBatch
 from lightwell.distributed.overlap import CommStream, PendingAllReduce
-from lightwell.layers.norm import RMSNorm
+from lightwell.layers.norm import RMSNorm, pre_norm
 from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 
 
@@ -66,14 +66,11 @@ def _reduce_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [Tm, H], new residual [Tm, H])
     """A stage's input: the previous stage's sum through the residual add + norm (``pre_norm``),
     the sum itself fused into the norm where the all-reduce allows (hostmem-copy-int8)."""
-    if residual is None:  # the first layer's input (the embedding) becomes the residual
-        hidden = comm.wait(pending)
-        return norm(hidden), hidden
-    if type(norm) is RMSNorm:
+    if residual is not None and isinstance(norm, RMSNorm):
         fused = comm.wait_add_rmsnorm(pending, residual, norm.weight, norm.eps)
         if fused is not None:
             return fused
-    return norm(comm.wait(pending), residual)
+    return pre_norm(norm, comm.wait(pending), residual)
 
 
 def _attention_stage(

@@ -100,7 +100,6 @@ class CudaGraphRunner:
             query_start_loc_cpu=list(range(size + 1)),
             seq_lens_cpu=[self.max_model_len] * size,
             num_decodes=size,
-            static_layout=True,
         )
 
     def _mixed_meta(self, tokens: int) -> AttentionMetadata:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from unittest import mock
 
 import torch
 
@@ -80,17 +81,13 @@ def _check_strategies(rank: int, ctx) -> None:
     _check_copy_slot_reuse(rank, ctx)
 
 
-@contextlib.contextmanager
 def _min_chunk_bytes(value: int | None):
     """hostmem_copy.MIN_CHUNK_BYTES set to ``value`` for a while (None: left as it is)."""
     from lightwell.distributed.comm import hostmem_copy
 
-    before = hostmem_copy.MIN_CHUNK_BYTES
-    hostmem_copy.MIN_CHUNK_BYTES = before if value is None else value
-    try:
-        yield
-    finally:
-        hostmem_copy.MIN_CHUNK_BYTES = before
+    if value is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(hostmem_copy, "MIN_CHUNK_BYTES", value)
 
 
 def _check_sums(name: str, strategy, rank: int, ctx, threads: int) -> None:
@@ -328,12 +325,9 @@ def _check_exact_sum(rank: int, ctx) -> None:
     g = torch.Generator().manual_seed(11)
     xs = [torch.randn(6, 512, generator=g) for _ in range(2)]
     want = xs[0] + xs[1]
-    copy_min, selector.COPY_MIN_BYTES = selector.COPY_MIN_BYTES, 0  # the copy path takes x
-    try:
+    with mock.patch.object(selector, "COPY_MIN_BYTES", 0):  # the copy path takes x
         sels = [AllReduceSelector(ctx, c, max_bytes=1 << 16)
                 for c in ("hostmem-int8", "int8", "hostmem-copy-int8")]  # fmt: skip
-    finally:
-        selector.COPY_MIN_BYTES = copy_min
     with beside_compute():
         assert sels[2].pick(xs[rank]).name == "hostmem-copy-int8"
         with exact_sum():
@@ -405,13 +399,9 @@ def _check_micro_batches(rank: int, ctx, folder: str) -> None:
     from tests.models.tiny import load_ours
 
     hostmem = AllReduceSelector(ctx, "hostmem", max_bytes=1 << 16)
-    copy_min = selector.COPY_MIN_BYTES
-    selector.COPY_MIN_BYTES = 0  # every message through the copy path
-    try:
+    with mock.patch.object(selector, "COPY_MIN_BYTES", 0):  # every message through the copy path
         copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=1 << 16, phases=2)
         copy_int8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=1 << 16, phases=2)
-    finally:
-        selector.COPY_MIN_BYTES = copy_min
     assert not copy_int8.preferred[0].fuse_norm  # by default the sum, then the norm
     copy_int8.preferred[0].fuse_norm = True  # (LIGHTWELL_HOSTMEM_COPY_FUSE_NORM=1)
     plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
@@ -446,8 +436,6 @@ def _check_micro_batches(rank: int, ctx, folder: str) -> None:
             got = plain(ids, pos)
         assert calls == {"fused": 2 * len(plain.model.layers), "plain": 1, "phased": 0}, calls
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        # every all-reduce through the copy path (no fused form: reduce, then norm), in the
-        # plain forward and in the two-micro-batch one
         # the copy engines take only the two-micro-batch forward's layer all-reduces (issued
         # beside compute: 2 stages x 2 micro-batches a layer); the plain forward's, and the
         # embedding's, go to hostmem's lanes (fused with the norm where they feed one)

@@ -46,43 +46,35 @@ def message_bytes(x: torch.Tensor) -> int:
     return x.numel() * x.element_size()
 
 
-_BESIDE_COMPUTE = False
+class _CallFlag:
+    """A flag on the all-reduces issued inside ``with flag():``, read by the strategies while
+    the call is issued (so a CUDA-graph capture bakes the choice in; every rank issues the
+    same calls the same way, so all choose alike)."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        before, self.on = self.on, True
+        try:
+            yield
+        finally:
+            self.on = before
 
 
-@contextlib.contextmanager
-def beside_compute() -> Iterator[None]:
-    """All-reduces issued inside run beside compute on another stream (the dual-stream
-    overlap's comm stream): strategies that hold no SMs are preferred for them
-    (``hostmem-copy``). Set while the call is issued, so a CUDA-graph capture bakes the
-    choice in; every rank issues the same calls the same way, so all pick alike."""
-    global _BESIDE_COMPUTE
-    before, _BESIDE_COMPUTE = _BESIDE_COMPUTE, True
-    try:
-        yield
-    finally:
-        _BESIDE_COMPUTE = before
+# The all-reduces issued beside compute on another stream (the dual-stream overlap's comm
+# stream): strategies that hold no SMs are preferred for them (``hostmem-copy``).
+beside_compute = _CallFlag()
+# The all-reduces summed exactly even under the int8 strategies (they leave such a call to an
+# exact lane): the vocab-parallel embedding's, where every row has one non-zero contribution,
+# which int8 would only blur.
+exact_sum = _CallFlag()
 
 
 def is_beside_compute() -> bool:
-    return _BESIDE_COMPUTE
-
-
-_EXACT_SUM = False
-
-
-@contextlib.contextmanager
-def exact_sum() -> Iterator[None]:
-    """All-reduces issued inside are summed exactly even under the int8 strategies (each sends
-    its full-precision payload for them): the vocab-parallel embedding's, where every row has
-    one non-zero contribution, which int8 would only blur. Set while the call is issued, like
-    ``beside_compute``, so a CUDA-graph capture bakes it in."""
-    global _EXACT_SUM
-    before, _EXACT_SUM = _EXACT_SUM, True
-    try:
-        yield
-    finally:
-        _EXACT_SUM = before
+    return beside_compute.on
 
 
 def is_exact_sum() -> bool:
-    return _EXACT_SUM
+    return exact_sum.on

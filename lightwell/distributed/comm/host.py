@@ -39,6 +39,18 @@ BARRIER_TIMEOUT_S = 120.0
 _FLAG_STRIDE = 8  # int64s per rank counter: one 64-byte cache line each
 
 
+def rank_order_sum(terms: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    """The sum of ``terms`` (every rank's, in rank order) into ``out`` (which may be one of
+    them), computed in fp32 and rounded once: the same bytes on every rank that adds the same
+    terms."""
+    if len(terms) == 2:  # element-wise in fp32, one rounding: what the fp32 sum gives
+        return torch.add(terms[0], terms[1], out=out)
+    acc = terms[0].float()
+    for t in terms[1:]:
+        acc += t
+    return out.copy_(acc)
+
+
 class HostAllReduce:
     name = "host"
     graph_safe = False
@@ -86,14 +98,7 @@ class HostAllReduce:
 
     def _sum_chunk(self, parity: int, x: torch.Tensor, a: int, b: int) -> None:
         slots = [self._view(parity, r, x)[a:b] for r in range(self.size)]
-        result = self._view(parity, self.size, x)[a:b]
-        if len(slots) == 2:  # element-wise in fp32, one rounding: what the fp32 sum gives
-            torch.add(slots[0], slots[1], out=result)
-            return
-        acc = slots[0].float()
-        for s in slots[1:]:
-            acc += s
-        result.copy_(acc)
+        rank_order_sum(slots, self._view(parity, self.size, x)[a:b])
 
     def _barrier(self, target: int) -> None:
         self.flags[self.rank, 0] = target

@@ -170,9 +170,13 @@ class HostMemAllReduce:
             and message_bytes(x) <= self.max_bytes
         )
 
+    def _int8_now(self) -> bool:
+        """The int8 payload for this call (not under ``exact_sum``: the buffers hold any
+        message in full precision, so an exact call needs no other)."""
+        return self.int8 and not is_exact_sum()
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        # (the buffers hold any message in full precision: an exact call needs no other)
-        return self._run(x, self.bufs, self.int8 and not is_exact_sum())
+        return self._run(x, self.bufs, self._int8_now())
 
     def all_reduce_add_rmsnorm(
         self,
@@ -189,7 +193,7 @@ class HostMemAllReduce:
         norm = self._kernel.AddRMSNorm(residual, weight, eps)
         if not self._kernel.can_fuse_norm(x, norm, self.bufs.block):
             return None
-        return self._run(x, self.bufs, self.int8 and not is_exact_sum(), norm)
+        return self._run(x, self.bufs, self._int8_now(), norm)
 
     def timed_out(self) -> bool:
         """Whether any wait gave up on a peer (synchronises with the device)."""

@@ -44,8 +44,8 @@ the comm stream, the sum on the stream that consumes the result, so the comm str
 kernel. A kernel there waits for the SMs, and the GEMM beside it holds every SM until it ends
 (benchmarks/gpu_copy_ops.py on the H200: a 13 us quantize took 164 us ready-to-done beside a
 153 us GEMM, at either stream priority). Calls in flight in phases each own one of the
-stage sets (``phases``: this rank's packed message, the peers' copies, sized for half a step's
-message), taken at ``start`` and given back at ``finish``; with none free (or a message too
+stage sets (``phases``: this rank's packed message, the peers' copies, each sized for a
+micro-batch's share of a step's message), taken at ``start`` and given back at ``finish``; with none free (or a message too
 large), ``start`` declines and the call runs whole on the comm stream. A call in phases also
 waits, on its own up stream, for this rank's flag writes of the previous call of its parity
 in the same forward (``end_forward`` forgets them), so a graph whose branches run one after
@@ -70,14 +70,15 @@ from lightwell.distributed.comm.base import (
     is_exact_sum,
     message_bytes,
 )
+from lightwell.distributed.comm.host import rank_order_sum
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
+    DEFAULT_MAX_BYTES,
     HostMemAllReduce,
     _device_pointer,
     map_pinned,
 )
 
-DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 # Pieces a message is cut into so that its D2H and H2D copies overlap; messages below
 # ``MIN_CHUNK_BYTES`` a piece use fewer. Environment override for experiments (every rank
 # inherits the engine's environment, so every rank cuts alike).
@@ -86,8 +87,8 @@ CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
 MIN_CHUNK_BYTES = 256 * 1024
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
-# A stage set for a call in phases holds a micro-batch's message: at most half the step's
-# (the split is at equal token counts), plus a token row's worth of rounding.
+# A stage set for a call in phases holds a micro-batch's message: at most the step's over the
+# micro-batch count (the split is at equal token counts), plus a token row's worth of rounding.
 PHASE_MARGIN_BYTES = 64 * 1024
 # "1": int8 calls in phases sum inside the norm that consumes them (measured slower; default 0)
 FUSE_NORM_ENV = "LIGHTWELL_HOSTMEM_COPY_FUSE_NORM"
@@ -153,8 +154,13 @@ class HostMemCopyAllReduce:
             raise ValueError(f"{FUSE_NORM_ENV} must be 0 or 1, got {fuse!r}")
         self.fuse_norm = fuse == "1"
         self.int8 = int8
+        if int8:  # (imported here: no Triton on the exact path's CPU tests)
+            from lightwell.kernels import int8_pack
+
+            self._int8 = int8_pack
         self.name = "hostmem-copy-int8" if int8 else "hostmem-copy"
         self.rank, self.size = ctx.rank, ctx.size
+        self.peers = [r for r in range(ctx.size) if r != ctx.rank]
         self.max_bytes, self.min_bytes = max_bytes, min_bytes
         if chunks is None:
             chunks = int(os.environ.get(CHUNKS_ENV, CHUNKS))
@@ -176,13 +182,13 @@ class HostMemCopyAllReduce:
         if phases < 0:
             raise ValueError(f"phases must be >= 0, got {phases}")
         rows = ctx.size if int8 else ctx.size - 1
-        half = _room(min(max_bytes, max_bytes // 2 + PHASE_MARGIN_BYTES))
+        share = _room(min(max_bytes, max_bytes // max(phases, 2) + PHASE_MARGIN_BYTES))
 
         def stage_set(nbytes: int) -> torch.Tensor:
             return torch.empty(rows, nbytes, dtype=torch.uint8, device=ctx.device)
 
         self.phases = phases
-        self.stages = [stage_set(half) for _ in range(phases)] + [stage_set(self.slot_bytes)]
+        self.stages = [stage_set(share) for _ in range(phases)] + [stage_set(self.slot_bytes)]
         self.in_use = [False] * phases
         self.next_set = 0
         # per slot parity: the marker of this rank's flag writes after the last call in phases
@@ -201,6 +207,11 @@ class HostMemCopyAllReduce:
             return False
         return torch.cuda.is_available() if ctx.device.type == "cuda" else True
 
+    def _prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """(x contiguous, its int8 layout or None)."""
+        x = x.contiguous()
+        return x, int8_layout(x.numel(), self.chunks) if self.int8 else None
+
     def _payload(
         self, flat: torch.Tensor, layout: tuple[int, int] | None, stage: int
     ) -> tuple[torch.Tensor, list[tuple[int, int]]]:
@@ -212,14 +223,12 @@ class HostMemCopyAllReduce:
             item = flat.element_size()
             bounds = chunk_bounds(n, item, self.chunks)
             return flat.view(torch.uint8), [(a * item, b * item) for a, b in bounds]
-        from lightwell.kernels.int8_pack import packed_row_bytes, quantize_pack
-
-        rows, cols = layout
-        rb = packed_row_bytes(cols)
-        if rows * rb > self.stages[stage].shape[1]:
+        if self._wire_bytes(flat, layout) > self.stages[stage].shape[1]:
             raise ValueError(f"{n} elements do not fit hostmem-copy's stage set {stage}")
+        rows, cols = layout
+        rb = self._int8.packed_row_bytes(cols)
         mine = self._row(stage, self.rank)[: rows * rb]
-        quantize_pack(flat, rows, cols, out=mine.view(rows, rb))
+        self._int8.quantize_pack(flat, rows, cols, out=mine.view(rows, rb))
         return mine, [(r * rb, (r + 1) * rb) for r in range(rows)]
 
     def supports(self, x: torch.Tensor) -> bool:
@@ -228,7 +237,8 @@ class HostMemCopyAllReduce:
             and x.device.type == self.device.type
             and self.min_bytes <= message_bytes(x) <= self.max_bytes
             and (is_beside_compute() or not self.beside_compute_only)
-            and not (self.int8 and is_exact_sum())  # (the next lane: hostmem's)
+            # a guard: the exact calls (the embedding's) are not issued beside compute
+            and not (self.int8 and is_exact_sum())
         )
 
     def _slot(self, parity: int, rank: int) -> int:  # byte offset of a slot in the segment
@@ -245,15 +255,12 @@ class HostMemCopyAllReduce:
     def _wire_bytes(self, flat: torch.Tensor, layout: tuple[int, int] | None) -> int:
         if layout is None:
             return flat.numel() * flat.element_size()
-        from lightwell.kernels.int8_pack import packed_row_bytes
-
-        return layout[0] * packed_row_bytes(layout[1])
+        return layout[0] * self._int8.packed_row_bytes(layout[1])
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The whole call on the current stream (the last stage set)."""
-        x = x.contiguous()
+        x, layout = self._prepare(x)
         flat = x.view(-1)
-        layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
         whole = self.phases
         payload, bounds = self._payload(flat, layout, whole)  # (int8: quantized here)
         marks = self._transfer(payload, bounds, whole, phased=False)
@@ -264,9 +271,8 @@ class HostMemCopyAllReduce:
         int8 quantize runs here); ``transfer`` then goes on the comm stream and ``finish`` on
         the consumer's. None when every stage set is in flight or x does not fit one (call
         ``all_reduce``)."""
-        x = x.contiguous()
+        x, layout = self._prepare(x)
         flat = x.view(-1)
-        layout = int8_layout(flat.numel(), self.chunks) if self.int8 else None
         if not self.phases or self._wire_bytes(flat, layout) > self.stages[0].shape[1]:
             return None
         order = [(self.next_set + i) % self.phases for i in range(self.phases)]
@@ -295,8 +301,7 @@ class HostMemCopyAllReduce:
         up = self._here()
         if self.down is not None:  # the payload is ready; the set's last sum has read it
             self.down.wait_stream(up)
-        me = self.rank
-        peers = [r for r in range(self.size) if r != me]
+        me, peers = self.rank, self.peers
         mine, busy = self._slot(p, me), MAX_CHUNKS
         if phased and self.order[p] is not None:  # this rank's lowering for the last call
             ops.after(self.order[p], up)  # of this parity, before waiting for the peers'
@@ -352,23 +357,13 @@ class HostMemCopyAllReduce:
     def _sum(self, x: torch.Tensor, layout: tuple[int, int] | None, stage: int) -> torch.Tensor:
         """x plus every peer's copy in stage set ``stage``, in rank order, into x (on the
         current stream, after the copies)."""
-        flat = x.view(-1)
         if layout is not None:
-            from lightwell.kernels.int8_pack import dequant_sum
-
             rows, cols = layout
-            dequant_sum(self.stages[stage], cols, rows, flat)  # rows in rank order
+            self._int8.dequant_sum(self.stages[stage], cols, rows, x.view(-1))  # rank order
             return x
-        peers = [r for r in range(self.size) if r != self.rank]
-        nbytes = flat.numel() * x.element_size()
-        received = [self._row(stage, q)[:nbytes].view(x.dtype).view(x.shape) for q in peers]
-        if self.size == 2:  # one add in x's dtype: computed in fp32, rounded once
-            return x.add_(received[0])
-        terms = received[: self.rank] + [x] + received[self.rank :]  # rank order
-        acc = terms[0].float()
-        for t in terms[1:]:
-            acc += t
-        return x.copy_(acc)
+        nbytes = x.numel() * x.element_size()
+        received = [self._row(stage, q)[:nbytes].view(x.dtype).view(x.shape) for q in self.peers]
+        return rank_order_sum(received[: self.rank] + [x] + received[self.rank :], x)
 
     def close(self) -> None:
         if self.on_gpu and self.registered:
@@ -412,13 +407,11 @@ class _Phased:
     def can_finish_add_rmsnorm(self, residual: torch.Tensor) -> bool:
         """``finish_add_rmsnorm`` applies (when enabled): the int8 payload, x of residual's
         [T, H] shape, rows of whole int8 groups."""
-        from lightwell.kernels.int8_pack import GROUP
-
         return (
-            self.layout is not None
-            and self.owner.fuse_norm
+            self.owner.fuse_norm
+            and self.layout is not None
             and residual.dim() == 2
-            and residual.shape[1] % GROUP == 0
+            and residual.shape[1] % self.owner._int8.GROUP == 0
             and residual.shape == self.x.shape
             and residual.dtype == self.x.dtype
             and residual.is_contiguous()
@@ -429,30 +422,27 @@ class _Phased:
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] normed, [T, H] new residual)
         """``finish`` fused with the residual add + RMSNorm that consumes the sum (one pass,
         the same values; needs ``can_finish_add_rmsnorm``): x is left unsummed."""
-        from lightwell.kernels.int8_pack import dequant_sum_add_rmsnorm
-
         owner = self.owner
         try:
             owner.ops.after(self.marks[0], owner._here())
             rows, cols = self.layout
             stage = owner.stages[self.stage]
-            return dequant_sum_add_rmsnorm(stage, cols, rows, residual, weight, eps)
+            return owner._int8.dequant_sum_add_rmsnorm(stage, cols, rows, residual, weight, eps)
         finally:
             self.release()
 
     def release(self) -> None:
-        """Give the stage set back (``finish`` does; a forward that failed midway calls it)."""
+        """Give the stage set back (``finish`` does; a forward that failed midway calls it),
+        and drop the tensors (the caller holds the sum)."""
         if self.held:
             self.held = False
             self.owner.in_use[self.stage] = False
+            self.x = self.payload = None
 
     def join(self) -> None:
         """The current stream waits for the down stream's last writes of this call (done long
         since, as a rule): before a CUDA-graph capture ends, every call must be joined."""
         self.owner.ops.after(self.marks[1], self.owner._here())
-
-    def end_forward(self) -> None:
-        self.owner.end_forward()
 
 
 class _Ops:

@@ -90,6 +90,8 @@ class AllReduceSelector:
                     self.preferred.append(strategy)
             else:
                 self.preferred.append(create_strategy(name, ctx, **options))
+        # some strategy here runs calls in phases (``start``)
+        self.phased = any(hasattr(s, "start") for s in self.preferred)
 
     def pick(self, x: torch.Tensor) -> AllReduceStrategy:
         for strategy in self.preferred:
@@ -106,6 +108,8 @@ class AllReduceSelector:
     def start(self, x: torch.Tensor) -> Any:
         """The picked strategy's all-reduce of x in phases (``start`` on this stream, then
         ``transfer()`` and ``finish()``: ``hostmem-copy``), or None when it has none."""
+        if not self.phased:  # (no pick here that all_reduce would make again)
+            return None
         start = getattr(self.pick(x), "start", None)
         return None if start is None else start(x)
 
