@@ -3,14 +3,17 @@ random Llama (hidden 128, fp32) over 2 CPU ranks (gloo, the hostmem kernels unde
 interpreter), NCCL's (gloo's) sum against hostmem-int8 with the embedding's all-reduce exact
 (the default: ``comm.base.exact_sum``) and quantized like the rest.
 
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 benchmarks/cpu_int8_embedding_error.py
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 benchmarks/cpu_int8_embedding_error.py \
+        [--out FILE.json]
 
-Prints the relative logits error of each (60 prompt tokens).
+Prints the relative logits error of each (60 prompt tokens); ``--out`` also writes them.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
 import os
 import sys
 import tempfile
@@ -23,7 +26,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
 
-def run(rank: int, port: int, folder: str) -> None:
+def run(rank: int, port: int, folder: str, out: str | None) -> None:
     from lightwell.attention.metadata import forward_context
     from lightwell.distributed.comm import CommContext
     from lightwell.distributed.comm.selector import AllReduceSelector
@@ -55,21 +58,37 @@ def run(rank: int, port: int, folder: str) -> None:
     embedding.exact_sum = contextlib.nullcontext  # the embedding's all-reduce in int8 too
     quantized = logits()
     if rank == 0:
+        rows = []
         for name, got in (("embedding exact", exact_embedding), ("all in int8", quantized)):
-            print(f"hostmem-int8, {name:15s}: logits rel err {(got - ref).norm() / ref.norm():.3e}")
+            err = ((got - ref).norm() / ref.norm()).item()
+            print(f"hostmem-int8, {name:15s}: logits rel err {err:.3e}")
+            rows.append({"metric": "logits_rel_err", "value": err, "strategy": "hostmem-int8",
+                         "embedding_all_reduce": name})  # fmt: skip
+        if out:
+            from lightwell.bench.results import git_commit
+
+            meta = {"workload": "check", "model": "llama-128x4-random", "dtype": "float32",
+                    "tp": 2, "device": "cpu (gloo)", "commit": git_commit(),
+                    "command": "TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 "
+                    "benchmarks/cpu_int8_embedding_error.py"}  # fmt: skip
+            with open(out, "w") as f:
+                json.dump([{**r, **meta} for r in rows], f, indent=1)
     set_tp_all_reduce(None)
     selector.close()
     dist.destroy_process_group()
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the figures here (JSON records)")
+    args = ap.parse_args()
     from lightwell.executor.multiproc import free_port
     from tests.models.tiny import hf_tiny_model, save_hf, tiny_config
 
     cfg = tiny_config("base", num_key_value_heads=2, hidden_size=128, num_hidden_layers=4)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_hf(hf_tiny_model(cfg, seed=3), os.path.join(tmp, "tiny"))
-        mp.spawn(run, args=(free_port(), folder), nprocs=2)
+        mp.spawn(run, args=(free_port(), folder, args.out), nprocs=2)
     return 0
 
 

@@ -1,14 +1,17 @@
 """What turning each step's results into streamed RequestOutputs costs the engine's host
 loop: 64 streams, one token each a step, no tokenizer (token ids only), one CPU thread.
 
-    OMP_NUM_THREADS=1 python3 benchmarks/cpu_stream_outputs.py
+    OMP_NUM_THREADS=1 python3 benchmarks/cpu_stream_outputs.py [--out FILE.json]
 
 Prints the mean ms a step over the last 100 steps of 256-, 4,096- and 16,384-token streams
-(a snapshot that copied every token so far made this grow with the stream's length).
+(a snapshot that copied every token so far made this grow with the stream's length); with
+``--out``, also writes them as result records.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 import time
@@ -38,8 +41,27 @@ def late_step_ms(tokens: int) -> float:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", help="write the figures here (JSON records)")
+    args = ap.parse_args()
+    rows = []
     for tokens in (256, 4096, 16384):
-        print(f"{tokens:6d} tokens x {STREAMS} streams: {late_step_ms(tokens):6.2f} ms a step")
+        ms = late_step_ms(tokens)
+        print(f"{tokens:6d} tokens x {STREAMS} streams: {ms:6.2f} ms a step")
+        rows.append({"metric": "output_step_ms", "value": round(ms, 3), "tokens": tokens,
+                     "streams": STREAMS})  # fmt: skip
+    if args.out:
+        from lightwell.bench.results import git_commit
+
+        meta = {
+            "workload": "stream-outputs",
+            "device": "cpu, 1 thread",
+            "commit": git_commit(),
+            "date": time.strftime("%Y-%m-%d"),
+            "command": "OMP_NUM_THREADS=1 python3 benchmarks/cpu_stream_outputs.py",
+        }
+        with open(args.out, "w") as f:
+            json.dump([{**r, **meta} for r in rows], f, indent=1)
     return 0
 
 
