@@ -45,8 +45,9 @@ kernel. A kernel there waits for the SMs, and the GEMM beside it holds every SM 
 (benchmarks/gpu_copy_ops.py on the H200: a 13 us quantize took 164 us ready-to-done beside a
 153 us GEMM, at either stream priority). Calls in flight in phases each own one of the
 stage sets (``phases``: this rank's packed message, the peers' copies, each sized for a
-micro-batch's share of a step's message), taken at ``start`` and given back at ``finish``; with none free (or a message too
-large), ``start`` declines and the call runs whole on the comm stream. A call in phases also
+micro-batch's share of a step's message), taken at ``start`` and given back at ``finish``;
+with none free (or a message too large), ``start`` declines and the call runs whole on the
+comm stream. A call in phases also
 waits, on its own up stream, for this rank's flag writes of the previous call of its parity
 in the same forward (``end_forward`` forgets them), so a graph whose branches run one after
 the other still progresses: the comm stream does not wait for the down stream otherwise.
