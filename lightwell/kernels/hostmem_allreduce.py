@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.int8_pack import GROUP, packed_row_bytes, quantize_groups
+from lightwell.kernels.int8_pack import GROUP, aligned, packed_row_bytes, quantize_groups
 from lightwell.kernels.rmsnorm import norm_row
 
 BLOCK = 4096  # elements per program: 8 KB of bf16, 4 KB + 128 B of int8 + scales
@@ -196,7 +196,10 @@ def _hostmem_all_reduce_kernel(
     ASM: tl.constexpr,
     NORM: tl.constexpr,  # fuse the residual add + RMSNorm that consumes the sum (_finish)
     HIDDEN: tl.constexpr,  # NORM: the row length, a divisor of BLOCK
+    ALIGN: tl.constexpr = False,  # n % 16 == 0: the masked loads and stores become vectors
 ):
+    if ALIGN:
+        n = tl.multiple_of(n, 16)
     # persistent programs: program i takes blocks i, i + P, ... (the same blocks on every rank)
     nblocks = tl.cdiv(n, BLOCK)
     BLOCK_BYTES: tl.constexpr = BLOCK + 4 * (BLOCK // GROUP)
@@ -373,6 +376,7 @@ def hostmem_all_reduce(
         INT8=int8,
         ASM=bufs.use_asm,
         **norm_consts,
+        ALIGN=aligned(x.numel()),
         num_warps=8 if bufs.block >= 4096 else 4,
     )
     return _result(out, res_out)

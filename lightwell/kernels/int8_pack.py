@@ -22,6 +22,8 @@ bound, half a step per rounding, and every rank computes the same bytes.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -63,6 +65,24 @@ def quantize_groups(g):
 
 
 @triton.jit
+def quantize_groups_recip(g):
+    """``quantize_groups`` with a multiply by 127 / absmax instead of a division, rounded half
+    to even by adding 1.5 * 2**23 (the integer lands in the low mantissa bits): int32
+    values and scales. Every rank runs the same instructions, so all compute the same bytes."""
+    amax = tl.maximum(tl.max(tl.abs(g), 1), 1e-30)
+    t = g * (127.0 / amax)[:, None] + 12582912.0
+    q = t.to(tl.int32, bitcast=True) - 0x4B400000
+    return tl.minimum(tl.maximum(q, -127), 127), amax / 127.0
+
+
+@triton.jit
+def int8_to_float(q):
+    """int8 -> the same value as fp32 without the conversion instruction (a quarter-rate
+    one): q + 1.5 * 2**23 in the mantissa bits, minus 1.5 * 2**23 (exact for |q| < 2**22)."""
+    return (q.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+
+
+@triton.jit
 def _group_tile(gp, cols, GROUP: tl.constexpr, GPP: tl.constexpr):
     """Program ``gp``'s GPP groups of a packed row: (group indices [GPP], which exist [GPP],
     element offsets in the row [GPP, GROUP])."""
@@ -74,14 +94,22 @@ def _group_tile(gp, cols, GROUP: tl.constexpr, GPP: tl.constexpr):
 # Sizes change with every message: not specialised (no compile per new "divisible by 16" mix).
 @triton.jit(do_not_specialize=["n", "row_bytes", "cols"])
 def _quantize_pack_kernel(
-    x_ptr, q_ptr, s_ptr, n, row_bytes, cols, GROUP: tl.constexpr, GPP: tl.constexpr
-):
+    x_ptr, q_ptr, s_ptr, n, row_bytes, cols,
+    GROUP: tl.constexpr, GPP: tl.constexpr, ALIGN: tl.constexpr, RECIP: tl.constexpr,
+):  # fmt: skip
     """GPP groups a program (a [GPP, GROUP] tile; each group's math as ``_store_group``)."""
+    if ALIGN:  # see aligned: lets the loads and stores be 16-byte vectors
+        n = tl.multiple_of(n, 16)
+        row_bytes = tl.multiple_of(row_bytes, 16)
+        cols = tl.multiple_of(cols, 16)
     gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     idx = row.to(tl.int64) * cols + offs
     vals = tl.load(x_ptr + idx, mask=g_ok[:, None] & (idx < n), other=0.0).to(tl.float32)
-    q, scale = quantize_groups(vals)
+    if RECIP:
+        q, scale = quantize_groups_recip(vals)
+    else:
+        q, scale = quantize_groups(vals)
     q = q.to(tl.int8)
     base = row.to(tl.int64) * row_bytes
     tl.store(q_ptr + base + offs, q, mask=g_ok[:, None])
@@ -116,19 +144,25 @@ def _unpack_dequant_kernel(q_ptr, s_ptr, out_ptr, n, row_bytes, cols, GROUP: tl.
 @triton.jit(do_not_specialize=["n", "world", "rank_stride", "row_bytes", "cols"])
 def _dequant_sum_kernel(
     q_ptr, s_ptr, out_ptr, n, world, rank_stride, row_bytes, cols,
-    GROUP: tl.constexpr, GPP: tl.constexpr,
+    GROUP: tl.constexpr, GPP: tl.constexpr, ALIGN: tl.constexpr, RECIP: tl.constexpr,
 ):  # fmt: skip
+    if ALIGN:  # see aligned
+        n = tl.multiple_of(n, 16)
+        rank_stride = tl.multiple_of(rank_stride, 16)
+        row_bytes = tl.multiple_of(row_bytes, 16)
+        cols = tl.multiple_of(cols, 16)
     gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     acc = tl.zeros([GPP, GROUP], dtype=tl.float32)
-    base = row.to(tl.int64) * row_bytes  # rank 0's row; pointers step a rank at a time
-    q_row = q_ptr + base
-    s_row = s_ptr + (base + cols) // 4
-    for _ in range(world):  # rank order: every rank adds the same values the same way
-        q = tl.load(q_row + offs, mask=g_ok[:, None], other=0).to(tl.float32)
-        acc += q * tl.load(s_row + gi, mask=g_ok, other=0.0)[:, None]
-        q_row += rank_stride
-        s_row += rank_stride // 4
+    base = row.to(tl.int64) * row_bytes  # rank 0's row
+    for r in range(world):  # rank order: every rank adds the same values the same way
+        at = base + r * rank_stride
+        q = tl.load(q_ptr + at + offs, mask=g_ok[:, None], other=0)
+        if RECIP:
+            q = int8_to_float(q)
+        else:
+            q = q.to(tl.float32)
+        acc += q * tl.load(s_ptr + (at + cols) // 4 + gi, mask=g_ok, other=0.0)[:, None]
     idx = row.to(tl.int64) * cols + offs
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (idx < n))
 
@@ -169,6 +203,17 @@ def _dequant_sum_add_rmsnorm_kernel(
     tl.store(out_ptr + t * HIDDEN + lane, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+# Sizes are not specialised (above), so without a hint Triton cannot tell that a message's
+# rows start 16 bytes apart and moves every element with a load or store of its own: the
+# kernels state it (tl.multiple_of) where it holds, one compiled variant each way.
+ALIGN_HINTS = os.environ.get("LIGHTWELL_INT8_PACK_ALIGN", "1") != "0"
+RECIP = os.environ.get("LIGHTWELL_INT8_PACK_RECIP", "0") == "1"
+
+
+def aligned(*sizes: int) -> bool:
+    return ALIGN_HINTS and all(size % 16 == 0 for size in sizes)
+
+
 def packed_row_bytes(cols: int) -> int:
     return cols + 4 * (cols // GROUP)
 
@@ -197,8 +242,9 @@ def quantize_pack(
     buf = torch.empty((num_rows, rb), dtype=torch.uint8, device=x.device) if out is None else out
     q, s = _views(buf)
     _quantize_pack_kernel[(triton.cdiv(cols // GROUP, GROUPS_PER_PROGRAM), num_rows)](
-        x, q, s, x.numel(), rb, cols, GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, num_warps=TILE_WARPS
-    )
+        x, q, s, x.numel(), rb, cols, GROUP=GROUP, GPP=GROUPS_PER_PROGRAM,
+        ALIGN=aligned(x.numel(), rb, cols), RECIP=RECIP, num_warps=TILE_WARPS,
+    )  # fmt: skip
     return buf
 
 
@@ -253,7 +299,8 @@ def dequant_sum(
     q, s = _views(stage)
     _dequant_sum_kernel[(triton.cdiv(cols // GROUP, GROUPS_PER_PROGRAM), num_rows)](
         q, s, out, out.numel(), stage.shape[0], stage.shape[1], rb, cols,
-        GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, num_warps=TILE_WARPS,
+        GROUP=GROUP, GPP=GROUPS_PER_PROGRAM, RECIP=RECIP,
+        ALIGN=aligned(out.numel(), stage.shape[1], rb, cols), num_warps=TILE_WARPS,
     )  # fmt: skip
     return out
 

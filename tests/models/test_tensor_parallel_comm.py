@@ -643,14 +643,17 @@ def test_hostmem_copy_chunks():
 
 
 def test_hostmem_copy_int8_layout():
-    """int8 rows: whole 128-element groups, covering the message with less than a row to
-    spare, at most ``chunks`` of them and none under MIN_CHUNK_BYTES (but one at least)."""
+    """int8 rows: whole 128-element groups, four at a time (packed rows 16-byte aligned),
+    covering the message with less than a row to spare, at most ``chunks`` of them and none
+    under MIN_CHUNK_BYTES (but one at least)."""
     from lightwell.distributed.comm.hostmem_copy import MIN_CHUNK_BYTES, int8_layout
+    from lightwell.kernels.int8_pack import packed_row_bytes
 
     for n, chunks, want in ((5, 4, 1), (MIN_CHUNK_BYTES * 2, 4, 2), (2048 * 4096, 4, 4),
                             (1000 * 4096 + 3, 16, 15), (2048 * 4096, 1, 1)):  # fmt: skip
         rows, cols = int8_layout(n, chunks)
-        assert rows == want and cols % 128 == 0 and rows * cols >= n > (rows - 1) * cols
+        assert rows == want and cols % 512 == 0 and rows * cols >= n > (rows - 1) * cols
+        assert packed_row_bytes(cols) % 16 == 0
         if rows > 1:
             assert cols >= MIN_CHUNK_BYTES
 

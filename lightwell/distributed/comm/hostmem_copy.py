@@ -105,13 +105,14 @@ def _room(nbytes: int) -> int:
 
 def int8_layout(n: int, chunks: int) -> tuple[int, int]:
     """(rows, cols) of a message of ``n`` elements sent as int8: at most ``chunks`` rows of
-    ``cols`` elements (a multiple of the 128-element group), each at least MIN_CHUNK_BYTES
-    of int8 (but one row at least)."""
+    ``cols`` elements (a multiple of four 128-element groups, so that packed rows start 16
+    bytes apart: int8_pack's vector loads), each at least MIN_CHUNK_BYTES of int8 (but one
+    row at least)."""
     from lightwell.kernels.int8_pack import GROUP
 
     rows = max(1, min(chunks, n // MIN_CHUNK_BYTES))
     per = -(-n // rows)
-    cols = -(-per // GROUP) * GROUP
+    cols = -(-per // (4 * GROUP)) * 4 * GROUP
     return -(-n // cols), cols
 
 

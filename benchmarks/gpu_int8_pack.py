@@ -1,0 +1,151 @@
+"""The int8 all-reduce's quantize and sum kernels (lightwell/kernels/int8_pack.py) on one GPU.
+
+    python3 benchmarks/gpu_int8_pack.py --out $OUT/int8_pack.json
+
+For messages of 64-2,048 tokens x 4,096 bf16 in hostmem-copy-int8's layout (int8_layout, 4
+rows): ``quantize_pack`` and the 2-rank ``dequant_sum``, µs a launch (a CUDA graph of 20
+launches back to back, median of 20 replays / 20), per variant:
+- ``align``: the 16-byte alignment hints on (``ALIGN_HINTS``) or off (sizes unspecialised:
+  every element its own load / store);
+- ``recip``: the quantize multiplies by 127 / absmax and rounds by the 1.5 * 2**23 add, the
+  sum converts int8 with the same trick (``RECIP``);
+- tiles: groups a program x warps.
+Checks first: hints on and off give the same bytes; ``recip`` the same scales, values within
+one step (ties rounded apart), the same sums. The floor: a device copy of the input (read x,
+write as many bytes again), which moves more bytes than the quantize (1.5 per element).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+LAUNCHES, REPS = 20, 20
+TOKENS = (64, 512, 1024, 2048)
+HIDDEN = 4096
+
+
+def timed(fn) -> float:
+    """Median µs of one ``fn`` (LAUNCHES of it captured back to back in a graph)."""
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()  # compile / warm
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        for _ in range(LAUNCHES):
+            fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPS + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / LAUNCHES)
+    return statistics.median(times[2:])
+
+
+def one_size(tokens, dev, i8, emit, setting) -> None:
+    """Checks and timings of one message size."""
+    from lightwell.distributed.comm import int8 as ref
+    from lightwell.distributed.comm.hostmem_copy import int8_layout
+
+    n = tokens * HIDDEN
+    rows, cols = int8_layout(n, 4)
+    rb = i8.packed_row_bytes(cols)
+    xs = [torch.randn(n, device=dev, dtype=torch.bfloat16) * (r + 1) for r in range(2)]
+    stage = torch.zeros((2, rows * rb), dtype=torch.uint8, device=dev)
+    out = torch.empty(n, device=dev, dtype=torch.bfloat16)
+
+    def quant(x=xs[0], buf=stage[0]):
+        i8.quantize_pack(x, rows, cols, out=buf.view(rows, rb))
+
+    def dsum():
+        i8.dequant_sum(stage, cols, rows, out)
+
+    # checks
+    results = {}
+    for align, recip in ((False, False), (True, False), (True, True)):
+        setting(align, recip)
+        for r in range(2):
+            quant(xs[r], stage[r])
+        q = stage.clone()
+        dsum()
+        results[(align, recip)] = (q, out.clone())
+    (q0, s0), (q1, s1), (q2, s2) = results.values()
+
+    def split(buf):
+        return ref.unpack(buf.view(2 * rows, rb), cols)
+
+    (v0, sc0), (v2, sc2) = split(q0), split(q2)
+    setting(True, True)
+    stage.copy_(q0)
+    dsum()  # recip's sum of the plain quantize: the same values as the plain sum
+    emit(
+        what="check", tokens=tokens, rows=rows, cols=cols,
+        align_same_bytes=bool(torch.equal(q0, q1) and torch.equal(s0, s1)),
+        recip_same_scales=bool(torch.equal(sc0, sc2)),
+        recip_values_off_by_one=int((v0 != v2).sum()),
+        recip_values_off_by_more=int(((v0.int() - v2.int()).abs() > 1).sum()),
+        recip_sum_same=bool(torch.equal(out, s0)),
+    )  # fmt: skip
+    copy_src = xs[0]
+    copy_dst = torch.empty_like(copy_src)
+    floor = timed(lambda: copy_dst.copy_(copy_src))
+    emit(what="copy floor", tokens=tokens, us=round(floor, 2),
+         tbps=round(2 * n * 2 / floor / 1e6, 2))  # fmt: skip
+    for align, recip in ((False, False), (True, False), (True, True)):
+        for gpp, warps in ((16, 4), (8, 4), (32, 4), (16, 8), (32, 8), (64, 8)):
+            if not align and (gpp, warps) != (16, 4):
+                continue
+            setting(align, recip, gpp, warps)
+            stage.copy_(q0)
+            tq, ts = timed(quant), timed(dsum)
+            # bytes moved: quantize reads 2 n, writes rows * rb; the sum reads 2 rows * rb,
+            # writes 2 n
+            emit(
+                what="kernels", tokens=tokens, align=align, recip=recip, gpp=gpp,
+                warps=warps, quantize_us=round(tq, 2), sum_us=round(ts, 2),
+                quantize_tbps=round((2 * n + rows * rb) / tq / 1e6, 2),
+                sum_tbps=round((2 * rows * rb + 2 * n) / ts / 1e6, 2),
+            )  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from lightwell.bench.results import git_commit
+    from lightwell.kernels import int8_pack as i8
+
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    rows_out = []
+
+    def emit(**row):
+        row.update(commit=git_commit(), device=torch.cuda.get_device_name(dev))
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+
+    def setting(align: bool, recip: bool, gpp: int = 16, warps: int = 4) -> None:
+        i8.ALIGN_HINTS, i8.RECIP, i8.GROUPS_PER_PROGRAM, i8.TILE_WARPS = align, recip, gpp, warps
+
+    for tokens in TOKENS:
+        one_size(tokens, dev, i8, emit, setting)
+    setting(True, False)
+    with open(args.out, "w") as f:
+        json.dump(rows_out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
