@@ -198,8 +198,8 @@ def _hostmem_all_reduce_kernel(
     HIDDEN: tl.constexpr,  # NORM: the row length, a divisor of BLOCK
     ALIGN: tl.constexpr = False,  # n % 16 == 0: the masked loads and stores become vectors
 ):
-    if ALIGN:
-        n = tl.multiple_of(n, 16)
+    if ALIGN:  # (a bare multiple_of hint on a scalar argument does not reach the loads)
+        n = n // 16 * 16
     # persistent programs: program i takes blocks i, i + P, ... (the same blocks on every rank)
     nblocks = tl.cdiv(n, BLOCK)
     BLOCK_BYTES: tl.constexpr = BLOCK + 4 * (BLOCK // GROUP)
@@ -459,7 +459,10 @@ def _hostmem_ll_kernel(
     ASM: tl.constexpr,  # on a GPU: trap when a wait gives up
     NORM: tl.constexpr,
     HIDDEN: tl.constexpr,
+    ALIGN: tl.constexpr = False,  # as in _hostmem_all_reduce_kernel
 ):
+    if ALIGN:
+        n = n // 16 * 16
     BITS: tl.constexpr = 32 // COMP
     NDATA: tl.constexpr = BLOCK // COMP
     nblocks = tl.cdiv(n, BLOCK)
@@ -553,6 +556,7 @@ def hostmem_ll_all_reduce(
         INT_TY=_INT_OF_SIZE[1 if int8 else size],
         ASM=bufs.use_asm,
         **norm_consts,
+        ALIGN=aligned(x.numel()),
         num_warps=8 if bufs.block >= 4096 else 4,
     )
     return _result(out, res_out)

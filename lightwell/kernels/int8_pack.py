@@ -99,9 +99,7 @@ def _quantize_pack_kernel(
 ):  # fmt: skip
     """GPP groups a program (a [GPP, GROUP] tile; each group's math as ``_store_group``)."""
     if ALIGN:  # see aligned: lets the loads and stores be 16-byte vectors
-        n = tl.multiple_of(n, 16)
-        row_bytes = tl.multiple_of(row_bytes, 16)
-        cols = tl.multiple_of(cols, 16)
+        n, row_bytes, cols = n // 16 * 16, row_bytes // 16 * 16, cols // 16 * 16
     gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     idx = row.to(tl.int64) * cols + offs
@@ -147,10 +145,8 @@ def _dequant_sum_kernel(
     GROUP: tl.constexpr, GPP: tl.constexpr, ALIGN: tl.constexpr, RECIP: tl.constexpr,
 ):  # fmt: skip
     if ALIGN:  # see aligned
-        n = tl.multiple_of(n, 16)
-        rank_stride = tl.multiple_of(rank_stride, 16)
-        row_bytes = tl.multiple_of(row_bytes, 16)
-        cols = tl.multiple_of(cols, 16)
+        n, row_bytes, cols = n // 16 * 16, row_bytes // 16 * 16, cols // 16 * 16
+        rank_stride = rank_stride // 16 * 16
     gp, row = tl.program_id(0), tl.program_id(1)  # groups on axis 0 (no 65,535 cap)
     gi, g_ok, offs = _group_tile(gp, cols, GROUP, GPP)
     acc = tl.zeros([GPP, GROUP], dtype=tl.float32)

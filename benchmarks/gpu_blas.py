@@ -1,0 +1,102 @@
+"""Decode-shaped matmuls under cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library).
+
+    python3 benchmarks/gpu_blas.py --out $OUT/blas.json
+
+llama-3-8b's four weight shapes per GPU at TP=1 and TP=2, bf16, ``F.linear(x, W)`` with
+1-128 rows. Each timing cycles through enough copies of the weight (>= 200 MB) that no replay
+finds it in L2: a CUDA graph of one launch per copy, median of 20 replays / copies. Reports µs
+a launch and the weight bytes streamed per second; checks that both libraries give the same
+result (within bf16 rounding of fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SHAPES = {  # name: (N, K) of the weight on one GPU
+    "tp2 qkv": (3072, 4096),
+    "tp2 o": (4096, 2048),
+    "tp2 gate_up": (14336, 4096),
+    "tp2 down": (4096, 7168),
+    "tp1 qkv": (6144, 4096),
+    "tp1 o": (4096, 4096),
+    "tp1 gate_up": (28672, 4096),
+    "tp1 down": (4096, 14336),
+}
+ROWS = (1, 8, 16, 32, 64, 128)
+REPS = 20
+MIN_BYTES = 200 << 20
+
+
+def timed(fn, copies: int) -> float:
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPS + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(1e3 * a.elapsed_time(b) / copies)
+    return statistics.median(times[2:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    from lightwell.bench.results import git_commit
+
+    dev = torch.device("cuda", 0)
+    torch.manual_seed(0)
+    rows_out = []
+    libs = ("cublas", "cublaslt")
+    for name, (n, k) in SHAPES.items():
+        nbytes = n * k * 2
+        copies = max(2, -(-MIN_BYTES // nbytes))
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+        for m in ROWS:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ws]
+            row = dict(shape=name, n=n, k=k, m=m)
+            results = {}
+            for lib in libs:
+                torch.backends.cuda.preferred_blas_library(lib)
+
+                def run(x=x, ws=ws, outs=outs):
+                    for w, o in zip(ws, outs):
+                        torch.matmul(x, w.t(), out=o)
+
+                us = timed(run, copies)
+                results[lib] = outs[0].clone()
+                row[f"{lib}_us"] = round(us, 2)
+                row[f"{lib}_tbps"] = round(nbytes / us / 1e6, 2)
+            ref = F.linear(x.float(), ws[0].float())
+            row["max_err"] = {lib: float((results[lib].float() - ref).abs().max()) for lib in libs}
+            row.update(commit=git_commit(), device=torch.cuda.get_device_name(dev))
+            rows_out.append(row)
+            print(json.dumps(row), flush=True)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    with open(args.out, "w") as f:
+        json.dump(rows_out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
