@@ -44,8 +44,7 @@ COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 NOFUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "0"}
 FUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "1"}
 G2048 = {"cuda_graph_prefill_tokens": 2048}
-NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's switches
-RECIP = {"LIGHTWELL_INT8_PACK_RECIP": "1"}
+NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's switch
 
 
 def dual512(all_reduce: str, **options) -> dict:
@@ -96,16 +95,10 @@ ENGINES = {
             dual512("hostmem-copy-int8"),
             ("w1", "ttft", "decode", "profile"),
         ),
-        # the int8 kernels without their alignment hints, or with the reciprocal quantize and
-        # the int8 conversion by a float add (run 8)
+        # the int8 kernels without their alignment hints (run 8)
         (
             "tp2-hostmem-copy-int8-dual512-g2048-noalign",
             dual512("hostmem-copy-int8", _env=NOALIGN),
-            ("ttft", "decode"),
-        ),
-        (
-            "tp2-hostmem-copy-int8-dual512-g2048-recip",
-            dual512("hostmem-copy-int8", _env=RECIP),
             ("ttft", "decode"),
         ),
         ("tp2-hostmem-int8-noalign", dict(all_reduce="hostmem-int8", _env=NOALIGN), ("decode",)),

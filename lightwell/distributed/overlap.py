@@ -9,7 +9,9 @@
 Every launch goes to the one comm stream, in the same order on every rank, so collectives never
 interleave differently across ranks. A strategy with phases (``tp_all_reduce_start``:
 ``hostmem-copy``) begins on the main stream at ``launch`` (its int8 quantize), moves the bytes
-on the comm stream, and sums on the main stream at ``wait``: kernels on the comm stream would
+on the comm stream (its slot handshake first, before that stream waits for the main one: it
+touches only host flags, so its round trips overlap the quantize and the compute before it),
+and sums on the main stream at ``wait``: kernels on the comm stream would
 wait for the SMs, which the other micro-batch's GEMMs hold until they end. Such a call's last
 stream work (its flags) is joined into the main stream at the next ``wait`` or at ``end``,
 which the forward calls at its end (a CUDA-graph capture must end with every fork joined).
@@ -56,6 +58,10 @@ class CommStream:
                 self.in_flight.append(phased)
                 if phased.owner not in self.owners:
                     self.owners.append(phased.owner)
+            comm = torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext()
+            if phased is not None:
+                with comm:  # its handshake needs no payload: before the wait below
+                    phased.claim()
             if on_stream:
                 self.stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext():

@@ -682,9 +682,13 @@ def _run_three(rank: int, port: int) -> None:
                 xs = [inputs(n, dtype, r) for r in range(3)]
                 exact = (xs[0].float() + xs[1].float()) + xs[2].float()  # rank order, fp32
                 got = strategy.all_reduce(xs[rank].clone())
-                # in phases (two calls in flight, finished in the other order): the same sums
+                # in phases (two calls in flight, both slots claimed ahead of their copies as
+                # CommStream does, finished in the other order): the same sums
                 first = strategy.start(xs[rank].clone())
                 second = strategy.start(xs[(rank + 1) % 3].clone())
+                first.claim()
+                second.claim()
+                assert (first.parity, second.parity) in ((0, 1), (1, 0))
                 first.transfer()
                 second.transfer()
                 shifted = strategy.all_reduce(xs[(rank + 1) % 3].clone())

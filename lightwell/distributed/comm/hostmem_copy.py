@@ -7,7 +7,9 @@ call, with the message cut into ``chunks`` pieces, writing slot ``p`` (calls alt
 two slots a rank):
 
     up stream (the caller's): wait busy[p][me][r] == 0, then busy[p][me][r] = 1 (every reader
-                              r) | per chunk c: D2H chunk c -> my slot p, flag[p][me][r][c] = 1
+                              r: the claim, which a call in phases makes before its payload
+                              is ready) | per chunk c: D2H chunk c -> my slot p,
+                              flag[p][me][r][c] = 1
     down stream (a second):   per chunk c, per peer q: (after this rank raised its chunk c)
                               wait flag[p][q][me][c] == 1 | H2D q's chunk c -> stage | then
                               every flag[p][q][me][c] = 0, and busy[p][q][me] = 0
@@ -291,26 +293,42 @@ class HostMemCopyAllReduce:
         stream that runs the next one, or a CUDA-graph capture ended with them)."""
         self.order = [None, None]
 
-    def _transfer(
-        self, payload: torch.Tensor, bounds: list[tuple[int, int]], stage: int, phased: bool
-    ) -> tuple[Any, Any]:
-        """Send ``payload``'s chunks and copy every peer's into stage set ``stage``: the
-        handshake above, on the current stream (up) and ``down``. Returns markers (on
-        ``down``) of the copies' end and of the flags' lowering after them (``_sum_after``)."""
+    def _claim(self, phased: bool) -> int:
+        """Take the next call's slot (its parity): on the current stream (up), wait until every
+        reader is done with the slot's previous message, then mark it busy. Needs no payload,
+        so a call in phases claims before its stream waits for the quantize (``_Phased.claim``:
+        the handshake's round trips run while the main stream still computes)."""
         self.calls += 1
         p = self.calls % 2
+        ops, up, me, busy = self.ops, self._here(), self.rank, MAX_CHUNKS
+        if phased and self.order[p] is not None:  # this rank's lowering for the last call
+            ops.after(self.order[p], up)  # of this parity, before waiting for the peers'
+        for r in self.peers:  # every reader is done with this slot's previous message
+            ops.wait_flag(self._flag(p, me, r, busy), 0, up)
+        for r in self.peers:
+            ops.write_flag(self._flag(p, me, r, busy), 1, up)
+        return p
+
+    def _transfer(
+        self,
+        payload: torch.Tensor,
+        bounds: list[tuple[int, int]],
+        stage: int,
+        phased: bool,
+        p: int | None = None,
+    ) -> tuple[Any, Any]:
+        """Send ``payload``'s chunks and copy every peer's into stage set ``stage``: the
+        handshake above, on the current stream (up) and ``down``, in slot ``p`` (claimed
+        here when None). Returns markers (on ``down``) of the copies' end and of the flags'
+        lowering after them (``_sum_after``)."""
+        if p is None:
+            p = self._claim(phased)
         ops = self.ops
         up = self._here()
         if self.down is not None:  # the payload is ready; the set's last sum has read it
             self.down.wait_stream(up)
         me, peers = self.rank, self.peers
         mine, busy = self._slot(p, me), MAX_CHUNKS
-        if phased and self.order[p] is not None:  # this rank's lowering for the last call
-            ops.after(self.order[p], up)  # of this parity, before waiting for the peers'
-        for r in peers:  # every reader is done with this slot's previous message
-            ops.wait_flag(self._flag(p, me, r, busy), 0, up)
-        for r in peers:
-            ops.write_flag(self._flag(p, me, r, busy), 1, up)
         raised = []
         for c, (a, b) in enumerate(bounds):
             ops.d2h(mine + a, payload, a, b, up)
@@ -390,11 +408,20 @@ class _Phased:
         self.payload, self.bounds, self.stage = payload, bounds, stage
         self.marks: tuple[Any, Any] = (None, None)  # set by transfer
         self.held = True  # the stage set, until finish (or release)
+        self.parity: int | None = None  # the slot, once claimed
+
+    def claim(self) -> None:
+        """The slot handshake, on the current stream (the comm stream, before it waits for
+        the stream that quantizes: measured run 8, ``to_first_d2h``)."""
+        self.parity = self.owner._claim(phased=True)
 
     def transfer(self) -> None:
         """The copies and flags, on the current stream (the comm stream) and the strategy's
-        down stream: no kernel; the current stream does not wait for the down stream."""
-        self.marks = self.owner._transfer(self.payload, self.bounds, self.stage, phased=True)
+        down stream: no kernel; the current stream does not wait for the down stream.
+        Claims the slot first unless ``claim`` did."""
+        self.marks = self.owner._transfer(
+            self.payload, self.bounds, self.stage, phased=True, p=self.parity
+        )
 
     def finish(self) -> torch.Tensor:
         """The sum, on the current stream (the consumer's, after it waited for the current
