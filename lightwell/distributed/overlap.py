@@ -49,6 +49,7 @@ class CommStream:
         self.unjoined: Any = None  # the last finished call in phases, its flag writes unjoined
         self.in_flight: list[Any] = []  # calls in phases launched and not yet taken
         self.owners: list[Any] = []  # the strategies of this forward's calls in phases
+        self.forked = False  # the comm stream has waited for the main one in this forward
 
     def launch(self, x: torch.Tensor) -> PendingAllReduce:
         on_stream = self.stream is not None  # (None: in order, the CPU tests)
@@ -58,9 +59,14 @@ class CommStream:
                 self.in_flight.append(phased)
                 if phased.owner not in self.owners:
                     self.owners.append(phased.owner)
-            comm = torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext()
-            if phased is not None:
-                with comm:  # its handshake needs no payload: before the wait below
+            if on_stream and not self.forked:
+                # the forward's first launch: the comm stream joins the main one first (under
+                # CUDA-graph capture a stream records nothing until it has waited for the
+                # capturing stream: a claim issued before would run at once, outside the graph)
+                self.stream.wait_stream(torch.cuda.current_stream())
+                self.forked = True
+            if phased is not None:  # its handshake needs no payload: before the wait below
+                with torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext():
                     phased.claim()
             if on_stream:
                 self.stream.wait_stream(torch.cuda.current_stream())
@@ -121,7 +127,7 @@ class CommStream:
         self.join()
         for owner in self.owners:
             owner.end_forward()
-        self.owners = []
+        self.owners, self.forked = [], False
 
     def abandon(self) -> None:
         """After a forward failed midway: give the unfinished calls' stage sets back, forget
@@ -130,4 +136,4 @@ class CommStream:
             phased.release()
         for owner in self.owners:
             owner.end_forward()
-        self.in_flight, self.owners, self.unjoined = [], [], None
+        self.in_flight, self.owners, self.unjoined, self.forked = [], [], None, False
