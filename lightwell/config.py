@@ -124,7 +124,8 @@ class ParallelConfig:
     all_reduce: str = _opt(
         "auto",
         "All-reduce strategy for tensor parallelism. auto: on GPUs with peer access, "
-        "peer-memory one-shot/two-shot for small messages and NCCL for the rest; on GPUs "
+        "hostmem's low-latency lane for decode messages up to 64 KB (two GPUs), peer-memory "
+        "one-shot/two-shot for small messages and NCCL for the rest; on GPUs "
         "without (a pair that cannot map each other, or NCCL_P2P_DISABLE=1), hostmem; gloo "
         "on CPU. nccl: the process group's own all-reduce; oneshot: torch symmetric memory "
         "(GPU); int8: group-wise int8-quantized over NCCL (lossy, halves the bytes); host: "
@@ -139,8 +140,9 @@ class ParallelConfig:
     )
     custom_all_reduce: bool = _opt(
         True,
-        "Allow the peer-memory (symmetric memory) all-reduce that auto picks for small "
-        "messages on GPUs with peer access; off: NCCL for every message there.",
+        "Allow the custom all-reduces that auto picks for small messages on GPUs with peer "
+        "access (peer memory; hostmem's low-latency lane on two GPUs); off: NCCL for every "
+        "message there.",
     )
     dual_stream: bool = _opt(
         False,

@@ -573,8 +573,9 @@ def _spawn(fn, nprocs: int, *args) -> None:
 
 def test_auto_rule_on_gpus(monkeypatch):
     """auto: peer memory for small messages when every GPU pair has peer access and the custom
-    all-reduce is allowed, NCCL alone when it is not; without peer access the exact host-memory
-    kernel for every message; never a lossy strategy."""
+    all-reduce is allowed (below it, on two GPUs, the host-memory low-latency lane for
+    decode-sized messages), NCCL alone when it is not; without peer access the exact
+    host-memory kernel for every message; never a lossy strategy."""
     from lightwell.distributed.comm import CommContext, selector
 
     monkeypatch.delenv("LIGHTWELL_HOSTMEM_LL_MAX_BYTES", raising=False)
@@ -585,7 +586,7 @@ def test_auto_rule_on_gpus(monkeypatch):
         ("hostmem", {"max_bytes": 16 << 20}),
     ]
     for custom, peers, want in (
-        (True, True, [("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})]),
+        (True, True, [hostmem[0], ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})]),
         (False, True, []),  # NCCL
         (True, False, hostmem),
         (False, False, hostmem),
@@ -593,6 +594,12 @@ def test_auto_rule_on_gpus(monkeypatch):
         monkeypatch.setattr(selector, "_all_ranks", lambda ctx, ok: ok)
         monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b, p=peers: p)
         assert selector._preferred(ctx, "auto", custom, 16 << 20) == want, (custom, peers)
+    # more than two GPUs with peer access: peer memory only (the host lane measured on two)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    four = CommContext(0, 4, None, None, torch.device("cuda", 0))
+    assert selector._preferred(four, "auto", True, 16 << 20) == [
+        ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})
+    ]
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # the operator says: no peer-to-peer
     assert not selector.peer_access(ctx)
     cpu = CommContext(0, 2, None, None, torch.device("cpu"))

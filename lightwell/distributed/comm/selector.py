@@ -2,9 +2,12 @@
 
 The rule (``--all-reduce``):
 - auto, GPUs with peer access (every pair can map the other, and NCCL_P2P_DISABLE is not
-  set): with ``--custom-all-reduce`` (default), messages of at most ``AUTO_PEER_MAX_BYTES``
-  go to the peer-memory strategy (``oneshot``: one-shot up to 256 KB, two-shot above) when
-  it is available; everything else (and everything with ``--no-custom-all-reduce``) to NCCL.
+  set): with ``--custom-all-reduce`` (default), on two GPUs messages of at most
+  ``AUTO_PEER_HOST_MAX_BYTES`` (batch-1 to 8 decode) go to ``hostmem``'s low-latency lane
+  (through pinned host memory, with the residual add + RMSNorm in its kernel), messages of
+  at most ``AUTO_PEER_MAX_BYTES`` to the peer-memory strategy (``oneshot``: one-shot up to
+  256 KB, two-shot above) when it is available; everything else (and everything with
+  ``--no-custom-all-reduce``) to NCCL.
 - auto, GPUs without peer access (a PCIe box without P2P, or NCCL_P2P_DISABLE=1): ``hostmem``
   (exact, through pinned host memory) for every message that fits its buffer, NCCL above.
   If it cannot be set up on every rank, NCCL for everything, with a warning.
@@ -45,6 +48,11 @@ logger = logging.getLogger(__name__)
 # (tp_run3/tp_run4 tables): two-shot 26.0 vs NCCL 34.6 us at 512 tokens, 13.5 vs 15.7 at 128;
 # at 2,048 tokens (eager) NCCL wins or ties (84-112 vs 92-97 us), so larger messages stay on it.
 AUTO_PEER_MAX_BYTES = 4 << 20
+# Below this, two GPUs with peer access still use hostmem's low-latency lane (its limit: 8
+# tokens x 4096 bf16): its kernel reduces and norms in one launch. Measured over NVLink
+# (tp_run8 call 5, W1 = batch-1 decode): hostmem 296.8 tok/s against 275.1 for auto with
+# oneshot (8 KB messages); at batch 64 (512 KB) oneshot stays ahead (4.06 vs 5.30 ms a step).
+AUTO_PEER_HOST_MAX_BYTES = 64 << 10
 # hostmem-copy's smallest message (128 tokens x 4096 bf16); smaller ones take hostmem's lanes.
 # Back to back in a graph hostmem's kernel wins at every size to 512 tokens (tp_run6: 52 vs 82
 # us at 128 tokens, 154 vs 166 at 512), so the copy engines only take the dual-stream
@@ -144,7 +152,11 @@ def _preferred(
             return lanes("hostmem", max_bytes)
         if not custom:
             return []
-        return [("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
+        small = []
+        if ctx.size == 2:  # (measured on two GPUs; more ranks read more peers over PCIe)
+            ll = {"max_bytes": min(AUTO_PEER_HOST_MAX_BYTES, max_bytes), "protocol": "ll"}
+            small = [("hostmem", ll)]
+        return [*small, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
     if choice in ("hostmem", "hostmem-int8"):
