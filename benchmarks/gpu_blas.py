@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from graph_timing import graph_replay_us  # noqa: E402
 
 SHAPES = {  # name: (N, K) of the weight on one GPU
     "tp2 qkv": (3072, 4096),
@@ -35,26 +36,6 @@ SHAPES = {  # name: (N, K) of the weight on one GPU
 ROWS = (1, 8, 16, 32, 64, 128)
 REPS = 20
 MIN_BYTES = 200 << 20
-
-
-def timed(fn, copies: int) -> float:
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / copies)
-    return statistics.median(times[2:])
 
 
 def main() -> int:
@@ -83,7 +64,7 @@ def main() -> int:
                     for w, o in zip(ws, outs):
                         torch.matmul(x, w.t(), out=o)
 
-                us = timed(run, copies)
+                us = graph_replay_us(run, calls=copies, reps=REPS)
                 results[lib] = outs[0].clone()
                 row[f"{lib}_us"] = round(us, 2)
                 row[f"{lib}_tbps"] = round(nbytes / us / 1e6, 2)

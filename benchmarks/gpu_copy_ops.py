@@ -24,29 +24,15 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from graph_timing import graph_replay_us  # noqa: E402
+
 MB = 1 << 20
 REPS = 30
 
 
 def timed_graph(build) -> float:
     """Median µs of one replay of the graph ``build`` records (side streams joined back)."""
-    g = torch.cuda.CUDAGraph()
-    main = torch.cuda.Stream()
-    with torch.cuda.stream(main):
-        build()  # warm-up (compiles kernels)
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g, stream=main):
-        build()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b))
-    return statistics.median(times[3:])
+    return graph_replay_us(build, reps=REPS, warm=3)
 
 
 def ready_to_done(fn, gemm, side: torch.cuda.Stream) -> float:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from graph_timing import graph_replay_us  # noqa: E402
 
 LAUNCHES, REPS = 20, 20
 TOKENS = (64, 512, 1024, 2048)
@@ -33,24 +34,7 @@ HIDDEN = 4096
 
 def timed(fn) -> float:
     """Median µs of one ``fn`` (LAUNCHES of it captured back to back in a graph)."""
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        fn()  # compile / warm
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=s):
-        for _ in range(LAUNCHES):
-            fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPS + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(1e3 * a.elapsed_time(b) / LAUNCHES)
-    return statistics.median(times[2:])
+    return graph_replay_us(lambda: [fn() for _ in range(LAUNCHES)], calls=LAUNCHES, reps=REPS)
 
 
 def one_size(tokens, dev, i8, emit, setting) -> None:
