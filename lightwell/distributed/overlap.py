@@ -18,8 +18,9 @@ which the forward calls at its end (a CUDA-graph capture must end with every for
 
 Memory: the input stays referenced by the handle until the main stream has waited for the
 reduction (so the allocator cannot hand its block to a kernel that might run first), and each
-launch first waits for the main stream, so a block freed after a ``wait`` is never reused on
-the comm stream before the main stream is done with it. Works under CUDA-graph capture (fork
+launch waits for the main stream before any comm-stream work that touches device memory (a
+claim before it touches host flags only), so a block freed after a ``wait`` is never reused
+on the comm stream before the main stream is done with it. Works under CUDA-graph capture (fork
 and join through events).
 """
 
@@ -53,18 +54,19 @@ class CommStream:
 
     def launch(self, x: torch.Tensor) -> PendingAllReduce:
         on_stream = self.stream is not None  # (None: in order, the CPU tests)
+        if on_stream and not self.forked:
+            # the forward's first launch: the comm stream joins the main one before anything
+            # (under CUDA-graph capture a stream records nothing until it has waited for the
+            # capturing stream: a claim issued before would run at once, outside the graph),
+            # and before the quantize below, so that this call's claim does not wait for it
+            self.stream.wait_stream(torch.cuda.current_stream())
+            self.forked = True
         with beside_compute():  # (the same picks in order on CPU as on a stream)
             phased = tp_all_reduce_start(x)  # on this (the main) stream
             if phased is not None:
                 self.in_flight.append(phased)
                 if phased.owner not in self.owners:
                     self.owners.append(phased.owner)
-            if on_stream and not self.forked:
-                # the forward's first launch: the comm stream joins the main one first (under
-                # CUDA-graph capture a stream records nothing until it has waited for the
-                # capturing stream: a claim issued before would run at once, outside the graph)
-                self.stream.wait_stream(torch.cuda.current_stream())
-                self.forked = True
             if phased is not None:  # its handshake needs no payload: before the wait below
                 with torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext():
                     phased.claim()

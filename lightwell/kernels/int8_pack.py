@@ -131,7 +131,7 @@ def _dequant_sum_kernel(
     acc = tl.zeros([GPP, GROUP], dtype=tl.float32)
     base = row.to(tl.int64) * row_bytes  # rank 0's row
     for r in range(world):  # rank order: every rank adds the same values the same way
-        at = base + r * rank_stride
+        at = base + tl.cast(r, tl.int64) * rank_stride
         q = tl.load(q_ptr + at + offs, mask=g_ok[:, None], other=0).to(tl.float32)
         acc += q * tl.load(s_ptr + (at + cols) // 4 + gi, mask=g_ok, other=0.0)[:, None]
     idx = row.to(tl.int64) * cols + offs

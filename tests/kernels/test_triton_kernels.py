@@ -351,6 +351,30 @@ def test_int8_dequant_sum_add_rmsnorm_equals_the_two_kernels(dtype):
                                    weight[:320].contiguous(), 1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
+def test_int8_pack_aligned_sizes_take_the_same_values(align, monkeypatch):
+    """Sizes that are multiples of 16 (hostmem-copy-int8's rows: multiples of 512 elements)
+    take the kernels' ALIGN form, which rounds them down to a multiple of 16 inside: the
+    same bytes and sums as the torch ops (and as the plain form, ALIGN_HINTS off)."""
+    from lightwell.distributed.comm import int8 as ref
+
+    monkeypatch.setattr(i8, "ALIGN_HINTS", align)
+    n, rows, cols, world = 1536 + 512, 4, 512, 2  # 4 rows of 4 groups; the last row: zeros
+    rb = i8.packed_row_bytes(cols)
+    assert i8.aligned(n, rb, cols) is align  # (528-byte rows)
+    gen = torch.Generator().manual_seed(3)
+    xs = [_randn(n, dtype=torch.float32, gen=gen) * (r + 1) for r in range(world)]
+    stage = torch.zeros((world, rows * rb), dtype=torch.uint8, device=DEVICE)
+    for r, x in enumerate(xs):
+        i8.quantize_pack(x, rows, cols, out=stage[r].view(rows, rb))
+        padded = torch.nn.functional.pad(x.float(), (0, rows * cols - n)).view(rows, cols)
+        assert torch.equal(stage[r].view(rows, rb), ref.pack(*ref.quantize(padded)))
+    out = i8.dequant_sum(stage, cols, rows, torch.empty(n, device=DEVICE))
+    want = sum(ref.dequantize(*ref.unpack(stage[r].view(rows, rb), cols)).view(-1)[:n]
+               for r in range(world))  # fmt: skip
+    torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+
+
 def test_int8_pack_rejects_bad_input():
     x = torch.ones(300, device=DEVICE)
     with pytest.raises(ValueError, match="multiple of 128"):
@@ -391,6 +415,7 @@ def test_int8_pack_grids_put_groups_on_axis_0(monkeypatch):
 # process, since this module's kernels are the interpreter's.
 _PTX_SCRIPT = r"""
 import collections, json, re, sys, triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from lightwell.kernels import hostmem_allreduce as hm, int8_pack as i8
 
@@ -416,6 +441,12 @@ out = {
         "res_out_ptr": "*bf16", "w_ptr": "*bf16", "eps": "fp32", "n": "i32", "rank": "i32",
         "max_spin": "i32"}, dict(SLOT_ELEMS=1 << 22, MAX_BLOCKS=4096, WORLD=2, BLOCK=4096,
         GROUP=128, INT8=True, ASM=True, NORM=True, HIDDEN=4096, ALIGN=align), 8),
+    "hostmem_ll": memory_ops(hm._hostmem_ll_kernel, {
+        "x_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "epoch_ptr": "*i32",
+        "status_ptr": "*i32", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "w_ptr": "*bf16",
+        "eps": "fp32", "n": "i32", "rank": "i32", "max_spin": "i32"}, dict(SLOT_WORDS=1 << 16,
+        WPB=2048, WORLD=2, BLOCK=4096, GROUP=128, INT8=False, COMP=2, INT_TY=tl.int16, ASM=True,
+        NORM=True, HIDDEN=4096, ALIGN=align), 8),
 }
 print(json.dumps(out))
 """
@@ -439,7 +470,7 @@ def _ptx_memory_ops(align: bool) -> dict:
 
 def test_all_reduce_kernels_move_16_byte_vectors_when_aligned():
     """Sizes are unspecialised (no recompiles per message), which left every element of the
-    int8 quantize / sum and of the hostmem kernel's device side its own 1- or 2-byte load and
+    int8 quantize / sum and of the hostmem kernels' device side its own 1- or 2-byte load and
     store (the H200: 10.5 vs 5.3 us for a 1,024 x 4,096 quantize). With the ALIGN form the
     bf16 / int8 tensors move as 16-byte vectors: no 1- or 2-byte global access is left."""
     aligned, plain = _ptx_memory_ops(True), _ptx_memory_ops(False)

@@ -412,7 +412,9 @@ class _Phased:
 
     def claim(self) -> None:
         """The slot handshake, on the current stream (the comm stream, before it waits for
-        the stream that quantizes: measured run 8, ``to_first_d2h``)."""
+        the stream that quantizes: measured run 8, ``to_first_d2h``). Once a call."""
+        if self.parity is not None:
+            raise RuntimeError("this call has claimed its slot already")
         self.parity = self.owner._claim(phased=True)
 
     def transfer(self) -> None:

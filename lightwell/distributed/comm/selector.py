@@ -2,9 +2,10 @@
 
 The rule (``--all-reduce``):
 - auto, GPUs with peer access (every pair can map the other, and NCCL_P2P_DISABLE is not
-  set): with ``--custom-all-reduce`` (default), on two GPUs messages of at most
-  ``AUTO_PEER_HOST_MAX_BYTES`` (batch-1 to 8 decode) go to ``hostmem``'s low-latency lane
-  (through pinned host memory, with the residual add + RMSNorm in its kernel), messages of
+  set): with ``--custom-all-reduce`` (default), on two GPUs messages up to ``hostmem``'s
+  low-latency lane's limit (64 KB, ``LIGHTWELL_HOSTMEM_LL_MAX_BYTES``: batch-1 to 8 decode)
+  go to that lane (through pinned host memory, with the residual add + RMSNorm in its
+  kernel; see ``HOST_LANE_ON_PEERS``), messages of
   at most ``AUTO_PEER_MAX_BYTES`` to the peer-memory strategy (``oneshot``: one-shot up to
   256 KB, two-shot above) when it is available; everything else (and everything with
   ``--no-custom-all-reduce``) to NCCL.
@@ -48,11 +49,13 @@ logger = logging.getLogger(__name__)
 # (tp_run3/tp_run4 tables): two-shot 26.0 vs NCCL 34.6 us at 512 tokens, 13.5 vs 15.7 at 128;
 # at 2,048 tokens (eager) NCCL wins or ties (84-112 vs 92-97 us), so larger messages stay on it.
 AUTO_PEER_MAX_BYTES = 4 << 20
-# Below this, two GPUs with peer access still use hostmem's low-latency lane (its limit: 8
-# tokens x 4096 bf16): its kernel reduces and norms in one launch. Measured over NVLink
-# (tp_run8 call 5, W1 = batch-1 decode): hostmem 296.8 tok/s against 275.1 for auto with
-# oneshot (8 KB messages); at batch 64 (512 KB) oneshot stays ahead (4.06 vs 5.30 ms a step).
-AUTO_PEER_HOST_MAX_BYTES = 64 << 10
+# Two GPUs with peer access still send the smallest messages through hostmem's low-latency
+# lane (up to its limit, 8 tokens x 4096 bf16): its kernel reduces and norms in one launch.
+# Measured over NVLink (tp_run8 call 5, W1 = batch-1 decode, hidden 4096 so the norm fuses):
+# hostmem 296.8 tok/s against 275.1 for auto with oneshot (8 KB messages); at batch 64 (512
+# KB) oneshot stays ahead (4.06 vs 5.30 ms a step). Hidden sizes whose norm does not fuse
+# (5120, 8192) take the lane too, unmeasured.
+HOST_LANE_ON_PEERS = True
 # hostmem-copy's smallest message (128 tokens x 4096 bf16); smaller ones take hostmem's lanes.
 # Back to back in a graph hostmem's kernel wins at every size to 512 tokens (tp_run6: 52 vs 82
 # us at 128 tokens, 154 vs 166 at 512), so the copy engines only take the dual-stream
@@ -153,9 +156,8 @@ def _preferred(
         if not custom:
             return []
         small = []
-        if ctx.size == 2:  # (measured on two GPUs; more ranks read more peers over PCIe)
-            ll = {"max_bytes": min(AUTO_PEER_HOST_MAX_BYTES, max_bytes), "protocol": "ll"}
-            small = [("hostmem", ll)]
+        if HOST_LANE_ON_PEERS and ctx.size == 2:  # (measured on two GPUs only)
+            small = [lane for lane in lanes("hostmem", max_bytes) if lane[1].get("protocol")]
         return [*small, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
@@ -206,7 +208,12 @@ def _build_on_every_rank(name: str, ctx: CommContext, options: dict) -> AllReduc
         return strategy
     if strategy is not None:
         strategy.close()
-    logger.warning("all-reduce %r could not be set up on every rank (%s): using NCCL", name, error)
+    logger.warning(
+        "all-reduce %r could not be set up on every rank (%s): its messages go to the next "
+        "strategy (NCCL at the end)",
+        name,
+        error,
+    )
     return None
 
 
