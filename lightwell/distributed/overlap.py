@@ -67,7 +67,7 @@ class CommStream:
                 self.in_flight.append(phased)
                 if phased.owner not in self.owners:
                     self.owners.append(phased.owner)
-            if phased is not None:  # its handshake needs no payload: before the wait below
+                # its handshake needs no payload: before the wait below
                 with torch.cuda.stream(self.stream) if on_stream else contextlib.nullcontext():
                     phased.claim()
             if on_stream:
