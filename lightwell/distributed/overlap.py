@@ -11,8 +11,8 @@ interleave differently across ranks. A strategy with phases (``tp_all_reduce_sta
 ``hostmem-copy``) begins on the main stream at ``launch`` (its int8 quantize), moves the bytes
 on the comm stream (its slot handshake first, before that stream waits for the main one: it
 touches only host flags, so its round trips overlap the quantize and the compute before it),
-and sums on the main stream at ``wait``: kernels on the comm stream would
-wait for the SMs, which the other micro-batch's GEMMs hold until they end. Such a call's last
+and sums on the main stream at ``wait``: kernels on the comm stream would wait for the SMs,
+which the other micro-batch's GEMMs hold until they end. Such a call's last
 stream work (its flags) is joined into the main stream at the next ``wait`` or at ``end``,
 which the forward calls at its end (a CUDA-graph capture must end with every fork joined).
 
@@ -20,8 +20,8 @@ Memory: the input stays referenced by the handle until the main stream has waite
 reduction (so the allocator cannot hand its block to a kernel that might run first), and each
 launch waits for the main stream before any comm-stream work that touches device memory (a
 claim before it touches host flags only), so a block freed after a ``wait`` is never reused
-on the comm stream before the main stream is done with it. Works under CUDA-graph capture (fork
-and join through events).
+on the comm stream before the main stream is done with it. Works under CUDA-graph capture
+(fork and join through events).
 """
 
 from __future__ import annotations

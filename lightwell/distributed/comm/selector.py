@@ -5,10 +5,9 @@ The rule (``--all-reduce``):
   set): with ``--custom-all-reduce`` (default), on two GPUs messages up to ``hostmem``'s
   low-latency lane's limit (64 KB, ``LIGHTWELL_HOSTMEM_LL_MAX_BYTES``: batch-1 to 8 decode)
   go to that lane (through pinned host memory, with the residual add + RMSNorm in its
-  kernel; see ``HOST_LANE_ON_PEERS``), messages of
-  at most ``AUTO_PEER_MAX_BYTES`` to the peer-memory strategy (``oneshot``: one-shot up to
-  256 KB, two-shot above) when it is available; everything else (and everything with
-  ``--no-custom-all-reduce``) to NCCL.
+  kernel; see ``HOST_LANE_ON_PEERS``), messages of at most ``AUTO_PEER_MAX_BYTES`` to the
+  peer-memory strategy (``oneshot``: one-shot up to 256 KB, two-shot above) when it is
+  available; everything else (and everything with ``--no-custom-all-reduce``) to NCCL.
 - auto, GPUs without peer access (a PCIe box without P2P, or NCCL_P2P_DISABLE=1): ``hostmem``
   (exact, through pinned host memory) for every message that fits its buffer, NCCL above.
   If it cannot be set up on every rank, NCCL for everything, with a warning.
