@@ -5,9 +5,10 @@ The rule (``--all-reduce``):
   set): with ``--custom-all-reduce`` (default), on two GPUs messages up to ``hostmem``'s
   low-latency lane's limit (64 KB, ``LIGHTWELL_HOSTMEM_LL_MAX_BYTES``: batch-1 to 8 decode)
   go to that lane (through pinned host memory, with the residual add + RMSNorm in its
-  kernel; see ``HOST_LANE_ON_PEERS``), messages of at most ``AUTO_PEER_MAX_BYTES`` to the
-  peer-memory strategy (``oneshot``: one-shot up to 256 KB, two-shot above) when it is
-  available; everything else (and everything with ``--no-custom-all-reduce``) to NCCL.
+  kernel; measured in the comment below ``AUTO_PEER_MAX_BYTES``), messages of at most
+  ``AUTO_PEER_MAX_BYTES`` to the peer-memory strategy (``oneshot``: one-shot up to 256 KB,
+  two-shot above) when it is available; everything else (and everything with
+  ``--no-custom-all-reduce``) to NCCL.
 - auto, GPUs without peer access (a PCIe box without P2P, or NCCL_P2P_DISABLE=1): ``hostmem``
   (exact, through pinned host memory) for every message that fits its buffer, NCCL above.
   If it cannot be set up on every rank, NCCL for everything, with a warning.
@@ -53,8 +54,7 @@ AUTO_PEER_MAX_BYTES = 4 << 20
 # Measured over NVLink (tp_run8 call 5, W1 = batch-1 decode, hidden 4096 so the norm fuses):
 # hostmem 296.8 tok/s against 275.1 for auto with oneshot (8 KB messages); at batch 64 (512
 # KB) oneshot stays ahead (4.06 vs 5.30 ms a step). Hidden sizes whose norm does not fuse
-# (5120, 8192) take the lane too, unmeasured.
-HOST_LANE_ON_PEERS = True
+# (5120, 8192) take the lane too, unmeasured. (``LIGHTWELL_HOSTMEM_LL_MAX_BYTES=0``: no lane.)
 # hostmem-copy's smallest message (128 tokens x 4096 bf16); smaller ones take hostmem's lanes.
 # Back to back in a graph hostmem's kernel wins at every size to 512 tokens (tp_run6: 52 vs 82
 # us at 128 tokens, 154 vs 166 at 512), so the copy engines only take the dual-stream
@@ -155,7 +155,7 @@ def _preferred(
         if not custom:
             return []
         small = []
-        if HOST_LANE_ON_PEERS and ctx.size == 2:  # (measured on two GPUs only)
+        if ctx.size == 2:  # (measured on two GPUs only)
             small = [lane for lane in lanes("hostmem", max_bytes) if lane[1].get("protocol")]
         return [*small, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
