@@ -5,7 +5,7 @@
 1. Copies and stream memory operations: 4 x 1 MB D2H into pinned memory back to back, with a
    fenced cuStreamWriteValue32 after each (the unfenced flag is refused there), one 4 MB
    copy; the same for H2D with a (satisfied) cuStreamWaitValue32 before each; D2H and H2D
-   together on two streams.
+   together on two streams; each direction with its flags on 1-3 streams taking turns.
 2. A small kernel's latency beside a large GEMM: the int8 quantize of a 1,024 x 4,096 bf16
    message (and the 2-rank dequant-sum) made ready on a second stream as the GEMM starts,
    normal and high priority, against the same kernel alone (eager, CUDA events).
@@ -123,6 +123,36 @@ def main() -> int:
         torch.cuda.current_stream().wait_stream(side)
 
     emit("d2h 4 x 1 MB || h2d 4 x 1 MB (two streams)", timed_graph(both))
+
+    # the copies with their flags on 1-3 lanes a direction (hostmem-copy's LANES), alone and
+    # both directions at once
+    lanes_up = [torch.cuda.Stream() for _ in range(3)]
+    lanes_down = [torch.cuda.Stream() for _ in range(3)]
+
+    def turns(lanes, up, down):  # chunk c of each direction on lane c % lanes
+        def build():
+            main = torch.cuda.current_stream()
+            for st in lanes_up[:lanes] + lanes_down[:lanes]:
+                st.wait_stream(main)
+            for c in range(4):
+                if up:
+                    with torch.cuda.stream(lanes_up[c % lanes]):
+                        d2h(c * MB, MB)
+                        write(c)
+                if down:
+                    with torch.cuda.stream(lanes_down[c % lanes]):
+                        wait(c)
+                        h2d(c * MB, MB)
+            for st in lanes_up[:lanes] + lanes_down[:lanes]:
+                main.wait_stream(st)
+
+        return build
+
+    for lanes in (1, 2, 3):
+        for what, up, down in (("d2h 4 x (1 MB + write)", True, False),
+                               ("h2d 4 x (wait + 1 MB)", False, True),
+                               ("both directions", True, True)):  # fmt: skip
+            emit(f"{what}, {lanes} lane(s)", timed_graph(turns(lanes, up, down)))
 
     # 2. a small kernel beside a GEMM
     x = torch.randn(1024, 4096, device=dev, dtype=torch.bfloat16)

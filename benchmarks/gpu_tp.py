@@ -95,6 +95,20 @@ ENGINES = {
             dual512("hostmem-copy-int8"),
             ("w1", "ttft", "decode", "profile"),
         ),
+        # each direction's copies taking turns on 1, 2 or 3 streams (run 9)
+        *[
+            (
+                f"tp2-hostmem-copy-int8-dual512-g2048-l{n}",
+                dual512("hostmem-copy-int8", _env={"LIGHTWELL_HOSTMEM_COPY_LANES": str(n)}),
+                ("ttft", "profile") if n == 2 else ("ttft",),
+            )
+            for n in (1, 2, 3)
+        ],
+        (
+            "tp2-hostmem-copy-dual512-g2048-l2",
+            dual512("hostmem-copy", _env={"LIGHTWELL_HOSTMEM_COPY_LANES": "2"}),
+            ("ttft",),
+        ),
         # the int8 kernels without their alignment hints (run 8)
         (
             "tp2-hostmem-copy-int8-dual512-g2048-noalign",

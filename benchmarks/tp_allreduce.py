@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -124,6 +125,8 @@ def _strategies(ctx, mode: str) -> dict:
         makers[f"hostmem-copy-c{chunks}"] = lambda chunks=chunks: create_strategy(
             "hostmem-copy", ctx, max_bytes=big, chunks=chunks
         )
+    for kind in ("hostmem-copy", "hostmem-copy-int8"):  # each direction's chunks on 2 streams
+        makers[f"{kind}-l2"] = lambda kind=kind: create_strategy(kind, ctx, max_bytes=big, lanes=2)
     if os.environ.get("TP_TABLE_ALL"):  # measured in tp_run4 calls 1-2
         makers["int8-torch-ops"] = lambda: Int8AllReduce(ctx, fused=False)
         makers["int8"] = lambda: create_strategy("int8", ctx)  # fused kernels on GPUs
@@ -233,6 +236,7 @@ def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: f
 def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
     """Logits of one prefill batch (3 requests, 700 tokens) per strategy, vs NCCL's."""
     from lightwell.distributed.comm.hostmem import FUSE_NORM_ENV
+    from lightwell.distributed.comm.hostmem_copy import LANES_ENV
     from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.parallel_state import get_tp_all_reduce, set_tp_all_reduce
     from lightwell.models.hf_config import load_hf_config
@@ -270,6 +274,8 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "hostmem-copy-int8+dual+graph",
         "hostmem-copy+dual3+graph",  # the same in three micro-batches
         "hostmem-copy-int8+dual3+graph",
+        "hostmem-copy+dual+graph+l2",  # the copies of each direction on two streams
+        "hostmem-copy-int8+dual+graph+l2",
     ]
     if mode != "nvlink":
         choices = [c for c in choices if c not in ("auto", "oneshot")]
@@ -284,7 +290,10 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
             previous.close()
         os.environ[FUSE_NORM_ENV] = "1" if choice.endswith("-fused") else "auto"
         parts = (3 if "+dual3" in choice else 2) if "+dual" in choice else 0
-        set_tp_all_reduce(AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20, parts))
+        lanes = next((w[1:] for w in choice.split("+") if w[:1] == "l"), "1")  # +lN: N lanes
+        with mock.patch.dict(os.environ, {LANES_ENV: lanes}):
+            selector = AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20, parts)
+        set_tp_all_reduce(selector)
         runner.overlap = MicroBatchOverlap(model, 2, torch.cuda.Stream(), parts) if parts else None
         runner.graphs = None
         if choice.endswith("+graph"):  # every mixed graph (16..1,024 tokens) split in parts

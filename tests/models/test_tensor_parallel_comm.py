@@ -67,8 +67,9 @@ def _check_strategies(rank: int, ctx) -> None:
             strategy = create_strategy("hostmem", ctx, protocol="ll")
         elif name == "hostmem-int8-ll":
             strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
-        elif name.endswith("-chunked"):  # 8 pieces of >= 256 bytes: (40, 1000) has 8
-            strategy = create_strategy(name.removesuffix("-chunked"), ctx, chunks=8)
+        elif name.endswith("-chunked"):  # 8 pieces of >= 256 bytes: (40, 1000) has 8,
+            # taking turns on 3 lanes (streams on a GPU)
+            strategy = create_strategy(name.removesuffix("-chunked"), ctx, chunks=8, lanes=3)
         strategy = strategy or create_strategy(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)

@@ -15,7 +15,10 @@ two slots a rank):
                               every flag[p][q][me][c] = 0, and busy[p][q][me] = 0
     then the stream that sums (the caller's) waits for the down stream's copies and sums x and
     the peers' copies. The up stream does not wait for the down stream in phases, so the
-    next call's D2H copies follow this one's at once.
+    next call's D2H copies follow this one's at once. With ``lanes`` L > 1, each direction's
+    chunk c runs on lane c % L (the up stream and L - 1 more; L down streams), so that a
+    chunk's copy runs while another lane handles the previous chunk's flag; the up stream
+    and the first down stream join their lanes once the call's copies are issued.
 
 Flags are handshakes with fixed values: a chunk flag is raised by the writer once the chunk is
 in host memory and lowered by its reader after its last copy of the message; a slot's busy
@@ -24,8 +27,8 @@ chunk flags. A writer reuses a slot only once every reader has lowered its busy
 word, whatever the previous message's size and chunks, so calls that reuse a slot back to back
 are safe: the slot's parity comes from a counter on the host, which CUDA-graph replays do not
 advance. Every rank makes the same calls in the same order, so all agree on each call's slot,
-and eager calls and replays mix freely. The reader of chunk c waits for this rank's own raise
-of chunk c (an event), so a graph whose branches run one after the other still progresses.
+and eager calls and replays mix freely. The reader of chunk c waits for this rank's own raises
+of chunks 0..c (events), so a graph whose branches run one after the other still progresses.
 
 The copies are the driver's ``cuMemcpyDtoHAsync``/``cuMemcpyHtoDAsync`` (the copy engines;
 the two directions overlap chunk by chunk), the flag writes ``cuStreamWriteValue32`` (fenced:
@@ -88,6 +91,12 @@ from lightwell.distributed.comm.hostmem import (
 CHUNKS = 4
 CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
+# Streams a direction's copies take turns on, chunk by chunk (``LANES_ENV`` overrides): on one
+# stream each copy waits for the flag operation after the previous one; on two, a chunk's copy
+# runs while the other stream raises (or waits for) the previous chunk's flag.
+LANES = 1
+LANES_ENV = "LIGHTWELL_HOSTMEM_COPY_LANES"
+MAX_LANES = 4
 MIN_CHUNK_BYTES = 256 * 1024
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
 # A stage set for a call in phases holds a micro-batch's message: at most the step's over the
@@ -141,6 +150,7 @@ class HostMemCopyAllReduce:
         int8: bool = False,
         beside_compute_only: bool = False,
         phases: int = 0,
+        lanes: int | None = None,
     ) -> None:
         """``min_bytes``: smaller messages are left to other strategies (``supports``);
         ``chunks``: pieces per message (default ``LIGHTWELL_HOSTMEM_COPY_CHUNKS`` or
@@ -148,7 +158,19 @@ class HostMemCopyAllReduce:
         all-reduces issued beside compute (``comm.base.beside_compute``: the dual-stream
         overlap), leaving the rest to other strategies (the selector's rule: back to back,
         hostmem's kernel is faster); ``phases``: calls in phases in flight at once (the
-        dual-stream overlap's micro-batches; 0: ``start`` always declines)."""
+        dual-stream overlap's micro-batches; 0: ``start`` always declines); ``lanes``:
+        streams a direction's chunks take turns on (default ``LIGHTWELL_HOSTMEM_COPY_LANES``
+        or ``LANES``)."""
+        if chunks is None:
+            chunks = int(os.environ.get(CHUNKS_ENV, CHUNKS))
+        if not 1 <= chunks <= MAX_CHUNKS:
+            raise ValueError(f"hostmem-copy chunks must be 1..{MAX_CHUNKS}, got {chunks}")
+        self.chunks = chunks
+        if lanes is None:
+            lanes = int(os.environ.get(LANES_ENV, LANES))
+        if not 1 <= lanes <= MAX_LANES:
+            raise ValueError(f"hostmem-copy lanes must be 1..{MAX_LANES}, got {lanes}")
+        self.lanes = lanes
         self.beside_compute_only = beside_compute_only
         # int8 calls in phases sum inside the consuming norm (``_Phased.finish_add_rmsnorm``)
         # only when asked: measured, the fused kernel lost (40 vs 25 us for 1,024 x 4,096
@@ -166,11 +188,6 @@ class HostMemCopyAllReduce:
         self.rank, self.size = ctx.rank, ctx.size
         self.peers = [r for r in range(ctx.size) if r != ctx.rank]
         self.max_bytes, self.min_bytes = max_bytes, min_bytes
-        if chunks is None:
-            chunks = int(os.environ.get(CHUNKS_ENV, CHUNKS))
-        if not 1 <= chunks <= MAX_CHUNKS:
-            raise ValueError(f"hostmem-copy chunks must be 1..{MAX_CHUNKS}, got {chunks}")
-        self.chunks = chunks
         self.slot_bytes = _room(max_bytes)
         self.flag_bytes = -(-(2 * _FLAG_ROW * ctx.size**2) // 4096) * 4096
         total = self.flag_bytes + 2 * ctx.size * self.slot_bytes
@@ -198,12 +215,15 @@ class HostMemCopyAllReduce:
         # per slot parity: the marker of this rank's flag writes after the last call in phases
         # of this forward (``_transfer``; cleared by ``end_forward``)
         self.order: list[Any] = [None, None]
+        # the copy streams: the D2H copies of chunk c on ups[c % lanes] (ups[0]: the caller's
+        # stream, so ``up_extra`` holds the others), the H2D copies on downs[c % lanes]
         if self.on_gpu:
             self.ops: _Ops = _DriverOps(self.memory)
-            self.down = torch.cuda.Stream(ctx.device)
-        else:
+            self.up_extra = [torch.cuda.Stream(ctx.device) for _ in range(lanes - 1)]
+            self.downs = [torch.cuda.Stream(ctx.device) for _ in range(lanes)]
+        else:  # (in order on CPU: no streams)
             self.ops = _HostOps(self.memory)
-            self.down = None
+            self.up_extra, self.downs = [None] * (lanes - 1), [None] * lanes
 
     @staticmethod
     def available(ctx: CommContext) -> bool:
@@ -318,36 +338,50 @@ class HostMemCopyAllReduce:
         p: int | None = None,
     ) -> tuple[Any, Any]:
         """Send ``payload``'s chunks and copy every peer's into stage set ``stage``: the
-        handshake above, on the current stream (up) and ``down``, in slot ``p`` (claimed
-        here when None). Returns markers (on ``down``) of the copies' end and of the flags'
-        lowering after them (``_sum_after``)."""
+        handshake above, on the current stream (up) and the down streams, chunk c on lane
+        c % lanes of each direction, in slot ``p`` (claimed here when None). Returns markers
+        (on the first down stream) of the copies' end and of the flags' lowering after them
+        (``_sum_after``)."""
         if p is None:
             p = self._claim(phased)
         ops = self.ops
         up = self._here()
-        if self.down is not None:  # the payload is ready; the set's last sum has read it
-            self.down.wait_stream(up)
+        used = min(self.lanes, len(bounds))
+        ups, downs = [up, *self.up_extra][:used], self.downs[:used]
+        ready = ops.record(up)  # the slot is claimed and the payload ready; for the downs also:
+        for stream in ups[1:] + downs:  # the set's last sum has read it
+            ops.after(ready, stream)
         me, peers = self.rank, self.peers
         mine, busy = self._slot(p, me), MAX_CHUNKS
         raised = []
         for c, (a, b) in enumerate(bounds):
-            ops.d2h(mine + a, payload, a, b, up)
+            lane = ups[c % used]
+            ops.d2h(mine + a, payload, a, b, lane)
             for r in peers:
-                ops.write_flag(self._flag(p, me, r, c), 1, up)
-            raised.append(ops.record(up))
+                ops.write_flag(self._flag(p, me, r, c), 1, lane)
+            raised.append(ops.record(lane))
+        for lane in ups[1:]:  # the up stream goes on once every lane has raised its chunks
+            ops.after(ops.record(lane), up)
         for c, (a, b) in enumerate(bounds):
-            ops.after(raised[c], self.down)  # progress if the graph runs the streams in series
+            lane = downs[c % used]
+            # progress if the graph runs the streams in series: a wait for the peers' chunk c
+            # comes after this rank's raise of every chunk up to c (the last on each lane)
+            for k in range(max(0, c - used + 1), c + 1):
+                ops.after(raised[k], lane)
             for q in peers:
-                ops.wait_flag(self._flag(p, q, me, c), 1, self.down)
-                ops.h2d(self._row(stage, q), a, b, self._slot(p, q) + a, self.down)
-        landed = ops.record(self.down)
+                ops.wait_flag(self._flag(p, q, me, c), 1, lane)
+                ops.h2d(self._row(stage, q), a, b, self._slot(p, q) + a, lane)
+        down = downs[0]
+        for lane in downs[1:]:
+            ops.after(ops.record(lane), down)
+        landed = ops.record(down)
         # the flags lowered after the last copy (off the copies' path): the writer raises them
         # again only once it sees the busy word down, lowered last
         for q in peers:
             for c in range(len(bounds)):
-                ops.write_flag(self._flag(p, q, me, c), 0, self.down)
-            ops.write_flag(self._flag(p, q, me, busy), 0, self.down)
-        lowered = ops.record(self.down)
+                ops.write_flag(self._flag(p, q, me, c), 0, down)
+            ops.write_flag(self._flag(p, q, me, busy), 0, down)
+        lowered = ops.record(down)
         if phased:
             self.order[p] = lowered
         return landed, lowered
