@@ -104,6 +104,14 @@ ENGINES = {
             )
             for n in (1, 2, 3)
         ],
+        (  # 8 smaller pieces on 2 lanes: each chunk lands sooner
+            "tp2-hostmem-copy-int8-dual512-g2048-c8-l2",
+            dual512(
+                "hostmem-copy-int8",
+                _env={"LIGHTWELL_HOSTMEM_COPY_LANES": "2", "LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"},
+            ),
+            ("ttft",),
+        ),
         (
             "tp2-hostmem-copy-dual512-g2048-l2",
             dual512("hostmem-copy", _env={"LIGHTWELL_HOSTMEM_COPY_LANES": "2"}),

@@ -7,7 +7,9 @@
 # Override with RATES=... NUM_PROMPTS=... TP=... INPUT_LEN=... OUTPUT_LEN=... MODEL_JSON=...
 # VOCAB=... (SKIP_WHEELS=1 where fastapi is installed); results land in $1 (JSON, PNG, logs).
 # MODE=pcie-emulated (with TP=2): NCCL_P2P_DISABLE=1 and --no-custom-all-reduce, like a PCIe
-# box without peer access (auto then picks the hostmem all-reduce).
+# box without peer access (auto then picks the hostmem all-reduce). SERVE_ARGS="..." adds
+# options to `lightwell serve` (e.g. "--all-reduce hostmem-copy-int8 --dual-stream
+# --cuda-graph-prefill-tokens 2048") and CONFIG=... names the configuration in the results.
 set -uo pipefail
 out=${1:?usage: gpu_w3.sh OUT_DIR}
 mkdir -p "$out"
@@ -24,7 +26,7 @@ if [ "${MODE:-}" = pcie-emulated ]; then
 fi
 $PY -m lightwell.cli serve --port "$port" --load-format dummy --hf-config-json "${MODEL_JSON:-llama-3-8b}" \
   --dtype "${DTYPE:-bfloat16}" --skip-tokenizer-init --tensor-parallel-size "${TP:-1}" \
-  --log-level WARNING "${extra[@]}" > "$out/serve.log" 2>&1 &
+  --log-level WARNING "${extra[@]}" ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
 server=$!
 for _ in $(seq 240); do
   curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
@@ -36,6 +38,7 @@ $PY -m lightwell.cli bench serve --base-url "http://127.0.0.1:$port" --token-ids
   --output-len "${OUTPUT_LEN:-256}" --ignore-eos \
   --num-prompts "${NUM_PROMPTS:-500}" --request-rate "${RATES:-32,8,2}" --no-progress \
   --metadata model=llama-3-8b dtype=bfloat16 tp="${TP:-1}" mode="${MODE:-$([ "${TP:-1}" = 1 ] && echo single || echo nvlink)}" \
+  config="${CONFIG:-default}" \
   --result-json "$out/w3_gpu.json" --plot "$out/w3_gpu.png" 2>&1 | tee "$out/bench.log"
 rc=$?
 kill -TERM $server; wait $server
