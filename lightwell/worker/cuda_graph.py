@@ -37,12 +37,22 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes + [max_batch]))
 
 
+# Mixed-step graphs above this many tokens come every MIXED_STEP tokens (below: powers of two),
+# so that a step pads by less than MIXED_STEP tokens: in serving, steps of a prompt chunk plus
+# the running decodes (1,024 + a few dozen tokens) padded to the next power of two did twice
+# the work (tp_run9's W3).
+MIXED_POW2_MAX = 512
+MIXED_STEP = 256
+
+
 def mixed_capture_sizes(max_tokens: int) -> list[int]:
-    """Token counts for mixed-step graphs: powers of two from 16, then ``max_tokens``."""
+    """Token counts for mixed-step graphs: powers of two from 16 to MIXED_POW2_MAX, then every
+    multiple of MIXED_STEP, then ``max_tokens``."""
     if max_tokens <= 0:
         return []
-    sizes = [s for s in (16 << i for i in range(20)) if s < max_tokens]
-    return sizes + [max_tokens]
+    sizes = [s for s in (16 << i for i in range(20)) if s <= MIXED_POW2_MAX]
+    sizes += range(MIXED_POW2_MAX + MIXED_STEP, max_tokens, MIXED_STEP)
+    return [s for s in sizes if s < max_tokens] + [max_tokens]
 
 
 class CudaGraphRunner:

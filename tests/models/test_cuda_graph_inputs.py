@@ -27,6 +27,10 @@ def test_mixed_capture_sizes():
     assert mixed_capture_sizes(16) == [16]
     assert mixed_capture_sizes(100) == [16, 32, 64, 100]
     assert mixed_capture_sizes(512) == [16, 32, 64, 128, 256, 512]
+    # above 512: every 256 tokens (a step pads by less than 256)
+    assert mixed_capture_sizes(1000) == [16, 32, 64, 128, 256, 512, 768, 1000]
+    assert mixed_capture_sizes(2048)[5:] == [512, 768, 1024, 1280, 1536, 1792, 2048]
+    assert mixed_capture_sizes(1024)[-3:] == [512, 768, 1024]
 
 
 def _tiny_runner(
