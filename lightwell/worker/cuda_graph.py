@@ -43,6 +43,12 @@ def capture_sizes(max_batch: int) -> list[int]:
 # the work (tp_run9's W3).
 MIXED_POW2_MAX = 512
 MIXED_STEP = 256
+# A mixed step whose decode rows would get split-KV attention eagerly (few rows, long
+# contexts) still replays its graph when it carries at least this many prefill tokens: then the
+# prefill's GEMMs set the step's time, not the decode rows' unsplit attention, and an eager
+# step under --dual-stream is bound by its launches (under serving load most mixed steps have
+# such rows: tp_run9's W3 ran them all eagerly).
+SPLIT_KV_EAGER_MAX_PREFILL = 256
 
 
 def mixed_capture_sizes(max_tokens: int) -> list[int]:
@@ -199,15 +205,19 @@ class CudaGraphRunner:
         if not self.mixed_sizes or t > self.mixed_sizes[-1]:
             return None
         size = next(s for s in self.mixed_sizes if s >= t)
-        if meta.num_reqs >= self._mixed_reqs(size) or self._decodes_want_split_kv(meta):
-            return None  # (the first: never, with <= max_batch requests)
+        if meta.num_reqs >= self._mixed_reqs(size):
+            return None  # (never, with <= max_batch requests)
+        prefill = t - meta.num_decodes
+        if prefill < SPLIT_KV_EAGER_MAX_PREFILL and self._decodes_want_split_kv(meta):
+            return None
         return ("mixed", size)
 
     def _decodes_want_split_kv(self, meta: AttentionMetadata) -> bool:
         """A mixed graph runs decode rows in the prefill-shaped launch, one program per
         (request, KV head) over the whole context. The eager path gives leading decode rows a
         launch of their own (``paged_attention``), split-KV when ``auto_num_splits`` asks for it
-        (few rows, long contexts): such steps run eagerly."""
+        (few rows, long contexts): such steps run eagerly, unless they also carry at least
+        SPLIT_KV_EAGER_MAX_PREFILL prefill tokens."""
         nd = meta.num_decodes
         if not nd or not self.num_kv_heads or meta.query_start_loc_cpu[nd] != nd:
             return False

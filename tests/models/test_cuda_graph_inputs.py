@@ -180,6 +180,7 @@ def test_few_long_decodes_beside_a_chunk_run_eagerly(runner, monkeypatch):
     """Decode rows that the eager path would give split-KV (few rows, long contexts: decided
     by auto_num_splits, which answers 1 on CPU, so it is stubbed here) skip the mixed graphs."""
     import lightwell.kernels.split_kv as split_kv
+    from lightwell.worker import cuda_graph
     from tests.models.paged import build_metadata
 
     calls = []
@@ -199,3 +200,8 @@ def test_few_long_decodes_beside_a_chunk_run_eagerly(runner, monkeypatch):
     assert runner.graphs.can_run(short_ctx)
     prefill_only, _ = build_metadata([20], [120], [list(range(1, 31))], BLOCK, cpu)
     assert runner.graphs.can_run(prefill_only)  # no decode rows: nothing to split
+    # with enough prefill tokens beside them, the graph runs the long decode rows unsplit
+    monkeypatch.setattr(cuda_graph, "SPLIT_KV_EAGER_MAX_PREFILL", 20)
+    assert runner.graphs.can_run(long_ctx)  # 20 prefill tokens
+    monkeypatch.setattr(cuda_graph, "SPLIT_KV_EAGER_MAX_PREFILL", 21)
+    assert not runner.graphs.can_run(long_ctx)
