@@ -209,6 +209,11 @@ def make_llm(args: argparse.Namespace, max_num_seqs: int, async_scheduling: bool
         max_num_batched_tokens=args.max_batched_tokens,
         enforce_eager=args.eager,
         async_scheduling=async_scheduling,
+        **(
+            {}
+            if args.cuda_graph_prefill_tokens is None
+            else {"cuda_graph_prefill_tokens": args.cuda_graph_prefill_tokens}
+        ),
     )
     print(f"engine ready in {time.perf_counter() - t0:.1f}s, {llm.engine.num_kv_blocks} blocks")
     return llm
@@ -416,6 +421,9 @@ def main() -> int:
     ap.add_argument("--w2-requests", type=int, default=1000)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--cuda-graph-prefill-tokens", type=int, default=None, help="(default: the engine's)"
+    )
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument(
