@@ -64,7 +64,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lightwell.server.metrics import ServerMetrics
 
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(engine_config_from_args(args).replace(serving=True))
     name = args.served_model_name or (engine.files.name if engine.files else engine.model_info.name)
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)

@@ -193,7 +193,7 @@ class Worker:
         self.runner.capture_cuda_graphs(
             s.max_num_seqs,
             resolved.model.max_model_len,
-            min(resolved.device.cuda_graph_prefill_tokens, s.max_num_batched_tokens),
+            resolved.device.cuda_graph_prefill_tokens,  # (at most the step budget)
         )
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

@@ -60,3 +60,43 @@ def test_chunked_prefill_off_budget_holds_the_longest_prompt():
     cfg = EngineConfig.from_kwargs(enable_chunked_prefill=False, max_num_batched_tokens=256)
     r = resolve_config(cfg, on_gpu=False, model_max_len=2048)
     assert r.scheduler.max_num_batched_tokens == 2048
+
+
+def test_serving_defaults_on_gpu():
+    """`lightwell serve` on GPU: 2,048-token steps and prefill graphs up to 2,048 tokens
+    (latency); offline: 8,192-token steps and graphs to 512 (throughput); CPU alike either way;
+    explicit values stay, the graph size never above the step budget."""
+
+    def resolved(serving: bool, on_gpu: bool = True, **kwargs):
+        cfg = EngineConfig.from_kwargs(**kwargs).replace(serving=serving)
+        r = resolve_config(cfg, on_gpu=on_gpu, model_max_len=8192)
+        return r.scheduler.max_num_batched_tokens, r.device.cuda_graph_prefill_tokens
+
+    assert resolved(True) == (2048, 2048)
+    assert resolved(False) == (8192, 512)
+    assert resolved(True, on_gpu=False) == resolved(False, on_gpu=False) == (512, 512)
+    assert resolved(True, max_num_batched_tokens=8192) == (8192, 2048)
+    assert resolved(True, max_num_batched_tokens=1000) == (1000, 1000)
+    assert resolved(False, cuda_graph_prefill_tokens=1024) == (8192, 1024)
+    assert resolved(True, cuda_graph_prefill_tokens=0) == (2048, 0)
+
+
+def test_serve_builds_its_engine_with_serving_defaults(monkeypatch):
+    import lightwell.engine.llm_engine as llm_engine
+    from lightwell.cli import _register_extra, build_parser
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(config):
+        seen.append(config)
+        raise Stop
+
+    monkeypatch.setattr(llm_engine, "LLMEngine", fake_engine)
+    _register_extra()
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "8"])
+    with pytest.raises(Stop):
+        args.handler(args)
+    assert seen[0].serving and seen[0].scheduler.max_num_seqs == 8
