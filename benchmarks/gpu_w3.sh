@@ -24,10 +24,12 @@ if [ "${MODE:-}" = pcie-emulated ]; then
   export NCCL_P2P_DISABLE=1
   extra=(--no-custom-all-reduce)
 fi
+set -f  # SERVE_ARGS: split into words, never glob-expanded
 $PY -m lightwell.cli serve --port "$port" --load-format dummy --hf-config-json "${MODEL_JSON:-llama-3-8b}" \
   --dtype "${DTYPE:-bfloat16}" --skip-tokenizer-init --tensor-parallel-size "${TP:-1}" \
   --log-level WARNING "${extra[@]}" ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
 server=$!
+set +f
 for _ in $(seq 240); do
   curl -sf "http://127.0.0.1:$port/health" > /dev/null && break
   kill -0 $server 2>/dev/null || { tail -30 "$out/serve.log"; exit 1; }

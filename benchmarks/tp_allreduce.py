@@ -296,7 +296,7 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         set_tp_all_reduce(selector)
         runner.overlap = MicroBatchOverlap(model, 2, torch.cuda.Stream(), parts) if parts else None
         runner.graphs = None
-        if choice.endswith("+graph"):  # every mixed graph (16..1,024 tokens) split in parts
+        if "graph" in choice.split("+")[1:]:  # every mixed graph (16..1,024 tokens) split in parts
             runner.capture_cuda_graphs(max_batch=4, max_model_len=2048, prefill_tokens=1024)
         logits = _prefill_logits(runner, step)  # [3, V]
         if ref is None:

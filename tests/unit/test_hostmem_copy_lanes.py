@@ -91,6 +91,46 @@ def _issue(s: HostMemCopyAllReduce, calls: int, nbytes: int, phased: bool) -> No
             s.ops.after(lowered, "main")
 
 
+def _issue_mixed(s: HostMemCopyAllReduce, nbytes: int) -> None:
+    """Calls in phases mixed with a whole call on the comm stream (what ``CommStream`` runs
+    when ``start`` declines): launch 0 and 1 in phases, the sum of 0, launch 2 whole, the sum
+    of 1, the wait for 2, launch 3 in phases and its sum; then the forward's end."""
+    payload = torch.empty(nbytes, dtype=torch.uint8)
+    step = -(-nbytes // s.chunks)
+    bounds = [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+    s._here = lambda: "comm"
+    marks = {}
+
+    def launch(call: int, phased: bool) -> None:
+        s.ops.call = call
+        s.ops.after(s.ops.record("main"), "comm")
+        marks[call] = s._transfer(payload, bounds, 0, phased=phased)
+        if not phased:  # the whole call's sum, on the comm stream
+            s.ops.after(marks[call][0], "comm")
+            s.ops.after(marks[call][1], "comm")
+
+    launch(0, True)
+    launch(1, True)
+    s.ops.after(marks[0][0], "main")
+    launch(2, False)
+    s.ops.after(marks[1][0], "main")
+    s.ops.after(s.ops.record("comm"), "main")  # the wait for call 2
+    launch(3, True)
+    s.ops.after(marks[3][0], "main")
+    for call in (0, 1, 3):
+        s.ops.after(marks[call][1], "main")
+    s.ops.after(s.ops.record("comm"), "main")
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3])
+def test_lanes_with_whole_and_phased_calls_mixed(lanes):
+    strategies = [_strategy(r, lanes, chunks=4) for r in (0, 1)]
+    for s in strategies:
+        _issue_mixed(s, 4096)
+    for seed in range(300):
+        _run([s.ops for s in strategies], random.Random(seed))
+
+
 def _run(ranks: list[_Recorder], rng: random.Random) -> None:
     """Both ranks' operations, one at a time a rank in a random order of its graph; a rank
     whose chosen operation is a wait for an unset flag holds there until a peer sets it."""

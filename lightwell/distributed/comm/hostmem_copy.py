@@ -10,7 +10,7 @@ two slots a rank):
                               r: the claim, which a call in phases makes before its payload
                               is ready) | per chunk c: D2H chunk c -> my slot p,
                               flag[p][me][r][c] = 1
-    down stream (a second):   per chunk c, per peer q: (after this rank raised its chunk c)
+    down stream (a second):   per chunk c, per peer q: (after this rank raised chunks 0..c)
                               wait flag[p][q][me][c] == 1 | H2D q's chunk c -> stage | then
                               every flag[p][q][me][c] = 0, and busy[p][q][me] = 0
     then the stream that sums (the caller's) waits for the down stream's copies and sums x and
@@ -52,10 +52,10 @@ kernel. A kernel there waits for the SMs, and the GEMM beside it holds every SM 
 stage sets (``phases``: this rank's packed message, the peers' copies, each sized for a
 micro-batch's share of a step's message), taken at ``start`` and given back at ``finish``;
 with none free (or a message too large), ``start`` declines and the call runs whole on the
-comm stream. A call in phases also
-waits, on its own up stream, for this rank's flag writes of the previous call of its parity
-in the same forward (``end_forward`` forgets them), so a graph whose branches run one after
-the other still progresses: the comm stream does not wait for the down stream otherwise.
+comm stream. Every call also waits, on its own up stream, for this rank's flag writes of the
+previous call in phases of its parity in the same forward (``end_forward`` forgets them), so
+a graph whose branches run one after the other still progresses, also when a whole call
+follows calls in phases: the comm stream does not wait for the down stream otherwise.
 
 On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag writes
 stores, the waits bounded spins; the int8 kernels run under the Triton interpreter.
@@ -313,7 +313,7 @@ class HostMemCopyAllReduce:
         stream that runs the next one, or a CUDA-graph capture ended with them)."""
         self.order = [None, None]
 
-    def _claim(self, phased: bool) -> int:
+    def _claim(self) -> int:
         """Take the next call's slot (its parity): on the current stream (up), wait until every
         reader is done with the slot's previous message, then mark it busy. Needs no payload,
         so a call in phases claims before its stream waits for the quantize (``_Phased.claim``:
@@ -321,7 +321,7 @@ class HostMemCopyAllReduce:
         self.calls += 1
         p = self.calls % 2
         ops, up, me, busy = self.ops, self._here(), self.rank, MAX_CHUNKS
-        if phased and self.order[p] is not None:  # this rank's lowering for the last call
+        if self.order[p] is not None:  # this rank's lowering for the last call in phases
             ops.after(self.order[p], up)  # of this parity, before waiting for the peers'
         for r in self.peers:  # every reader is done with this slot's previous message
             ops.wait_flag(self._flag(p, me, r, busy), 0, up)
@@ -343,7 +343,7 @@ class HostMemCopyAllReduce:
         (on the first down stream) of the copies' end and of the flags' lowering after them
         (``_sum_after``)."""
         if p is None:
-            p = self._claim(phased)
+            p = self._claim()
         ops = self.ops
         up = self._here()
         used = min(self.lanes, len(bounds))
@@ -351,6 +351,11 @@ class HostMemCopyAllReduce:
         ready = ops.record(up)  # the slot is claimed and the payload ready; for the downs also:
         for stream in ups[1:] + downs:  # the set's last sum has read it
             ops.after(ready, stream)
+        # every down lane after the first one's work so far: the lowering of this rank's flags
+        # after the earlier calls (a wait must not see a flag of this slot's previous message)
+        tail = ops.record(downs[0])
+        for stream in downs[1:]:
+            ops.after(tail, stream)
         me, peers = self.rank, self.peers
         mine, busy = self._slot(p, me), MAX_CHUNKS
         raised = []
@@ -449,7 +454,7 @@ class _Phased:
         the stream that quantizes: measured run 8, ``to_first_d2h``). Once a call."""
         if self.parity is not None:
             raise RuntimeError("this call has claimed its slot already")
-        self.parity = self.owner._claim(phased=True)
+        self.parity = self.owner._claim()
 
     def transfer(self) -> None:
         """The copies and flags, on the current stream (the comm stream) and the strategy's
