@@ -353,9 +353,10 @@ class HostMemCopyAllReduce:
             ops.after(ready, stream)
         # every down lane after the first one's work so far: the lowering of this rank's flags
         # after the earlier calls (a wait must not see a flag of this slot's previous message)
-        tail = ops.record(downs[0])
-        for stream in downs[1:]:
-            ops.after(tail, stream)
+        if used > 1:
+            tail = ops.record(downs[0])
+            for stream in downs[1:]:
+                ops.after(tail, stream)
         me, peers = self.rank, self.peers
         mine, busy = self._slot(p, me), MAX_CHUNKS
         raised = []
