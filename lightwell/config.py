@@ -106,6 +106,13 @@ class SchedulerConfig:
         "Split long prompts across steps to fit the token budget. When off, a prompt is "
         "scheduled whole or not at all (and the budget must hold the longest prompt).",
     )
+    step_trace: str | None = _opt(
+        None,
+        "Append one JSON line per engine step to this file: the time, step id, tokens, "
+        "requests, decode rows, new requests, running / waiting requests, KV-cache use, ms "
+        "since the previous step, and how the step ran (a CUDA graph and its size, eager, "
+        "eager split). For finding where latency goes; off by default.",
+    )
     async_scheduling: bool | None = _opt(
         None,
         "Default: on for GPU, off on CPU. "

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from lightwell.config import EngineConfig, is_preset_dummy, resolve_config
 from lightwell.engine.output_processor import OutputProcessor
 from lightwell.engine.overlap_loop import OverlapLoop
+from lightwell.engine.step_trace import StepTrace
 from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
 from lightwell.models.paths import ModelFiles, resolve_model
@@ -63,6 +64,7 @@ class LLMEngine:
             async_scheduling=s.async_scheduling,
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
+        self._trace = StepTrace(s.step_trace) if s.step_trace else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         if self.eos_token_id is None:
@@ -218,6 +220,8 @@ class LLMEngine:
         self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply a step's tokens: stops, frees, detokenized outputs (and stop-string aborts)."""
+        if self._trace is not None:
+            self._trace.record(sched, runner_out, self.scheduler)
         core_outputs = self.scheduler.update(sched, runner_out)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
@@ -242,6 +246,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         self._overlap = None  # steps in flight are dropped with the executor
         self.executor.shutdown()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
 
 
 _GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

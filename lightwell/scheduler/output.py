@@ -64,6 +64,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Prompt logprobs for the prompt positions computed this step (chunked: in pieces).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # How the step ran on the driving rank: "graph decode B" / "graph mixed T" (a CUDA graph
+    # of that size), "eager", "eager split" (micro-batches), "" (no forward); --step-trace
+    path: str = ""
 
 
 @dataclass

@@ -164,9 +164,12 @@ class ModelRunner:
         key = self.graphs.graph_for(inp.meta) if self.graphs is not None else None
         if key is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, key)  # [T, H]
+            path = f"graph {key[0]} {key[1]}"
         else:
+            split = self.overlap is not None and self.overlap.applies(inp.meta)
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
-        pending = PendingStep(ModelRunnerOutput())
+            path = "eager split" if split else "eager"
+        pending = PendingStep(ModelRunnerOutput(path=path))
         if inp.sample_req_ids:
             self._sample(inp, hidden, pending)
         if inp.prompt_logprob_rows:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -198,3 +199,24 @@ def test_cli_reports_bad_input_cleanly():
         timeout=300,
     )
     assert run.returncode == 2 and "top_p" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_step_trace_writes_a_line_per_step(tmp_path):
+    """--step-trace: a JSON line per step that ran tokens; the tokens add up to every prompt
+    token plus every output token but each request's last (never fed back), within the step
+    budget, eager on CPU."""
+    path = tmp_path / "steps.jsonl"
+    traced = LLM(max_num_batched_tokens=16, num_threads=2, step_trace=str(path))
+    prompts = [{"prompt_token_ids": list(range(100, 120))}, {"prompt_token_ids": [7] * 7}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    outs = traced.generate(prompts, params, use_tqdm=False)
+    traced.engine.shutdown()
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sum(r["tokens"] for r in rows) == 20 + 7 + 2 * 4
+    assert max(r["tokens"] for r in rows) <= 16 and min(r["tokens"] for r in rows) >= 1
+    assert (rows[0]["tokens"], rows[0]["new_requests"], rows[0]["waiting"]) == (16, 1, 1)
+    assert sum(r["new_requests"] for r in rows) == 2
+    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})
+    assert {r["path"] for r in rows} == {"eager"} and all(r["ms"] >= 0 for r in rows)
+    assert rows[-1]["one_token_rows"] >= 1 and rows[-1]["running"] <= 2
