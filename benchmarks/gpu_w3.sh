@@ -10,6 +10,7 @@
 # box without peer access (auto then picks the hostmem all-reduce). SERVE_ARGS="..." adds
 # options to `lightwell serve` (e.g. "--all-reduce hostmem-copy-int8 --dual-stream
 # --cuda-graph-prefill-tokens 2048") and CONFIG=... names the configuration in the results.
+# The server writes its per-step trace to steps.jsonl.gz (--step-trace).
 set -uo pipefail
 out=${1:?usage: gpu_w3.sh OUT_DIR}
 mkdir -p "$out"
@@ -27,7 +28,8 @@ fi
 set -f  # SERVE_ARGS: split into words, never glob-expanded
 $PY -m lightwell.cli serve --port "$port" --load-format dummy --hf-config-json "${MODEL_JSON:-llama-3-8b}" \
   --dtype "${DTYPE:-bfloat16}" --skip-tokenizer-init --tensor-parallel-size "${TP:-1}" \
-  --log-level WARNING "${extra[@]}" ${SERVE_ARGS:-} > "$out/serve.log" 2>&1 &
+  --log-level WARNING --step-trace "$out/steps.jsonl" "${extra[@]}" ${SERVE_ARGS:-} \
+  > "$out/serve.log" 2>&1 &
 server=$!
 set +f
 for _ in $(seq 240); do
@@ -44,4 +46,5 @@ $PY -m lightwell.cli bench serve --base-url "http://127.0.0.1:$port" --token-ids
   --result-json "$out/w3_gpu.json" --plot "$out/w3_gpu.png" 2>&1 | tee "$out/bench.log"
 rc=$?
 kill -TERM $server; wait $server
+gzip -f "$out/steps.jsonl"  # the server's per-step trace (--step-trace), a JSON line a step
 exit $rc
