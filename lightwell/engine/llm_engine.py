@@ -46,11 +46,16 @@ class LLMEngine:
         )
         skip = m.skip_tokenizer_init or (self.files is None and m.tokenizer is None)
         self.tokenizer = None if skip else Tokenizer.load(self.files, m.tokenizer)
+        # opened first: a path that cannot be written fails before the model loads
+        trace = config.scheduler.step_trace
+        self._trace = StepTrace(trace) if trace else None
         self.executor = make_executor(config)
         try:
             self._start_executor(config)
         except BaseException:
             self.executor.shutdown()  # no half-started workers or process groups left behind
+            if self._trace is not None:
+                self._trace.close()
             raise
         s = self.config.scheduler
         self.scheduler = Scheduler(
@@ -64,7 +69,6 @@ class LLMEngine:
             async_scheduling=s.async_scheduling,
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
-        self._trace = StepTrace(s.step_trace) if s.step_trace else None
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
         if self.eos_token_id is None:

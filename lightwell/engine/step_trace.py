@@ -12,7 +12,10 @@ from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 class StepTrace:
     def __init__(self, path: str) -> None:
-        self.file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the engine's life
+        try:
+            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - for the engine's life
+        except OSError as e:
+            raise ValueError(f"step_trace: cannot write {path!r}: {e.strerror}") from e
         self.last = time.perf_counter()
 
     def record(self, sched: SchedulerOutput, out: ModelRunnerOutput, scheduler: Any) -> None:

@@ -220,3 +220,5 @@ def test_step_trace_writes_a_line_per_step(tmp_path):
     assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})
     assert {r["path"] for r in rows} == {"eager"} and all(r["ms"] >= 0 for r in rows)
     assert rows[-1]["one_token_rows"] >= 1 and rows[-1]["running"] <= 2
+    with pytest.raises(ValueError, match="step_trace: cannot write"):  # before the model loads
+        LLM(step_trace=str(tmp_path / "missing" / "steps.jsonl"))
