@@ -109,8 +109,8 @@ class SchedulerConfig:
     step_trace: str | None = _opt(
         None,
         "Append one JSON line per engine step to this file: the time, step id, tokens, "
-        "requests, decode rows, new requests, running / waiting requests, KV-cache use, ms "
-        "since the previous step, and how the step ran (a CUDA graph and its size, eager, "
+        "requests, one-token rows (decodes), new requests, running / waiting requests, KV use, "
+        "ms since the previous step, and how the step ran (a CUDA graph and its size, eager, "
         "eager split). For finding where latency goes; off by default.",
     )
     async_scheduling: bool | None = _opt(
