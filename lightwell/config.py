@@ -156,7 +156,10 @@ class ParallelConfig:
         False,
         "GPU, tensor parallel: split a step's tokens into micro-batches (two by default) so "
         "that one's all-reduce runs on a second CUDA stream while the others compute "
-        "(Llama-family layers). Results are unchanged.",
+        "(Llama-family layers). Results are unchanged. Pays for prefills replayed from CUDA "
+        "graphs with a copy-engine all-reduce (hostmem-copy, hostmem-copy-int8); eager "
+        "splits lose (bound by their launches), so it raises the prefill-graph default to "
+        "2048 tokens: keep --max-num-batched-tokens within it (docs/parallelism.md).",
     )
     dual_stream_min_tokens: int = _opt(
         512,
@@ -181,7 +184,8 @@ class DeviceConfig:
         "GPU: steps that carry prefill tokens replay a CUDA graph when they hold at most this "
         "many tokens (graphs captured for 16, 32 ... 512 tokens, then every 256, a step padded "
         "to the next size); larger ones run eagerly. 0: only decode-only steps use graphs. "
-        "Default: 2048 under `lightwell serve`, 512 otherwise (never above the step budget). "
+        "Default: 2048 under `lightwell serve` or with --dual-stream, 512 otherwise (never "
+        "above the step budget). "
         "Decode graphs cover batches up to --max-num-seqs.",
     )
     attention_backend: str = _opt(
@@ -311,8 +315,10 @@ def resolve_config(
         batched = max(batched, max_len)
     seqs = s.max_num_seqs or (256 if on_gpu else 64)
     graph_tokens = cfg.device.cuda_graph_prefill_tokens
-    if graph_tokens is None:
-        graph_tokens = SERVE_PREFILL_GRAPH_TOKENS if cfg.serving else PREFILL_GRAPH_TOKENS
+    if graph_tokens is None:  # --dual-stream pays inside graphs only (eager splits are bound
+        # by their launches: docs/parallelism.md, runs 4 and 6), so it takes serve's size too
+        wide = cfg.serving or cfg.parallel.dual_stream
+        graph_tokens = SERVE_PREFILL_GRAPH_TOKENS if wide else PREFILL_GRAPH_TOKENS
     return cfg.replace(
         model=dataclasses.replace(m, max_model_len=max_len),
         scheduler=dataclasses.replace(

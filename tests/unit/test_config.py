@@ -79,6 +79,9 @@ def test_serving_defaults_on_gpu():
     assert resolved(True, max_num_batched_tokens=1000) == (1000, 1000)
     assert resolved(False, cuda_graph_prefill_tokens=1024) == (8192, 1024)
     assert resolved(True, cuda_graph_prefill_tokens=0) == (2048, 0)
+    # --dual-stream pays inside graphs only: offline it takes the larger graphs too
+    assert resolved(False, dual_stream=True) == (8192, 2048)
+    assert resolved(False, dual_stream=True, cuda_graph_prefill_tokens=512) == (8192, 512)
 
 
 def test_serve_builds_its_engine_with_serving_defaults(monkeypatch):
