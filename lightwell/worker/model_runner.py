@@ -166,8 +166,8 @@ class ModelRunner:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, key)  # [T, H]
             path = f"graph {key[0]} {key[1]}"
         else:
-            split = self.overlap is not None and self.overlap.applies(inp.meta)
-            hidden = self.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+            split = self._splits(inp.meta)
+            hidden = self.forward(inp.input_ids, inp.positions, inp.meta, split)  # [T, H]
             path = "eager split" if split else "eager"
         pending = PendingStep(ModelRunnerOutput(path=path))
         if inp.sample_req_ids:
@@ -196,11 +196,18 @@ class ModelRunner:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
+        split: bool | None = None,  # the step runs as micro-batches (None: _splits decides)
     ) -> torch.Tensor:  # [T, H]
-        if self.overlap is not None and self.overlap.applies(meta):
+        if split is None:
+            split = self._splits(meta)
+        if split:
             return self.overlap.forward(input_ids, positions, meta)
         with forward_context(meta):
             return self.model(input_ids, positions)
+
+    def _splits(self, meta: AttentionMetadata) -> bool:
+        """The step runs as micro-batches (--dual-stream)."""
+        return self.overlap is not None and self.overlap.applies(meta)
 
     def _sample(self, inp: ModelInput, hidden: torch.Tensor, pending: PendingStep) -> None:
         if self._sharded_greedy(inp):

@@ -65,13 +65,17 @@ def _strategy(rank: int, lanes: int, chunks: int) -> HostMemCopyAllReduce:
     return s
 
 
+def _bounds(nbytes: int, chunks: int) -> list[tuple[int, int]]:
+    """Exactly ``chunks`` byte ranges (chunk_bounds would keep MIN_CHUNK_BYTES a piece)."""
+    step = -(-nbytes // chunks)
+    return [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+
+
 def _issue(s: HostMemCopyAllReduce, calls: int, nbytes: int, phased: bool) -> None:
     """``calls`` calls, whole on the main stream, or in phases as the dual-stream overlap
     makes them: the comm stream joins the main one at each launch, and the main stream sums
     call k (waits for its copies) only after launching call k + 1."""
-    payload = torch.empty(nbytes, dtype=torch.uint8)
-    step = -(-nbytes // s.chunks)
-    bounds = [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+    payload, bounds = torch.empty(nbytes, dtype=torch.uint8), _bounds(nbytes, s.chunks)
     here = "comm" if phased else "main"
     s._here = lambda: here
     marks = []
@@ -95,9 +99,7 @@ def _issue_mixed(s: HostMemCopyAllReduce, nbytes: int) -> None:
     """Calls in phases mixed with a whole call on the comm stream (what ``CommStream`` runs
     when ``start`` declines): launch 0 and 1 in phases, the sum of 0, launch 2 whole, the sum
     of 1, the wait for 2, launch 3 in phases and its sum; then the forward's end."""
-    payload = torch.empty(nbytes, dtype=torch.uint8)
-    step = -(-nbytes // s.chunks)
-    bounds = [(a, min(a + step, nbytes)) for a in range(0, nbytes, step)]
+    payload, bounds = torch.empty(nbytes, dtype=torch.uint8), _bounds(nbytes, s.chunks)
     s._here = lambda: "comm"
     marks = {}
 
