@@ -65,6 +65,9 @@ ENGINES = {
         ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
         ("tp2-auto-dual-profile", dict(all_reduce="auto", dual_stream=True), ("profile",)),
         ("tp2-auto-pdec", dict(all_reduce="auto"), ("profile-decode",)),
+        # W1's decode step (batch 1) under the profiler, TP=1 and TP=2 (run 10)
+        ("tp1-pw1", dict(tensor_parallel_size=1), ("profile-w1",)),
+        ("tp2-auto-pw1", dict(all_reduce="auto"), ("profile-w1",)),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
@@ -342,19 +345,21 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
 )
 
 
-def stage_profile_decode(llm, emit, out: str, name: str, batch: int = 64) -> None:
-    """Rank 0's GPU over 8 steady decode steps at ``batch``, per step: the span, the time some
-    kernel ran (busy), and kernel time by kind (KERNEL_KINDS, else other) and by kernel."""
+def stage_profile_decode(
+    llm, emit, out: str, name: str, batch: int = 64, steps: int = 8
+) -> None:
+    """Rank 0's GPU over ``steps`` steady decode steps at ``batch``, per step: the span, the
+    time some kernel ran (busy), and kernel time by kind (KERNEL_KINDS, else other) and by
+    kernel."""
     import torch
     from gpu_profile import cuda_kernels, idle_gaps
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.engine
-    _start_decoding(engine, batch, 40, "pdec")
+    _start_decoding(engine, batch, steps + 32, "pdec")
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
-    steps = 8
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             engine.step()
@@ -373,12 +378,12 @@ def stage_profile_decode(llm, emit, out: str, name: str, batch: int = 64) -> Non
     top: dict = {}
     for k in kernels:
         top[k["name"]] = top.get(k["name"], 0.0) + k["dur"] / steps
-    with open(os.path.join(out, f"profile_decode_{name}.json"), "w") as f:
+    with open(os.path.join(out, f"profile_decode{batch}_{name}.json"), "w") as f:
         json.dump({"span_us": span, "busy_us": busy, "kernels": kernels}, f)
     emit(
         "decode_profile_us_per_step",
         span / steps,
-        workload="decode-batch64-profile",
+        workload=f"decode-batch{batch}-profile",
         batch=batch,
         gpu_busy_us_per_step=busy / steps,
         by_kind_us_per_step={k: round(v, 1) for k, v in by_kind.items()},
@@ -427,6 +432,9 @@ def run_engine(args: argparse.Namespace) -> int:
         "decode": lambda: stage_decode(llm, emit),
         "profile": lambda: stage_profile(llm, emit, args.out, f"{mode}_{label}"),
         "profile-decode": lambda: stage_profile_decode(llm, emit, args.out, f"{mode}_{label}"),
+        "profile-w1": lambda: stage_profile_decode(
+            llm, emit, args.out, f"{mode}_{label}", batch=1, steps=32
+        ),
     }
     for stage in stages:
         run_stage[stage]()
