@@ -345,9 +345,7 @@ KERNEL_KINDS = (  # (kind, substrings of the kernel name), first match wins
 )
 
 
-def stage_profile_decode(
-    llm, emit, out: str, name: str, batch: int = 64, steps: int = 8
-) -> None:
+def stage_profile_decode(llm, emit, out: str, name: str, batch: int = 64, steps: int = 8) -> None:
     """Rank 0's GPU over ``steps`` steady decode steps at ``batch``, per step: the span, the
     time some kernel ran (busy), and kernel time by kind (KERNEL_KINDS, else other) and by
     kernel."""
