@@ -1,10 +1,13 @@
-"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M <= 16.
+"""Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M <= 4.
 
-Decode at small batch is bound by streaming W once; cuBLAS reaches ~2.7 TB/s of the H200's
-4.2 TB/s there (PERFORMANCE.md). This kernel gives each program a slab of BLOCK_N output
-columns and the whole K (or a 1/SPLIT_K share of it, reduced through fp32 partials), pads
-the M rows to 16 so ``tl.dot`` runs on tensor cores, and keeps several K tiles in flight
-(``num_stages``) so enough bytes are outstanding per SM to approach the copy bandwidth.
+Decode at batch 1 is bound by streaming W once. cuBLAS streams llama-3-8b's narrow matrices
+(qkv and o_proj, more so at TP=2) at only 2.2-3.1 TB/s of the H200's ~4.2 TB/s of copy
+bandwidth (benchmarks/results/tp_run8/blas_*.json). This kernel uses the CUDA cores: each
+program owns BLOCK_N rows of W, walks K in BLOCK_K tiles of contiguous 16-byte loads, keeps a
+[BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator of products and reduces it once at the end, so
+the loop holds no reductions. Rows past N (the last program) and past M re-read the last
+valid row instead of masking, so the loads stay unmasked vectors when BLOCK_K divides K.
+(An earlier version padded M to 16 for ``tl.dot``: 1.9-3.7 TB/s, slower than cuBLAS.)
 """
 
 from __future__ import annotations
@@ -13,87 +16,72 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.split_kv import num_sms
-
-MAX_M = 16
+MAX_M = 4
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
-    x_ptr, w_ptr, out_ptr, M, N, K,
-    stride_xm, stride_wn, stride_om, stride_os,
+    x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
+    stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr,
+    EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_start = pid_s * K_PER_SPLIT
-    for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
+    wn = tl.minimum(rn, N - 1).to(tl.int64)  # past N: re-read the last row, store nothing
+    xm = tl.minimum(rm, M - 1)
+    w_rows = w_ptr + wn[:, None] * stride_wn  # [BN, 1]
+    x_rows = x_ptr + xm[:, None] * stride_xm  # [BM, 1]
+    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
-        k_ok = k < K
-        x = tl.load(
-            x_ptr + rm[:, None] * stride_xm + k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )  # [BM, BK]
-        w = tl.load(
-            w_ptr + rn[None, :] * stride_wn + k[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )  # [BK, BN]
-        acc += tl.dot(x, w)
-    ptrs = out_ptr + pid_s * stride_os + rm[:, None] * stride_om + rn[None, :]
-    tl.store(ptrs, acc, mask=m_ok[:, None] & n_ok[None, :])
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :])
+            x = tl.load(x_rows + k[None, :])
+        else:
+            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+            x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    out = tl.sum(acc, axis=2)  # [BM, BN]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[None, :]
+    ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def pick_config(n: int, k: int, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, split_k, num_warps, num_stages) for an [N, K] weight.
+# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+Config = tuple[int, int, int, int]
 
-    Enough programs to give every SM several: BLOCK_N 16/32 by N, then split K while the grid
-    is under ~4 programs per SM.
-    """
-    sms = 8
-    if device.type == "cuda":
-        sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    block_n = 32 if n >= 16384 else 16
-    block_k = 256
-    programs = triton.cdiv(n, block_n)
-    split = 1
-    while programs * split < 4 * sms and k // (block_k * split * 2) >= 1:
-        split *= 2
-    return block_n, block_k, split, 4, 4
+
+def pick_config(n: int, k: int, m: int = 1) -> Config:
+    """The tile for an [N, K] weight and M rows (benchmarks/gpu_gemv.py's sweep)."""
+    block_k = min(1024, triton.next_power_of_2(k))
+    return 4, block_k, 4, 1
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K], M <= 16
+    x: torch.Tensor,  # [M, K], M <= MAX_M
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-    config: tuple[int, int, int, int, int] | None = None,
+    config: Config | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``config``: (BLOCK_N, BLOCK_K, split_k, num_warps, num_stages), default pick_config."""
+    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages), default ``pick_config``."""
     _check(x, weight, bias)
     m, k = x.shape
     n = weight.shape[0]
-    block_n, block_k, split, warps, stages = config or pick_config(n, k, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    parts = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), split)
-    _gemv_kernel[grid](
-        x, weight, parts, m, n, k,
-        x.stride(0), weight.stride(0), parts.stride(1), parts.stride(0),
-        BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, K_PER_SPLIT=k_per_split,
+    block_n, block_k, warps, stages = config or pick_config(n, k, m)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, bias if bias is not None else weight, out, m, n, k,
+        x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    out = parts[0] if split == 1 else parts.sum(0)
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype)
+    return out
 
 
 def gemv_ref(

@@ -95,6 +95,12 @@ class Worker:
             init_distributed(rank, tp, init_method, self.device)
         self.runner = None
         self.hf_config = None
+        self.compile_watch = None
+        if self.device.type == "cuda":  # the interpreter (CPU) compiles nothing
+            from lightwell.worker.compile_watch import CompileWatch
+
+            watch = CompileWatch()
+            self.compile_watch = watch if watch.install() else None
 
     def load_model(self) -> ModelInfo:
         from lightwell.models.loader import load_hf_config, load_model
@@ -184,17 +190,18 @@ class Worker:
         )
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
-        if self.device.type != "cuda" or self.config.device.enforce_eager:
-            return
-        if not all(a.backend.supports_cuda_graphs for a in self.runner.attn_layers):
-            logger.warning("the attention backend cannot be captured: decode runs eagerly")
-            return
-        s = resolved.scheduler
-        self.runner.capture_cuda_graphs(
-            s.max_num_seqs,
-            resolved.model.max_model_len,
-            resolved.device.cuda_graph_prefill_tokens,  # (at most the step budget)
-        )
+        if self.device.type == "cuda" and not self.config.device.enforce_eager:
+            if all(a.backend.supports_cuda_graphs for a in self.runner.attn_layers):
+                s = resolved.scheduler
+                self.runner.capture_cuda_graphs(
+                    s.max_num_seqs,
+                    resolved.model.max_model_len,
+                    resolved.device.cuda_graph_prefill_tokens,  # (at most the step budget)
+                )
+            else:
+                logger.warning("the attention backend cannot be captured: decode runs eagerly")
+        if self.compile_watch is not None:
+            self.compile_watch.arm()  # start-up is over: later compiles stall serving
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
@@ -205,6 +212,8 @@ class Worker:
 
     def shutdown(self) -> None:
         self.runner = None
+        if self.compile_watch is not None:
+            self.compile_watch.uninstall()
         if self.tp_size > 1:
             from lightwell.distributed.launch import shutdown_distributed
 

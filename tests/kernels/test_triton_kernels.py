@@ -252,7 +252,7 @@ def test_triton_backend_matches_torch_backend(with_cache, window):
         torch.testing.assert_close(c1, c2, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 48, 96), (3, 40, 300), (16, 64, 520)])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 96), (3, 40, 300), (4, 64, 520), (2, 7, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_matches_reference(m, n, k, dtype):
     from lightwell.kernels.gemv import gemv, gemv_ref
@@ -261,10 +261,31 @@ def test_gemv_matches_reference(m, n, k, dtype):
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
     b = torch.randn(n, generator=g).to(dtype)
-    for bias in (None, b):
-        out, ref = gemv(x, w, bias), gemv_ref(x, w, bias)
-        tol = 1e-4 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    # default tile; one row a program with K in 32-wide tiles (uneven when K % 32); 16 rows
+    for config in (None, (1, 32, 1, 1), (16, 64, 4, 2)):
+        for bias in (None, b):
+            out, ref = gemv(x, w, bias, config=config), gemv_ref(x, w, bias)
+            assert out.dtype == dtype and out.shape == (m, n)
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    # a strided x (a view into a wider buffer) and no rows at all
+    wide = torch.randn(m, k + 8, generator=g).to(dtype)
+    torch.testing.assert_close(
+        gemv(wide[:, :k], w).float(), gemv_ref(wide[:, :k], w).float(), rtol=tol, atol=tol
+    )
+    assert gemv(x[:0], w).shape == (0, n)
+
+
+def test_gemv_rejects_bad_shapes():
+    from lightwell.kernels.gemv import MAX_M, gemv
+
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="at most"):
+        gemv(torch.randn(MAX_M + 1, 16), w)
+    with pytest.raises(ValueError, match="mismatch"):
+        gemv(torch.randn(1, 12), w)
+    with pytest.raises(ValueError, match="bias shape"):
+        gemv(torch.randn(1, 16), w, torch.randn(7))
 
 
 # ---- int8 all-reduce kernels vs the torch ops of lightwell/distributed/comm/int8.py -----------
