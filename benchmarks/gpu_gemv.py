@@ -36,6 +36,8 @@ SHAPES = {  # name: (N, K) of the weight on one GPU
     "tp1 o": (4096, 4096),
     "tp1 gate_up": (28672, 4096),
     "tp1 down": (4096, 14336),
+    "tp2 lm_head": (64128, 4096),
+    "tp1 lm_head": (128256, 4096),
 }
 ROWS = (1, 2, 4)
 MIN_BYTES = 200 << 20

@@ -45,6 +45,7 @@ NOFUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "0"}
 FUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "1"}
 G2048 = {"cuda_graph_prefill_tokens": 2048}
 NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's switch
+CUBLAS_W1 = {"LIGHTWELL_SKINNY_GEMM_MAX_ROWS": "0"}  # lightwell/quant/base.py's switch
 
 
 def dual512(all_reduce: str, **options) -> dict:
@@ -68,6 +69,9 @@ ENGINES = {
         # W1's decode step (batch 1) under the profiler, TP=1 and TP=2 (run 10)
         ("tp1-pw1", dict(tensor_parallel_size=1), ("profile-w1",)),
         ("tp2-auto-pw1", dict(all_reduce="auto"), ("profile-w1",)),
+        # cuBLAS for the batch-1 matmuls, as before run 10 (kernels/gemv.py off)
+        ("tp1-cublas", dict(tensor_parallel_size=1, _env=CUBLAS_W1), ("w1",)),
+        ("tp2-auto-cublas", dict(all_reduce="auto", _env=CUBLAS_W1), ("w1",)),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),

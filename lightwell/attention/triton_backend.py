@@ -13,7 +13,7 @@ import torch
 
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.kernels.kv_store import kv_store
-from lightwell.kernels.paged_attention import paged_attention
+from lightwell.kernels.paged_attention import compile_variants, paged_attention
 
 
 class TritonAttentionBackend:
@@ -34,6 +34,18 @@ class TritonAttentionBackend:
             return _attend_without_cache(q, k, v, meta, scale, sliding_window)
         kv_store(k, v, kv_cache, meta.slot_mapping)
         return paged_attention(q, kv_cache, meta, scale, sliding_window=sliding_window)
+
+    def compile_variants(
+        self,
+        num_heads: int,
+        kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+        scale: float,
+        dtype: torch.dtype,
+        sliding_window: int | None = None,
+    ) -> int:
+        """Start-up: compile every attention kernel variant serving can meet (on a scratch
+        output; the cache is only read). Returns the launches made."""
+        return compile_variants(num_heads, kv_cache, scale, dtype, sliding_window)
 
 
 def _attend_without_cache(

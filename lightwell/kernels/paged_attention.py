@@ -139,11 +139,14 @@ def _attend_tile(
 # Per-step integers are not specialised: Triton would otherwise compile a variant for each
 # combination of "== 1" / "divisible by 16" among them (seconds each, in the middle of serving;
 # on the H200 a W2 run spent ~15 s compiling such variants).
-@triton.jit(do_not_specialize=["num_reqs", "tok_base", "tile_base", "window", "stride_bt"])
+@triton.jit(
+    do_not_specialize=["req_base", "num_reqs", "tok_base", "tile_base", "window", "stride_bt"]
+)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, Hq, D], [N, B, Hkv, D] x2, [T, Hq, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # split-KV partials (split_kv.SplitPartials)
     qsl_ptr, seq_lens_ptr, block_table_ptr,  # [R+1] int32, [R] int32, [R, max_blocks] int32
+    req_base,  # this launch's first request: its rows of the three tables above
     num_reqs,
     tok_base,  # first token of this launch (partials are indexed from it)
     tile_base,  # tok_base // BLOCK_Q: virtual tile id of program 0
@@ -161,6 +164,12 @@ def _paged_attention_kernel(
 ):  # fmt: skip
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    # The tables' rows from req_base on, offset here rather than passed as sliced tensors:
+    # a slice's address is 16-byte aligned or not by req_base, and Triton would compile a
+    # variant for each (a second of stall in the middle of serving).
+    qsl_ptr += req_base
+    seq_lens_ptr += req_base
+    block_table_ptr += req_base.to(tl.int64) * stride_bt
     req, t0 = _locate_tile(
         qsl_ptr, tl.program_id(0), tile_base, num_reqs, BLOCK_Q, ONE_TILE_PER_REQ
     )
@@ -317,10 +326,9 @@ def _launch(
         part_acc, part_m, part_l = parts.acc, parts.row_max, parts.row_sum
     else:
         part_acc = part_m = part_l = out  # unused
-    qsl = meta.query_start_loc[r0:]
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
-        qsl, meta.seq_lens[r0:], meta.block_table[r0:],
+        meta.query_start_loc, meta.seq_lens, meta.block_table, r0,
         r1 - r0, tok0, tok0 // block_q, scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -333,7 +341,52 @@ def _launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        reduce_splits(parts, out, meta.query_start_loc[r1 : r1 + 1], tok0)
+        reduce_splits(parts, out, meta.query_start_loc, tok0, covered_index=r1)
+
+
+def compile_variants(
+    num_heads: int,
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # a layer's real cache
+    scale: float,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> int:
+    """Launch, once, each variant of the kernel that serving can need for this layer's shapes:
+    decode rows with and without split-KV (and the split combine), a prefill within one query
+    tile and one over several. Each reads block 0 of ``kv_cache`` and writes a scratch output
+    only. Start-up calls it (after warm-up), because CUDA-graph capture covers only the
+    variants its own steps use, and an eager step (a mixed step that skips its graph) would
+    otherwise compile the rest in the middle of serving. Returns the launches made."""
+    k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
+    device, block_size, num_kv_heads, head_dim = k_cache.device, *k_cache.shape[1:]
+    gqa = num_heads // num_kv_heads
+    cfg = default_config(head_dim, decode=False)
+    block_q = max(cfg.block_m, triton.next_power_of_2(gqa)) // gqa
+    cases = (  # (query length, splits): decode split / unsplit, prefill in one tile / several
+        (1, 2),
+        (1, 1),
+        (min(2, block_q), 1),
+        (block_q + 1, 1),
+    )
+    for q_len, splits in cases:
+        seq_len = max(q_len, 2 * splits)
+        blocks = triton.cdiv(seq_len, block_size)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+            block_table=torch.zeros((1, blocks), dtype=torch.int32, device=device),
+            slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=device),
+            max_query_len=q_len,
+            max_seq_len=seq_len,
+            query_start_loc_cpu=[0, q_len],
+            seq_lens_cpu=[seq_len],
+            num_decodes=int(q_len == 1),
+        )
+        q = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
+        paged_attention(
+            q, (k_cache, v_cache), meta, scale, num_splits=splits, sliding_window=sliding_window
+        )
+    return len(cases)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

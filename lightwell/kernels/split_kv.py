@@ -64,13 +64,16 @@ def store_partials(
     tl.store(l_ptr + idx, l_i, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["tok_base", "num_splits"])  # per-step values: no recompiles
+# per-step values: no recompiles (num_covered_ptr + covered_index, not a sliced tensor, whose
+# address alignment would be specialised on)
+@triton.jit(do_not_specialize=["covered_index", "tok_base", "num_splits"])
 def _reduce_splits_kernel(
     part_acc_ptr,  # [T_sub, Hq, S, HEAD_DIM_PAD] fp32
     part_m_ptr,  # [T_sub, Hq, S] fp32
     part_l_ptr,  # [T_sub, Hq, S] fp32
     out_ptr,  # [T, Hq, D]
-    num_covered_ptr,  # [] int32: tokens tok_base .. *ptr are real (the rest get zeros)
+    num_covered_ptr,  # int32: tokens tok_base .. num_covered_ptr[covered_index] are real
+    covered_index,  # (the rest get zeros)
     tok_base,
     num_splits,
     stride_ot,
@@ -81,7 +84,7 @@ def _reduce_splits_kernel(
 ):
     t = tl.program_id(0)  # token, relative to tok_base
     h = tl.program_id(1)
-    covered = t < tl.load(num_covered_ptr) - tok_base
+    covered = t < tl.load(num_covered_ptr + covered_index) - tok_base
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     s_ok = offs_s < tl.where(covered, num_splits, 0)
@@ -100,20 +103,23 @@ def _reduce_splits_kernel(
 def reduce_splits(
     parts: SplitPartials,
     out: torch.Tensor,  # [T, Hq, D]: rows tok_base .. tok_base + T_sub are written
-    num_covered: torch.Tensor,  # [] or [1] int32 on device: end of the real tokens
+    num_covered: torch.Tensor,  # int32 on device: element covered_index = end of real tokens
     tok_base: int = 0,
+    covered_index: int = 0,
 ) -> torch.Tensor:
-    """Combine the splits of tokens ``tok_base:tok_base + T_sub`` into ``out``."""
+    """Combine the splits of tokens ``tok_base:tok_base + T_sub`` into ``out``. The partials
+    hold up to ``MAX_SPLITS`` splits, all through one compiled kernel (its split axis is
+    padded to ``MAX_SPLITS``, not to the next power of two of this launch's count)."""
     num_tokens, num_heads, splits, d_pad = parts.acc.shape
     if out.shape[1] != num_heads or out.shape[2] > d_pad or out.stride(2) != 1:
         raise ValueError(f"out {tuple(out.shape)} does not fit partials {tuple(parts.acc.shape)}")
     if num_tokens == 0:
         return out
     _reduce_splits_kernel[(num_tokens, num_heads)](
-        parts.acc, parts.row_max, parts.row_sum, out, num_covered, tok_base, splits,
-        out.stride(0), out.stride(1),
+        parts.acc, parts.row_max, parts.row_sum, out, num_covered, covered_index, tok_base,
+        splits, out.stride(0), out.stride(1),
         HEAD_DIM=out.shape[2], HEAD_DIM_PAD=d_pad,
-        SPLITS_PAD=triton.next_power_of_2(splits), num_warps=4 if d_pad >= 128 else 2,
+        SPLITS_PAD=MAX_SPLITS, num_warps=4 if d_pad >= 128 else 2,
     )  # fmt: skip
     return out
 

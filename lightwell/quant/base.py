@@ -15,6 +15,7 @@ Parameter attributes the layers' weight loaders read (set with ``set_weight_attr
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -93,10 +94,15 @@ class UnquantizedLinearMethod:
         return dense_linear(x, layer.weight, bias)
 
 
-# Rows up to which a CUDA bf16/fp16 matmul uses the Triton skinny GEMM instead of cuBLAS.
-# Off (0): on the H200, cuBLAS streams llama-3-8b's decode weights at 3.2-4.2 TB/s, faster
-# than kernels/gemv.py's 1.9-3.7 TB/s (benchmarks/results/gpu_gemv_2026-11-29.json).
-SKINNY_GEMM_MAX_ROWS = 0
+# A CUDA bf16/fp16 matmul of at most SKINNY_GEMM_MAX_ROWS rows (batch-1 decode) whose weight
+# has at most SKINNY_GEMM_MAX_ELEMS elements runs on kernels/gemv.py instead of cuBLAS. On the
+# H200, one row, weights streamed from HBM (benchmarks/results/tp_run10/gemv_*.json): 1.08-1.27x
+# faster than cuBLAS on llama-3-8b's shapes at TP=1 and TP=2 (tp2 qkv 9.0 vs 11.9 µs, down 17.6
+# vs 21.3); at 2 rows even, at 4 slower, hence one row. Larger weights (the LM head) keep cuBLAS.
+# LIGHTWELL_SKINNY_GEMM_MAX_ROWS=0 turns it off.
+# (at most 4: the kernel's MAX_M)
+SKINNY_GEMM_MAX_ROWS = min(4, int(os.environ.get("LIGHTWELL_SKINNY_GEMM_MAX_ROWS", "1")))
+SKINNY_GEMM_MAX_ELEMS = 1 << 27
 
 
 def dense_linear(
@@ -104,11 +110,13 @@ def dense_linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None,  # [out]
 ) -> torch.Tensor:  # [T, out]
-    if (  # off by default (0 rows): the constant is tested first
-        SKINNY_GEMM_MAX_ROWS
-        and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
+    if (
+        0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
         and x.is_cuda
         and x.dtype != torch.float32
+        and weight.numel() <= SKINNY_GEMM_MAX_ELEMS
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
     ):
         from lightwell.kernels.gemv import gemv
 

@@ -336,4 +336,23 @@ class ModelRunner:
         sched = SchedulerOutput([req], [], {"__warmup__": 4}, 4)
         self.execute_model(sched)
         self.batch.requests.pop("__warmup__", None)
+        if self.device.type == "cuda":
+            self.compile_attention_variants()
         return time.perf_counter() - t0
+
+    def compile_attention_variants(self) -> int:
+        """Have each attention backend compile every kernel variant serving can meet, once per
+        distinct layer shape (CUDA-graph capture covers only its own steps' variants; an eager
+        step would compile the rest mid-serving). Returns the launches made."""
+        done: set[tuple] = set()
+        launches = 0
+        for layer in self.attn_layers:
+            compile_fn = getattr(layer.backend, "compile_variants", None)
+            key = (layer.backend.name, layer.num_heads, layer.head_dim, layer.sliding_window)
+            if compile_fn is None or layer.kv_cache is None or key in done:
+                continue
+            done.add(key)
+            launches += compile_fn(
+                layer.num_heads, layer.kv_cache, layer.scale, self.dtype, layer.sliding_window
+            )
+        return launches

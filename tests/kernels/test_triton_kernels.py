@@ -208,6 +208,36 @@ def test_reduce_splits():
     ref = sk.reduce_splits_ref(parts, d)
     torch.testing.assert_close(out[1:3], ref[:2], atol=1e-5, rtol=1e-5)
     assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.equal(out[0], out[0] * 0 + 7)
+    # the end of the real tokens read from element covered_index of a longer table
+    again = torch.full_like(out, 7.0)
+    table = torch.tensor([9, 9, 1], dtype=torch.int32, device=DEVICE)  # token 0 only
+    sk.reduce_splits(parts, again[1:], table, tok_base=0, covered_index=2)
+    torch.testing.assert_close(again[1], ref[0], atol=1e-5, rtol=1e-5)
+    assert not again[2:].any()
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_compile_variants_runs_every_case_and_leaves_the_cache_alone(window):
+    gen = torch.Generator().manual_seed(11)
+    cache = _randn(2, 5, 16, 2, 64, dtype=torch.float16, gen=gen)
+    before = cache.clone()
+    assert pa.compile_variants(8, cache, 0.125, torch.float16, sliding_window=window) == 4
+    assert torch.equal(cache, before)
+
+
+def test_runner_compiles_attention_variants_once_per_layer_shape():
+    from types import SimpleNamespace
+
+    from lightwell.layers.attention import Attention
+    from lightwell.worker.model_runner import ModelRunner
+
+    layers = [Attention(4, 32, 0.2, 2, "triton", sliding_window=w) for w in (None, None, 6)]
+    layers.append(Attention(4, 32, 0.2, 2, "torch"))  # no variants to compile
+    for layer in layers:
+        layer.kv_cache = torch.zeros(layer.kv_cache_shape(3, 16), dtype=torch.float16)
+    runner = SimpleNamespace(attn_layers=layers, dtype=torch.float16)
+    # two distinct shapes (the window differs) x four variants; the repeated layer adds none
+    assert ModelRunner.compile_attention_variants(runner) == 8
 
 
 def test_paged_attention_ref_matches_sdpa():
