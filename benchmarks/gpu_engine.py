@@ -129,6 +129,35 @@ def stage_check(args: argparse.Namespace) -> bool:
             )
             if dtype == "float32" and same != 4:
                 ok = False
+        if name == "smollm2-shaped":
+            ok = _check_skinny(args, folder, prompts, sp) and ok
+    return ok
+
+
+def _check_skinny(args: argparse.Namespace, folder: str, prompts, sp) -> bool:
+    """One prompt at a time (batch-1 decode: kernels/gemv.py, silu fused into the down
+    projection) against cuBLAS with the activation apart, fp16 and bf16: greedy tokens."""
+    from lightwell.quant import base
+
+    ok = True
+    for dtype in ("float16", "bfloat16"):
+        runs = {}
+        for rows in (1, 0):
+            base.SKINNY_GEMM_MAX_ROWS = rows
+            runs[rows] = [_engine_tokens(folder, [p], sp, "cuda", dtype)[0] for p in prompts]
+        base.SKINNY_GEMM_MAX_ROWS = 1
+        same = sum(a == b for a, b in zip(runs[1], runs[0]))
+        match = sum(x == y for a, b in zip(runs[1], runs[0]) for x, y in zip(a, b)) / (24 * 4)
+        emit(
+            args,
+            "greedy_token_match",
+            match,
+            workload="check-gemv-vs-cublas",
+            model="smollm2-shaped",
+            dtype=dtype,
+            sequences_identical=f"{same}/4",
+        )
+        ok = ok and (dtype != "float16" or same == 4)
     return ok
 
 

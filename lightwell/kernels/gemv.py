@@ -19,12 +19,31 @@ import triton.language as tl
 MAX_M = 4
 
 
+@triton.jit
+def _load_x(x_rows, k, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    """x[:, k] in fp32; with SILU_MUL, silu(x[:, k]) * x[:, K + k] rounded to x's dtype, as
+    kernels/activation.py's kernel computes and stores it."""
+    if EVEN_K:
+        x = tl.load(x_rows + k[None, :])
+    else:
+        x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+    if SILU_MUL:
+        if EVEN_K:
+            up = tl.load(x_rows + K + k[None, :])
+        else:
+            up = tl.load(x_rows + K + k[None, :], mask=k[None, :] < K, other=0.0)
+        g = x.to(tl.float32)
+        x = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SILU_MUL: tl.constexpr,  # x is [gate | up] ([M, 2K]): multiply by silu(gate) * up
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -38,11 +57,10 @@ def _gemv_kernel(
         k = k0 + rk
         if EVEN_K:
             w = tl.load(w_rows + k[None, :])
-            x = tl.load(x_rows + k[None, :])
         else:
             w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-            x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-        acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+        x = _load_x(x_rows, k, K, EVEN_K, SILU_MUL)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
     out = tl.sum(acc, axis=2)  # [BM, BN]
     if HAS_BIAS:
         out += tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[None, :]
@@ -63,15 +81,20 @@ def pick_config(n: int, k: int, m: int = 1) -> Config:
 
 
 def gemv(
-    x: torch.Tensor,  # [M, K], M <= MAX_M
+    x: torch.Tensor,  # [M, K] ([M, 2K] with silu_mul), M <= MAX_M
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
     config: Config | None = None,
+    *,
+    silu_mul: bool = False,
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    """``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages), default ``pick_config``."""
-    _check(x, weight, bias)
-    m, k = x.shape
-    n = weight.shape[0]
+    """``x @ weight.T (+ bias)``; with ``silu_mul``, x is a gated MLP's ``[gate | up]`` and the
+    product is ``(silu(gate) * up) @ weight.T``, the activation computed as the matmul loads
+    it (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages),
+    default ``pick_config``."""
+    _check(x, weight, bias, silu_mul)
+    m = x.shape[0]
+    n, k = weight.shape
     block_n, block_k, warps, stages = config or pick_config(n, k, m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -80,7 +103,7 @@ def gemv(
         x, weight, bias if bias is not None else weight, out, m, n, k,
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
@@ -97,8 +120,10 @@ def gemv_ref(
     return out.to(x.dtype)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+def _check(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu_mul: bool = False
+) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1] * (1 + silu_mul):
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} mismatch")
     if x.shape[0] > MAX_M:
         raise ValueError(f"gemv handles at most {MAX_M} rows, got {x.shape[0]}")

@@ -329,6 +329,16 @@ class RowParallelLinear(LinearBase):
             out = tp_all_reduce(out)
         return out
 
+    def fused_silu_mul(self, gate_up: torch.Tensor, reduce: bool) -> torch.Tensor | None:
+        """``forward`` (``reduce``) or ``partial`` of ``silu(gate) * up`` for a gated MLP's
+        ``gate_up = [gate | up]`` ([T, 2 * in/tp]), with the activation fused into the matmul,
+        where the quant method fuses it for this input (``apply_silu_mul``); else None."""
+        fused = getattr(self.quant_method, "apply_silu_mul", None)
+        out = fused(self, gate_up, self.bias if self.tp_rank == 0 else None) if fused else None
+        if out is not None and reduce and self.reduce_results and self.tp_size > 1:
+            out = tp_all_reduce(out)
+        return out
+
 
 def _with(shape: torch.Size, dim: int, size: int) -> list[int]:
     out = list(shape)

@@ -77,10 +77,14 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        out = self.down_proj.fused_silu_mul(gate_up, reduce=True)  # batch-1 decode on GPU
+        return out if out is not None else self.down_proj(self.act_fn(gate_up))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
-        return self.down_proj.partial(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        out = self.down_proj.fused_silu_mul(gate_up, reduce=False)
+        return out if out is not None else self.down_proj.partial(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):

@@ -93,16 +93,29 @@ class UnquantizedLinearMethod:
     ) -> torch.Tensor:  # [T, out]
         return dense_linear(x, layer.weight, bias)
 
+    def apply_silu_mul(
+        self,
+        layer: nn.Module,
+        gate_up: torch.Tensor,  # [T, 2 * in]: a gated MLP's [gate | up]
+        bias: torch.Tensor | None,  # [out]
+    ) -> torch.Tensor | None:  # [T, out], or None: not fused for this input
+        """``(silu(gate) * up) @ W.T`` in one kernel where ``dense_linear`` would take the
+        skinny GEMM (batch-1 decode on the GPU); None elsewhere (the caller runs the activation
+        and ``apply``)."""
+        if not _skinny(gate_up, layer.weight):
+            return None
+        from lightwell.kernels.gemv import gemv
 
-# A CUDA bf16/fp16 matmul of at most SKINNY_GEMM_MAX_ROWS rows (batch-1 decode) whose weight
-# has at most SKINNY_GEMM_MAX_ELEMS elements runs on kernels/gemv.py instead of cuBLAS. On the
-# H200, one row, weights streamed from HBM (benchmarks/results/tp_run10/gemv_*.json): 1.08-1.27x
-# faster than cuBLAS on llama-3-8b's shapes at TP=1 and TP=2 (tp2 qkv 9.0 vs 11.9 µs, down 17.6
-# vs 21.3); at 2 rows even, at 4 slower, hence one row. Larger weights (the LM head) keep cuBLAS.
-# LIGHTWELL_SKINNY_GEMM_MAX_ROWS=0 turns it off.
-# (at most 4: the kernel's MAX_M)
+        return gemv(gate_up, layer.weight, bias, silu_mul=True)
+
+
+# A CUDA bf16/fp16 matmul of at most SKINNY_GEMM_MAX_ROWS rows (batch-1 decode) runs on
+# kernels/gemv.py instead of cuBLAS. On the H200, one row, weights streamed from HBM
+# (benchmarks/results/tp_run10/gemv_*.json): 1.05-1.27x faster than cuBLAS on llama-3-8b's
+# shapes at TP=1 and TP=2, the LM head included (tp2 qkv 9.0 vs 11.9 µs, down 17.6 vs 21.3,
+# LM head 122.8 vs 133.4); at 2 rows even or slower, at 4 much slower, hence one row.
+# LIGHTWELL_SKINNY_GEMM_MAX_ROWS=0 turns it off (at most 4: the kernel's MAX_M).
 SKINNY_GEMM_MAX_ROWS = min(4, int(os.environ.get("LIGHTWELL_SKINNY_GEMM_MAX_ROWS", "1")))
-SKINNY_GEMM_MAX_ELEMS = 1 << 27
 
 
 def dense_linear(
@@ -110,15 +123,18 @@ def dense_linear(
     weight: torch.Tensor,  # [out, in]
     bias: torch.Tensor | None,  # [out]
 ) -> torch.Tensor:  # [T, out]
-    if (
-        0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
-        and x.is_cuda
-        and x.dtype != torch.float32
-        and weight.numel() <= SKINNY_GEMM_MAX_ELEMS
-        and x.stride(1) == 1
-        and weight.stride(1) == 1
-    ):
+    if _skinny(x, weight):
         from lightwell.kernels.gemv import gemv
 
         return gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
+        and x.is_cuda
+        and x.dtype != torch.float32
+        and x.stride(1) == 1
+        and weight.stride(1) == 1
+    )

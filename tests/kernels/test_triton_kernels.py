@@ -306,6 +306,24 @@ def test_gemv_matches_reference(m, n, k, dtype):
     assert gemv(x[:0], w).shape == (0, n)
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 24, 300)])
+def test_gemv_silu_mul_equals_activation_then_gemv(m, n, k):
+    from lightwell.kernels.activation import silu_and_mul
+    from lightwell.kernels.gemv import gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(n + k)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(torch.float16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.float16)
+    b = torch.randn(n, generator=g).to(torch.float16)
+    act = silu_and_mul(gate_up)  # the two-kernel path: activation stored in fp16, then matmul
+    for config in (None, (1, 32, 1, 1)):
+        fused = gemv(gate_up, w, b, config=config, silu_mul=True)
+        torch.testing.assert_close(fused, gemv(act, w, b, config=config), rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(fused.float(), gemv_ref(act, w, b).float(), rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="mismatch"):
+        gemv(act, w, silu_mul=True)  # [M, K] is not a [gate | up] of 2K
+
+
 def test_gemv_rejects_bad_shapes():
     from lightwell.kernels.gemv import MAX_M, gemv
 

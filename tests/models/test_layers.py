@@ -126,3 +126,32 @@ def test_linear_rope_scaling_stretches_positions():
     linear = get_rope(8, 8, 64, 10000.0, {"rope_type": "linear", "factor": 4.0})
     assert linear.cos_sin_cache.shape[0] == 256
     torch.testing.assert_close(linear.cos_sin_cache[8], plain.cos_sin_cache[2])
+
+
+def test_llama_mlp_takes_the_fused_activation_where_the_quant_method_offers_it():
+    """A quant method whose ``apply_silu_mul`` answers (the GPU's batch-1 path) replaces the
+    activation + down projection; one that answers None (everything on CPU) leaves both."""
+    from types import SimpleNamespace
+
+    from lightwell.models.llama import LlamaMLP
+
+    reset_tp_group()
+    cfg = SimpleNamespace(hidden_act="silu", intermediate_size=6, hidden_size=4)
+    mlp = LlamaMLP(cfg, None)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p)
+    x = torch.randn(3, 4)
+    gate, up = (x @ mlp.gate_up_proj.weight.t()).chunk(2, dim=-1)
+    want = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.t()
+    torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)  # CPU: not fused
+    assert mlp.down_proj.fused_silu_mul(torch.randn(3, 12), reduce=True) is None
+    seen = []
+
+    def fused(layer, gate_up, bias):
+        seen.append(gate_up.shape)
+        return torch.full((gate_up.shape[0], 4), 7.0)
+
+    mlp.down_proj.quant_method.apply_silu_mul = fused
+    assert torch.equal(mlp(x), torch.full((3, 4), 7.0))
+    assert torch.equal(mlp.partial(x), torch.full((3, 4), 7.0))
+    assert seen == [torch.Size([3, 12])] * 2
