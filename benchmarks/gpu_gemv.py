@@ -120,17 +120,63 @@ def measure_shape(name: str, sweep: bool, dev: torch.device) -> list[dict]:
     return rows
 
 
+SILU_CONFIGS = (
+    (2, 1024, 1, 3),
+    (8, 1024, 4, 1),
+    (16, 512, 4, 3),
+    (16, 1024, 8, 3),
+    (32, 512, 8, 3),
+)
+
+
+def measure_silu(name: str, dev: torch.device) -> list[dict]:
+    """The down projection of one row with its activation: silu_and_mul then cuBLAS or our
+    gemv (two kernels), against gemv(silu_mul=True) (one) at several tiles; checked first."""
+    from lightwell.bench.results import git_commit
+    from lightwell.kernels.activation import silu_and_mul
+
+    n, k = SHAPES[name]
+    copies = max(2, -(-MIN_BYTES // (n * k * 2)))
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    gate_up = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
+    act = silu_and_mul(gate_up)
+    ref = gemv_ref(act.float(), ws[0].float())
+    row = dict(shape=name, n=n, k=k, m=1, commit=git_commit(), device=torch.cuda.get_device_name())
+    row["silu_then_cublas_us"] = graph_replay_us(
+        lambda: [torch.matmul(silu_and_mul(gate_up), w.t()) for w in ws], calls=copies
+    )
+    row["silu_then_gemv_us"] = graph_replay_us(
+        lambda: [gemv(silu_and_mul(gate_up), w) for w in ws], calls=copies
+    )
+    row["fused"] = []
+    for cfg in (pick_config(n, k, 1, True), *SILU_CONFIGS):
+        err = float((gemv(gate_up, ws[0], config=cfg, silu_mul=True).float() - ref).abs().max())
+        us = graph_replay_us(
+            lambda cfg=cfg: [gemv(gate_up, w, config=cfg, silu_mul=True) for w in ws],
+            calls=copies,
+        )
+        row["fused"].append(dict(config=list(cfg), us=round(us, 2), max_err=err))
+    print(
+        f"{name:12} silu+cuBLAS {row['silu_then_cublas_us']:6.2f} us  silu+gemv "
+        f"{row['silu_then_gemv_us']:6.2f} us  fused "
+        + "  ".join(f"{c['config']} {c['us']:6.2f} (err {c['max_err']:.3g})" for c in row["fused"]),
+        flush=True,
+    )
+    return [row]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
+    ap.add_argument("--silu", action="store_true", help="the down shapes with the activation")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
     rows_out: list[dict] = []
     for name in args.shapes.split(","):
-        rows_out += measure_shape(name, args.sweep, dev)
+        rows_out += measure_silu(name, dev) if args.silu else measure_shape(name, args.sweep, dev)
         with open(args.out, "w") as f:
             json.dump(rows_out, f, indent=1)
         torch.cuda.empty_cache()

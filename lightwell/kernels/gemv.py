@@ -72,11 +72,16 @@ def _gemv_kernel(
 Config = tuple[int, int, int, int]
 
 
-def pick_config(n: int, k: int, m: int = 1) -> Config:
+def pick_config(n: int, k: int, m: int = 1, silu_mul: bool = False) -> Config:
     """The tile for an [N, K] weight and M rows. benchmarks/gpu_gemv.py's sweep of 100 tiles
     on llama-3-8b's eight shapes (TP=1 and 2, one row, H200) put the best within 5 % of one
     another; two rows a program, 1,024-wide K steps, one warp, 3 stages is among the best
-    on most shapes and within 4 % of the best on every one (benchmarks/results/tp_run10)."""
+    on most shapes and within 4 % of the best on every one (benchmarks/results/tp_run10).
+    With ``silu_mul`` every program recomputes the activation of the whole row (an
+    exponential per element), so a program takes 16 weight rows: an exponential per 16
+    weight elements instead of per 2 (``gpu_gemv.py --silu``)."""
+    if silu_mul:
+        return 16, min(512, triton.next_power_of_2(k)), 4, 3
     return 2, min(1024, triton.next_power_of_2(k)), 1, 3
 
 
@@ -95,7 +100,7 @@ def gemv(
     _check(x, weight, bias, silu_mul)
     m = x.shape[0]
     n, k = weight.shape
-    block_n, block_k, warps, stages = config or pick_config(n, k, m)
+    block_n, block_k, warps, stages = config or pick_config(n, k, m, silu_mul)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
