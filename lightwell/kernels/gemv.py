@@ -77,11 +77,13 @@ def pick_config(n: int, k: int, m: int = 1, silu_mul: bool = False) -> Config:
     on llama-3-8b's eight shapes (TP=1 and 2, one row, H200) put the best within 5 % of one
     another; two rows a program, 1,024-wide K steps, one warp, 3 stages is among the best
     on most shapes and within 4 % of the best on every one (benchmarks/results/tp_run10).
-    With ``silu_mul`` every program recomputes the activation of the whole row (an
-    exponential per element), so a program takes 16 weight rows: an exponential per 16
-    weight elements instead of per 2 (``gpu_gemv.py --silu``)."""
+    With ``silu_mul`` every program recomputes the activation of its K range (an exponential
+    per element), so a program takes 8 weight rows, an exponential per 8 weight elements
+    instead of per 2: llama-3-8b's down projection at one row, 17.8 µs fused against 19.3 for
+    the activation then the gemv (TP=2), 32.9 against 34.0 (TP=1); 2 rows a program: 27.3
+    and 54.1; 16 rows: 21.4 and 39.1 (``gpu_gemv.py --silu``, tp_run10)."""
     if silu_mul:
-        return 16, min(512, triton.next_power_of_2(k)), 4, 3
+        return 8, min(1024, triton.next_power_of_2(k)), 4, 1
     return 2, min(1024, triton.next_power_of_2(k)), 1, 3
 
 
