@@ -211,6 +211,12 @@ class Worker:
         return self.runner.launch(sched)
 
     def shutdown(self) -> None:
+        if self.device.type == "cuda":
+            # A step the async loop launched ahead may still be running (the engine drops it
+            # unread): let it finish before its model, KV cache and buffers are freed, or the
+            # executor's empty_cache() unmaps memory under it (an illegal address, reported by
+            # whatever next touches the device).
+            torch.cuda.synchronize(self.device)
         self.runner = None
         if self.compile_watch is not None:
             self.compile_watch.uninstall()
