@@ -70,12 +70,32 @@ class CompileWatch:
                 "flight): %s",
                 name,
                 seconds,
-                kw.get("repr", ""),
+                describe(kw),
             )
         else:
             self.startup_compiles += 1
         prev = self._prev[1]
         return prev(**kw) if prev else None
+
+
+def describe(kw: dict) -> str:
+    """The specialisation that was compiled: constexpr values (integers Triton specialised to
+    a constant included) and the arguments it took as 16-divisible (pointers: 16-byte
+    aligned), by name."""
+    try:
+        names = kw["fn"].jit_function.arg_names
+        comp = kw.get("compile", {})
+
+        def name(path: Any) -> str:
+            i = path[0] if isinstance(path, tuple) else path
+            return names[i] if isinstance(i, int) and i < len(names) else str(path)
+
+        consts = ", ".join(f"{name(p)}={v}" for p, v in comp.get("constants", {}).items())
+        attrs = (comp.get("configs") or [{}])[0] or {}
+        div16 = ", ".join(name(p) for p, a in attrs.items() if "tt.divisibility" in str(a))
+        return f"constexprs {consts or '-'}; divisible by 16: {div16 or '-'}"
+    except Exception:  # a Triton whose hook arguments differ: its own summary
+        return str(kw.get("repr", ""))
 
 
 def _key(kw: dict) -> Any:

@@ -4,6 +4,7 @@ warnings with the kernel's name and time, and hooks set before it are still call
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,12 +14,13 @@ knobs = pytest.importorskip("triton").knobs
 class _Fn:
     def __init__(self, name: str) -> None:
         self.name = name
-        self.jit_function = object()
+        self.jit_function = SimpleNamespace(arg_names=["x_ptr", "n", "BLOCK"])
 
 
 def _compile(fn: _Fn, key: str) -> None:
     """What Triton's JITFunction does around a compile: the cache hook, then the post hook."""
-    kw = dict(key=key, repr=f"{fn.name}(n: i32)", fn=fn, compile={}, is_manual_warmup=False)
+    spec = {"constants": {(2,): 64}, "configs": [{(0,): [["tt.divisibility", 16]]}]}
+    kw = dict(key=key, repr=f"{fn.name}(n: i32)", fn=fn, compile=spec, is_manual_warmup=False)
     assert not knobs.runtime.jit_cache_hook(**kw, already_compiled=False)  # falsy: compile
     knobs.runtime.jit_post_compile_hook(**kw, already_compiled=False)
 
@@ -42,7 +44,7 @@ def test_compiles_after_arm_are_warnings_and_chained_hooks_still_run(caplog):
         assert watch.mid_run[0][1] >= 0.0
         (rec,) = caplog.records
         assert "_late_kernel" in rec.getMessage() and "after start-up" in rec.getMessage()
-        assert "_late_kernel(n: i32)" in rec.getMessage()
+        assert "constexprs BLOCK=64; divisible by 16: x_ptr" in rec.getMessage()
         assert seen == [("cache", "k1"), ("post", "k1"), ("cache", "k2"), ("post", "k2")]
         watch.uninstall()
         assert knobs.runtime.jit_cache_hook != watch._before  # the earlier hooks are back
