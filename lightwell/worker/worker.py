@@ -215,8 +215,12 @@ class Worker:
             # A step the async loop launched ahead may still be running (the engine drops it
             # unread): let it finish before its model, KV cache and buffers are freed, or the
             # executor's empty_cache() unmaps memory under it (an illegal address, reported by
-            # whatever next touches the device).
-            torch.cuda.synchronize(self.device)
+            # whatever next touches the device). A device already in error (the reason some
+            # engines shut down) reports it here: logged, and the shutdown goes on.
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as e:
+                logger.warning("shutdown: the device reported an error: %s", e)
         self.runner = None
         if self.compile_watch is not None:
             self.compile_watch.uninstall()

@@ -30,3 +30,15 @@ def test_shutdown_on_cpu_does_not_touch_cuda(monkeypatch):
     w = SimpleNamespace(device=torch.device("cpu"), runner=object(), compile_watch=None, tp_size=1)
     Worker.shutdown(w)
     assert w.runner is None
+
+
+def test_shutdown_goes_on_when_the_device_is_already_in_error(monkeypatch, caplog):
+    def broken(device=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    w = SimpleNamespace(
+        device=torch.device("cuda", 0), runner=object(), compile_watch=None, tp_size=1
+    )
+    Worker.shutdown(w)
+    assert w.runner is None and "illegal memory access" in caplog.text
