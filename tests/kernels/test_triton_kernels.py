@@ -6,7 +6,9 @@ through benchmarks/gpu_kernels.py.
 
 from __future__ import annotations
 
+import inspect
 import os
+import random
 
 import pytest
 import torch
@@ -223,6 +225,70 @@ def test_compile_variants_runs_every_case_and_leaves_the_cache_alone(window):
     before = cache.clone()
     assert pa.compile_variants(8, cache, 0.125, torch.float16, sliding_window=window) == 4
     assert torch.equal(cache, before)
+
+
+class _SpecRecorder:
+    """Stands in for a Triton kernel: records, per launch, what Triton specialises a compile
+    on (constexprs and launch options by value; integers on == 1 and % 16 == 0; tensors on
+    dtype and 16-byte alignment; minus ``do_not_specialize``), then launches the real one."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.names = list(inspect.signature(kernel.fn).parameters)
+        dns = getattr(kernel, "kwargs", {}).get("do_not_specialize") or getattr(
+            kernel, "do_not_specialize", []
+        )
+        self.skip = {self.names[d] if isinstance(d, int) else d for d in dns}
+        self.keys: set[tuple] = set()
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            key = []
+            for name, v in [*zip(self.names, args), *sorted(kwargs.items())]:
+                if name in self.skip or isinstance(v, float):
+                    continue
+                if isinstance(v, torch.Tensor):
+                    key.append((name, v.dtype, v.data_ptr() % 16 == 0))
+                elif isinstance(v, int) and not isinstance(v, bool) and not name.isupper():
+                    key.append((name, v == 1, v % 16 == 0))
+                else:
+                    key.append((name, v))  # constexprs, launch options
+            self.keys.add(tuple(key))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def test_serving_shaped_steps_launch_only_variants_compiled_at_start_up(monkeypatch):
+    """Decode-only, decode-first mixed and prefill steps of random shapes, with the GPU's
+    automatic split-KV choice emulated, launch no kernel variant that ``compile_variants``
+    did not: on a GPU, none compiles in the middle of serving (sliced table pointers at an
+    odd request offset, or a split count padded per step, each used to)."""
+    from lightwell.kernels import split_kv as sk_mod
+
+    attn = _SpecRecorder(pa._paged_attention_kernel)
+    combine = _SpecRecorder(sk_mod._reduce_splits_kernel)
+    monkeypatch.setattr(pa, "_paged_attention_kernel", attn)
+    monkeypatch.setattr(sk_mod, "_reduce_splits_kernel", combine)
+    hkv, gqa, d, block_size = 2, 2, 32, 16
+    gen = torch.Generator().manual_seed(21)
+    cache = _randn(2, 40, block_size, hkv, d, dtype=torch.float16, gen=gen)
+    assert pa.compile_variants(hkv * gqa, cache, d**-0.5, torch.float16) == 4
+    at_start = (set(attn.keys), set(combine.keys))
+    # the GPU's choice: split long contexts when few programs (CPU would never split)
+    monkeypatch.setattr(pa, "auto_num_splits", lambda progs, keys, dev: 1 + keys // 64)
+    rng = random.Random(5)
+    for step in range(12):
+        decodes = rng.randint(0 if step % 3 == 2 else 1, 5)
+        prompts = rng.randint(0 if decodes else 1, 3) if step % 3 else 0
+        qlens = [1] * decodes + [rng.randint(2, 40) for _ in range(prompts)]
+        ctxs = [rng.randint(1, 200) for _ in qlens]
+        q, _, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float16, block_size, seed=step)
+        meta.block_table.random_(0, 40)  # any blocks of the shared cache
+        pa.paged_attention(q, cache, meta, d**-0.5)
+    assert attn.keys <= at_start[0], attn.keys - at_start[0]
+    assert combine.keys <= at_start[1], combine.keys - at_start[1]
+    assert len(combine.keys) == 1  # and the split combine did run
 
 
 def test_runner_compiles_attention_variants_once_per_layer_shape():
