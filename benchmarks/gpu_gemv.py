@@ -23,24 +23,15 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from gpu_blas import MIN_BYTES  # noqa: E402
+from gpu_blas import SHAPES as BLAS_SHAPES  # noqa: E402
 from graph_timing import graph_replay_us  # noqa: E402
 
 from lightwell.kernels.gemv import gemv, gemv_ref, pick_config  # noqa: E402
 
-SHAPES = {  # name: (N, K) of the weight on one GPU
-    "tp2 qkv": (3072, 4096),
-    "tp2 o": (4096, 2048),
-    "tp2 gate_up": (14336, 4096),
-    "tp2 down": (4096, 7168),
-    "tp1 qkv": (6144, 4096),
-    "tp1 o": (4096, 4096),
-    "tp1 gate_up": (28672, 4096),
-    "tp1 down": (4096, 14336),
-    "tp2 lm_head": (64128, 4096),
-    "tp1 lm_head": (128256, 4096),
-}
+# name: (N, K) of the weight on one GPU: gpu_blas.py's eight and the LM head at TP=2 and TP=1
+SHAPES = {**BLAS_SHAPES, "tp2 lm_head": (64128, 4096), "tp1 lm_head": (128256, 4096)}
 ROWS = (1, 2, 4)
-MIN_BYTES = 200 << 20
 
 
 def sweep_configs() -> list[tuple[int, int, int, int]]:
