@@ -135,6 +135,7 @@ def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
         0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
         and x.is_cuda
         and x.dtype != torch.float32
+        and weight.dtype == x.dtype  # plain 16-bit weights (a quantized layer's are not)
         and x.stride(1) == 1
         and weight.stride(1) == 1
     )
