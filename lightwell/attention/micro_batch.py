@@ -64,7 +64,9 @@ def split_batch(
         cut = s - done
         i = bisect.bisect_right(meta.query_start_loc_cpu, cut) - 1  # request holding the cut
         out.append(MicroBatch(input_ids[:cut], positions[:cut], _head(meta, cut, i)))
-        input_ids, positions, meta = input_ids[cut:], positions[cut:], _tail(meta, cut, i)
+        # copies (as in ``_tail``): kernels taking these see 16-byte aligned addresses only
+        input_ids, positions = input_ids[cut:].clone(), positions[cut:].clone()
+        meta = _tail(meta, cut, i)
         done = s
     out.append(MicroBatch(input_ids, positions, meta))
     return out
@@ -94,11 +96,13 @@ def _tail(meta: AttentionMetadata, s: int, i: int) -> AttentionMetadata:
     """Requests [i, R): request i from token s on (its earlier tokens count as cached)."""
     qsl_cpu = [0] + [q - s for q in meta.query_start_loc_cpu[i + 1 :]]
     query_start = (meta.query_start_loc[i:] - s).clamp_min(0)  # [R - i + 1]
+    # Copies, not views: a view's address is 16-byte aligned or not by i and s, and Triton
+    # would compile a kernel variant for each (about a second, mid-serving).
     return _meta(
         query_start,
-        meta.seq_lens[i:],
-        meta.block_table[i:],
-        meta.slot_mapping[s:],
+        meta.seq_lens[i:].clone(),
+        meta.block_table[i:].clone(),
+        meta.slot_mapping[s:].clone(),
         qsl_cpu,
         list(meta.seq_lens_cpu[i:]),
     )
