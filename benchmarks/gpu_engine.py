@@ -147,14 +147,16 @@ def _check_skinny(args: argparse.Namespace, folder: str, prompts, sp) -> bool:
     )
 
     def run(dtype: str, rows: int) -> list:
-        base.SKINNY_GEMM_MAX_ROWS = rows
-        llm = LLM(folder, device="cuda", dtype=dtype, skip_tokenizer_init=True)
-        outs = [
-            llm.generate([{"prompt_token_ids": p}], lp, use_tqdm=False)[0].outputs[0]
-            for p in prompts
-        ]
-        llm.engine.shutdown()
-        base.SKINNY_GEMM_MAX_ROWS = 1
+        before, base.SKINNY_GEMM_MAX_ROWS = base.SKINNY_GEMM_MAX_ROWS, rows
+        try:
+            llm = LLM(folder, device="cuda", dtype=dtype, skip_tokenizer_init=True)
+            outs = [
+                llm.generate([{"prompt_token_ids": p}], lp, use_tqdm=False)[0].outputs[0]
+                for p in prompts
+            ]
+            llm.engine.shutdown()
+        finally:
+            base.SKINNY_GEMM_MAX_ROWS = before
         return outs
 
     def distance(outs: list, ref: list) -> tuple[float, int, int]:

@@ -132,7 +132,8 @@ def dense_linear(
 
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
+        x.dim() == 2
+        and 0 < x.shape[0] <= SKINNY_GEMM_MAX_ROWS
         and x.is_cuda
         and x.dtype != torch.float32
         and weight.dtype == x.dtype  # plain 16-bit weights (a quantized layer's are not)

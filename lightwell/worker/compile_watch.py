@@ -27,6 +27,7 @@ class CompileWatch:
         self.mid_run: list[tuple[str, float]] = []  # (kernel, seconds) compiled once armed
         self._started: dict[Any, float] = {}
         self._prev: tuple[Any, Any] = (None, None)
+        self._active = False  # False: the hooks only pass calls on (after uninstall)
 
     def install(self) -> bool:
         """Chain our hooks in front of any already set; False where Triton has no knobs."""
@@ -40,9 +41,14 @@ class CompileWatch:
         self._prev = (rt.jit_cache_hook, rt.jit_post_compile_hook)
         rt.jit_cache_hook = self._before
         rt.jit_post_compile_hook = self._after
+        self._active = True
         return True
 
     def uninstall(self) -> None:
+        """Stop watching. Where another hook was chained in front of ours since, ours stay in
+        that chain but only pass calls on (unhooking them would cut the later one's chain)."""
+        self._active = False
+        self._started.clear()
         try:
             from triton import knobs
         except ImportError:
@@ -53,13 +59,18 @@ class CompileWatch:
     def arm(self) -> None:
         """Start-up is over: from now on every compile is a warning."""
         self.armed = True
+        self._started.clear()  # a compile that failed mid-way left its start time behind
 
     def _before(self, **kw: Any) -> Any:
-        self._started[_key(kw)] = time.perf_counter()
+        if self._active:
+            self._started[_key(kw)] = time.perf_counter()
         prev = self._prev[0]
         return prev(**kw) if prev else None  # falsy: Triton compiles
 
     def _after(self, **kw: Any) -> Any:
+        prev = self._prev[1]
+        if not self._active:
+            return prev(**kw) if prev else None
         t0 = self._started.pop(_key(kw), None)
         seconds = time.perf_counter() - t0 if t0 is not None else 0.0
         if self.armed:
@@ -74,7 +85,6 @@ class CompileWatch:
             )
         else:
             self.startup_compiles += 1
-        prev = self._prev[1]
         return prev(**kw) if prev else None
 
 

@@ -348,8 +348,17 @@ class ModelRunner:
         launches = 0
         for layer in self.attn_layers:
             compile_fn = getattr(layer.backend, "compile_variants", None)
-            key = (layer.backend.name, layer.num_heads, layer.head_dim, layer.sliding_window)
-            if compile_fn is None or layer.kv_cache is None or key in done:
+            if compile_fn is None or layer.kv_cache is None:
+                continue
+            key = (
+                layer.backend.name,
+                layer.num_heads,
+                layer.num_kv_heads,
+                layer.head_dim,
+                layer.sliding_window,
+                layer.kv_cache.dtype,
+            )
+            if key in done:
                 continue
             done.add(key)
             launches += compile_fn(

@@ -51,3 +51,30 @@ def test_compiles_after_arm_are_warnings_and_chained_hooks_still_run(caplog):
         assert knobs.runtime.jit_post_compile_hook != watch._after
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+
+
+def test_two_watches_uninstalled_out_of_order_stop_counting_and_keep_the_chain():
+    """Worker A installs, worker B installs over it, A shuts down first: A's hooks stay in B's
+    chain but count nothing; once both are gone, compiles reach the original hooks only."""
+    from lightwell.worker.compile_watch import CompileWatch
+
+    seen = []
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    knobs.runtime.jit_cache_hook = lambda **kw: seen.append(("cache", kw["key"]))
+    knobs.runtime.jit_post_compile_hook = lambda **kw: seen.append(("post", kw["key"]))
+    a, b = CompileWatch(), CompileWatch()
+    try:
+        assert a.install() and b.install()
+        a.arm()
+        b.arm()
+        _compile(_Fn("_k"), "k1")
+        assert len(a.mid_run) == 1 and len(b.mid_run) == 1
+        a.uninstall()  # out of order: B's hooks are on top
+        _compile(_Fn("_k"), "k2")
+        assert len(a.mid_run) == 1 and len(b.mid_run) == 2
+        b.uninstall()
+        _compile(_Fn("_k"), "k3")
+        assert len(a.mid_run) == 1 and len(b.mid_run) == 2
+        assert [k for _, k in seen] == ["k1", "k1", "k2", "k2", "k3", "k3"]
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
