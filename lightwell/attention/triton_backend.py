@@ -8,6 +8,7 @@ place as a cache of one-token blocks, so the same kernel serves.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -33,6 +34,21 @@ class TritonAttentionBackend:
         if kv_cache is None:
             return _attend_without_cache(q, k, v, meta, scale, sliding_window)
         kv_store(k, v, kv_cache, meta.slot_mapping)
+        return paged_attention(q, kv_cache, meta, scale, sliding_window=sliding_window)
+
+    # The RoPE kernel can store the new keys/values too (kernels/rotary.py): one launch a
+    # layer fewer; ``attend_stored`` then attends. Off until measured on a GPU (tested on CPU
+    # under the interpreter only): LIGHTWELL_FUSED_ROPE_STORE=1 turns it on.
+    stores_with_rope = os.environ.get("LIGHTWELL_FUSED_ROPE_STORE", "0") == "1"
+
+    def attend_stored(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        kv_cache: torch.Tensor,  # [2, N, B, Hkv, D], the step's keys/values already in it
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:  # [T, Hq, D]
         return paged_attention(q, kv_cache, meta, scale, sliding_window=sliding_window)
 
     def compile_variants(

@@ -63,7 +63,7 @@ def kv_store(
     slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
 ) -> None:
     """Write ``k``/``v`` into ``kv_cache`` in place (cast to the cache dtype)."""
-    _check(k, v, kv_cache, slot_mapping)
+    check_store(k, v, kv_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -104,7 +104,7 @@ def kv_store_ref(
     kv_cache[1].view(-1, hkv, d)[slots] = v[keep].to(kv_cache.dtype)
 
 
-def _check(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+def check_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(
             f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)}, {tuple(v.shape)}"

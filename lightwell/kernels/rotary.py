@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels.kv_store import check_store
+
 
 @triton.jit
 def _rotate_heads(
@@ -45,9 +47,15 @@ def _rotary_kernel(
     q_ptr,  # [T, Hq * D]
     k_ptr,  # [T, Hkv * D]
     cache_ptr,  # [max_pos, ROT_DIM] fp32: cos | sin
+    v_ptr,  # [T, Hkv * D] (STORE_KV)
+    kvc_ptr,  # [2, N, BLOCK_SIZE, Hkv, D] the layer's KV cache (STORE_KV)
+    slot_ptr,  # [T] int; < 0: not stored (STORE_KV)
     stride_q,
     stride_k,
+    stride_v,
     stride_cache,
+    stride_c_kv,
+    stride_c_blk,
     NUM_Q_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -56,6 +64,9 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     IS_NEOX: tl.constexpr,
+    STORE_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
@@ -74,6 +85,24 @@ def _rotary_kernel(
     _rotate_heads(
         k_ptr, row, stride_k, cos, sin, off1, off2, j_ok, NUM_KV_HEADS, HEAD_DIM, BLOCK_HK
     )
+    if STORE_KV:  # the rotated key and the value into the paged cache, at the token's slot
+        tl.debug_barrier()  # the block's rotated k (global writes) visible to every thread
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if slot >= 0:
+            h = tl.arange(0, BLOCK_HK)
+            d = tl.arange(0, BLOCK_D)
+            mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)
+            src = h[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_HK, BLOCK_D]
+            key = tl.load(k_ptr + row * stride_k + src, mask=mask)
+            val = tl.load(v_ptr + row * stride_v + src, mask=mask)
+            dst = (
+                kvc_ptr
+                + (slot // BLOCK_SIZE) * stride_c_blk
+                + (slot % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
+                + src
+            )
+            tl.store(dst, key.to(kvc_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + stride_c_kv, val.to(kvc_ptr.dtype.element_ty), mask=mask)
 
 
 def rotary_embedding(
@@ -83,9 +112,22 @@ def rotary_embedding(
     cos_sin_cache: torch.Tensor,  # [max_pos, rotary_dim]
     head_dim: int,
     is_neox_style: bool = True,
+    *,
+    v: torch.Tensor | None = None,  # [T, Hkv * D]
+    kv_cache: torch.Tensor | None = None,  # [2, N, B, Hkv, D]
+    slot_mapping: torch.Tensor | None = None,  # [T] int; < 0 = skip
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q, k), the same tensors
-    """Rotate q and k in place at ``positions``; returns them for chaining."""
+    """Rotate q and k in place at ``positions``; returns them for chaining. With ``kv_cache``
+    (and ``v``, ``slot_mapping``), the same launch also does ``kv_store``'s work: the rotated
+    key and ``v`` go into the cache at each token's slot (one kernel a layer instead of two)."""
     _check(positions, q, k, cos_sin_cache, head_dim)
+    store = kv_cache is not None
+    if store:
+        if v is None or slot_mapping is None:
+            raise ValueError("storing into kv_cache needs v and slot_mapping")
+        hkv = k.shape[1] // head_dim
+        k3, v3 = k.view(k.shape[0], hkv, head_dim), v.view(v.shape[0], hkv, head_dim)
+        check_store(k3, v3, kv_cache, slot_mapping)
     num_tokens = q.shape[0]
     if num_tokens == 0:
         return q, k
@@ -93,12 +135,19 @@ def rotary_embedding(
     hq, hkv = q.shape[1] // head_dim, k.shape[1] // head_dim
     half_pad = triton.next_power_of_2(rot_dim // 2)
     block_hq = triton.next_power_of_2(hq)
+    dummy = q  # pointer arguments the kernel does not read when it does not store
     _rotary_kernel[(num_tokens,)](
         positions, q, k, cos_sin_cache,
-        q.stride(0), k.stride(0), cos_sin_cache.stride(0),
+        v if store else dummy, kv_cache if store else dummy,
+        slot_mapping if store else positions,
+        q.stride(0), k.stride(0), v.stride(0) if store else 0, cos_sin_cache.stride(0),
+        kv_cache.stride(0) if store else 0, kv_cache.stride(1) if store else 0,
         NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=head_dim, ROT_DIM=rot_dim,
         HALF_PAD=half_pad, BLOCK_HQ=block_hq, BLOCK_HK=triton.next_power_of_2(hkv),
-        IS_NEOX=is_neox_style, num_warps=4 if block_hq * half_pad >= 2048 else 1,
+        IS_NEOX=is_neox_style, STORE_KV=store,
+        BLOCK_SIZE=kv_cache.shape[2] if store else 1,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if block_hq * half_pad >= 2048 else 1,
     )  # fmt: skip
     return q, k
 

@@ -12,6 +12,8 @@ included). Every key stays in the cache; backends skip the ones out of reach.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -54,11 +56,26 @@ class Attention(nn.Module):
         q: torch.Tensor,  # [T, Hq * D]
         k: torch.Tensor,  # [T, Hkv * D]
         v: torch.Tensor,  # [T, Hkv * D]
+        rope: tuple[Any, torch.Tensor] | None = None,  # (RotaryEmbedding, positions [T])
     ) -> torch.Tensor:  # [T, Hq * D]
+        """Attend; with ``rope``, q and k are rotated first (in place), and where the backend
+        can (``stores_with_rope``: the Triton kernels), the rotation and the KV-cache store
+        are one kernel launch."""
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
+        q3 = q.view(num_tokens, self.num_heads, self.head_dim)
+        if rope is not None:
+            rotary, positions = rope
+            if self.kv_cache is not None and getattr(self.backend, "stores_with_rope", False):
+                rotary.rotate_and_store(positions, q, k, v, self.kv_cache, meta.slot_mapping)
+                out = self.backend.attend_stored(
+                    q3, self.kv_cache, meta, self.scale, sliding_window=self.sliding_window
+                )
+                return out.reshape(num_tokens, self.num_heads * self.head_dim)
+            q, k = rotary(positions, q, k)
+            q3 = q.view(num_tokens, self.num_heads, self.head_dim)
         out = self.backend.forward(
-            q.view(num_tokens, self.num_heads, self.head_dim),
+            q3,
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.kv_cache,

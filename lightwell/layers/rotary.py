@@ -77,6 +77,25 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._cos_sin(positions)
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
+    def rotate_and_store(
+        self,
+        positions: torch.Tensor,  # [T]
+        query: torch.Tensor,  # [T, Hq * D], rotated in place
+        key: torch.Tensor,  # [T, Hkv * D], rotated in place
+        value: torch.Tensor,  # [T, Hkv * D]
+        kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+        slot_mapping: torch.Tensor,  # [T]; < 0 = skip
+    ) -> None:
+        """Rotate q and k in place and write the rotated keys and the values into the paged
+        KV cache, in one Triton launch (where the Triton attention backend runs: CUDA, or
+        the CPU under ``TRITON_INTERPRET=1``)."""
+        from lightwell.kernels.rotary import rotary_embedding
+
+        rotary_embedding(
+            positions, query, key, self.cos_sin_cache, self.head_dim, self.is_neox_style,
+            v=value, kv_cache=kv_cache, slot_mapping=slot_mapping,
+        )  # fmt: skip
+
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, rotary_dim / 2] cos and sin, gathered once per forward: every layer shares
         this module and receives the same ``positions`` tensor object."""

@@ -142,8 +142,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 * Hkv) * D / tp]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.norm_qk(q, k)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.attn(q, k, v)
+        return self.attn(q, k, v, rope=(self.rotary_emb, positions))
 
     def forward(
         self,

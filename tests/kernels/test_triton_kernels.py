@@ -28,7 +28,8 @@ if DEVICE == "cpu":
             allow_module_level=True,
         )
 
-from lightwell.attention.metadata import AttentionMetadata  # noqa: E402
+from lightwell.attention.backend import get_attention_backend  # noqa: E402
+from lightwell.attention.metadata import AttentionMetadata, forward_context  # noqa: E402
 from lightwell.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from lightwell.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from lightwell.kernels import activation as act  # noqa: E402
@@ -95,6 +96,40 @@ def test_rotary(dtype, neox, rot_dim):
     torch.testing.assert_close(q, ref_q, atol=tol, rtol=tol)
     torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
     assert torch.equal(qkv[:, (hq + hkv) * d :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("neox,rot_dim", [(True, 32), (True, 16), (False, 32)])
+@pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
+def test_rotary_with_kv_store(dtype, neox, rot_dim, slot_dtype):
+    """RoPE and the KV-cache store in one launch: q and k rotated in place as by RoPE alone,
+    and the cache as after ``kv_store`` of the rotated k and v (a negative slot skipped)."""
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, hq, hkv, d, bs, nblocks = 7, 4, 2, 32, 4, 5
+    qkv = _randn(num_tokens, (hq + 2 * hkv) * d, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)  # strided views, as in a model
+    cos_sin = torch.rand(64, rot_dim, generator=gen).to(DEVICE) * 2 - 1
+    pos = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(nblocks * bs, generator=gen)[:num_tokens].to(DEVICE, slot_dtype)
+    slots[3] = -1  # a CUDA-graph padding row: rotated, not stored
+    cache = _randn(2, nblocks, bs, hkv, d, dtype=dtype, gen=gen)
+    ref_q, ref_k = rot.rotary_embedding_ref(pos, q, k, cos_sin, d, neox)
+    expected = cache.clone()
+    ks.kv_store_ref(ref_k.view(-1, hkv, d), v.reshape(-1, hkv, d), expected, slots)
+    v_before = v.clone()
+    rot.rotary_embedding(pos, q, k, cos_sin, d, neox, v=v, kv_cache=cache, slot_mapping=slots)
+    tol = TOL[dtype]
+    torch.testing.assert_close(q, ref_q, atol=tol, rtol=tol)
+    torch.testing.assert_close(k, ref_k, atol=tol, rtol=tol)
+    assert torch.equal(v, v_before)
+    # the cache holds exactly the kernel's own rotated k (and v as it was), nothing else moved
+    ks.kv_store_ref(k.view(-1, hkv, d), v.reshape(-1, hkv, d), expected, slots)
+    torch.testing.assert_close(cache, expected, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="v and slot_mapping"):
+        rot.rotary_embedding(pos, q, k, cos_sin, d, neox, kv_cache=cache)
+    with pytest.raises(ValueError, match="does not match"):
+        rot.rotary_embedding(pos, q, k, cos_sin, d, neox, v=v, kv_cache=cache[:, :, :, :1],
+                             slot_mapping=slots)  # fmt: skip
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -346,6 +381,42 @@ def test_triton_backend_matches_torch_backend(with_cache, window):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
     if with_cache:
         torch.testing.assert_close(c1, c2, atol=0, rtol=0)
+
+
+def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkeypatch):
+    """The Attention layer given ``rope``: on the Triton backend RoPE and the KV store are one
+    launch (``stores_with_rope``); on the torch backend they stay apart. The same outputs and
+    the same cache, for a decode, a cached-prefix chunk and a fresh prompt in one step."""
+    from lightwell.layers.attention import Attention
+    from lightwell.layers.rotary import RotaryEmbedding
+
+    qlens, ctxs = [1, 7, 4], [20, 9, 0]
+    hkv, gqa, d = 2, 2, 32
+    _, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=8)
+    slots, pos = [], []
+    for i, (n, c) in enumerate(zip(qlens, ctxs)):
+        for p in range(c, c + n):
+            slots.append(int(meta.block_table[i, p // 16]) * 16 + p % 16)
+            pos.append(p)
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    positions = torch.tensor(pos, device=DEVICE)
+    rope = RotaryEmbedding(d, d, 64, 10000.0).to(DEVICE)
+    monkeypatch.setattr(TritonAttentionBackend, "stores_with_rope", True)  # (env switch)
+    gen = torch.Generator().manual_seed(9)
+    qkv = _randn(len(pos), (hkv * gqa + 2 * hkv) * d, dtype=torch.float32, gen=gen)
+    outs, caches = [], []
+    for backend in ("triton", "torch"):
+        layer = Attention(hkv * gqa, d, 0.25, hkv, backend)
+        layer.kv_cache = cache.clone()
+        q, k, v = qkv.clone().split([hkv * gqa * d, hkv * d, hkv * d], dim=-1)
+        with forward_context(meta):
+            outs.append(layer(q, k, v, rope=(rope, positions)))
+        caches.append(layer.kv_cache)
+    assert get_attention_backend("triton").stores_with_rope
+    assert not getattr(get_attention_backend("torch"), "stores_with_rope", False)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)
+    assert not torch.equal(caches[0], cache)  # the step's keys did go in
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 48, 96), (3, 40, 300), (4, 64, 520), (2, 7, 64)])
