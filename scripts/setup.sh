@@ -7,7 +7,8 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
-# The CPU build of torch (on a GPU machine keep the CUDA build you have: torch >= 2.11 works).
+# torch 2.13.0 if the venv has none (whichever build the pip index serves; torch >= 2.11 works,
+# so a venv that already holds one keeps it).
 python -c "import torch" 2>/dev/null || python -m pip install -q torch==2.13.0
 extra=""
 [ "${1:-}" = "--test" ] && extra="[test]"

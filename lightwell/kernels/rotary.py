@@ -125,6 +125,8 @@ def rotary_embedding(
     if store:
         if v is None or slot_mapping is None:
             raise ValueError("storing into kv_cache needs v and slot_mapping")
+        if v.shape != k.shape:
+            raise ValueError(f"v {tuple(v.shape)} must be shaped like k {tuple(k.shape)}")
         hkv = k.shape[1] // head_dim
         k3, v3 = k.view(k.shape[0], hkv, head_dim), v.view(v.shape[0], hkv, head_dim)
         check_store(k3, v3, kv_cache, slot_mapping)

@@ -38,6 +38,9 @@ class CompileWatch:
         rt = knobs.runtime
         if not hasattr(rt, "jit_cache_hook") or not hasattr(rt, "jit_post_compile_hook"):
             return False
+        if rt.jit_cache_hook == self._before:  # already on top: chaining to itself would loop
+            self._active = True
+            return True
         self._prev = (rt.jit_cache_hook, rt.jit_post_compile_hook)
         rt.jit_cache_hook = self._before
         rt.jit_post_compile_hook = self._after

@@ -78,3 +78,19 @@ def test_two_watches_uninstalled_out_of_order_stop_counting_and_keep_the_chain()
         assert [k for _, k in seen] == ["k1", "k1", "k2", "k2", "k3", "k3"]
     finally:
         knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
+
+
+def test_installing_twice_does_not_chain_a_watch_to_itself():
+    from lightwell.worker.compile_watch import CompileWatch
+
+    before = (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook)
+    watch = CompileWatch()
+    try:
+        assert watch.install() and watch.install()
+        watch.arm()
+        _compile(_Fn("_k"), "k1")  # would recurse without end if chained to itself
+        assert len(watch.mid_run) == 1
+        watch.uninstall()
+        assert knobs.runtime.jit_cache_hook is before[0]
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before
