@@ -19,8 +19,11 @@ norm into the all-reduce kernel (``reduce_norm``, hostmem at decode sizes), whic
 does not (the same values, the norm within its last bit); only the row blocks the kernels
 run on differ.
 
-Supported: ``LlamaModel`` with plain ``LlamaDecoderLayer`` layers (Llama, Mistral, Qwen2,
-Qwen3: attention subclasses that keep ``LlamaAttention.forward``). Others run the plain forward.
+Supported: ``LlamaModel`` and its subclasses that keep its ``forward``, whose layers describe
+themselves as stages (``micro_batch_stages``): Llama, Mistral, Qwen2, Qwen3 (two stages a
+layer), MiniCPM (the same, each all-reduced output scaled) and Command-R (one stage a layer:
+its parallel block's attention + MLP partial sums under one all-reduce). Others run the plain
+forward.
 """
 
 from __future__ import annotations
@@ -35,20 +38,30 @@ from lightwell.attention.metadata import forward_context
 from lightwell.attention.micro_batch import MicroBatch
 from lightwell.distributed.overlap import CommStream, PendingAllReduce
 from lightwell.layers.norm import RMSNorm, pre_norm
-from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from lightwell.models.llama import LayerStage, LlamaModel
 
 
 def supports_micro_batches(model: nn.Module) -> bool:
     """``model`` is a causal LM whose ``.model`` this module can run in micro-batches."""
     inner = getattr(model, "model", None)
-    if type(inner) is not LlamaModel:
+    if not isinstance(inner, LlamaModel) or type(inner).forward is not LlamaModel.forward:
         return False
-    return all(
-        type(layer) is LlamaDecoderLayer
-        and type(layer.mlp) is LlamaMLP
-        and type(layer.self_attn).forward is LlamaAttention.forward
-        for layer in inner.layers
-    )
+    return all(_stages(layer) is not None for layer in inner.layers)
+
+
+def _stages(layer: nn.Module) -> list[LayerStage] | None:
+    """The layer's stages, where they describe its ``forward``: the class that defines
+    ``micro_batch_stages`` must be the one that defines ``forward``."""
+    stages_fn = getattr(layer, "micro_batch_stages", None)
+    if stages_fn is None or _owner(type(layer), "forward") is not _owner(
+        type(layer), "micro_batch_stages"
+    ):
+        return None
+    return stages_fn()
+
+
+def _owner(cls: type, name: str) -> type | None:
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
 
 
 @dataclass
@@ -56,37 +69,25 @@ class _Stream:
     batch: MicroBatch
     pending: PendingAllReduce
     residual: torch.Tensor | None = None  # [Tm, H]
+    scale: float = 1.0  # on the pending all-reduce's output (its stage's)
 
 
 def _reduce_norm(
     comm: CommStream,
-    pending: PendingAllReduce,
+    st: _Stream,
     norm: nn.Module,
-    residual: torch.Tensor | None,  # [Tm, H]; None before the first layer
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [Tm, H], new residual [Tm, H])
-    """A stage's input: the previous stage's sum through the residual add + norm (``pre_norm``),
-    the sum itself fused into the norm where the all-reduce allows (hostmem-copy-int8)."""
-    if residual is not None and isinstance(norm, RMSNorm):
-        fused = comm.wait_add_rmsnorm(pending, residual, norm.weight, norm.eps)
+    """A stage's input: the previous stage's sum (times its scale) through the residual add +
+    norm (``pre_norm``), the sum itself fused into the norm where the all-reduce allows
+    (hostmem-copy-int8, unscaled sums)."""
+    if st.residual is not None and isinstance(norm, RMSNorm) and st.scale == 1.0:
+        fused = comm.wait_add_rmsnorm(st.pending, st.residual, norm.weight, norm.eps)
         if fused is not None:
             return fused
-    return pre_norm(norm, comm.wait(pending), residual)
-
-
-def _attention_stage(
-    layer: LlamaDecoderLayer,
-    positions: torch.Tensor,  # [Tm]
-    hidden: torch.Tensor,  # [Tm, H]: normalised
-) -> torch.Tensor:  # o_proj's partial sum [Tm, H]
-    return layer.self_attn.partial(positions, hidden)
-
-
-def _mlp_stage(
-    layer: LlamaDecoderLayer,
-    positions: torch.Tensor,  # [Tm]
-    hidden: torch.Tensor,  # [Tm, H]: normalised
-) -> torch.Tensor:  # down_proj's partial sum [Tm, H]
-    return layer.mlp.partial(hidden)
+    total = comm.wait(st.pending)
+    if st.scale != 1.0:
+        total = total * st.scale
+    return pre_norm(norm, total, st.residual)
 
 
 def micro_batch_forward(
@@ -109,13 +110,10 @@ def _forward(
         hidden = inner.embed(mb.input_ids)  # [Tm, H]
         streams.append(_Stream(mb, PendingAllReduce(hidden, None, None)))
     for layer in inner.layers:
-        for norm, stage in (
-            (layer.input_layernorm, _attention_stage),
-            (layer.post_attention_layernorm, _mlp_stage),
-        ):
+        for stage in _stages(layer):
             for st in streams:
-                hidden, st.residual = _reduce_norm(comm, st.pending, norm, st.residual)
+                hidden, st.residual = _reduce_norm(comm, st, stage.norm)
                 with forward_context(st.batch.meta):
-                    partial = stage(layer, st.batch.positions, hidden)
-                st.pending = comm.launch(partial)
-    return [_reduce_norm(comm, st.pending, inner.norm, st.residual)[0] for st in streams]
+                    partial = stage.fn(st.batch.positions, hidden)
+                st.pending, st.scale = comm.launch(partial), stage.scale
+    return [_reduce_norm(comm, st, inner.norm)[0] for st in streams]
