@@ -13,7 +13,7 @@ from torch import nn
 
 from tests.models.families import cohere, minicpm, mistral, qwen3
 from tests.models.test_tensor_parallel import _free_port
-from tests.models.test_tensor_parallel_comm import STEPS, TABLES
+from tests.models.test_tensor_parallel_comm import micro_batch_steps, plain_and_split
 
 BUILDS = {"minicpm": minicpm, "cohere": cohere, "qwen3": qwen3, "mistral": mistral}
 
@@ -25,20 +25,13 @@ def _compare(folders: dict[str, str]) -> dict[str, float]:
     from lightwell.attention.micro_batch import can_split, split_batch
     from lightwell.distributed.overlap import CommStream
     from lightwell.models.micro_batch_forward import micro_batch_forward, supports_micro_batches
-    from tests.models.paged import bind_kv_caches, build_metadata
-    from tests.models.tiny import load_ours
 
     worst = {}
     for key, folder in folders.items():
-        plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
+        plain, split = plain_and_split(folder)
         assert supports_micro_batches(split), key
-        for model in (plain, split):
-            bind_kv_caches(model, 16, 4, torch.float32, torch.device("cpu"))
         worst[key] = 0.0
-        for step, (query_lens, seq_lens) in enumerate(STEPS):
-            tables = TABLES[: len(query_lens)]
-            meta, pos = build_metadata(query_lens, seq_lens, tables, 4, torch.device("cpu"))
-            ids = torch.arange(sum(query_lens)) + 3 * step
+        for _, ids, pos, meta in micro_batch_steps():
             with torch.no_grad(), forward_context(meta):
                 want = plain(ids, pos)  # [T, H]
             assert want.abs().max() > 0.1  # real signal, not a vanishing output

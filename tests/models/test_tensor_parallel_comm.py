@@ -389,6 +389,28 @@ STEPS = [([11, 6], [11, 6]), ([1, 1], [12, 7]), ([1, 1, 9], [13, 8, 9])]
 TABLES = [[3, 9, 1, 12], [7, 2], [5, 0, 14]]
 
 
+def plain_and_split(folder: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The checkpoint loaded twice (the plain and the micro-batch forward), each with its own
+    KV cache (16 blocks of 4)."""
+    from tests.models.paged import bind_kv_caches
+    from tests.models.tiny import load_ours
+
+    plain, split = load_ours(folder), load_ours(folder)
+    for model in (plain, split):
+        bind_kv_caches(model, 16, 4, torch.float32, torch.device("cpu"))
+    return plain, split
+
+
+def micro_batch_steps():
+    """(step, input ids, positions, metadata) of each of ``STEPS``."""
+    from tests.models.paged import build_metadata
+
+    for step, (query_lens, seq_lens) in enumerate(STEPS):
+        tables = TABLES[: len(query_lens)]
+        meta, pos = build_metadata(query_lens, seq_lens, tables, 4, torch.device("cpu"))
+        yield step, torch.arange(sum(query_lens)) + 3 * step, pos, meta
+
+
 def _check_micro_batches(rank: int, ctx, folder: str) -> None:
     from lightwell.attention.metadata import forward_context
     from lightwell.attention.micro_batch import can_split, split_batch
@@ -396,8 +418,6 @@ def _check_micro_batches(rank: int, ctx, folder: str) -> None:
     from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.overlap import CommStream
     from lightwell.models.micro_batch_forward import micro_batch_forward, supports_micro_batches
-    from tests.models.paged import bind_kv_caches, build_metadata
-    from tests.models.tiny import load_ours
 
     hostmem = AllReduceSelector(ctx, "hostmem", max_bytes=1 << 16)
     with mock.patch.object(selector, "COPY_MIN_BYTES", 0):  # every message through the copy path
@@ -405,14 +425,9 @@ def _check_micro_batches(rank: int, ctx, folder: str) -> None:
         copy_int8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=1 << 16, phases=2)
     assert not copy_int8.preferred[0].fuse_norm  # by default the sum, then the norm
     copy_int8.preferred[0].fuse_norm = True  # (LIGHTWELL_HOSTMEM_COPY_FUSE_NORM=1)
-    plain, split = load_ours(folder), load_ours(folder)  # each with its own KV cache
+    plain, split = plain_and_split(folder)
     assert supports_micro_batches(split)
-    for model in (plain, split):
-        bind_kv_caches(model, 16, 4, torch.float32, torch.device("cpu"))
-    for step, (query_lens, seq_lens) in enumerate(STEPS):
-        tables = TABLES[: len(query_lens)]
-        meta, pos = build_metadata(query_lens, seq_lens, tables, 4, torch.device("cpu"))
-        ids = torch.arange(sum(query_lens)) + 3 * step
+    for step, ids, pos, meta in micro_batch_steps():
         with torch.no_grad(), forward_context(meta):
             want = plain(ids, pos)  # [T, H]
         with torch.no_grad():
