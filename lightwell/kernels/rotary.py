@@ -121,20 +121,19 @@ def rotary_embedding(
     (and ``v``, ``slot_mapping``), the same launch also does ``kv_store``'s work: the rotated
     key and ``v`` go into the cache at each token's slot (one kernel a layer instead of two)."""
     _check(positions, q, k, cos_sin_cache, head_dim)
+    num_tokens = q.shape[0]
+    hq, hkv = q.shape[1] // head_dim, k.shape[1] // head_dim
     store = kv_cache is not None
     if store:
         if v is None or slot_mapping is None:
             raise ValueError("storing into kv_cache needs v and slot_mapping")
         if v.shape != k.shape:
             raise ValueError(f"v {tuple(v.shape)} must be shaped like k {tuple(k.shape)}")
-        hkv = k.shape[1] // head_dim
-        k3, v3 = k.view(k.shape[0], hkv, head_dim), v.view(v.shape[0], hkv, head_dim)
-        check_store(k3, v3, kv_cache, slot_mapping)
-    num_tokens = q.shape[0]
+        as_heads = (num_tokens, hkv, head_dim)
+        check_store(k.view(as_heads), v.view(as_heads), kv_cache, slot_mapping)
     if num_tokens == 0:
         return q, k
     rot_dim = cos_sin_cache.shape[1]
-    hq, hkv = q.shape[1] // head_dim, k.shape[1] // head_dim
     half_pad = triton.next_power_of_2(rot_dim // 2)
     block_hq = triton.next_power_of_2(hq)
     dummy = q  # pointer arguments the kernel does not read when it does not store

@@ -63,19 +63,21 @@ class Attention(nn.Module):
         are one kernel launch."""
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
-        q3 = q.view(num_tokens, self.num_heads, self.head_dim)
         if rope is not None:
             rotary, positions = rope
             if self.kv_cache is not None and getattr(self.backend, "stores_with_rope", False):
                 rotary.rotate_and_store(positions, q, k, v, self.kv_cache, meta.slot_mapping)
                 out = self.backend.attend_stored(
-                    q3, self.kv_cache, meta, self.scale, sliding_window=self.sliding_window
+                    q.view(num_tokens, self.num_heads, self.head_dim),
+                    self.kv_cache,
+                    meta,
+                    self.scale,
+                    sliding_window=self.sliding_window,
                 )
                 return out.reshape(num_tokens, self.num_heads * self.head_dim)
             q, k = rotary(positions, q, k)
-            q3 = q.view(num_tokens, self.num_heads, self.head_dim)
         out = self.backend.forward(
-            q3,
+            q.view(num_tokens, self.num_heads, self.head_dim),
             k.view(num_tokens, self.num_kv_heads, self.head_dim),
             v.view(num_tokens, self.num_kv_heads, self.head_dim),
             self.kv_cache,

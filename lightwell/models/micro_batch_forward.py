@@ -41,12 +41,19 @@ from lightwell.layers.norm import RMSNorm, pre_norm
 from lightwell.models.llama import LayerStage, LlamaModel
 
 
-def supports_micro_batches(model: nn.Module) -> bool:
-    """``model`` is a causal LM whose ``.model`` this module can run in micro-batches."""
+def model_stages(model: nn.Module) -> list[list[LayerStage]] | None:
+    """Every decoder layer's stages, in order; None where ``model`` (a causal LM) has no
+    micro-batch forward. Worked out once per model (``MicroBatchOverlap``), not per step."""
     inner = getattr(model, "model", None)
     if not isinstance(inner, LlamaModel) or type(inner).forward is not LlamaModel.forward:
-        return False
-    return all(_stages(layer) is not None for layer in inner.layers)
+        return None
+    stages = [_stages(layer) for layer in inner.layers]
+    return None if any(st is None for st in stages) else stages
+
+
+def supports_micro_batches(model: nn.Module) -> bool:
+    """``model`` is a causal LM whose ``.model`` this module can run in micro-batches."""
+    return model_stages(model) is not None
 
 
 def _stages(layer: nn.Module) -> list[LayerStage] | None:
@@ -91,10 +98,17 @@ def _reduce_norm(
 
 
 def micro_batch_forward(
-    model: nn.Module, batches: Sequence[MicroBatch], comm: CommStream
+    model: nn.Module,
+    batches: Sequence[MicroBatch],
+    comm: CommStream,
+    stages: list[list[LayerStage]] | None = None,  # model_stages(model), worked out before
 ) -> torch.Tensor:  # [T, H]: the final-norm hidden states of the micro-batches in order
+    if stages is None:
+        stages = model_stages(model)
+        if stages is None:
+            raise ValueError(f"{type(model).__name__} has no micro-batch forward")
     try:
-        outs = _forward(model.model, batches, comm)
+        outs = _forward(model.model, stages, batches, comm)
     except BaseException:
         comm.abandon()  # the all-reduces in flight give their buffers back
         raise
@@ -103,14 +117,17 @@ def micro_batch_forward(
 
 
 def _forward(
-    inner: LlamaModel, batches: Sequence[MicroBatch], comm: CommStream
+    inner: LlamaModel,
+    stages: list[list[LayerStage]],
+    batches: Sequence[MicroBatch],
+    comm: CommStream,
 ) -> list[torch.Tensor]:  # each micro-batch's final-norm hidden states [Tm, H]
     streams = []
     for mb in batches:  # the embedding's own all-reduce runs in place, on the main stream
         hidden = inner.embed(mb.input_ids)  # [Tm, H]
         streams.append(_Stream(mb, PendingAllReduce(hidden, None, None)))
-    for layer in inner.layers:
-        for stage in _stages(layer):
+    for layer_stages in stages:
+        for stage in layer_stages:
             for st in streams:
                 hidden, st.residual = _reduce_norm(comm, st, stage.norm)
                 with forward_context(st.batch.meta):

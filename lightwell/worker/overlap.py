@@ -18,7 +18,7 @@ from lightwell.attention.micro_batch import can_split, split_batch
 from lightwell.config import ParallelConfig
 from lightwell.distributed.overlap import CommStream
 from lightwell.distributed.parallel_state import get_tp_size
-from lightwell.models.micro_batch_forward import micro_batch_forward, supports_micro_batches
+from lightwell.models.micro_batch_forward import micro_batch_forward, model_stages
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +33,10 @@ class MicroBatchOverlap:
     ):
         if micro_batches < 2:
             raise ValueError(f"micro_batches must be >= 2, got {micro_batches}")
-        self.model = model
+        stages = model_stages(model)
+        if stages is None:
+            raise ValueError(f"{type(model).__name__} has no micro-batch forward")
+        self.model, self.stages = model, stages
         self.parts = micro_batches
         self.min_tokens = max(2, min_tokens)
         self.comm = CommStream(stream)
@@ -44,7 +47,7 @@ class MicroBatchOverlap:
     ) -> MicroBatchOverlap | None:
         if not parallel.dual_stream or get_tp_size() == 1 or device.type != "cuda":
             return None
-        if not supports_micro_batches(model):
+        if model_stages(model) is None:
             name = type(model).__name__
             logger.warning("--dual-stream: %s has no micro-batch forward; running it plain", name)
             return None
@@ -65,4 +68,4 @@ class MicroBatchOverlap:
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H]
         batches = split_batch(input_ids, positions, meta, self.parts)
-        return micro_batch_forward(self.model, batches, self.comm)
+        return micro_batch_forward(self.model, batches, self.comm, self.stages)
