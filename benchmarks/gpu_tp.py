@@ -46,7 +46,7 @@ FUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "1"}
 G2048 = {"cuda_graph_prefill_tokens": 2048}
 NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's switch
 CUBLAS_W1 = {"LIGHTWELL_SKINNY_GEMM_MAX_ROWS": "0"}  # lightwell/quant/base.py's switch
-ROPE_STORE = {"LIGHTWELL_FUSED_ROPE_STORE": "1"}  # attention/triton_backend.py's switch
+ROPE_APART = {"LIGHTWELL_FUSED_ROPE_STORE": "0"}  # attention/triton_backend.py's switch
 
 
 def dual512(all_reduce: str, **options) -> dict:
@@ -73,9 +73,9 @@ ENGINES = {
         # cuBLAS for the batch-1 matmuls, as before run 10 (kernels/gemv.py off)
         ("tp1-cublas", dict(tensor_parallel_size=1, _env=CUBLAS_W1), ("w1",)),
         ("tp2-auto-cublas", dict(all_reduce="auto", _env=CUBLAS_W1), ("w1",)),
-        # RoPE and the KV-cache store in one kernel (not yet the default)
-        ("tp1-ropestore", dict(tensor_parallel_size=1, _env=ROPE_STORE), ("w1", "profile-w1")),
-        ("tp2-auto-ropestore", dict(all_reduce="auto", _env=ROPE_STORE), ("w1", "profile-w1")),
+        # RoPE and the KV-cache store as two kernels (one since tp_run11: the default)
+        ("tp1-ropeapart", dict(tensor_parallel_size=1, _env=ROPE_APART), ("w1", "profile-w1")),
+        ("tp2-auto-ropeapart", dict(all_reduce="auto", _env=ROPE_APART), ("w1", "profile-w1")),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),

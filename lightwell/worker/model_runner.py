@@ -302,13 +302,17 @@ class ModelRunner:
             out.prompt_logprobs[req_id] = compute_prompt_logprobs(logits, target, k)
 
     @torch.inference_mode()
-    def profile_run(self, num_tokens: int, num_logit_rows: int = 256) -> None:
-        """A forward over a maximal batch with no KV cache, to measure peak activation memory."""
+    def profile_run(self, num_tokens: int, max_position: int, num_logit_rows: int = 256) -> None:
+        """A forward over a maximal batch with no KV cache, to measure peak activation memory.
+        Positions count up and wrap at ``max_position`` (the model's length): a step budget
+        longer than the model (8,192 tokens on a 2,048-position model) must not index RoPE's
+        table past its end, which the GPU kernel would do silently (an illegal address, or
+        none, depending on what lies after the table)."""
         from lightwell.attention.metadata import AttentionMetadata
 
         dev = self.device
         ids = torch.randint(0, self.vocab_size, (num_tokens,), device=dev)
-        pos = torch.arange(num_tokens, device=dev)
+        pos = torch.arange(num_tokens, device=dev) % max_position
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),

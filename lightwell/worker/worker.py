@@ -176,7 +176,9 @@ class Worker:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self.runner.profile_run(resolved.scheduler.max_num_batched_tokens)
+        self.runner.profile_run(
+            resolved.scheduler.max_num_batched_tokens, resolved.model.max_model_len
+        )
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()

@@ -335,7 +335,8 @@ def test_runner_compiles_attention_variants_once_per_layer_shape():
     layers = [Attention(4, 32, 0.2, 2, "triton", sliding_window=w) for w in (None, None, 6)]
     layers.append(Attention(4, 32, 0.2, 2, "torch"))  # no variants to compile
     for layer in layers:
-        layer.kv_cache = torch.zeros(layer.kv_cache_shape(3, 16), dtype=torch.float16)
+        shape = layer.kv_cache_shape(3, 16)
+        layer.kv_cache = torch.zeros(shape, dtype=torch.float16, device=DEVICE)
     runner = SimpleNamespace(attn_layers=layers, dtype=torch.float16)
     # two distinct shapes (the window differs) x four variants; the repeated layer adds none
     assert ModelRunner.compile_attention_variants(runner) == 8
@@ -425,9 +426,9 @@ def test_gemv_matches_reference(m, n, k, dtype):
     from lightwell.kernels.gemv import gemv, gemv_ref
 
     g = torch.Generator().manual_seed(m * 1000 + n + k)
-    x = torch.randn(m, k, generator=g).to(dtype)
-    w = (torch.randn(n, k, generator=g) * 0.1).to(dtype)
-    b = torch.randn(n, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     # default tile; one row a program with K in 32-wide tiles (uneven when K % 32); 16 rows
     for config in (None, (1, 32, 1, 1), (16, 64, 4, 2)):
@@ -436,7 +437,7 @@ def test_gemv_matches_reference(m, n, k, dtype):
             assert out.dtype == dtype and out.shape == (m, n)
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     # a strided x (a view into a wider buffer) and no rows at all
-    wide = torch.randn(m, k + 8, generator=g).to(dtype)
+    wide = torch.randn(m, k + 8, generator=g).to(DEVICE, dtype)
     torch.testing.assert_close(
         gemv(wide[:, :k], w).float(), gemv_ref(wide[:, :k], w).float(), rtol=tol, atol=tol
     )
@@ -449,9 +450,9 @@ def test_gemv_silu_mul_equals_activation_then_gemv(m, n, k):
     from lightwell.kernels.gemv import gemv, gemv_ref
 
     g = torch.Generator().manual_seed(n + k)
-    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(torch.float16)
-    w = (torch.randn(n, k, generator=g) * 0.1).to(torch.float16)
-    b = torch.randn(n, generator=g).to(torch.float16)
+    gate_up = (torch.randn(m, 2 * k, generator=g) * 2).to(DEVICE, torch.float16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEVICE, torch.float16)
+    b = torch.randn(n, generator=g).to(DEVICE, torch.float16)
     act = silu_and_mul(gate_up)  # the two-kernel path: activation stored in fp16, then matmul
     for config in (None, (1, 32, 1, 1)):
         fused = gemv(gate_up, w, b, config=config, silu_mul=True)
@@ -610,7 +611,7 @@ def test_int8_pack_grids_put_groups_on_axis_0(monkeypatch):
 
     for name in ("_quantize_pack_kernel", "_unpack_dequant_kernel"):
         monkeypatch.setattr(i8, name, Recorder(getattr(i8, name)))
-    x = torch.randn(3 * 512)
+    x = torch.randn(3 * 512, device=DEVICE)
     buf = i8.quantize_pack(x, 3, 512)
     i8.unpack_dequant(buf, 512, x.numel(), torch.float32)
     groups = 512 // i8.GROUP

@@ -205,3 +205,19 @@ def test_few_long_decodes_beside_a_chunk_run_eagerly(runner, monkeypatch):
     assert runner.graphs.can_run(long_ctx)  # 20 prefill tokens
     monkeypatch.setattr(cuda_graph, "SPLIT_KV_EAGER_MAX_PREFILL", 21)
     assert not runner.graphs.can_run(long_ctx)
+
+
+def test_profile_run_wraps_positions_at_the_model_length():
+    """The memory-profiling forward takes the step budget's tokens (8,192 on a GPU), which can
+    exceed the model's positions (2,048 on SmolLM2): its positions must stay inside RoPE's
+    table. On the GPU the overrun was silent (an illegal address in a later engine); on the CPU
+    the table lookup raises, which this test would show."""
+    cfg = tiny_config()
+    model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
+    r = ModelRunner(model, block_size=BLOCK, vocab_size=cfg.vocab_size, device=torch.device("cpu"),
+                    dtype=torch.float32)  # fmt: skip
+    r.set_attention_backend("torch")
+    steps = cfg.max_position_embeddings + 40
+    with pytest.raises(IndexError):  # the unwrapped positions overrun the table
+        model.model.layers[0].self_attn.rotary_emb._cos_sin(torch.arange(steps))
+    r.profile_run(steps, cfg.max_position_embeddings)
