@@ -74,9 +74,10 @@ class LLMEngine:
         if self.eos_token_id is None:
             self.eos_token_id = self.model_info.eos_token_id
         self.generation_defaults = load_generation_defaults(self.files)
-        self._extra_eos = [
-            t for t in self.generation_defaults.pop("eos_token_ids", []) if t != self.eos_token_id
-        ]
+        eos = [self.eos_token_id, *self.generation_defaults.pop("eos_token_ids", [])]
+        eos = self._eos_in_vocab([t for t in eos if t is not None])
+        self.eos_token_id = eos[0] if eos and eos[0] == self.eos_token_id else None
+        self._extra_eos = [t for t in dict.fromkeys(eos) if t != self.eos_token_id]
         self._ids = itertools.count()
 
     def _start_executor(self, config: EngineConfig) -> None:
@@ -124,6 +125,18 @@ class LLMEngine:
         if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError("a prompt must be a string, a list of token ids, or a prompt dict")
+
+    def _eos_in_vocab(self, ids: list[int]) -> list[int]:
+        """The EOS ids the model can produce. One outside the vocabulary (a tokenizer or a
+        generation_config larger than the model's embedding) can never be sampled, and
+        min_tokens masks every EOS id as a logit column: it is dropped, with a warning."""
+        vocab = self.model_info.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            logger.warning(
+                "EOS ids %s are outside the model's vocabulary [0, %d): ignored", bad, vocab
+            )
+        return [t for t in ids if 0 <= t < vocab]
 
     def check_token_ids(self, token_ids: list[int], what: str = "prompt token ids") -> None:
         """ValueError naming the first ids outside the vocabulary."""

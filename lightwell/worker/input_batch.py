@@ -57,9 +57,22 @@ class ModelInput:
 class InputBatch:
     """Holds CachedRequestState per request and turns a SchedulerOutput into a ModelInput."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        max_positions: int | None = None,
+        num_blocks: int | None = None,
+    ) -> None:
+        """``max_positions`` (RoPE's table length) and ``num_blocks`` (the KV cache's): a step
+        whose positions or block ids reach them is refused here, with the values, instead of
+        a GPU kernel reading or writing past its table (which can go unnoticed, or fault in a
+        later step). The scheduler keeps both in range; this is the last check before the
+        device. None: unchecked."""
         self.block_size = block_size
         self.device = device
+        self.max_positions = max_positions
+        self.num_blocks = num_blocks
         self.requests: dict[str, CachedRequestState] = {}
 
     def apply(self, out: SchedulerOutput) -> None:
@@ -108,6 +121,7 @@ class InputBatch:
                 deferred.append((q + n - 1, req_ids[i]))
         seq_lens = starts + counts
         block_table = self._block_table(states, seq_lens)
+        self._check_limits(req_ids, seq_lens, block_table)
         req_index = np.repeat(np.arange(len(req_ids)), counts)
         block_of_token = block_table[req_index, positions // self.block_size]
         slots = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
@@ -126,6 +140,21 @@ class InputBatch:
             deferred_tokens=deferred,
             num_outputs=num_outputs,
         )
+
+    def _check_limits(self, req_ids: list[str], seq_lens: np.ndarray, table: np.ndarray) -> None:
+        """Positions below ``max_positions``, block ids below ``num_blocks`` (see __init__)."""
+        if self.max_positions is not None and len(seq_lens) and seq_lens.max() > self.max_positions:
+            i = int(seq_lens.argmax())
+            raise RuntimeError(
+                f"request {req_ids[i]} reaches position {int(seq_lens[i]) - 1}, past the model's "
+                f"{self.max_positions} positions"
+            )
+        if self.num_blocks is not None and table.size and table.max() >= self.num_blocks:
+            i = int(table.max(axis=1).argmax())
+            raise RuntimeError(
+                f"request {req_ids[i]} holds block {int(table[i].max())}, past the KV cache's "
+                f"{self.num_blocks} blocks"
+            )
 
     def _block_table(self, states: list[CachedRequestState], seq_lens: np.ndarray) -> np.ndarray:
         width = max(1, int(-(-int(seq_lens.max(initial=1)) // self.block_size)))

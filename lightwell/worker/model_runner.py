@@ -86,7 +86,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.dtype = dtype
-        self.batch = InputBatch(block_size, device)
+        tables = [m.cos_sin_cache.shape[0] for m in model.modules() if hasattr(m, "cos_sin_cache")]
+        self.batch = InputBatch(block_size, device, max_positions=min(tables, default=None))
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -137,6 +138,7 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate one [2, num_blocks, block_size, Hkv, D] tensor per layer and bind it."""
+        self.batch.num_blocks = num_blocks
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)

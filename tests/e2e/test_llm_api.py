@@ -222,3 +222,26 @@ def test_step_trace_writes_a_line_per_step(tmp_path):
     assert rows[-1]["one_token_rows"] >= 1 and rows[-1]["running"] <= 2
     with pytest.raises(ValueError, match="step_trace: cannot write"):  # before the model loads
         LLM(step_trace=str(tmp_path / "missing" / "steps.jsonl"))
+
+
+def test_eos_ids_outside_the_vocabulary_are_dropped(tmp_path, caplog):
+    """A generation_config listing an EOS id the model cannot produce (999 of a 300-token
+    vocabulary): min_tokens used to mask it as a logit column and fail the step; the id is
+    dropped at start-up with a warning, and the in-vocabulary EOS still stops."""
+    from tests.models.families import mistral
+
+    mistral(str(tmp_path), 3)
+    gen_path = tmp_path / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = [2, 999]
+    gen_path.write_text(json.dumps(gen))
+    with caplog.at_level("WARNING"):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", num_kv_blocks=32)
+    assert any("EOS ids [999]" in r.getMessage() for r in caplog.records)
+    engine = llm.engine
+    assert 999 not in [engine.eos_token_id, *engine._extra_eos]
+    assert 2 in [engine.eos_token_id, *engine._extra_eos]
+    sp = SamplingParams(temperature=0.0, min_tokens=3, max_tokens=5)
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0].outputs[0]
+    assert 3 <= len(out.token_ids) <= 5
+    engine.shutdown()
