@@ -88,21 +88,25 @@ TINY_LLAMA = dict(
 )
 
 
+# SmolLM2-135M's shapes, random weights: 2,048 positions, under the GPU's default 8,192-token
+# step budget (the memory-profiling forward must wrap its positions: tp_run11).
+SMOLLM2_SHAPED = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2048,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    architectures=["LlamaForCausalLM"],
+)
+
+
 def stage_check(args: argparse.Namespace) -> bool:
     ok = True
-    tiny = TINY_LLAMA
-    smol = dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        max_position_embeddings=2048,
-        rope_theta=100000.0,
-        tie_word_embeddings=True,
-        architectures=["LlamaForCausalLM"],
-    )
+    tiny, smol = TINY_LLAMA, SMOLLM2_SHAPED
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     for name, cfg in (("tiny-llama", tiny), ("smollm2-shaped", smol)):
         folder = tempfile.mkdtemp(prefix=name)

@@ -20,18 +20,6 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SMOL = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    max_position_embeddings=2048,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-    architectures=["LlamaForCausalLM"],
-)
 # name -> (engines in order, environment, engine options)
 CHECK = "tiny32,tiny16,cpu32,float32,bfloat16"
 VARIANTS = {
@@ -48,6 +36,7 @@ VARIANTS = {
 
 def child(folders: str, variant: str) -> None:
     import torch
+    from gpu_engine import SMOLLM2_SHAPED as SMOL
     from gpu_engine import TINY_LLAMA, rand_prompts
 
     from lightwell import LLM, SamplingParams
@@ -90,6 +79,7 @@ def main() -> int:
     if args.child:
         child(*args.child)
         return 0
+    from gpu_engine import SMOLLM2_SHAPED as SMOL
     from gpu_engine import TINY_LLAMA, save_hf_llama
 
     os.makedirs(args.out, exist_ok=True)
