@@ -96,8 +96,8 @@ def main() -> int:
             if got is None:
                 rows[-1]["log_tail"] = (r.stdout + r.stderr)[-3000:]
             else:
-                base = base or got
-                dist = logprob_distance(got, base)
+                base = got if run == "tp1" else base
+                dist = logprob_distance(got, base) if base else float("inf")
                 rows[-1]["logprob_max_abs_diff_vs_tp1"] = dist
                 ok = ok and dist < 1e-3
             ok = ok and same == 4

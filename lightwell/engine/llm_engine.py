@@ -70,14 +70,13 @@ class LLMEngine:
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else None
-        if self.eos_token_id is None:
-            self.eos_token_id = self.model_info.eos_token_id
+        # the tokenizer's EOS, else config.json's; generation_config's ids stop too
+        own = [self.tokenizer.eos_token_id if self.tokenizer else None]
+        own = self._eos_in_vocab([*own, self.model_info.eos_token_id])
+        self.eos_token_id = own[0] if own else None
         self.generation_defaults = load_generation_defaults(self.files)
-        eos = [self.eos_token_id, *self.generation_defaults.pop("eos_token_ids", [])]
-        eos = self._eos_in_vocab([t for t in eos if t is not None])
-        self.eos_token_id = eos[0] if eos and eos[0] == self.eos_token_id else None
-        self._extra_eos = [t for t in dict.fromkeys(eos) if t != self.eos_token_id]
+        extra = self._eos_in_vocab(self.generation_defaults.pop("eos_token_ids", []))
+        self._extra_eos = [t for t in dict.fromkeys(extra) if t != self.eos_token_id]
         self._ids = itertools.count()
 
     def _start_executor(self, config: EngineConfig) -> None:
@@ -131,7 +130,8 @@ class LLMEngine:
         generation_config larger than the model's embedding) can never be sampled, and
         min_tokens masks every EOS id as a logit column: it is dropped, with a warning."""
         vocab = self.model_info.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
+        ids = [t for t in ids if t is not None]
+        bad = sorted({t for t in ids if not 0 <= t < vocab})
         if bad:
             logger.warning(
                 "EOS ids %s are outside the model's vocabulary [0, %d): ignored", bad, vocab

@@ -281,3 +281,10 @@ def get_rope(
         )
     scaling["rope_type"] = rope_type
     return cls(head_dim, rotary_dim, max_position, base, is_neox_style, scaling)
+
+
+def rope_table_length(model: nn.Module) -> int | None:
+    """Rows of the shortest RoPE table in ``model`` (the positions it can take, scaling
+    included); None for a model without RoPE."""
+    lengths = [m.cos_sin_cache.shape[0] for m in model.modules() if isinstance(m, RotaryEmbedding)]
+    return min(lengths, default=None)

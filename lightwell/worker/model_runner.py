@@ -13,6 +13,7 @@ from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
 from lightwell.layers.attention import Attention
+from lightwell.layers.rotary import rope_table_length
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
@@ -86,8 +87,7 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.dtype = dtype
-        tables = [m.cos_sin_cache.shape[0] for m in model.modules() if hasattr(m, "cos_sin_cache")]
-        self.batch = InputBatch(block_size, device, max_positions=min(tables, default=None))
+        self.batch = InputBatch(block_size, device, max_positions=rope_table_length(model))
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)

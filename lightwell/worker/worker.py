@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightwell.config import EngineConfig, is_preset_dummy
+from lightwell.layers.rotary import rope_table_length
 from lightwell.models.paths import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -65,8 +66,8 @@ def pick_dtype(choice: str, hf_config: object, device: torch.device) -> torch.dt
 
 def _max_positions(model: torch.nn.Module, hf_config: object) -> int:
     """Positions the model can take: its RoPE tables' length (scaling included)."""
-    lengths = [m.cos_sin_cache.shape[0] for m in model.modules() if hasattr(m, "cos_sin_cache")]
-    return min(lengths) if lengths else getattr(hf_config, "max_position_embeddings", 2048)
+    length = rope_table_length(model)
+    return length if length is not None else getattr(hf_config, "max_position_embeddings", 2048)
 
 
 class Worker:

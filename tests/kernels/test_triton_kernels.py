@@ -384,10 +384,12 @@ def test_triton_backend_matches_torch_backend(with_cache, window):
         torch.testing.assert_close(c1, c2, atol=0, rtol=0)
 
 
-def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkeypatch):
+@pytest.mark.parametrize("fused", [True, False])
+def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkeypatch, fused):
     """The Attention layer given ``rope``: on the Triton backend RoPE and the KV store are one
-    launch (``stores_with_rope``); on the torch backend they stay apart. The same outputs and
-    the same cache, for a decode, a cached-prefix chunk and a fresh prompt in one step."""
+    launch (``stores_with_rope``, the default) or two (LIGHTWELL_FUSED_ROPE_STORE=0); on the
+    torch backend they stay apart. The same outputs and the same cache, for a decode, a
+    cached-prefix chunk and a fresh prompt in one step."""
     from lightwell.layers.attention import Attention
     from lightwell.layers.rotary import RotaryEmbedding
 
@@ -402,7 +404,7 @@ def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkey
     meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
     positions = torch.tensor(pos, device=DEVICE)
     rope = RotaryEmbedding(d, d, 64, 10000.0).to(DEVICE)
-    monkeypatch.setattr(TritonAttentionBackend, "stores_with_rope", True)  # (env switch)
+    monkeypatch.setattr(TritonAttentionBackend, "stores_with_rope", fused)  # (env switch)
     gen = torch.Generator().manual_seed(9)
     qkv = _randn(len(pos), (hkv * gqa + 2 * hkv) * d, dtype=torch.float32, gen=gen)
     outs, caches = [], []
@@ -413,7 +415,7 @@ def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkey
         with forward_context(meta):
             outs.append(layer(q, k, v, rope=(rope, positions)))
         caches.append(layer.kv_cache)
-    assert get_attention_backend("triton").stores_with_rope
+    assert get_attention_backend("triton").stores_with_rope == fused
     assert not getattr(get_attention_backend("torch"), "stores_with_rope", False)
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(caches[0], caches[1], atol=1e-5, rtol=1e-5)
