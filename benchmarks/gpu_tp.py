@@ -47,6 +47,7 @@ G2048 = {"cuda_graph_prefill_tokens": 2048}
 NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's switch
 CUBLAS_W1 = {"LIGHTWELL_SKINNY_GEMM_MAX_ROWS": "0"}  # lightwell/quant/base.py's switch
 ROPE_APART = {"LIGHTWELL_FUSED_ROPE_STORE": "0"}  # attention/triton_backend.py's switch
+COMBINE = {"LIGHTWELL_SPLIT_COMBINE_IN_KERNEL": "1"}  # kernels/paged_attention.py's switch
 
 
 def dual512(all_reduce: str, **options) -> dict:
@@ -76,6 +77,9 @@ ENGINES = {
         # RoPE and the KV-cache store as two kernels (one since tp_run11: the default)
         ("tp1-ropeapart", dict(tensor_parallel_size=1, _env=ROPE_APART), ("w1", "profile-w1")),
         ("tp2-auto-ropeapart", dict(all_reduce="auto", _env=ROPE_APART), ("w1", "profile-w1")),
+        # the split-KV combine inside the attention kernel (not yet the default)
+        ("tp1-combine", dict(tensor_parallel_size=1, _env=COMBINE), ("w1", "profile-w1")),
+        ("tp2-auto-combine", dict(all_reduce="auto", _env=COMBINE), ("w1", "profile-w1")),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),

@@ -231,6 +231,38 @@ def test_paged_attention_sliding_window(case):
     assert not torch.allclose(ref, full, atol=1e-3)  # the window did cut something
 
 
+SPLIT_CASES = [c for c in ATTN_CASES if ATTN_CASES[c][5]] + [
+    c for c in WINDOW_CASES if WINDOW_CASES[c][5]
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES)
+def test_split_combine_inside_the_kernel(case, monkeypatch):
+    """LIGHTWELL_SPLIT_COMBINE_IN_KERNEL: the last split of each (tile, KV head) combines the
+    partials itself; no combine kernel runs, the output matches the reference, and the counts
+    are all zero again after the launch (a second launch, as a graph replay would, agrees)."""
+    from lightwell.kernels import split_kv as sk_mod
+
+    spec = ATTN_CASES.get(case) or WINDOW_CASES[case]
+    qlens, ctxs, hkv, gqa, d, splits, tiles = spec[:7]
+    window = spec[7] if len(spec) > 7 else None
+    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=3)
+    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
+    ref = pa.paged_attention_ref(q, cache, meta, d**-0.5, sliding_window=window)
+
+    def no_reduce(*args, **kwargs):
+        raise AssertionError("the separate combine ran")
+
+    monkeypatch.setattr(pa, "COMBINE_IN_KERNEL", True)
+    monkeypatch.setattr(pa, "reduce_splits", no_reduce)
+    for _ in range(2):
+        out = pa.paged_attention(
+            q, cache, meta, d**-0.5, num_splits=splits, config=config, sliding_window=window
+        )
+        assert not sk_mod.split_counters(q.device).any()
+        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
 def test_reduce_splits():
     gen = torch.Generator().manual_seed(4)
     num_tokens, hq, splits, d = 3, 4, 5, 24
@@ -690,3 +722,59 @@ def test_all_reduce_kernels_move_16_byte_vectors_when_aligned():
     # what the hint is for: without it the same kernels move bytes one element at a time
     assert plain["quantize"].get("ld.global.b16", 0) > 0
     assert plain["sum"].get("st.global.b16", 0) > 0
+
+
+# The attention kernel with the split combine inside, compiled for sm_90 here (no GPU): its
+# count is one acquire-release atomic at GPU scope after a barrier, reset by one exchange, and
+# the last split reads the others' partials past L1.
+_ATTN_PTX_SCRIPT = r"""
+import collections, inspect, json, re, sys, triton
+from triton.backends.compiler import GPUTarget
+from lightwell.kernels import paged_attention as pa
+
+combine = sys.argv[1] == "1"
+fn = pa._paged_attention_kernel
+consts = dict(GQA=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
+              BLOCK_N=64, SPLIT_KV=True, COMBINE=combine, SLIDING=False, ONE_TILE_PER_REQ=True,
+              PAD_D=False, DOT_PREC="tf32")
+ptrs = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+        "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
+names = list(inspect.signature(fn.fn).parameters)
+types = {n: ptrs.get(n, "*i32") if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
+         for n in names if n not in consts}
+attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if "*" in types.get(n, "")}
+src = triton.compiler.ASTSource(fn=fn, signature=dict(types, **{k: "constexpr" for k in consts}),
+                                constexprs=consts, attrs=attrs)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                     options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
+ops = re.findall(r"\b(?:atom|bar|ld\.global\.cg)[.\w]*", ptx)
+print(json.dumps(dict(collections.Counter(ops))))
+"""
+
+
+@pytest.mark.parametrize("combine", [True, False])
+def test_split_combine_compiles_to_one_release_count_for_sm90(combine):
+    import json
+    import subprocess
+    import sys
+
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend to compile PTX with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _ATTN_PTX_SCRIPT, "1" if combine else "0"],
+                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    atomics = {k: v for k, v in ops.items() if k.startswith("atom")}
+    if not combine:
+        assert not atomics and not any(k.startswith("ld.global.cg") for k in ops), ops
+        return
+    # (the spelling's order varies between Triton versions: compare the parts)
+    parts = sorted((frozenset(k.split(".")), v) for k, v in atomics.items())
+    want = [{"atom", "global", "gpu", "acq_rel", "add", "u32"}, {"atom", "exch", "b32"}]
+    assert len(parts) == 2 and all(v == 1 for _, v in parts), atomics
+    assert any(want[0] <= p for p, _ in parts) and any(want[1] <= p for p, _ in parts), atomics
+    assert ops.get("bar.sync", 0) >= 1
+    assert sum(v for k, v in ops.items() if k.startswith("ld.global.cg")) >= 3  # m, l, acc
