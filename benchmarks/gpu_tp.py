@@ -48,6 +48,7 @@ NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's
 CUBLAS_W1 = {"LIGHTWELL_SKINNY_GEMM_MAX_ROWS": "0"}  # lightwell/quant/base.py's switch
 ROPE_APART = {"LIGHTWELL_FUSED_ROPE_STORE": "0"}  # attention/triton_backend.py's switch
 COMBINE = {"LIGHTWELL_SPLIT_COMBINE_IN_KERNEL": "1"}  # kernels/paged_attention.py's switch
+PDL = {"LIGHTWELL_PDL": "1"}  # kernels/pdl.py's switch
 
 
 def dual512(all_reduce: str, **options) -> dict:
@@ -80,6 +81,12 @@ ENGINES = {
         # the split-KV combine inside the attention kernel (not yet the default)
         ("tp1-combine", dict(tensor_parallel_size=1, _env=COMBINE), ("w1", "profile-w1")),
         ("tp2-auto-combine", dict(all_reduce="auto", _env=COMBINE), ("w1", "profile-w1")),
+        # programmatic dependent launch of the gemv and the norms (not yet the default), alone
+        # and with the combine inside the attention kernel (whose o_proj then follows it)
+        ("tp1-pdl", dict(tensor_parallel_size=1, _env=PDL), ("w1", "profile-w1")),
+        ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
+        ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
+        ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),

@@ -16,6 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.pdl import prefetch_l2
+
 MAX_M = 4
 
 
@@ -44,6 +47,9 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [gate | up] ([M, 2K]): multiply by silu(gate) * up
+    EARLY_W: tl.constexpr,  # the first K tile of W is loaded before anything else (PDL's form)
+    GDC: tl.constexpr,  # with EARLY_W: signal, L2-prefetch the other tiles, wait (kernels/pdl.py)
+    PF_STEP: tl.constexpr,  # elements of W per prefetched line (at most BLOCK_K)
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -53,7 +59,23 @@ def _gemv_kernel(
     w_rows = w_ptr + wn[:, None] * stride_wn  # [BN, 1]
     x_rows = x_ptr + xm[:, None] * stride_xm  # [BM, 1]
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_first = 0
+    if EARLY_W:
+        # W does not depend on the kernel before: its stream starts before waiting for x
+        if EVEN_K:
+            w = tl.load(w_rows + rk[None, :])
+        else:
+            w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+            lines = tl.arange(0, BLOCK_K // PF_STEP) * PF_STEP
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                prefetch_l2(w_rows + tl.minimum(k0 + lines, K - 1)[None, :])
+            tl.extra.cuda.gdc_wait()
+        x = _load_x(x_rows, rk, K, EVEN_K, SILU_MUL)
+        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        k_first = BLOCK_K
+    for k0 in range(k_first, K, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
             w = tl.load(w_rows + k[None, :])
@@ -94,15 +116,21 @@ def gemv(
     config: Config | None = None,
     *,
     silu_mul: bool = False,
+    pdl: bool | None = None,
 ) -> torch.Tensor:  # [M, N] in x's dtype
     """``x @ weight.T (+ bias)``; with ``silu_mul``, x is a gated MLP's ``[gate | up]`` and the
     product is ``(silu(gate) * up) @ weight.T``, the activation computed as the matmul loads
     it (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages),
-    default ``pick_config``."""
+    default ``pick_config``. ``pdl`` (default: ``LIGHTWELL_PDL=1`` on an sm_90+ GPU) loads the
+    first K tile of weights before the input, and on such a GPU launches with programmatic
+    dependent launch, prefetching the rest of the weights toward L2 before waiting for the
+    kernel before (kernels/pdl.py); elsewhere only the load order changes."""
     _check(x, weight, bias, silu_mul)
     m = x.shape[0]
     n, k = weight.shape
     block_n, block_k, warps, stages = config or pick_config(n, k, m, silu_mul)
+    early = _pdl.use_pdl(x.device) if pdl is None else pdl
+    gdc = early and _pdl.device_supports(x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -111,7 +139,8 @@ def gemv(
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        num_warps=warps, num_stages=stages,
+        EARLY_W=early, GDC=gdc, PF_STEP=min(block_k, _pdl.LINE_BYTES // weight.element_size()),
+        num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out
 

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.kernels.attention_tiles import MAX_HEAD_DIM, AttentionConfig, default_config
+from lightwell.kernels.pdl import use_pdl
 from lightwell.kernels.split_kv import (
     COUNTER_CAPACITY,
     MAX_SPLITS,
@@ -173,7 +174,10 @@ def _paged_attention_kernel(
     COMBINE: tl.constexpr,  # with SPLIT_KV: the last split combines (no reduce_splits)
     SLIDING: tl.constexpr,
     ONE_TILE_PER_REQ: tl.constexpr, PAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
+    PDL_SIGNAL: tl.constexpr,  # let a PDL-launched next kernel start now (kernels/pdl.py)
 ):  # fmt: skip
+    if PDL_SIGNAL:
+        tl.extra.cuda.gdc_launch_dependents()
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     # The tables' rows from req_base on, offset here rather than passed as sliced tensors:
@@ -357,6 +361,7 @@ def _launch(
         COMBINE=combine,
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
+        PDL_SIGNAL=decode and use_pdl(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1 and not combine:

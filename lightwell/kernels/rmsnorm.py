@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels import pdl as _pdl
+
 
 @triton.jit
 def norm_row(x, w, eps, HIDDEN: tl.constexpr):
@@ -37,7 +39,11 @@ def _rmsnorm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL (kernels/pdl.py): signal, then wait, before any access
 ):
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -66,11 +72,12 @@ def _launch(
     block = triton.next_power_of_2(hidden)
     res_in = residual if residual is not None else x
     res_o = res_out if res_out is not None else out
+    gdc = _pdl.use_pdl(x.device)
     _rmsnorm_kernel[(num_tokens,)](
         x, res_in, weight, out, res_o,
         x.stride(0), res_in.stride(0), out.stride(0), res_o.stride(0), eps,
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=min(16, max(1, block // 512)),
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, GDC=gdc,
+        num_warps=min(16, max(1, block // 512)), **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out, res_out
 

@@ -44,6 +44,12 @@ def split_counters(device: torch.device) -> torch.Tensor:
     (zeros; each launch leaves them zero), so CUDA graphs captured over them stay valid."""
     counts = _COUNTERS.get(device)
     if counts is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # (allocated here they would live in the graph's pool, zeroed by its replays)
+            raise RuntimeError(
+                "split_counters: first use inside CUDA-graph capture; warm-up (which compiles "
+                "every attention variant) must run before capture"
+            )
         counts = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
         _COUNTERS[device] = counts
     return counts

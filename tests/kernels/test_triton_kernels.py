@@ -508,6 +508,39 @@ def test_gemv_rejects_bad_shapes():
         gemv(torch.randn(1, 16), w, torch.randn(7))
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (2, 7, 300), (1, 48, 16), (3, 24, 520)])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_gemv_early_weight_load_gives_the_same_bits(m, n, k, silu_mul):
+    """PDL's form of the gemv (kernels/pdl.py: the first K tile of W loaded before x, the loop
+    peeled) adds the same products in the same order as the plain form: equal bits, K shorter
+    than, equal to, and several tiles, even and uneven."""
+    from lightwell.kernels.gemv import gemv, gemv_ref
+
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k * (1 + silu_mul), generator=g).to(DEVICE, torch.float16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEVICE, torch.float16)
+    b = torch.randn(n, generator=g).to(DEVICE, torch.float16)
+    for config in (None, (1, 32, 1, 1), (4, 128, 2, 2)):
+        for bias in (None, b):
+            plain = gemv(x, w, bias, config=config, silu_mul=silu_mul, pdl=False)
+            early = gemv(x, w, bias, config=config, silu_mul=silu_mul, pdl=True)
+            assert torch.equal(early, plain), (config, bias is None)
+    if not silu_mul:
+        torch.testing.assert_close(early.float(), gemv_ref(x, w, b).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_pdl_is_off_on_cpu_and_by_default(monkeypatch):
+    from lightwell.kernels import pdl
+
+    assert pdl.ENABLED == (os.environ.get("LIGHTWELL_PDL", "0") == "1")
+    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert not pdl.use_pdl(torch.device("cpu"))  # the interpreter has no grid dependency ops
+    assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
+    x = torch.randn(1, 64, device=DEVICE)
+    w = torch.randn(8, 64, device=DEVICE)
+    torch.testing.assert_close(rn.rmsnorm(x, w[0], 1e-6), rn.rmsnorm_ref(x, w[0], 1e-6))
+
+
 # ---- int8 all-reduce kernels vs the torch ops of lightwell/distributed/comm/int8.py -----------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 # (2,400, 2, 1,280): 10 groups a row: two programs of GROUPS_PER_PROGRAM (8), the second
@@ -724,6 +757,87 @@ def test_all_reduce_kernels_move_16_byte_vectors_when_aligned():
     assert plain["sum"].get("st.global.b16", 0) > 0
 
 
+# The kernels that take part in programmatic dependent launch (kernels/pdl.py), compiled for sm_90
+# here: what each does before its grid dependency wait, in PTX order.
+_PDL_PTX_SCRIPT = r"""
+import inspect, json, re, sys, triton
+from triton.backends.compiler import GPUTarget
+from lightwell.kernels import gemv as gv, paged_attention as pa, rmsnorm as rn
+
+def ops(fn, types, consts, **options):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: types.get(n, "i32") for n in names if n not in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in sig and n != "M" and sig[n] not in ("fp32",)}
+    src = triton.compiler.ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
+                                    constexprs=consts, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    found = re.findall(r"\b(griddepcontrol\.\w+|prefetch\.global\.L2|[ls][dt]\.global[.\w]*)",
+                       k.asm["ptx"])
+    return {"ops": found, "launch_pdl": bool(k.metadata.launch_pdl)}
+
+on = sys.argv[1] == "1"
+b16 = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "res_out_ptr",
+                            "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+out = {}
+for silu in (False, True):
+    out[f"gemv{'_silu' if silu else ''}"] = ops(gv._gemv_kernel, b16, dict(
+        BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=True, HAS_BIAS=False, SILU_MUL=silu,
+        EARLY_W=on, GDC=on, PF_STEP=64), num_warps=1, num_stages=3, launch_pdl=on)
+out["rmsnorm"] = ops(rn._rmsnorm_kernel, dict(b16, eps="fp32"), dict(
+    HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GDC=on), num_warps=8, launch_pdl=on)
+out["attention"] = ops(pa._paged_attention_kernel, dict(b16, qk_scale="fp32", **{
+    n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}, **{n: "*i32" for n in (
+    "count_ptr", "qsl_ptr", "seq_lens_ptr", "block_table_ptr")}), dict(GQA=4, HEAD_DIM=128,
+    HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1, BLOCK_N=64, SPLIT_KV=True,
+    COMBINE=False, SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False, DOT_PREC="tf32",
+    PDL_SIGNAL=on), num_warps=4, num_stages=1)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
+    """With PDL on, the gemv signals, loads only weights (16-byte vectors) and prefetches the
+    rest of them toward L2 before its single wait, and stores after it; the norm waits before
+    any access; the decode attention kernel only signals. Off, none of it is compiled in."""
+    import json
+    import subprocess
+    import sys
+
+    import triton.backends
+
+    if "nvidia" not in triton.backends.backends:
+        pytest.skip("this Triton has no NVIDIA backend to compile PTX with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _PDL_PTX_SCRIPT, "1" if on else "0"], env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, got in kernels.items():
+        found = got["ops"]
+        pdl_ops = [op for op in found if op.startswith(("griddep", "prefetch"))]
+        if not on:
+            assert not pdl_ops and not got["launch_pdl"], (name, found)
+            continue
+        if name == "attention":
+            assert pdl_ops == ["griddepcontrol.launch_dependents"] and found[0] == pdl_ops[0]
+            continue
+        assert got["launch_pdl"], name
+        assert found.count("griddepcontrol.wait") == 1, (name, found)
+        wait = found.index("griddepcontrol.wait")
+        before, after = found[:wait], found[wait + 1 :]
+        assert "griddepcontrol.launch_dependents" in before, (name, found)
+        assert not any(op.startswith("st.") for op in before), (name, found)
+        assert any(op.startswith("st.") for op in after), (name, found)
+        if name == "rmsnorm":
+            assert before == ["griddepcontrol.launch_dependents"], found
+        else:  # one program's first tile: 2 rows x 1,024 bf16 over 32 threads, 16 bytes each
+            assert before.count("ld.global.v4.b32") == 8 and "prefetch.global.L2" in before
+            assert all(op.startswith(("griddep", "prefetch", "ld.global.v4")) for op in before)
+            assert any(op.startswith("ld.global") for op in after)  # x, then the other tiles
+
+
 # The attention kernel with the split combine inside, compiled for sm_90 here (no GPU): its
 # count is one acquire-release atomic at GPU scope after a barrier, reset by one exchange, and
 # the last split reads the others' partials past L1.
@@ -736,7 +850,7 @@ combine = sys.argv[1] == "1"
 fn = pa._paged_attention_kernel
 consts = dict(GQA=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
               BLOCK_N=64, SPLIT_KV=True, COMBINE=combine, SLIDING=False, ONE_TILE_PER_REQ=True,
-              PAD_D=False, DOT_PREC="tf32")
+              PAD_D=False, DOT_PREC="tf32", PDL_SIGNAL=False)
 ptrs = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
         "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
 names = list(inspect.signature(fn.fn).parameters)

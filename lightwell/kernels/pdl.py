@@ -1,0 +1,67 @@
+"""Programmatic dependent launch (PDL, Hopper and later), behind ``LIGHTWELL_PDL=1``.
+
+A kernel launched with PDL may start while the kernel before it in the stream is still running,
+once every program of that kernel has started (or signalled, ``gdc_launch_dependents``). It must
+then wait (``gdc_wait``: the previous kernel has finished and its writes are visible) before it
+reads anything an earlier kernel wrote and before it writes anything: only work on memory no
+kernel of the step writes (a layer's weights) may come first. Our users:
+
+- ``kernels/gemv.py`` (batch-1 decode matmuls): before waiting, loads its first K tile of
+  weights into registers and asks L2 for the rest (``prefetch_l2``), so the weight stream starts
+  under the previous kernel's tail (a norm, the attention, the other MLP matmul);
+- ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
+- both signal at their start, and so does the decode attention kernel, so the next kernel's
+  programs can start early.
+
+Kernels that do not wait are never launched with PDL: they start only after the kernel before
+them has finished, as without it. Off by default until measured on a GPU; read at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+ENABLED = os.environ.get("LIGHTWELL_PDL", "0") == "1"
+LINE_BYTES = 128  # an L2 prefetch brings one line
+
+
+@functools.cache
+def _device_supports(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def device_supports(device: torch.device) -> bool:
+    """An sm_90+ GPU (never the CPU, where Triton runs as its interpreter, which has no grid
+    dependency ops)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_supports(index)
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: ``LIGHTWELL_PDL=1`` and an sm_90+ GPU."""
+    return ENABLED and device_supports(device)
+
+
+def launch_options(gdc: bool) -> dict:
+    """Extra keyword arguments of a Triton launch that waits (``gdc_wait``) when ``gdc``."""
+    return {"launch_pdl": True} if gdc else {}
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each pointer (no registers, no wait; a hint)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
