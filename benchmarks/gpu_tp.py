@@ -87,6 +87,9 @@ ENGINES = {
         ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
+        # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
+        ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode", "profile-w1")),
+        ("tp2-peermem-pdl-combine", dict(all_reduce="peermem", _env=PDL | COMBINE), ("w1",)),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),

@@ -106,6 +106,8 @@ def _strategies(ctx, mode: str) -> dict:
     makers = {"nccl": lambda: create_strategy("nccl", ctx)}
     if mode == "nvlink" and is_available("oneshot", ctx):
         makers["oneshot"] = lambda: create_strategy("oneshot", ctx, max_bytes=big)
+    if mode == "nvlink" and is_available("peermem", ctx):  # hostmem-ll's kernel, peer memory
+        makers["peermem"] = lambda: create_strategy("peermem", ctx, max_bytes=big, fuse_norm="1")
     # fuse_norm "1": the +norm rows fuse at every size (the default rule would refuse some)
     makers["hostmem"] = lambda: create_strategy("hostmem", ctx, max_bytes=big, fuse_norm="1")
     makers["hostmem-int8"] = lambda: create_strategy(
@@ -142,7 +144,7 @@ def _strategies(ctx, mode: str) -> dict:
             out["oneshot-1shot"], out["oneshot-2shot"] = strategy.one_shot, strategy.two_shot
         else:
             out[name] = strategy.all_reduce
-        if name in ("nccl", "hostmem", "hostmem-int8"):
+        if name in ("nccl", "hostmem", "hostmem-int8", "peermem"):
             out.update(_with_norm(name, strategy))
     return out
 
@@ -259,6 +261,7 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "nccl",
         "auto",
         "oneshot",
+        "peermem",
         "int8",
         "host",
         "hostmem",
@@ -278,7 +281,7 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
         "hostmem-copy-int8+dual+graph+l2",
     ]
     if mode != "nvlink":
-        choices = [c for c in choices if c not in ("auto", "oneshot")]
+        choices = [c for c in choices if c not in ("auto", "oneshot", "peermem")]
     only = os.environ.get("TP_CHECK_ONLY")  # comma-separated choices (nccl, the reference, kept)
     if only:
         choices = ["nccl"] + [c for c in choices if c in only.split(",") and c != "nccl"]

@@ -25,7 +25,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 ALL_REDUCE = (
     "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy",
-    "hostmem-copy-int8", "gloo",
+    "hostmem-copy-int8", "peermem", "gloo",
 )  # fmt: skip
 
 
@@ -142,7 +142,9 @@ class ParallelConfig:
         "an int8 payload (lossy); hostmem-copy / hostmem-copy-int8: hostmem / hostmem-int8 "
         "with the --dual-stream overlap's all-reduces (of 1 MiB or more) moved by the copy "
         "engines, no SMs held (the fastest prefills over PCIe, with --dual-stream and "
-        "prefill CUDA graphs); gloo: over the CPU group. See "
+        "prefill CUDA graphs); peermem (two GPUs with peer access): auto's rule with "
+        "hostmem's low-latency kernel writing into the peer GPU's memory instead of host "
+        "memory for messages up to 64 KB (unmeasured); gloo: over the CPU group. See "
         "docs/parallelism.md.",
         ALL_REDUCE,
     )

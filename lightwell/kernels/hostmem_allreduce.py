@@ -281,13 +281,17 @@ class HostMemBuffers:
     use_asm: bool  # compiled for a GPU (PTX acquire/release, trap)
     max_programs: int = 1 << 30  # programs sharing the blocks (fewer leave SMs to compute)
     block: int = BLOCK
+    # ll protocol: where this rank's words go, laid out like ``data`` (peer memory: the peer's
+    # buffer, while ``data`` is this rank's own, which the peer writes); None: ``data`` itself
+    dst: torch.Tensor | None = None
     _views: dict = field(default_factory=dict, repr=False, compare=False)
 
-    def view(self, dtype: torch.dtype) -> torch.Tensor:
-        """``data`` as ``dtype``, made once per dtype (not on every launch)."""
-        v = self._views.get(dtype)
+    def view(self, dtype: torch.dtype, dst: bool = False) -> torch.Tensor:
+        """``data`` (``dst``: the write side) as ``dtype``, made once (not on every launch)."""
+        key = (dtype, dst and self.dst is not None)
+        v = self._views.get(key)
         if v is None:
-            v = self._views[dtype] = self.data.view(dtype)
+            v = self._views[key] = (self.dst if key[1] else self.data).view(dtype)
         return v
 
     def check_fits(self, x: torch.Tensor, bytes_per_block: int) -> int:
@@ -438,7 +442,8 @@ def _ll_unpack(data, COMP: tl.constexpr, BITS: tl.constexpr, INT_TY: tl.constexp
 def _hostmem_ll_kernel(
     x_ptr,  # [n] this rank's input (device)
     out_ptr,  # [n] the sum (device)
-    slot_ptr,  # int64 LL words in host memory: [2, WORLD, SLOT_WORDS]
+    slot_ptr,  # int64 LL words in host memory: [2, WORLD, SLOT_WORDS] (read)
+    dst_ptr,  # where this rank writes its words: slot_ptr, or the peer's buffer (peermem)
     epoch_ptr,  # int32 [max_blocks] device memory
     status_ptr,  # int32 [1] device memory: set to 1 when a wait gave up
     res_ptr,  # NORM: as in _hostmem_all_reduce_kernel
@@ -479,16 +484,14 @@ def _hostmem_ll_kernel(
             data = _ll_pack(tl.reshape(q, (BLOCK,)), COMP, BITS)
             sdata = scale.to(tl.int32, bitcast=True)
             tl.store(
-                slot_ptr + mine + NDATA + tl.arange(0, BLOCK // GROUP),
+                dst_ptr + mine + NDATA + tl.arange(0, BLOCK // GROUP),
                 _ll_words(sdata, epoch),
                 cache_modifier=".wt",
             )
         else:
             data = _ll_pack(x.to(INT_TY, bitcast=True), COMP, BITS)
         # write-through: the words must leave the GPU's caches for host memory
-        tl.store(
-            slot_ptr + mine + tl.arange(0, NDATA), _ll_words(data, epoch), cache_modifier=".wt"
-        )
+        tl.store(dst_ptr + mine + tl.arange(0, NDATA), _ll_words(data, epoch), cache_modifier=".wt")
 
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         gave_up = 0
@@ -540,6 +543,7 @@ def hostmem_ll_all_reduce(
         x,
         out,
         words,
+        bufs.view(torch.int64, dst=True),
         bufs.epochs,
         bufs.status,
         *norm_args,

@@ -43,7 +43,8 @@ from lightwell.kernels.split_kv import (
     store_partials,
 )
 
-# The split combine inside the attention kernel (split_kv.combine_if_last); read per launch.
+# The split combine inside the attention kernel (split_kv.combine_if_last): the environment
+# is read at import, this attribute at each launch.
 COMBINE_IN_KERNEL = os.environ.get("LIGHTWELL_SPLIT_COMBINE_IN_KERNEL", "0") == "1"
 
 _LOG2E = 1.4426950408889634
@@ -172,6 +173,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # grid[2] > 1: write partials for split_kv.reduce_splits
     COMBINE: tl.constexpr,  # with SPLIT_KV: the last split combines (no reduce_splits)
+    FENCE: tl.constexpr,  # COMBINE compiled for a GPU (split_kv.combine_if_last)
     SLIDING: tl.constexpr,
     ONE_TILE_PER_REQ: tl.constexpr, PAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL_SIGNAL: tl.constexpr,  # let a PDL-launched next kernel start now (kernels/pdl.py)
@@ -267,8 +269,10 @@ def _paged_attention_kernel(
                         offs_d, HEAD_DIM_PAD)  # fmt: skip
         if COMBINE:
             count = count_ptr + tl.program_id(0) * tl.num_programs(1) + kvh
-            combine_if_last(part_acc_ptr, part_m_ptr, part_l_ptr, count, part, row_ok, offs_d,
-                            o_ptrs, row_ok[:, None] & d_ok[None, :], HEAD_DIM_PAD)  # fmt: skip
+            used = tl.cdiv(kv_end - kv_start, chunk)  # splits past it start at kv_end: empty
+            combine_if_last(part_acc_ptr, part_m_ptr, part_l_ptr, count, used, part, row_ok,
+                            offs_d, o_ptrs, row_ok[:, None] & d_ok[None, :], HEAD_DIM_PAD,
+                            FENCE)  # fmt: skip
 
 
 def paged_attention(
@@ -358,7 +362,7 @@ def _launch(
         meta.block_table.stride(0),
         GQA=gqa, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SPLIT_KV=num_splits > 1,
-        COMBINE=combine,
+        COMBINE=combine, FENCE=combine and q.is_cuda,
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
         PDL_SIGNAL=decode and use_pdl(q.device),

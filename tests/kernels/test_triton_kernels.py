@@ -183,6 +183,8 @@ ATTN_CASES = {
     "mixed_prefix_gqa4_split2": ([1, 1, 20, 5], [10, 33, 17, 0], 1, 4, 32, 2, (32, 16)),
     "prefix_gqa2_default_tiles": ([19, 1, 6], [21, 30, 0], 2, 2, 64, None, None),
     "head_dim24_gqa3": ([5, 3, 1], [14, 29, 8], 2, 3, 24, None, (16, 16)),
+    # more splits than a short context fills (a decode graph's count): 1 of 8 and 5 of 8 used
+    "decode_split8_short": ([1, 1], [6, 150], 1, 2, 32, 8, (16, 16)),
 }
 
 
@@ -716,7 +718,8 @@ out = {
         "max_spin": "i32"}, dict(SLOT_ELEMS=1 << 22, MAX_BLOCKS=4096, WORLD=2, BLOCK=4096,
         GROUP=128, INT8=True, ASM=True, NORM=True, HIDDEN=4096, ALIGN=align), 8),
     "hostmem_ll": memory_ops(hm._hostmem_ll_kernel, {
-        "x_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "epoch_ptr": "*i32",
+        "x_ptr": "*bf16", "out_ptr": "*bf16", "slot_ptr": "*i64", "dst_ptr": "*i64",
+        "epoch_ptr": "*i32",
         "status_ptr": "*i32", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "w_ptr": "*bf16",
         "eps": "fp32", "n": "i32", "rank": "i32", "max_spin": "i32"}, dict(SLOT_WORDS=1 << 16,
         WPB=2048, WORLD=2, BLOCK=4096, GROUP=128, INT8=False, COMP=2, INT_TY=tl.int16, ASM=True,
@@ -790,8 +793,8 @@ out["attention"] = ops(pa._paged_attention_kernel, dict(b16, qk_scale="fp32", **
     n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}, **{n: "*i32" for n in (
     "count_ptr", "qsl_ptr", "seq_lens_ptr", "block_table_ptr")}), dict(GQA=4, HEAD_DIM=128,
     HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1, BLOCK_N=64, SPLIT_KV=True,
-    COMBINE=False, SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False, DOT_PREC="tf32",
-    PDL_SIGNAL=on), num_warps=4, num_stages=1)
+    COMBINE=False, FENCE=False, SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False,
+    DOT_PREC="tf32", PDL_SIGNAL=on), num_warps=4, num_stages=1)
 print(json.dumps(out))
 """
 
@@ -850,7 +853,7 @@ combine = sys.argv[1] == "1"
 fn = pa._paged_attention_kernel
 consts = dict(GQA=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
               BLOCK_N=64, SPLIT_KV=True, COMBINE=combine, SLIDING=False, ONE_TILE_PER_REQ=True,
-              PAD_D=False, DOT_PREC="tf32", PDL_SIGNAL=False)
+              PAD_D=False, DOT_PREC="tf32", PDL_SIGNAL=False, FENCE=combine)
 ptrs = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
         "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
 names = list(inspect.signature(fn.fn).parameters)
@@ -861,8 +864,8 @@ src = triton.compiler.ASTSource(fn=fn, signature=dict(types, **{k: "constexpr" f
                                 constexprs=consts, attrs=attrs)
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                      options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
-ops = re.findall(r"\b(?:atom|bar|ld\.global\.cg)[.\w]*", ptx)
-print(json.dumps(dict(collections.Counter(ops))))
+ops = re.findall(r"\b(?:atom|bar|fence|ld\.global\.cg)[.\w]*", ptx)
+print(json.dumps({"counts": dict(collections.Counter(ops)), "order": ops}))
 """
 
 
@@ -880,15 +883,21 @@ def test_split_combine_compiles_to_one_release_count_for_sm90(combine):
     proc = subprocess.run([sys.executable, "-c", _ATTN_PTX_SCRIPT, "1" if combine else "0"],
                           env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ops = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    ops, order = found["counts"], found["order"]
     atomics = {k: v for k, v in ops.items() if k.startswith("atom")}
     if not combine:
-        assert not atomics and not any(k.startswith("ld.global.cg") for k in ops), ops
+        assert not atomics and not any(k.startswith(("ld.global.cg", "fence")) for k in ops), ops
         return
     # (the spelling's order varies between Triton versions: compare the parts)
     parts = sorted((frozenset(k.split(".")), v) for k, v in atomics.items())
     want = [{"atom", "global", "gpu", "acq_rel", "add", "u32"}, {"atom", "exch", "b32"}]
     assert len(parts) == 2 and all(v == 1 for _, v in parts), atomics
     assert any(want[0] <= p for p, _ in parts) and any(want[1] <= p for p, _ in parts), atomics
-    assert ops.get("bar.sync", 0) >= 1
     assert sum(v for k, v in ops.items() if k.startswith("ld.global.cg")) >= 3  # m, l, acc
+    # in order: a barrier (every thread's partials issued), the count, then every thread's
+    # fence, then the partials' loads past L1
+    count = next(i for i, op in enumerate(order) if want[0] <= set(op.split(".")))
+    first_load = next(i for i, op in enumerate(order) if op.startswith("ld.global.cg"))
+    assert order[count - 1].startswith("bar.sync"), order[count - 3 : count + 1]
+    assert any(op.startswith("fence") and "gpu" in op for op in order[count:first_load]), order

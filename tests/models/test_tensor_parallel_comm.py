@@ -16,7 +16,10 @@ from tests.models.test_tensor_parallel import _free_port
 WORLD = 2
 # odd sizes: padding, uneven chunks; (40, 1000): above torch's intra-op grain (32,768 elements)
 SHAPES = [(1, 576), (7, 576), (33, 1000), (5,), (40, 1000)]
-EXACT = ("nccl", "gloo", "host", "hostmem", "hostmem-ll", "hostmem-copy", "hostmem-copy-chunked")
+EXACT = (
+    "nccl", "gloo", "host", "hostmem", "hostmem-ll", "peermem", "hostmem-copy",
+    "hostmem-copy-chunked",
+)  # fmt: skip
 
 
 def _inputs(shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tensor:
@@ -65,6 +68,8 @@ def _check_strategies(rank: int, ctx) -> None:
             strategy = create_strategy(name, ctx, max_programs=3, block=1024)
         elif name == "hostmem-ll":  # the low-latency protocol: the epoch in every word
             strategy = create_strategy("hostmem", ctx, protocol="ll")
+        elif name == "peermem":  # the same kernel, each rank's words in the other's buffer
+            strategy = create_strategy(name, ctx, max_bytes=1 << 20)
         elif name == "hostmem-int8-ll":
             strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
         elif name.endswith("-chunked"):  # 8 pieces of >= 256 bytes: (40, 1000) has 8,
@@ -106,6 +111,7 @@ def _check_sums(name: str, strategy, rank: int, ctx, threads: int) -> None:
             elif name in (
                 "hostmem",
                 "hostmem-ll",
+                "peermem",
             ):  # the interpreter rounds fp32 -> bf16 its own way
                 ulp = exact.abs() * 2.0**-7 + 1e-30
                 assert ((got.float() - exact).abs() <= ulp).all(), (name, shape)
@@ -160,6 +166,7 @@ def _check_fused_norm(rank: int, ctx) -> None:
     for name, options in (
         ("hostmem", {"block": 512}),
         ("hostmem", {"block": 512, "protocol": "ll"}),
+        ("peermem", {"block": 512}),
         ("hostmem-int8", {"block": 1024, "max_programs": 2, "fuse_norm": "1"}),
     ):
         strategy = create_strategy(name, ctx, max_bytes=1 << 16, **options)
@@ -266,12 +273,16 @@ def _check_selector(rank: int, ctx) -> None:
         ("hostmem", "hostmem"),
         ("hostmem-int8", "hostmem-int8"),
         ("oneshot", "nccl"),
+        ("peermem", "peermem"),  # (then oneshot, not available on CPU: skipped)
         ("gloo", "gloo"),
     ):
         sel = AllReduceSelector(ctx, choice, max_bytes=1 << 16)
         assert sel.pick(x).name == picked, (choice, sel.describe())
         assert torch.equal(sel.all_reduce(x.clone()), 2 * x), choice
         sel.close()
+    peer = AllReduceSelector(ctx, "peermem", max_bytes=1 << 20)
+    assert peer.pick(torch.ones(40, 1000)).name == "nccl"  # above its 64 KB
+    peer.close()
     host = AllReduceSelector(ctx, "host", max_bytes=1 << 10)
     assert host.pick(x).name == "nccl"  # larger than its buffer: the fallback
     host.close()
@@ -615,6 +626,11 @@ def test_auto_rule_on_gpus(monkeypatch):
     four = CommContext(0, 4, None, None, torch.device("cuda", 0))
     assert selector._preferred(four, "auto", True, 16 << 20) == [
         ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})
+    ]
+    # peermem: auto's rule with the peer-memory low-latency kernel in the host lane's place
+    assert selector._preferred(ctx, "peermem", True, 16 << 20) == [
+        ("peermem", {"max_bytes": 64 << 10}),
+        ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES}),
     ]
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # the operator says: no peer-to-peer
     assert not selector.peer_access(ctx)

@@ -1,9 +1,9 @@
 """All-reduce strategies for tensor parallelism: a Protocol, a registry and lazy imports.
 
 One module per strategy (``nccl``, ``oneshot``, ``int8``, ``host``, ``hostmem``,
-``hostmem_copy``); ``selector`` picks one per call by message size and backend. A strategy's
-module is imported only when it is built, so optional machinery (symmetric memory, pinned
-shared memory) loads only when chosen.
+``hostmem_copy``, ``peermem``); ``selector`` picks one per call by message size and backend.
+A strategy's module is imported only when it is built, so optional machinery (symmetric
+memory, pinned shared memory) loads only when chosen.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "hostmem-int8": ("lightwell.distributed.comm.hostmem", "HostMemInt8AllReduce"),
     "hostmem-copy": ("lightwell.distributed.comm.hostmem_copy", "HostMemCopyAllReduce"),
     "hostmem-copy-int8": ("lightwell.distributed.comm.hostmem_copy", "HostMemCopyInt8AllReduce"),
+    "peermem": ("lightwell.distributed.comm.peermem", "PeerMemAllReduce"),
 }
 
 

@@ -124,15 +124,14 @@ class HostMemAllReduce:
         flag_bytes = -(-(4 * ctx.size * max_blocks) // 4096) * 4096
         total = flag_bytes + 2 * ctx.size * slot_bytes
         self.on_gpu = ctx.device.type == "cuda"
-        self.memory, self.registered = map_pinned(self, ctx, total)
-        if self.on_gpu:
-            segment = _device_view(self.memory, ctx.device)  # the same bytes, GPU-addressed
-        else:
-            segment = self.memory
+        segment, dst = self._segments(ctx, total)
+        if dst is not None and protocol != "ll":  # (the flag kernel reads and writes one place)
+            raise ValueError("a separate write segment needs the ll protocol")
         if max_programs is None:
             max_programs = int(os.environ.get(MAX_PROGRAMS_ENV, DEFAULT_MAX_PROGRAMS))
         self.bufs = kernel.HostMemBuffers(
             data=segment[flag_bytes:],
+            dst=None if dst is None else dst[flag_bytes:],
             flags=segment[:flag_bytes].view(torch.int32)[: ctx.size * max_blocks],
             epochs=torch.zeros(max_blocks, dtype=torch.int32, device=ctx.device),
             status=torch.zeros(1, dtype=torch.int32, device=ctx.device),
@@ -154,6 +153,14 @@ class HostMemAllReduce:
             "0": -1,
             "1": max_bytes,
         }[fuse]
+
+    def _segments(self, ctx: CommContext, nbytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the segment the kernel reads, and the one it writes when that differs: None): one
+        pinned host segment that every rank maps, GPU-addressed on a GPU."""
+        self.memory, self.registered = map_pinned(self, ctx, nbytes)
+        if self.on_gpu:
+            return _device_view(self.memory, ctx.device), None  # the same bytes, GPU-addressed
+        return self.memory, None
 
     @staticmethod
     def available(ctx: CommContext) -> bool:

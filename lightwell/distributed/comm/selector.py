@@ -17,6 +17,9 @@ The rule (``--all-reduce``):
 - nccl / gloo: always that one.
 - oneshot: peer memory for every message that fits its buffer (sized to the largest step),
   NCCL for the rest.
+- peermem (two GPUs with peer access): auto's rule with ``peermem`` (hostmem's low-latency
+  kernel, its words pushed into the peer GPU's memory) in place of hostmem's lane for the
+  messages up to 64 KB; not yet auto's pick (unmeasured).
 - int8: always int8.
 - host: always host, except inside a CUDA-graph capture (it synchronises with the host), where
   NCCL is used: decode steps replayed from graphs then run NCCL.
@@ -41,7 +44,7 @@ import torch.distributed as dist
 
 from lightwell.distributed.comm import create_strategy, is_available
 from lightwell.distributed.comm.base import AllReduceStrategy, CommContext
-from lightwell.distributed.comm.hostmem import lanes
+from lightwell.distributed.comm.hostmem import LL_MAX_BYTES, lanes
 
 logger = logging.getLogger(__name__)
 
@@ -160,6 +163,11 @@ def _preferred(
         return [*small, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
+    if choice == "peermem":
+        return [
+            ("peermem", {"max_bytes": min(LL_MAX_BYTES, max_bytes)}),
+            ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)}),
+        ]
     if choice in ("hostmem", "hostmem-int8"):
         return lanes(choice, max_bytes)
     if choice in ("hostmem-copy", "hostmem-copy-int8"):
