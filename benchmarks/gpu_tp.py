@@ -83,12 +83,12 @@ ENGINES = {
         ("tp2-auto-combine", dict(all_reduce="auto", _env=COMBINE), ("w1", "profile-w1")),
         # programmatic dependent launch of the gemv and the norms (not yet the default), alone
         # and with the combine inside the attention kernel (whose o_proj then follows it)
-        ("tp1-pdl", dict(tensor_parallel_size=1, _env=PDL), ("w1", "profile-w1")),
+        ("tp1-pdl", dict(tensor_parallel_size=1, _env=PDL), ("w1",)),
         ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
         # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
-        ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode", "profile-w1")),
+        ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),
         ("tp2-peermem-pdl-combine", dict(all_reduce="peermem", _env=PDL | COMBINE), ("w1",)),
     ],
     "pcie-emulated": [
