@@ -3,11 +3,12 @@
 32 layers of the engine's own kernels, each feeding the next as in a llama-3-8b decoder layer
 at batch 1 (TP=1 and TP=2 weight shapes, bf16, random weights): fused add + RMSNorm -> qkv gemv
 -> o_proj gemv (on the q part) -> fused add + RMSNorm -> gate_up gemv -> down gemv with the
-SiLU-and-mul fused. No attention or all-reduce: what is measured is what PDL changes between
-these kernels. For each shape set: the chain's output with PDL off and on, eagerly and replayed
-from a CUDA graph, must be bit-identical (a race in the wait would show); then the median
-replay time of the graph (after warm-up, L2 not flushed: the 32 layers' weights, 7-14 GB,
-do not fit in it).
+SiLU-and-mul fused. No attention, RoPE or all-reduce between them, so a gain here is an upper
+bound of the engine's (gpu_tp.py's W1 engines measure that). For each shape set: the chain's
+output with PDL off and on (prefetching 0, 1 or 3 K tiles toward L2 before the wait), eagerly
+and replayed from a CUDA graph, must be bit-identical (a race in the wait would show); then
+the median replay time of the graph (after warm-up, L2 not flushed: the 32 layers' weights,
+7-14 GB, do not fit in it).
 
     python3 benchmarks/gpu_pdl.py --out $OUT/pdl.json
 """
@@ -98,24 +99,23 @@ def main() -> None:
     rows = []
     for name, shapes in SHAPES.items():
         chain = build(shapes, args.layers, dev)
-        res = {}
-        for on in (False, True, False, True):  # twice each, interleaved
-            pdl.ENABLED = on
-            r = measure(chain, args.reps)
-            res.setdefault(on, []).append(r)
-        pdl.ENABLED = False
-        ref = res[False][0]["eager"]
+        res: dict[str, list] = {}
+        modes = {"off": (False, 1), "pf0": (True, 0), "pf1": (True, 1), "pf3": (True, 3)}
+        for _ in range(2):  # twice each, interleaved
+            for mode, (on, tiles) in modes.items():
+                pdl.ENABLED, pdl.PREFETCH_TILES = on, tiles
+                res.setdefault(mode, []).append(measure(chain, args.reps))
+        pdl.ENABLED, pdl.PREFETCH_TILES = False, 1
+        ref = res["off"][0]["eager"]
         outs = [r[k] for rs in res.values() for r in rs for k in ("eager", "graph")]
-        row = {
-            "shapes": name,
-            "layers": args.layers,
-            "identical": all(torch.equal(o, ref) for o in outs),
-            "off_us": [round(r["us"], 1) for r in res[False]],
-            "on_us": [round(r["us"], 1) for r in res[True]],
-            "off_min_us": [round(r["us_min"], 1) for r in res[False]],
-            "on_min_us": [round(r["us_min"], 1) for r in res[True]],
-        }
-        row["gain_us_per_layer"] = round((min(row["off_us"]) - min(row["on_us"])) / args.layers, 2)
+        row = {"shapes": name, "layers": args.layers}
+        row["identical"] = all(torch.equal(o, ref) for o in outs)
+        for mode, rs in res.items():
+            row[f"{mode}_us"] = [round(r["us"], 1) for r in rs]
+            row[f"{mode}_min_us"] = [round(r["us_min"], 1) for r in rs]
+            if mode != "off":
+                gain = min(row["off_us"]) - min(row[f"{mode}_us"])
+                row[f"{mode}_gain_us_per_layer"] = round(gain / args.layers, 2)
         rows.append(row)
         print(json.dumps(row), flush=True)
         del chain

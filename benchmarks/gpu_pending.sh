@@ -23,8 +23,8 @@ step() {  # name, seconds, command...
   echo "$name: rc=$? ($((SECONDS - t0)) s)" | tee -a "$out/summary.txt"
 }
 if [ "$part" = 1 ]; then
-  step kernel_tests 150 python3 -m pytest -q tests/kernels/test_triton_kernels.py
-  step gpu_pdl 100 python3 benchmarks/gpu_pdl.py --out "$out/pdl.json"
+  step kernel_tests 120 python3 -m pytest -q tests/kernels/test_triton_kernels.py
+  step gpu_pdl 130 python3 benchmarks/gpu_pdl.py --out "$out/pdl.json"
   (cd benchmarks && export TP_CHECK_ONLY=auto,peermem && step tp 320 python3 gpu_tp.py --out "$out/tp" \
     --modes nvlink --stages allreduce,check --allreduce-s 70 --budget-s 300 \
     --engines tp1,tp2-auto,tp2-peermem,tp1-pdl-combine,tp2-auto-pdl-combine,tp2-peermem-pdl-combine)

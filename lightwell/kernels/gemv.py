@@ -50,6 +50,7 @@ def _gemv_kernel(
     EARLY_W: tl.constexpr,  # the first K tile of W is loaded before anything else (PDL's form)
     GDC: tl.constexpr,  # with EARLY_W: signal, L2-prefetch the other tiles, wait (kernels/pdl.py)
     PF_STEP: tl.constexpr,  # elements of W per prefetched line (at most BLOCK_K)
+    PF_TILES: tl.constexpr,  # K tiles prefetched after the first (kernels/pdl.py)
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -69,7 +70,7 @@ def _gemv_kernel(
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
             lines = tl.arange(0, BLOCK_K // PF_STEP) * PF_STEP
-            for k0 in range(BLOCK_K, K, BLOCK_K):
+            for k0 in range(BLOCK_K, tl.minimum(K, (1 + PF_TILES) * BLOCK_K), BLOCK_K):
                 prefetch_l2(w_rows + tl.minimum(k0 + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
         x = _load_x(x_rows, rk, K, EVEN_K, SILU_MUL)
@@ -123,8 +124,10 @@ def gemv(
     it (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages),
     default ``pick_config``. ``pdl`` (default: ``LIGHTWELL_PDL=1`` on an sm_90+ GPU) loads the
     first K tile of weights before the input, and on such a GPU launches with programmatic
-    dependent launch, prefetching the rest of the weights toward L2 before waiting for the
-    kernel before (kernels/pdl.py); elsewhere only the load order changes."""
+    dependent launch, prefetching the next weight tiles toward L2 before waiting for the
+    kernel before (kernels/pdl.py); elsewhere only the load order changes. With it, ``weight``
+    must be written by no kernel of the stream (a layer's weights are not): it is read before
+    the wait."""
     _check(x, weight, bias, silu_mul)
     m = x.shape[0]
     n, k = weight.shape
@@ -140,6 +143,7 @@ def gemv(
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         EARLY_W=early, GDC=gdc, PF_STEP=min(block_k, _pdl.LINE_BYTES // weight.element_size()),
+        PF_TILES=_pdl.PREFETCH_TILES if gdc else 0,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out

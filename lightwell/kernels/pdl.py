@@ -1,14 +1,16 @@
 """Programmatic dependent launch (PDL, Hopper and later), behind ``LIGHTWELL_PDL=1``.
 
 A kernel launched with PDL may start while the kernel before it in the stream is still running,
-once every program of that kernel has started (or signalled, ``gdc_launch_dependents``). It must
+once every program of that kernel has signalled (``gdc_launch_dependents``) or exited. It must
 then wait (``gdc_wait``: the previous kernel has finished and its writes are visible) before it
 reads anything an earlier kernel wrote and before it writes anything: only work on memory no
 kernel of the step writes (a layer's weights) may come first. Our users:
 
 - ``kernels/gemv.py`` (batch-1 decode matmuls): before waiting, loads its first K tile of
-  weights into registers and asks L2 for the rest (``prefetch_l2``), so the weight stream starts
-  under the previous kernel's tail (a norm, the attention, the other MLP matmul);
+  weights into registers and asks L2 for the next ``PREFETCH_TILES`` tiles (``prefetch_l2``;
+  more would overflow L2 when the whole first wave of programs does it at once: llama-3-8b's
+  gate_up keeps ~4,200 programs of two rows resident), so the weight stream starts under the
+  previous kernel's tail (a norm, the attention, the other MLP matmul);
 - ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
 - both signal at their start, and so does the decode attention kernel, so the next kernel's
   programs can start early.
@@ -27,6 +29,9 @@ import triton
 import triton.language as tl
 
 ENABLED = os.environ.get("LIGHTWELL_PDL", "0") == "1"
+# K tiles a GEMV program prefetches toward L2 before its wait, past the one it loads: with 1,
+# a first wave of gate_up programs asks for ~34 MB (of the H200's 50 MB of L2)
+PREFETCH_TILES = int(os.environ.get("LIGHTWELL_PDL_PREFETCH_TILES", "1"))
 LINE_BYTES = 128  # an L2 prefetch brings one line
 
 
@@ -38,7 +43,7 @@ def _device_supports(index: int) -> bool:
 def device_supports(device: torch.device) -> bool:
     """An sm_90+ GPU (never the CPU, where Triton runs as its interpreter, which has no grid
     dependency ops)."""
-    if device.type != "cuda":
+    if device.type != "cuda" or torch.version.hip is not None:  # (the PTX is NVIDIA's)
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return _device_supports(index)

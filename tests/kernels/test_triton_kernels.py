@@ -786,7 +786,10 @@ out = {}
 for silu in (False, True):
     out[f"gemv{'_silu' if silu else ''}"] = ops(gv._gemv_kernel, b16, dict(
         BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=True, HAS_BIAS=False, SILU_MUL=silu,
-        EARLY_W=on, GDC=on, PF_STEP=64), num_warps=1, num_stages=3, launch_pdl=on)
+        EARLY_W=on, GDC=on, PF_STEP=64, PF_TILES=1), num_warps=1, num_stages=3, launch_pdl=on)
+out["gemv_m4_bias_uneven_k"] = ops(gv._gemv_kernel, b16, dict(
+    BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, EVEN_K=False, HAS_BIAS=True, SILU_MUL=False,
+    EARLY_W=on, GDC=on, PF_STEP=64, PF_TILES=3), num_warps=4, num_stages=1, launch_pdl=on)
 out["rmsnorm"] = ops(rn._rmsnorm_kernel, dict(b16, eps="fp32"), dict(
     HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GDC=on), num_warps=8, launch_pdl=on)
 out["attention"] = ops(pa._paged_attention_kernel, dict(b16, qk_scale="fp32", **{
@@ -835,10 +838,12 @@ def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
         assert any(op.startswith("st.") for op in after), (name, found)
         if name == "rmsnorm":
             assert before == ["griddepcontrol.launch_dependents"], found
-        else:  # one program's first tile: 2 rows x 1,024 bf16 over 32 threads, 16 bytes each
-            assert before.count("ld.global.v4.b32") == 8 and "prefetch.global.L2" in before
-            assert all(op.startswith(("griddep", "prefetch", "ld.global.v4")) for op in before)
-            assert any(op.startswith("ld.global") for op in after)  # x, then the other tiles
+        else:  # weight loads and prefetches only, then x and the other tiles
+            assert "prefetch.global.L2" in before and any(op.startswith("ld.") for op in before)
+            assert all(op.startswith(("griddep", "prefetch", "ld.global")) for op in before)
+            assert any(op.startswith("ld.global") for op in after)
+            if name != "gemv_m4_bias_uneven_k":  # 2 rows x 1,024 bf16 / 32 threads, 16 B each
+                assert before.count("ld.global.v4.b32") == 8, found
 
 
 # The attention kernel with the split combine inside, compiled for sm_90 here (no GPU): its
