@@ -729,7 +729,9 @@ print(json.dumps(out))
 """
 
 
-def _ptx_memory_ops(align: bool) -> dict:
+def _run_ptx_script(script: str, flag: bool) -> dict:
+    """Run one of the scripts below (compiles kernels for sm_90, no GPU needed) in a process
+    of its own, without the interpreter, with argument "1" / "0"; its last line, as JSON."""
     import json
     import subprocess
     import sys
@@ -739,10 +741,14 @@ def _ptx_memory_ops(align: bool) -> dict:
     if "nvidia" not in triton.backends.backends:
         pytest.skip("this Triton has no NVIDIA backend to compile PTX with")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PTX_SCRIPT, "1" if align else "0"], env=env,
+    proc = subprocess.run([sys.executable, "-c", script, "1" if flag else "0"], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _ptx_memory_ops(align: bool) -> dict:
+    return _run_ptx_script(_PTX_SCRIPT, align)
 
 
 def test_all_reduce_kernels_move_16_byte_vectors_when_aligned():
@@ -807,19 +813,7 @@ def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
     """With PDL on, the gemv signals, loads only weights (16-byte vectors) and prefetches the
     rest of them toward L2 before its single wait, and stores after it; the norm waits before
     any access; the decode attention kernel only signals. Off, none of it is compiled in."""
-    import json
-    import subprocess
-    import sys
-
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend to compile PTX with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _PDL_PTX_SCRIPT, "1" if on else "0"], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    kernels = _run_ptx_script(_PDL_PTX_SCRIPT, on)
     for name, got in kernels.items():
         found = got["ops"]
         pdl_ops = [op for op in found if op.startswith(("griddep", "prefetch"))]
@@ -876,19 +870,7 @@ print(json.dumps({"counts": dict(collections.Counter(ops)), "order": ops}))
 
 @pytest.mark.parametrize("combine", [True, False])
 def test_split_combine_compiles_to_one_release_count_for_sm90(combine):
-    import json
-    import subprocess
-    import sys
-
-    import triton.backends
-
-    if "nvidia" not in triton.backends.backends:
-        pytest.skip("this Triton has no NVIDIA backend to compile PTX with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _ATTN_PTX_SCRIPT, "1" if combine else "0"],
-                          env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    found = _run_ptx_script(_ATTN_PTX_SCRIPT, combine)
     ops, order = found["counts"], found["order"]
     atomics = {k: v for k, v in ops.items() if k.startswith("atom")}
     if not combine:
