@@ -442,7 +442,7 @@ def _ll_unpack(data, COMP: tl.constexpr, BITS: tl.constexpr, INT_TY: tl.constexp
 def _hostmem_ll_kernel(
     x_ptr,  # [n] this rank's input (device)
     out_ptr,  # [n] the sum (device)
-    slot_ptr,  # int64 LL words in host memory: [2, WORLD, SLOT_WORDS] (read)
+    slot_ptr,  # int64 LL words in host (peermem: this GPU's) memory: [2, WORLD, SLOT_WORDS]
     dst_ptr,  # where this rank writes its words: slot_ptr, or the peer's buffer (peermem)
     epoch_ptr,  # int32 [max_blocks] device memory
     status_ptr,  # int32 [1] device memory: set to 1 when a wait gave up
@@ -490,7 +490,8 @@ def _hostmem_ll_kernel(
             )
         else:
             data = _ll_pack(x.to(INT_TY, bitcast=True), COMP, BITS)
-        # write-through: the words must leave the GPU's caches for host memory
+        # write-through: the words must leave the GPU's caches for host memory (a plain store
+        # to a peer GPU's memory: it goes over NVLink to that GPU's L2, which its polls read)
         tl.store(dst_ptr + mine + tl.arange(0, NDATA), _ll_words(data, epoch), cache_modifier=".wt")
 
         acc = tl.zeros([BLOCK], dtype=tl.float32)

@@ -362,7 +362,7 @@ def _launch(
         meta.block_table.stride(0),
         GQA=gqa, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SPLIT_KV=num_splits > 1,
-        COMBINE=combine, FENCE=combine and q.is_cuda,
+        COMBINE=combine, FENCE=combine and q.is_cuda and torch.version.hip is None,
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
         PDL_SIGNAL=decode and use_pdl(q.device),

@@ -70,6 +70,8 @@ def _check_strategies(rank: int, ctx) -> None:
             strategy = create_strategy("hostmem", ctx, protocol="ll")
         elif name == "peermem":  # the same kernel, each rank's words in the other's buffer
             strategy = create_strategy(name, ctx, max_bytes=1 << 20)
+            # a peer that never writes: a failure in seconds, not an hour of polls
+            strategy.bufs = dataclasses.replace(strategy.bufs, max_spin=1 << 15)
         elif name == "hostmem-int8-ll":
             strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
         elif name.endswith("-chunked"):  # 8 pieces of >= 256 bytes: (40, 1000) has 8,
@@ -80,9 +82,12 @@ def _check_strategies(rank: int, ctx) -> None:
         torch.set_num_threads(2 if name == "host" else threads)
         with _min_chunk_bytes(256 if name.endswith("-chunked") else None):
             _check_sums(name, strategy, rank, ctx, threads)
+        if hasattr(strategy, "timed_out"):
+            assert not strategy.timed_out(), name
         strategy.close()
     torch.set_num_threads(threads)
     _check_fused_norm(rank, ctx)
+    _check_peermem_pushes(rank, ctx)
     _check_hostmem_gives_up(rank, ctx)
     _check_copy_slot_reuse(rank, ctx)
 
@@ -246,6 +251,24 @@ def _check_greedy_tokens(rank: int) -> None:
     small.weight_loader(small.weight, table[:40])
     want = small.compute_logits(hidden).argmax(-1)
     assert torch.equal(small.greedy_tokens(hidden), want) and (want < 40).all()
+
+
+def _check_peermem_pushes(rank: int, ctx) -> None:
+    """peermem writes its words into the peer's buffer and reads the peer's from its own: after
+    one call (epoch 1, parity buffer 1) this rank's slot holds epoch-1 words in the peer's
+    buffer and nothing in its own, where the peer's slot holds the peer's words."""
+    from lightwell.distributed.comm import create_strategy
+
+    strategy = create_strategy("peermem", ctx, max_bytes=1 << 16)
+    x = torch.ones(4, 576)  # 2,304 fp32 words
+    assert torch.equal(strategy.all_reduce(x), 2 * x) and not strategy.timed_out()
+    own = strategy.bufs.view(torch.int64).view(2, WORLD, -1)[1, :, :2304]
+    theirs = strategy.bufs.view(torch.int64, dst=True).view(2, WORLD, -1)[1, :, :2304]
+    assert strategy.bufs.dst.data_ptr() != strategy.bufs.data.data_ptr()
+    assert ((theirs[rank] >> 32) == 1).all() and not own[rank].any()
+    assert ((own[1 - rank] >> 32) == 1).all()
+    torch.distributed.barrier(group=ctx.group)  # (the peer is done reading before the close)
+    strategy.close()
 
 
 def _check_hostmem_gives_up(rank: int, ctx) -> None:
@@ -634,6 +657,7 @@ def test_auto_rule_on_gpus(monkeypatch):
     ]
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # the operator says: no peer-to-peer
     assert not selector.peer_access(ctx)
+    assert selector._preferred(ctx, "peermem", True, 16 << 20) == hostmem  # (with a warning)
     cpu = CommContext(0, 2, None, None, torch.device("cpu"))
     assert selector._preferred(cpu, "auto", False, 16 << 20) == []  # gloo
     assert selector._preferred(cpu, "hostmem-int8", False, 16 << 20) == [

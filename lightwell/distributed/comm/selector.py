@@ -19,7 +19,9 @@ The rule (``--all-reduce``):
   NCCL for the rest.
 - peermem (two GPUs with peer access): auto's rule with ``peermem`` (hostmem's low-latency
   kernel, its words pushed into the peer GPU's memory) in place of hostmem's lane for the
-  messages up to 64 KB; not yet auto's pick (unmeasured).
+  messages up to 64 KB (``LIGHTWELL_HOSTMEM_LL_MAX_BYTES``), whatever
+  ``--custom-all-reduce`` says; without peer access, hostmem's rule with a warning; not yet
+  auto's pick (unmeasured).
 - int8: always int8.
 - host: always host, except inside a CUDA-graph capture (it synchronises with the host), where
   NCCL is used: decode steps replayed from graphs then run NCCL.
@@ -44,7 +46,7 @@ import torch.distributed as dist
 
 from lightwell.distributed.comm import create_strategy, is_available
 from lightwell.distributed.comm.base import AllReduceStrategy, CommContext
-from lightwell.distributed.comm.hostmem import LL_MAX_BYTES, lanes
+from lightwell.distributed.comm.hostmem import LL_MAX_BYTES, LL_MAX_BYTES_ENV, lanes
 
 logger = logging.getLogger(__name__)
 
@@ -164,8 +166,12 @@ def _preferred(
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
     if choice == "peermem":
+        if ctx.device.type == "cuda" and not peer_access(ctx):
+            logger.warning("all-reduce 'peermem' needs peer access between the GPUs: hostmem")
+            return lanes("hostmem", max_bytes)
+        small = min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
         return [
-            ("peermem", {"max_bytes": min(LL_MAX_BYTES, max_bytes)}),
+            ("peermem", {"max_bytes": small}),
             ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)}),
         ]
     if choice in ("hostmem", "hostmem-int8"):
