@@ -793,3 +793,50 @@ def _run_three(rank: int, port: int) -> None:
 
 def test_hostmem_copy_three_ranks():
     _spawn(_run_three, 3)
+
+
+def test_peermem_gpu_buffers_are_symmetric_memory(monkeypatch):
+    """peermem's GPU set-up, with torch's symmetric memory stood in for: its own buffer is
+    allocated there and zeroed, rendezvoused over the TP group, the peer's buffer (group
+    rank 1 - rank) is what it writes, and both ranks are past the zeroing (device synchronized,
+    CPU-group barrier) before it returns."""
+    import sys
+    import types
+
+    from lightwell.distributed.comm import peermem
+
+    calls = []
+    own = torch.full((64,), 7, dtype=torch.uint8)
+    peer_buffer = torch.zeros(64, dtype=torch.uint8)
+
+    class Handle:
+        def get_buffer(self, rank, sizes, dtype):
+            calls.append(("get_buffer", rank, tuple(sizes), dtype))
+            return peer_buffer
+
+    def rendezvous(tensor, group_name):
+        calls.append(("rendezvous", tensor is own, group_name, bool(own.any())))
+        return Handle()
+
+    fake = types.SimpleNamespace(empty=lambda n, dtype, device: own, rendezvous=rendezvous)
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", fake)
+    monkeypatch.setattr(torch.distributed, "_symmetric_memory", fake, raising=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    barrier = lambda group=None: calls.append(("barrier", group))  # noqa: E731
+    monkeypatch.setattr(peermem.dist, "barrier", barrier)
+    for rank in (0, 1):
+        calls.clear()
+        group = types.SimpleNamespace(group_name="tp")
+        ctx = peermem.CommContext(rank, 2, group, "cpu-group", torch.device("cuda", rank))
+        strategy = peermem.PeerMemAllReduce.__new__(peermem.PeerMemAllReduce)
+        strategy.on_gpu = True
+        mine, theirs = strategy._segments(ctx, 64)
+        assert mine is own and theirs is peer_buffer and not own.any()
+        assert calls == [
+            ("rendezvous", True, "tp", False),  # zeroed before
+            ("get_buffer", 1 - rank, (64,), torch.uint8),
+            "sync",
+            ("barrier", "cpu-group"),
+        ]
+        assert strategy.registered is False and strategy._release() is None
+        own.fill_(7)
