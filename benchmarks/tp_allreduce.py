@@ -115,7 +115,7 @@ def _strategies(ctx, mode: str) -> dict:
     )
     for kind in ("hostmem", "hostmem-int8"):  # the low-latency protocol (decode sizes)
         makers[f"{kind}-ll"] = lambda kind=kind: create_strategy(
-            kind, ctx, max_bytes=big, protocol="ll"
+            kind, ctx, max_bytes=big, protocol="ll", fuse_norm="1"
         )
     makers["hostmem-int8-ll-b2048"] = lambda: create_strategy(
         "hostmem-int8", ctx, max_bytes=big, protocol="ll", block=2048
@@ -144,7 +144,7 @@ def _strategies(ctx, mode: str) -> dict:
             out["oneshot-1shot"], out["oneshot-2shot"] = strategy.one_shot, strategy.two_shot
         else:
             out[name] = strategy.all_reduce
-        if name in ("nccl", "hostmem", "hostmem-int8", "peermem"):
+        if name in ("nccl", "hostmem", "hostmem-int8", "hostmem-ll", "peermem"):
             out.update(_with_norm(name, strategy))
     return out
 

@@ -144,7 +144,8 @@ class ParallelConfig:
         "engines, no SMs held (the fastest prefills over PCIe, with --dual-stream and "
         "prefill CUDA graphs); peermem (two GPUs with peer access): auto's rule with "
         "hostmem's low-latency kernel writing into the peer GPU's memory instead of host "
-        "memory for messages up to 64 KB (unmeasured); gloo: over the CPU group. See "
+        "memory for messages up to 64 KB (unmeasured; --custom-all-reduce does not apply); "
+        "gloo: over the CPU group. See "
         "docs/parallelism.md.",
         ALL_REDUCE,
     )

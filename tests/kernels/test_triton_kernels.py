@@ -811,8 +811,9 @@ print(json.dumps(out))
 @pytest.mark.parametrize("on", [True, False])
 def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
     """With PDL on, the gemv signals, loads only weights (16-byte vectors) and prefetches the
-    rest of them toward L2 before its single wait, and stores after it; the norm waits before
-    any access; the decode attention kernel only signals. Off, none of it is compiled in."""
+    next tile(s) of them toward L2 before its single wait, and stores after it; the norm
+    waits before any access; the decode attention kernel only signals. Off, none of it is
+    compiled in."""
     kernels = _run_ptx_script(_PDL_PTX_SCRIPT, on)
     for name, got in kernels.items():
         found = got["ops"]

@@ -650,6 +650,10 @@ def test_auto_rule_on_gpus(monkeypatch):
     assert selector._preferred(four, "auto", True, 16 << 20) == [
         ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})
     ]
+    # (on more than two GPUs peermem has no lane: one-shot, with a warning)
+    assert selector._preferred(four, "peermem", True, 16 << 20) == [
+        ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})
+    ]
     # peermem: auto's rule with the peer-memory low-latency kernel in the host lane's place
     assert selector._preferred(ctx, "peermem", True, 16 << 20) == [
         ("peermem", {"max_bytes": 64 << 10}),

@@ -169,11 +169,11 @@ def _preferred(
         if ctx.device.type == "cuda" and not peer_access(ctx):
             logger.warning("all-reduce 'peermem' needs peer access between the GPUs: hostmem")
             return lanes("hostmem", max_bytes)
+        if ctx.size != 2:
+            logger.warning("all-reduce 'peermem' is for two GPUs: oneshot, then NCCL")
         small = min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
-        return [
-            ("peermem", {"max_bytes": small}),
-            ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)}),
-        ]
+        lane = [("peermem", {"max_bytes": small})] if small > 0 and ctx.size == 2 else []
+        return [*lane, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice in ("hostmem", "hostmem-int8"):
         return lanes(choice, max_bytes)
     if choice in ("hostmem-copy", "hostmem-copy-int8"):
