@@ -76,6 +76,7 @@ class InputBatch:
         self.requests: dict[str, CachedRequestState] = {}
 
     def apply(self, out: SchedulerOutput) -> None:
+        self._check_new_blocks(out)  # before any change: a refused step changes nothing
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for new in out.new_reqs:
@@ -121,7 +122,7 @@ class InputBatch:
                 deferred.append((q + n - 1, req_ids[i]))
         seq_lens = starts + counts
         block_table = self._block_table(states, seq_lens)
-        self._check_limits(req_ids, seq_lens, block_table)
+        self._check_positions(req_ids, seq_lens)
         req_index = np.repeat(np.arange(len(req_ids)), counts)
         block_of_token = block_table[req_index, positions // self.block_size]
         slots = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
@@ -141,20 +142,27 @@ class InputBatch:
             num_outputs=num_outputs,
         )
 
-    def _check_limits(self, req_ids: list[str], seq_lens: np.ndarray, table: np.ndarray) -> None:
-        """Positions below ``max_positions``, block ids below ``num_blocks`` (see __init__)."""
+    def _check_positions(self, req_ids: list[str], seq_lens: np.ndarray) -> None:
+        """Positions below ``max_positions`` (see __init__)."""
         if self.max_positions is not None and len(seq_lens) and seq_lens.max() > self.max_positions:
             i = int(seq_lens.argmax())
             raise RuntimeError(
                 f"request {req_ids[i]} reaches position {int(seq_lens[i]) - 1}, past the model's "
                 f"{self.max_positions} positions"
             )
-        if self.num_blocks is not None and table.size and table.max() >= self.num_blocks:
-            i = int(table.max(axis=1).argmax())
-            raise RuntimeError(
-                f"request {req_ids[i]} holds block {int(table[i].max())}, past the KV cache's "
-                f"{self.num_blocks} blocks"
-            )
+
+    def _check_new_blocks(self, out: SchedulerOutput) -> None:
+        """Block ids below ``num_blocks`` (see __init__), checked once, as they arrive."""
+        if self.num_blocks is None:
+            return
+        added = [(n.req_id, n.block_ids) for n in out.new_reqs]
+        added += [(d.req_id, d.new_block_ids) for d in out.cached_reqs]
+        for req_id, ids in added:
+            if ids and max(ids) >= self.num_blocks:
+                raise RuntimeError(
+                    f"request {req_id} holds block {max(ids)}, past the KV cache's "
+                    f"{self.num_blocks} blocks"
+                )
 
     def _block_table(self, states: list[CachedRequestState], seq_lens: np.ndarray) -> np.ndarray:
         width = max(1, int(-(-int(seq_lens.max(initial=1)) // self.block_size)))

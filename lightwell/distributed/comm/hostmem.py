@@ -69,6 +69,12 @@ INT8_LARGE_MIN_BYTES = 1 << 20
 INT8_LARGE_BLOCK = 2048
 
 
+def ll_max_bytes(max_bytes: int) -> int:
+    """The largest message of the low-latency lane (``LIGHTWELL_HOSTMEM_LL_MAX_BYTES`` or
+    ``LL_MAX_BYTES``), at most ``max_bytes``; 0: no lane."""
+    return min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
+
+
 def lanes(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
     """The selector's entries for ``hostmem``/``hostmem-int8``, each an instance with its own
     segment, the first that takes a message wins: ``hostmem``: an ``ll`` instance for the
@@ -79,7 +85,7 @@ def lanes(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
             return [(choice, {"max_bytes": max_bytes})]
         large = {"max_bytes": max_bytes, "block": INT8_LARGE_BLOCK}
         return [(choice, {"max_bytes": INT8_LARGE_MIN_BYTES}), (choice, large)]
-    small = min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
+    small = ll_max_bytes(max_bytes)
     ll = [(choice, {"max_bytes": small, "protocol": "ll"})] if small > 0 else []
     return [*ll, (choice, {"max_bytes": max_bytes})]
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from lightwell.distributed.comm import create_strategy, is_available
 from lightwell.distributed.comm.base import AllReduceStrategy, CommContext
-from lightwell.distributed.comm.hostmem import LL_MAX_BYTES, LL_MAX_BYTES_ENV, lanes
+from lightwell.distributed.comm.hostmem import lanes, ll_max_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ def _preferred(
             return lanes("hostmem", max_bytes)
         if ctx.size != 2:
             logger.warning("all-reduce 'peermem' is for two GPUs: oneshot, then NCCL")
-        small = min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
+        small = ll_max_bytes(max_bytes)
         lane = [("peermem", {"max_bytes": small})] if small > 0 and ctx.size == 2 else []
         return [*lane, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice in ("hostmem", "hostmem-int8"):
