@@ -11,6 +11,8 @@
 # Part 2: W1 for each of PDL and the combine alone (TP=1 and TP=2; the combine engines also
 #   profiled, tp1 / tp2-auto also through their TTFT and decode stages). The all-reduce table
 #   of part 1 is cut to the rows that matter (TP_TABLE_ONLY) so it ends inside its time box.
+# Part solo (one H200, when the two-GPU kinds are withheld): the kernel tests, gpu_pdl, and W1
+#   at TP=1 with each of PDL and the combine, alone and together.
 # Results land in $1 (logs, JSON); summary.txt has each step's exit status.
 set -uo pipefail
 out=$(realpath -m "${1:?usage: gpu_pending.sh OUT_DIR PART}")
@@ -33,6 +35,11 @@ if [ "$part" = 1 ]; then
     step tp 300 python3 gpu_tp.py --out "$out/tp" \
     --modes nvlink --stages allreduce,check --allreduce-s 70 --budget-s 280 \
     --engines tp1,tp2-auto,tp2-peermem,tp1-pdl-combine,tp2-auto-pdl-combine,tp2-peermem-pdl-combine)
+elif [ "$part" = solo ]; then
+  step kernel_tests 150 python3 -m pytest -q tests/kernels/test_triton_kernels.py
+  step gpu_pdl 120 python3 benchmarks/gpu_pdl.py --out "$out/pdl.json"
+  (cd benchmarks && step tp 290 python3 gpu_tp.py --out "$out/tp" --modes nvlink --stages none \
+    --budget-s 280 --engines tp1,tp1-pdl,tp1-combine,tp1-pdl-combine)
 else
   (cd benchmarks && step tp 560 python3 gpu_tp.py --out "$out/tp" --modes nvlink --stages none \
     --budget-s 540 --engines tp1,tp1-combine,tp1-pdl,tp2-auto,tp2-auto-combine,tp2-auto-pdl)
