@@ -49,6 +49,7 @@ CUBLAS_W1 = {"LIGHTWELL_SKINNY_GEMM_MAX_ROWS": "0"}  # lightwell/quant/base.py's
 ROPE_APART = {"LIGHTWELL_FUSED_ROPE_STORE": "0"}  # attention/triton_backend.py's switch
 COMBINE = {"LIGHTWELL_SPLIT_COMBINE_IN_KERNEL": "1"}  # kernels/paged_attention.py's switch
 PDL = {"LIGHTWELL_PDL": "1"}  # kernels/pdl.py's switch
+PF1 = {"LIGHTWELL_PDL_PREFETCH_TILES": "1"}  # its L2 prefetch of a second weight tile (run 12)
 
 
 def dual512(all_reduce: str, **options) -> dict:
@@ -83,7 +84,8 @@ ENGINES = {
         ("tp2-auto-combine", dict(all_reduce="auto", _env=COMBINE), ("w1", "profile-w1")),
         # programmatic dependent launch of the gemv and the norms (not yet the default), alone
         # and with the combine inside the attention kernel (whose o_proj then follows it)
-        ("tp1-pdl", dict(tensor_parallel_size=1, _env=PDL), ("w1",)),
+        ("tp1-pdl", dict(tensor_parallel_size=1, _env=PDL), ("w1", "profile-w1")),
+        ("tp1-pdl-pf1", dict(tensor_parallel_size=1, _env=PDL | PF1), ("w1",)),
         ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
