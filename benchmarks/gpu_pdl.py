@@ -96,7 +96,7 @@ def main() -> None:
     dev = torch.device("cuda")
     info = {"commit": git_commit(), "device": torch.cuda.get_device_name(dev),
             "torch": torch.__version__, "supported": pdl.device_supports(dev)}  # fmt: skip
-    rows = []
+    rows, saved = [], (pdl.ENABLED, pdl.PREFETCH_TILES)
     for name, shapes in SHAPES.items():
         chain = build(shapes, args.layers, dev)
         res: dict[str, list] = {}
@@ -105,7 +105,7 @@ def main() -> None:
             for mode, (on, tiles) in modes.items():
                 pdl.ENABLED, pdl.PREFETCH_TILES = on, tiles
                 res.setdefault(mode, []).append(measure(chain, args.reps))
-        pdl.ENABLED, pdl.PREFETCH_TILES = False, 1
+        pdl.ENABLED, pdl.PREFETCH_TILES = saved
         ref = res["off"][0]["eager"]
         outs = [r[k] for rs in res.values() for r in rs for k in ("eager", "graph")]
         row = {"shapes": name, "layers": args.layers}

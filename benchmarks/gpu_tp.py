@@ -48,7 +48,8 @@ NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's
 CUBLAS_W1 = {"LIGHTWELL_SKINNY_GEMM_MAX_ROWS": "0"}  # lightwell/quant/base.py's switch
 ROPE_APART = {"LIGHTWELL_FUSED_ROPE_STORE": "0"}  # attention/triton_backend.py's switch
 COMBINE = {"LIGHTWELL_SPLIT_COMBINE_IN_KERNEL": "1"}  # kernels/paged_attention.py's switch
-PDL = {"LIGHTWELL_PDL": "1"}  # kernels/pdl.py's switch
+PDL = {"LIGHTWELL_PDL": "1"}  # kernels/pdl.py's switch (on by default since tp_run12)
+NOPDL = {"LIGHTWELL_PDL": "0"}
 PF1 = {"LIGHTWELL_PDL_PREFETCH_TILES": "1"}  # its L2 prefetch of a second weight tile (run 12)
 
 
@@ -88,6 +89,8 @@ ENGINES = {
         ("tp1-pdl-pf1", dict(tensor_parallel_size=1, _env=PDL | PF1), ("w1",)),
         ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
+        ("tp1-nopdl", dict(tensor_parallel_size=1, _env=NOPDL), ("w1",)),
+        ("tp2-auto-nopdl", dict(all_reduce="auto", _env=NOPDL), ("w1",)),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
         # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
         ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),

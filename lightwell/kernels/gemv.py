@@ -122,10 +122,11 @@ def gemv(
     """``x @ weight.T (+ bias)``; with ``silu_mul``, x is a gated MLP's ``[gate | up]`` and the
     product is ``(silu(gate) * up) @ weight.T``, the activation computed as the matmul loads
     it (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages),
-    default ``pick_config``. ``pdl`` (default: ``LIGHTWELL_PDL=1`` on an sm_90+ GPU) loads the
-    first K tile of weights before the input, and on such a GPU launches with programmatic
-    dependent launch, prefetching the next weight tiles toward L2 before waiting for the
-    kernel before (kernels/pdl.py); elsewhere only the load order changes. With it, ``weight``
+    default ``pick_config``. ``pdl`` (default: on an sm_90+ GPU unless ``LIGHTWELL_PDL=0``)
+    loads the first K tile of weights before the input, and on such a GPU launches with
+    programmatic dependent launch, prefetching ``LIGHTWELL_PDL_PREFETCH_TILES`` (default 0)
+    more weight tiles toward L2 before waiting for the kernel before (kernels/pdl.py);
+    elsewhere only the load order changes. With it, ``weight``
     must be written by no kernel of the stream (a layer's weights are not): it is read before
     the wait."""
     _check(x, weight, bias, silu_mul)

@@ -531,10 +531,10 @@ def test_gemv_early_weight_load_gives_the_same_bits(m, n, k, silu_mul):
         torch.testing.assert_close(early.float(), gemv_ref(x, w, b).float(), rtol=2e-2, atol=2e-2)
 
 
-def test_pdl_is_off_on_cpu_and_by_default(monkeypatch):
+def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
     from lightwell.kernels import pdl
 
-    assert pdl.ENABLED == (os.environ.get("LIGHTWELL_PDL", "0") == "1")
+    assert pdl.ENABLED == (os.environ.get("LIGHTWELL_PDL", "1") == "1")
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert not pdl.use_pdl(torch.device("cpu"))  # the interpreter has no grid dependency ops
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
