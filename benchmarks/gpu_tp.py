@@ -89,7 +89,7 @@ ENGINES = {
         ("tp1-pdl-pf1", dict(tensor_parallel_size=1, _env=PDL | PF1), ("w1",)),
         ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
-        ("tp1-nopdl", dict(tensor_parallel_size=1, _env=NOPDL), ("w1",)),
+        ("tp1-nopdl", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "ttft")),
         ("tp2-auto-nopdl", dict(all_reduce="auto", _env=NOPDL), ("w1",)),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
         # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)

@@ -37,6 +37,10 @@ ENABLED = os.environ.get("LIGHTWELL_PDL", "1") == "1"
 # 1 tile -1.6 and 3 tiles -10.5 (the prefetches compete with the loads that count)
 PREFETCH_TILES = int(os.environ.get("LIGHTWELL_PDL_PREFETCH_TILES", "0"))
 LINE_BYTES = 128  # an L2 prefetch brings one line
+# Launches over more tokens (prefills, decode batches past the GEMV's 4 rows) go without PDL:
+# their neighbours are cuBLAS GEMMs, which gain nothing, and with the norm under PDL the
+# 2,048-token prefill of llama-3-8b took 53.2 ms instead of 49.9 (H200, tp_run12)
+MAX_ROWS = 4
 
 
 @functools.cache
@@ -53,9 +57,10 @@ def device_supports(device: torch.device) -> bool:
     return _device_supports(index)
 
 
-def use_pdl(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with PDL: ``LIGHTWELL_PDL`` not 0 and an sm_90+ GPU."""
-    return ENABLED and device_supports(device)
+def use_pdl(device: torch.device, rows: int = 1) -> bool:
+    """Whether a kernel over ``rows`` tokens on ``device`` launches with PDL: ``LIGHTWELL_PDL``
+    not 0, an sm_90+ GPU, and at most ``MAX_ROWS`` rows."""
+    return ENABLED and rows <= MAX_ROWS and device_supports(device)
 
 
 def launch_options(gdc: bool) -> dict:

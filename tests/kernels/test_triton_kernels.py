@@ -537,6 +537,12 @@ def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
     assert pdl.ENABLED == (os.environ.get("LIGHTWELL_PDL", "1") == "1")
     monkeypatch.setattr(pdl, "ENABLED", True)
     assert not pdl.use_pdl(torch.device("cpu"))  # the interpreter has no grid dependency ops
+    monkeypatch.setattr(pdl, "device_supports", lambda device: True)  # as on an sm_90 GPU
+    gpu = torch.device("cuda", 0)
+    assert pdl.use_pdl(gpu) and pdl.use_pdl(gpu, pdl.MAX_ROWS)
+    assert not pdl.use_pdl(gpu, pdl.MAX_ROWS + 1)  # prefills and larger batches go without
+    monkeypatch.setattr(pdl, "ENABLED", False)
+    assert not pdl.use_pdl(gpu)
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
     x = torch.randn(1, 64, device=DEVICE)
     w = torch.randn(8, 64, device=DEVICE)
