@@ -91,6 +91,9 @@ ENGINES = {
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
         ("tp1-nopdl", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "ttft")),
         ("tp2-auto-nopdl", dict(all_reduce="auto", _env=NOPDL), ("w1",)),
+        # the 2,048-token prefill under the profiler, PDL on and off (2.1 ms apart in tp_run12)
+        ("tp1-pttft", dict(tensor_parallel_size=1), ("profile",)),
+        ("tp1-nopdl-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("profile",)),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
         # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
         ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),
