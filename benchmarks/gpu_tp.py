@@ -94,6 +94,8 @@ ENGINES = {
         # the 2,048-token prefill under the profiler, PDL on and off (2.1 ms apart in tp_run12)
         ("tp1-pttft", dict(tensor_parallel_size=1), ("profile",)),
         ("tp1-nopdl-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("profile",)),
+        ("tp1-ttft", dict(tensor_parallel_size=1), ("ttft",)),  # with no W1 before it
+        ("tp1-nopdl-ttft", dict(tensor_parallel_size=1, _env=NOPDL), ("ttft",)),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
         # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
         ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),
