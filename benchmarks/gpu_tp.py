@@ -96,6 +96,8 @@ ENGINES = {
         ("tp1-nopdl-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("profile",)),
         ("tp1-ttft", dict(tensor_parallel_size=1), ("ttft",)),  # with no W1 before it
         ("tp1-nopdl-ttft", dict(tensor_parallel_size=1, _env=NOPDL), ("ttft",)),
+        ("tp1-w1-pttft", dict(tensor_parallel_size=1), ("w1", "profile")),  # after W1
+        ("tp1-nopdl-w1-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "profile")),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
         # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
         ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),
