@@ -8,10 +8,10 @@ reads anything an earlier kernel wrote and before it writes anything: only work 
 kernel of the step writes (a layer's weights) may come first. Our users:
 
 - ``kernels/gemv.py`` (batch-1 decode matmuls): before waiting, loads its first K tile of
-  weights into registers and asks L2 for the next ``PREFETCH_TILES`` tiles (``prefetch_l2``;
-  more would overflow L2 when the whole first wave of programs does it at once: llama-3-8b's
-  gate_up keeps ~4,200 programs of two rows resident), so the weight stream starts under the
-  previous kernel's tail (a norm, the attention, the other MLP matmul);
+  weights into registers (and asks L2 for the next ``PREFETCH_TILES`` tiles, none by default:
+  with the whole first wave of programs doing it at once the prefetches crowd out the loads
+  that count), so the weight stream starts under the previous kernel's tail (a norm, the
+  attention, the other MLP matmul);
 - ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
 - both signal at their start, and so does the decode attention kernel, so the next kernel's
   programs can start early.
@@ -38,8 +38,7 @@ ENABLED = os.environ.get("LIGHTWELL_PDL", "1") == "1"
 PREFETCH_TILES = int(os.environ.get("LIGHTWELL_PDL_PREFETCH_TILES", "0"))
 LINE_BYTES = 128  # an L2 prefetch brings one line
 # Launches over more tokens (prefills, decode batches past the GEMV's 4 rows) go without PDL:
-# their neighbours are cuBLAS GEMMs, which gain nothing, and with the norm under PDL the
-# 2,048-token prefill of llama-3-8b took 53.2 ms instead of 49.9 (H200, tp_run12)
+# their neighbours are cuBLAS GEMMs, which never signal early, so there is nothing to overlap
 MAX_ROWS = 4
 
 
