@@ -4,8 +4,10 @@
 #       command="LIGHTWELL_COMMIT=<short hash> bash benchmarks/gpu_pending.sh $OUT")
 # Part x2 (the default, ~9 minutes): the NVLink all-reduce table with `peermem` beside
 #   hostmem-ll and one-shot, the model check of auto / peermem, and W1 at TP=1 and TP=2 with
-#   PDL (the default since tp_run12) and without, with peermem, and with the split combine in
-#   the attention kernel.
+#   PDL (the default since tp_run12) and without, with the all-reduce kernel signalling the
+#   GEMV after it (LIGHTWELL_PDL_ALLREDUCE=1), with peermem, and with the split combine in
+#   the attention kernel. gpu_tp.py runs the engines in its ENGINES order and skips what
+#   its budget leaves no time for.
 # Part solo (one H200; ran as tp_run12 call 1): the Triton kernel tests on CUDA,
 #   benchmarks/gpu_pdl.py, and W1 at TP=1 with PDL / the combine.
 # Results land in $1 (logs, JSON); summary.txt has each step's exit status.
@@ -32,7 +34,7 @@ elif [ "$part" = x2 ]; then
     TP_TABLE_ONLY=nccl,oneshot-1shot,hostmem-ll,hostmem-ll+norm,peermem,peermem+norm &&
     step tp 540 python3 gpu_tp.py --out "$out/tp" \
     --modes nvlink --stages allreduce,check --allreduce-s 70 --budget-s 520 \
-    --engines tp1,tp2-auto,tp2-auto-nopdl,tp2-peermem,tp2-auto-combine,tp2-peermem-pdl-combine)
+    --engines tp1,tp2-auto,tp2-auto-nopdl,tp2-auto-pdlar,tp2-peermem,tp2-peermem-pdlar,tp2-auto-combine)
 else
   echo "unknown part: $part (x2 or solo)" >&2
   exit 2

@@ -50,6 +50,7 @@ ROPE_APART = {"LIGHTWELL_FUSED_ROPE_STORE": "0"}  # attention/triton_backend.py'
 COMBINE = {"LIGHTWELL_SPLIT_COMBINE_IN_KERNEL": "1"}  # kernels/paged_attention.py's switch
 PDL = {"LIGHTWELL_PDL": "1"}  # kernels/pdl.py's switch (on by default since tp_run12)
 NOPDL = {"LIGHTWELL_PDL": "0"}
+PDL_AR = {"LIGHTWELL_PDL_ALLREDUCE": "1"}  # the low-latency all-reduce signals too (not default)
 PF1 = {"LIGHTWELL_PDL_PREFETCH_TILES": "1"}  # its L2 prefetch of a second weight tile (run 12)
 
 
@@ -91,6 +92,8 @@ ENGINES = {
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
         ("tp1-nopdl", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "ttft")),
         ("tp2-auto-nopdl", dict(all_reduce="auto", _env=NOPDL), ("w1",)),
+        ("tp2-auto-pdlar", dict(all_reduce="auto", _env=PDL_AR), ("w1", "profile-w1")),
+        ("tp2-peermem-pdlar", dict(all_reduce="peermem", _env=PDL_AR), ("w1",)),
         # the 2,048-token prefill under the profiler, PDL on and off (2.1 ms apart in tp_run12)
         ("tp1-pttft", dict(tensor_parallel_size=1), ("profile",)),
         ("tp1-nopdl-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("profile",)),

@@ -14,7 +14,9 @@ kernel of the step writes (a layer's weights) may come first. Our users:
   attention, the other MLP matmul);
 - ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
 - both signal at their start, and so does the decode attention kernel, so the next kernel's
-  programs can start early.
+  programs can start early; with ``LIGHTWELL_PDL_ALLREDUCE=1`` the low-latency all-reduce
+  kernel too (``allreduce_signal``): at TP=2 the GEMVs after the all-reduces then start
+  their weight streams while it waits for the peer.
 
 Kernels that do not wait are never launched with PDL: they start only after the kernel before
 them has finished, as without it. Measured on the H200 (benchmarks/results/tp_run12): llama-3-8b
@@ -37,6 +39,7 @@ ENABLED = os.environ.get("LIGHTWELL_PDL", "1") == "1"
 # 1 tile -1.6 and 3 tiles -10.5 (the prefetches compete with the loads that count)
 PREFETCH_TILES = int(os.environ.get("LIGHTWELL_PDL_PREFETCH_TILES", "0"))
 LINE_BYTES = 128  # an L2 prefetch brings one line
+ALLREDUCE_SIGNAL = os.environ.get("LIGHTWELL_PDL_ALLREDUCE", "0") == "1"  # see allreduce_signal
 # Launches over more tokens (prefills, decode batches past the GEMV's 4 rows) go without PDL:
 # their neighbours are cuBLAS GEMMs, which never signal early, so there is nothing to overlap
 MAX_ROWS = 4
@@ -60,6 +63,15 @@ def use_pdl(device: torch.device, rows: int = 1) -> bool:
     """Whether a kernel over ``rows`` tokens on ``device`` launches with PDL: ``LIGHTWELL_PDL``
     not 0, an sm_90+ GPU, and at most ``MAX_ROWS`` rows."""
     return ENABLED and rows <= MAX_ROWS and device_supports(device)
+
+
+def allreduce_signal(device: torch.device, rows: int) -> bool:
+    """Whether the low-latency all-reduce kernel (kernels/hostmem_allreduce.py, the lane of
+    ``hostmem`` and ``peermem``) signals at its start, so that the GEMV after it (its norm
+    fused in) loads its first weight tile while the all-reduce waits for the peers:
+    ``LIGHTWELL_PDL_ALLREDUCE=1`` (off by default: written 2026-12-01 without two GPUs,
+    unmeasured) and ``use_pdl``."""
+    return ALLREDUCE_SIGNAL and use_pdl(device, rows)
 
 
 def launch_options(gdc: bool) -> dict:

@@ -531,6 +531,42 @@ def test_gemv_early_weight_load_gives_the_same_bits(m, n, k, silu_mul):
         torch.testing.assert_close(early.float(), gemv_ref(x, w, b).float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_ll_all_reduce_signal_then_gemv_reads_the_new_sum(rows, monkeypatch):
+    """The low-latency all-reduce kernel (one rank: no peers to wait for) with its residual add
+    + norm fused, signalling its dependents (LIGHTWELL_PDL_ALLREDUCE=1), and the batch-1 GEMV
+    right after it, as in a TP decode layer: on an sm_90 GPU the GEMV launches with PDL and
+    must see this call's sum, not the last one's (new inputs each time, the same buffers)."""
+    from lightwell.kernels import hostmem_allreduce as hm
+    from lightwell.kernels import pdl
+    from lightwell.kernels.gemv import gemv
+
+    monkeypatch.setattr(pdl, "ALLREDUCE_SIGNAL", True)
+    hidden, dt = 1024, torch.float16
+    slot = 2 * hm.ll_words_per_block(hm.BLOCK, False, 2) * 8
+    bufs = hm.HostMemBuffers(
+        data=torch.zeros(2 * slot, dtype=torch.uint8, device=DEVICE),
+        flags=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        epochs=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        status=torch.zeros(1, dtype=torch.int32, device=DEVICE),
+        rank=0, world=1, max_spin=1000, use_asm=DEVICE == "cuda",
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(rows)
+    w_norm = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dt)
+    w = (0.05 * torch.randn(512, hidden, generator=g)).to(DEVICE, dt)
+    results = []
+    for _ in range(6 if DEVICE == "cuda" else 2):
+        x, res = (torch.randn(rows, hidden, generator=g).to(DEVICE, dt) for _ in range(2))
+        normed, new_res = hm.hostmem_ll_all_reduce(x, bufs, False, hm.AddRMSNorm(res, w_norm, 1e-6))
+        results.append((x, res, normed, new_res, gemv(normed, w)))
+    for x, res, normed, new_res, y in results:
+        ref = rn.rmsnorm_ref(x.float() + res.float(), w_norm.float(), 1e-6)
+        torch.testing.assert_close(normed.float(), ref, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(new_res, x + res, rtol=1e-3, atol=1e-3)
+        assert torch.equal(y, gemv(normed, w, pdl=False))
+    assert bufs.status.item() == 0
+
+
 def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
     from lightwell.kernels import pdl
 
@@ -541,6 +577,12 @@ def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
     gpu = torch.device("cuda", 0)
     assert pdl.use_pdl(gpu) and pdl.use_pdl(gpu, pdl.MAX_ROWS)
     assert not pdl.use_pdl(gpu, pdl.MAX_ROWS + 1)  # prefills and larger batches go without
+    # the all-reduce's signal: only with its own switch (not yet measured: off by default)
+    assert pdl.ALLREDUCE_SIGNAL == (os.environ.get("LIGHTWELL_PDL_ALLREDUCE", "0") == "1")
+    monkeypatch.setattr(pdl, "ALLREDUCE_SIGNAL", False)
+    assert not pdl.allreduce_signal(gpu, 1)
+    monkeypatch.setattr(pdl, "ALLREDUCE_SIGNAL", True)
+    assert pdl.allreduce_signal(gpu, 1) and not pdl.allreduce_signal(gpu, pdl.MAX_ROWS + 1)
     monkeypatch.setattr(pdl, "ENABLED", False)
     assert not pdl.use_pdl(gpu)
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
@@ -729,7 +771,7 @@ out = {
         "status_ptr": "*i32", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "w_ptr": "*bf16",
         "eps": "fp32", "n": "i32", "rank": "i32", "max_spin": "i32"}, dict(SLOT_WORDS=1 << 16,
         WPB=2048, WORLD=2, BLOCK=4096, GROUP=128, INT8=False, COMP=2, INT_TY=tl.int16, ASM=True,
-        NORM=True, HIDDEN=4096, ALIGN=align), 8),
+        NORM=True, HIDDEN=4096, ALIGN=align, PDL_SIGNAL=False), 8),
 }
 print(json.dumps(out))
 """
@@ -776,8 +818,10 @@ def test_all_reduce_kernels_move_16_byte_vectors_when_aligned():
 # here: what each does before its grid dependency wait, in PTX order.
 _PDL_PTX_SCRIPT = r"""
 import inspect, json, re, sys, triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from lightwell.kernels import gemv as gv, paged_attention as pa, rmsnorm as rn
+from lightwell.kernels import gemv as gv, hostmem_allreduce as hm, paged_attention as pa
+from lightwell.kernels import rmsnorm as rn
 
 def ops(fn, types, consts, **options):
     names = list(inspect.signature(fn.fn).parameters)
@@ -810,6 +854,11 @@ out["attention"] = ops(pa._paged_attention_kernel, dict(b16, qk_scale="fp32", **
     HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1, BLOCK_N=64, SPLIT_KV=True,
     COMBINE=False, FENCE=False, SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False,
     DOT_PREC="tf32", PDL_SIGNAL=on), num_warps=4, num_stages=1)
+out["hostmem_ll"] = ops(hm._hostmem_ll_kernel, dict(b16, eps="fp32", **{
+    n: "*i64" for n in ("slot_ptr", "dst_ptr")}, **{n: "*i32" for n in ("epoch_ptr",
+    "status_ptr")}), dict(SLOT_WORDS=1 << 16, WPB=2048, WORLD=2, BLOCK=4096, GROUP=128,
+    INT8=False, COMP=2, INT_TY=tl.int16, ASM=True, NORM=True, HIDDEN=4096, ALIGN=True,
+    PDL_SIGNAL=on), num_warps=8)
 print(json.dumps(out))
 """
 
@@ -818,8 +867,9 @@ print(json.dumps(out))
 def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
     """With PDL on, the gemv signals, loads only weights (16-byte vectors) and prefetches the
     next tile(s) of them toward L2 before its single wait, and stores after it; the norm
-    waits before any access; the decode attention kernel only signals. Off, none of it is
-    compiled in."""
+    waits before any access; the decode attention kernel and the low-latency all-reduce
+    (with LIGHTWELL_PDL_ALLREDUCE=1) only signal, first thing. Off, none of it is compiled
+    in."""
     kernels = _run_ptx_script(_PDL_PTX_SCRIPT, on)
     for name, got in kernels.items():
         found = got["ops"]
@@ -827,7 +877,7 @@ def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
         if not on:
             assert not pdl_ops and not got["launch_pdl"], (name, found)
             continue
-        if name == "attention":
+        if name in ("attention", "hostmem_ll"):
             assert pdl_ops == ["griddepcontrol.launch_dependents"] and found[0] == pdl_ops[0]
             continue
         assert got["launch_pdl"], name
