@@ -40,8 +40,10 @@ ENABLED = os.environ.get("LIGHTWELL_PDL", "1") == "1"
 PREFETCH_TILES = int(os.environ.get("LIGHTWELL_PDL_PREFETCH_TILES", "0"))
 LINE_BYTES = 128  # an L2 prefetch brings one line
 ALLREDUCE_SIGNAL = os.environ.get("LIGHTWELL_PDL_ALLREDUCE", "0") == "1"  # see allreduce_signal
-# Launches over more tokens (prefills, decode batches past the GEMV's 4 rows) go without PDL:
-# their neighbours are cuBLAS GEMMs, which never signal early, so there is nothing to overlap
+# GEMV and norm launches over more tokens (prefills, decode batches past the GEMV's 4 rows) go
+# without PDL: their neighbours are cuBLAS GEMMs, which never signal early, so there is nothing
+# to overlap. (The decode attention kernel signals at any batch: one compiled variant for all,
+# which compile_variants covers; a batch-64 decode step took the same time with it.)
 MAX_ROWS = 4
 
 
