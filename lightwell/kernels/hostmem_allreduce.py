@@ -382,7 +382,6 @@ def hostmem_all_reduce(
         ASM=bufs.use_asm,
         **norm_consts,
         ALIGN=aligned(x.numel()),
-        PDL_SIGNAL=_pdl.allreduce_signal(x.device, x.numel() // x.shape[-1]),
         num_warps=8 if bufs.block >= 4096 else 4,
     )
     return _result(out, res_out)
@@ -567,6 +566,7 @@ def hostmem_ll_all_reduce(
         ASM=bufs.use_asm,
         **norm_consts,
         ALIGN=aligned(x.numel()),
+        PDL_SIGNAL=_pdl.allreduce_signal(x.device, x.numel() // x.shape[-1]),
         num_warps=8 if bufs.block >= 4096 else 4,
     )
     return _result(out, res_out)

@@ -542,6 +542,8 @@ def test_ll_all_reduce_signal_then_gemv_reads_the_new_sum(rows, monkeypatch):
     from lightwell.kernels.gemv import gemv
 
     monkeypatch.setattr(pdl, "ALLREDUCE_SIGNAL", True)
+    ll = _SpecRecorder(hm._hostmem_ll_kernel)
+    monkeypatch.setattr(hm, "_hostmem_ll_kernel", ll)
     hidden, dt = 1024, torch.float16
     slot = 2 * hm.ll_words_per_block(hm.BLOCK, False, 2) * 8
     bufs = hm.HostMemBuffers(
@@ -565,6 +567,11 @@ def test_ll_all_reduce_signal_then_gemv_reads_the_new_sum(rows, monkeypatch):
         torch.testing.assert_close(new_res, x + res, rtol=1e-3, atol=1e-3)
         assert torch.equal(y, gemv(normed, w, pdl=False))
     assert bufs.status.item() == 0
+    # the launcher asks for the signal exactly where PDL runs (an sm_90 GPU; never the CPU)
+    signal = pdl.allreduce_signal(torch.device(DEVICE), rows)
+    assert {dict((k[0], k[1]) for k in key if len(k) == 2)["PDL_SIGNAL"] for key in ll.keys} == {
+        signal
+    }
 
 
 def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
