@@ -84,8 +84,9 @@ ENGINES = {
         # the split-KV combine inside the attention kernel (not yet the default)
         ("tp1-combine", dict(tensor_parallel_size=1, _env=COMBINE), ("w1", "profile-w1")),
         ("tp2-auto-combine", dict(all_reduce="auto", _env=COMBINE), ("w1", "profile-w1")),
-        # programmatic dependent launch of the gemv and the norms (not yet the default), alone
-        # and with the combine inside the attention kernel (whose o_proj then follows it)
+        # programmatic dependent launch of the gemv and the norms (the default since tp_run12:
+        # -pdl pins it on, -nopdl off), alone and with the combine inside the attention kernel
+        # (whose o_proj then follows it); -pdlar: the all-reduce kernel signals too
         ("tp1-pdl", dict(tensor_parallel_size=1, _env=PDL), ("w1", "profile-w1")),
         ("tp1-pdl-pf1", dict(tensor_parallel_size=1, _env=PDL | PF1), ("w1",)),
         ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
