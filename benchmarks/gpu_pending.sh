@@ -2,7 +2,8 @@
 # What still waits for nvidia-h200-x2 (written without two GPUs; run from anywhere):
 #   run(kind="nvidia-h200-x2", timeout_s=600,
 #       command="LIGHTWELL_COMMIT=<short hash> bash benchmarks/gpu_pending.sh $OUT")
-# Part x2 (the default, ~9 minutes): the NVLink all-reduce table with `peermem` beside
+# Part x2 (the default, ~9.5 minutes): the Triton kernel tests on CUDA (the all-reduce's PDL
+#   signal has not run on a GPU yet), the NVLink all-reduce table with `peermem` beside
 #   hostmem-ll and one-shot, the model check of auto / peermem, and W1 at TP=1 and TP=2 with
 #   PDL (the default since tp_run12) and without, with the all-reduce kernel signalling the
 #   GEMV after it (LIGHTWELL_PDL_ALLREDUCE=1), with peermem, and with the split combine in
@@ -30,10 +31,11 @@ if [ "$part" = solo ]; then
   (cd benchmarks && step tp 150 python3 gpu_tp.py --out "$out/tp" --modes nvlink --stages none \
     --budget-s 140 --engines tp1,tp1-nopdl,tp1-combine)
 elif [ "$part" = x2 ]; then
+  step kernel_tests 180 python3 -m pytest -q tests/kernels/test_triton_kernels.py
   (cd benchmarks && export TP_CHECK_ONLY=auto,peermem \
     TP_TABLE_ONLY=nccl,oneshot-1shot,hostmem-ll,hostmem-ll+norm,peermem,peermem+norm &&
-    step tp 540 python3 gpu_tp.py --out "$out/tp" \
-    --modes nvlink --stages allreduce,check --allreduce-s 70 --budget-s 520 \
+    step tp 390 python3 gpu_tp.py --out "$out/tp" \
+    --modes nvlink --stages allreduce,check --allreduce-s 70 --budget-s 380 \
     --engines tp1,tp2-auto,tp2-auto-nopdl,tp2-auto-pdlar,tp2-peermem,tp2-peermem-pdlar,tp2-auto-combine)
 else
   echo "unknown part: $part (x2 or solo)" >&2

@@ -93,9 +93,11 @@ ENGINES = {
         ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
         ("tp1-nopdl", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "ttft")),
         ("tp2-auto-nopdl", dict(all_reduce="auto", _env=NOPDL), ("w1",)),
+        # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
+        ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),
         ("tp2-auto-pdlar", dict(all_reduce="auto", _env=PDL_AR), ("w1", "profile-w1")),
         ("tp2-peermem-pdlar", dict(all_reduce="peermem", _env=PDL_AR), ("w1",)),
-        # the 2,048-token prefill under the profiler, PDL on and off (2.1 ms apart in tp_run12)
+        # the 2,048-token prefill, PDL on and off, alone / after W1 / profiled (tp_run12 calls 5-8)
         ("tp1-pttft", dict(tensor_parallel_size=1), ("profile",)),
         ("tp1-nopdl-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("profile",)),
         ("tp1-ttft", dict(tensor_parallel_size=1), ("ttft",)),  # with no W1 before it
@@ -103,8 +105,6 @@ ENGINES = {
         ("tp1-w1-pttft", dict(tensor_parallel_size=1), ("w1", "profile")),  # after W1
         ("tp1-nopdl-w1-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "profile")),
         ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
-        # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
-        ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),
         ("tp2-peermem-pdl-combine", dict(all_reduce="peermem", _env=PDL | COMBINE), ("w1",)),
     ],
     "pcie-emulated": [

@@ -133,7 +133,7 @@ def gemv(
     m = x.shape[0]
     n, k = weight.shape
     block_n, block_k, warps, stages = config or pick_config(n, k, m, silu_mul)
-    early = _pdl.use_pdl(x.device, x.shape[0]) if pdl is None else pdl
+    early = _pdl.use_pdl(x.device) if pdl is None else pdl
     gdc = early and _pdl.device_supports(x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:

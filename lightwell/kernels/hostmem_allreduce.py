@@ -566,7 +566,7 @@ def hostmem_ll_all_reduce(
         ASM=bufs.use_asm,
         **norm_consts,
         ALIGN=aligned(x.numel()),
-        PDL_SIGNAL=_pdl.allreduce_signal(x.device, x.shape[0] if x.dim() > 1 else 1),
+        PDL_SIGNAL=_pdl.allreduce_signal(x.device),
         num_warps=8 if bufs.block >= 4096 else 4,
     )
     return _result(out, res_out)

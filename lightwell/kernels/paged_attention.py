@@ -365,7 +365,7 @@ def _launch(
         COMBINE=combine, FENCE=combine and q.is_cuda and torch.version.hip is None,
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
-        PDL_SIGNAL=decode and use_pdl(q.device),  # any batch: one variant (compile_variants)
+        PDL_SIGNAL=decode and use_pdl(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1 and not combine:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-ENABLED = os.environ.get("LIGHTWELL_PDL", "1") == "1"
+ENABLED = os.environ.get("LIGHTWELL_PDL", "1") != "0"
 # K tiles a GEMV program prefetches toward L2 before its wait, past the one it loads: with 1,
 # a first wave of gate_up programs asks for ~34 MB (of the H200's 50 MB of L2). None by default:
 # on the H200 (tp_run12, 32 layers of norm + GEMV) 0 tiles gained 5.7 us a layer over PDL off,
@@ -40,11 +40,6 @@ ENABLED = os.environ.get("LIGHTWELL_PDL", "1") == "1"
 PREFETCH_TILES = int(os.environ.get("LIGHTWELL_PDL_PREFETCH_TILES", "0"))
 LINE_BYTES = 128  # an L2 prefetch brings one line
 ALLREDUCE_SIGNAL = os.environ.get("LIGHTWELL_PDL_ALLREDUCE", "0") == "1"  # see allreduce_signal
-# GEMV and norm launches over more tokens (prefills, decode batches past the GEMV's 4 rows) go
-# without PDL: their neighbours are cuBLAS GEMMs, which never signal early, so there is nothing
-# to overlap. (The decode attention kernel signals at any batch: one compiled variant for all,
-# which compile_variants covers; a batch-64 decode step took the same time with it.)
-MAX_ROWS = 4
 
 
 @functools.cache
@@ -61,19 +56,22 @@ def device_supports(device: torch.device) -> bool:
     return _device_supports(index)
 
 
-def use_pdl(device: torch.device, rows: int = 1) -> bool:
-    """Whether a kernel over ``rows`` tokens on ``device`` launches with PDL: ``LIGHTWELL_PDL``
-    not 0, an sm_90+ GPU, and at most ``MAX_ROWS`` rows."""
-    return ENABLED and rows <= MAX_ROWS and device_supports(device)
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with PDL: ``LIGHTWELL_PDL`` not 0 and an sm_90+ GPU.
+    The same for every token count, so each kernel keeps one compiled form (start-up compiles
+    what serving launches); where the kernel next to one of ours is cuBLAS's (prefills, decode
+    batches past the GEMV's rows), nothing overlaps, and nothing is lost (tp_run12: a batch-64
+    decode step 5.58 ms with PDL, 5.59-5.69 without)."""
+    return ENABLED and device_supports(device)
 
 
-def allreduce_signal(device: torch.device, rows: int) -> bool:
+def allreduce_signal(device: torch.device) -> bool:
     """Whether the low-latency all-reduce kernel (kernels/hostmem_allreduce.py, the lane of
     ``hostmem`` and ``peermem``) signals at its start, so that the GEMV after it (its norm
     fused in) loads its first weight tile while the all-reduce waits for the peers:
     ``LIGHTWELL_PDL_ALLREDUCE=1`` (off by default: written 2026-12-01 without two GPUs,
     unmeasured) and ``use_pdl``."""
-    return ALLREDUCE_SIGNAL and use_pdl(device, rows)
+    return ALLREDUCE_SIGNAL and use_pdl(device)
 
 
 def launch_options(gdc: bool) -> dict:

@@ -72,7 +72,7 @@ def _launch(
     block = triton.next_power_of_2(hidden)
     res_in = residual if residual is not None else x
     res_o = res_out if res_out is not None else out
-    gdc = _pdl.use_pdl(x.device, num_tokens)
+    gdc = _pdl.use_pdl(x.device)
     _rmsnorm_kernel[(num_tokens,)](
         x, res_in, weight, out, res_o,
         x.stride(0), res_in.stride(0), out.stride(0), res_o.stride(0), eps,
