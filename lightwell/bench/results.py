@@ -13,12 +13,15 @@ import subprocess
 import sys
 from typing import Any
 
+from lightwell import envs
+
 
 def git_commit() -> str:
-    """The short commit of the Lightwell checkout that is running: $LIGHTWELL_COMMIT when set (a
+    """The short commit of the Lightwell checkout that is running: the LIGHTWELL_COMMIT variable when set (a
     tree copied without .git, e.g. to the GPU machine), else git's, else ``unknown``."""
-    if os.environ.get("LIGHTWELL_COMMIT"):
-        return os.environ["LIGHTWELL_COMMIT"]
+    from_env = envs.get("LIGHTWELL_COMMIT")
+    if from_env:
+        return from_env
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
         out = subprocess.run(
