@@ -23,6 +23,7 @@ def is_preset_dummy(m: ModelConfig) -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gptq", "awq", "compressed-tensors")
 ALL_REDUCE = (
     "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy",
     "hostmem-copy-int8", "peermem", "gloo",
@@ -61,6 +62,16 @@ class ModelConfig:
         "auto (from the path), safetensors, gguf, or dummy (random weights of the model's "
         "shapes, std 0.02, for benchmarks).",
         LOAD_FORMATS,
+    )
+    quantization: str = _opt(
+        "auto",
+        "Weight quantization. auto: the checkpoint's quantization_config (GPTQ, AWQ, "
+        "compressed-tensors, HF fine-grained fp8), else none; none: refuse a quantized "
+        "checkpoint; gptq / awq / compressed-tensors: require that checkpoint format; int8: "
+        "quantize a 16/32-bit checkpoint at load to int8 weights per output channel "
+        "(weight-only); fp8: quantize it to fp8 weights per channel with fp8 activations per "
+        "token (W8A8), or read an HF fine-grained fp8 checkpoint.",
+        QUANTIZATIONS,
     )
     max_model_len: int | None = _opt(
         None, "Context length (prompt + output). Default: the model's max_position_embeddings."
@@ -250,7 +261,11 @@ class EngineConfig:
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
-        for f, opts in ((m.dtype, DTYPES), (m.load_format, LOAD_FORMATS)):
+        for f, opts in (
+            (m.dtype, DTYPES),
+            (m.load_format, LOAD_FORMATS),
+            (m.quantization, QUANTIZATIONS),
+        ):
             _check(f in opts, f"{f!r} is not one of {', '.join(opts)}")
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")
         _check(p.all_reduce in ALL_REDUCE, f"all_reduce must be one of {', '.join(ALL_REDUCE)}")

@@ -31,10 +31,24 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def _stored(param: torch.Tensor, dim: int, n: int) -> int:
-    """Logical size ``n`` along ``dim`` -> stored size (packed quantized formats store less)."""
-    if getattr(param, "packed_dim", None) == dim:
-        return n // param.pack_factor
-    return n
+    """Logical size ``n`` along ``dim`` -> stored size (packed quantized formats store less;
+    a trailing partial pack or group takes a whole stored element)."""
+    factor = (getattr(param, "pack_factors", None) or {}).get(dim)
+    if factor is None and getattr(param, "packed_dim", None) == dim:
+        factor = param.pack_factor
+    return -(-n // factor) if factor else n
+
+
+def _load_indexed(param: torch.Tensor, loaded: torch.Tensor, index: int | None) -> None:
+    """A ``shard_indexed`` parameter: shard ``index``'s one-element tensor at ``index``, or the
+    whole parameter at once (``index`` None: a checkpoint that stores the fused layer)."""
+    if index is None:
+        _check_shape(loaded.reshape(-1), param.shape, " (per-shard values)")
+        param.data.copy_(loaded.reshape(-1))
+        return
+    if loaded.numel() != 1:
+        raise ValueError(f"expected one value per shard, got shape {tuple(loaded.shape)}")
+    param.data[index] = loaded.reshape(())
 
 
 def _check_shape(loaded: torch.Tensor, expected: list[int] | torch.Size, what: str) -> None:
@@ -56,6 +70,8 @@ def _load_sharded(
     what: str = "",
 ) -> None:
     if dim is None:
+        if getattr(param, "shard_indexed", False):  # a per-tensor scale: [] or [1] alike
+            loaded = loaded.reshape(-1)
         _check_shape(loaded, param.shape, what)
         param.data.copy_(loaded)
         return
@@ -124,8 +140,7 @@ class ReplicatedLinear(LinearBase):
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
-        _check_shape(loaded_weight, param.shape, "")
-        param.data.copy_(loaded_weight)
+        _load_sharded(param, loaded_weight, None, 0, 0, 0, 0)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -188,8 +203,13 @@ class _FusedColumnLinear(ColumnParallelLinear):
     def weight_loader(
         self, param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: int | str | None = None
     ) -> None:
+        if getattr(param, "shard_indexed", False):  # one value per shard (per-tensor scales)
+            _load_indexed(
+                param, loaded_weight, None if shard_id is None else self._shard_index(shard_id)
+            )
+            return
         dim = getattr(param, "output_dim", None)
-        if dim is None:  # a replicated parameter (a per-tensor scale ...): copy whole
+        if dim is None:  # a replicated parameter (a g_idx ...): copy whole
             _load_sharded(param, loaded_weight, None, 0, 0, 0, 0)
             return
         if shard_id is None:  # the checkpoint already stores the fused tensor

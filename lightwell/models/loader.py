@@ -20,6 +20,7 @@ from lightwell.distributed.parallel_state import get_tp_rank
 from lightwell.models.hf_config import load_hf_config
 from lightwell.models.paths import ModelFiles
 from lightwell.models.registry import get_model_class
+from lightwell.quant import describe
 
 __all__ = ["load_hf_config", "load_model", "resolve_load_format"]
 
@@ -58,20 +59,26 @@ def load_model(
     device: torch.device | str,
     load_format: str = "auto",
     seed: int = 0,
+    quantization: str = "auto",
 ) -> nn.Module:
     """The model for ``hf_config``, built on ``device`` in ``dtype``, weights loaded, in eval
-    mode. ``files`` may be None for ``load_format="dummy"``."""
+    mode. ``files`` may be None for ``load_format="dummy"``. ``quantization``: see
+    ``lightwell.quant`` (auto: the checkpoint's ``quantization_config``, if any)."""
+    from lightwell.quant import get_quant_method
+
     fmt = resolve_load_format(files, load_format)
     cls = get_model_class(hf_config)
     device = torch.device(device)
+    method = get_quant_method(hf_config, quantization)
     with torch.device(device), _default_dtype(dtype):
-        model = cls(hf_config)
+        model = cls(hf_config, method) if method is not None else cls(hf_config)
     if fmt == "dummy":
         from lightwell.models.dummy import init_dummy_weights
 
         init_dummy_weights(model, seed)
     else:
-        _load_checkpoint(model, _open_checkpoint(files, fmt, hf_config), files.path)
+        checkpoint = _open_checkpoint(files, fmt, hf_config)
+        _load_checkpoint(model, checkpoint, files.path, method)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
@@ -114,7 +121,7 @@ class _Tracked:
         self.current = None
 
 
-def _load_checkpoint(model: nn.Module, checkpoint: Any, path: str) -> None:
+def _load_checkpoint(model: nn.Module, checkpoint: Any, path: str, method: Any = None) -> None:
     tracked = _Tracked(checkpoint, len(checkpoint))
     try:
         loaded = model.load_weights(tracked)
@@ -122,10 +129,29 @@ def _load_checkpoint(model: nn.Module, checkpoint: Any, path: str) -> None:
         if tracked.current is None:
             raise ValueError(f"{path}: {e}") from e
         source, name = tracked.current
-        raise ValueError(f"{source}: tensor {name!r}: {e}") from e
+        raise ValueError(f"{source}: tensor {name!r}: {e}{_quant_hint(name, method)}") from e
     missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing and method is not None:
+        raise ValueError(
+            f"{path}: the checkpoint does not match its quantization config: no tensor for "
+            f"{missing[0]} ({len(missing)} missing); the layers expect {describe(method)}"
+        )
     if missing:
         shown = ", ".join(missing[:8]) + (
             f" ... ({len(missing)} in all)" if len(missing) > 8 else ""
         )
         raise ValueError(f"{path}: checkpoint is missing tensor(s) for parameter(s) {shown}")
+
+
+def _quant_hint(name: str, method: Any) -> str:
+    """Why a tensor may not fit: the checkpoint's tensors and its quantization config disagree."""
+    from lightwell.quant import QUANTIZED_SUFFIXES
+
+    if method is not None:
+        return (
+            f" (the checkpoint does not match its quantization config: the layers expect "
+            f"{describe(method)})"
+        )
+    if name.endswith(QUANTIZED_SUFFIXES):
+        return " (a quantized tensor, but config.json has no quantization_config)"
+    return ""

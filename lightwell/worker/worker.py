@@ -115,7 +115,9 @@ class Worker:
         self.hf_config = hf = load_hf_config(files, overrides)
         dtype = pick_dtype(m.dtype, hf, self.device)
         fmt = m.load_format
-        model = load_model(files, hf, dtype, self.device, load_format=fmt, seed=m.seed)
+        model = load_model(
+            files, hf, dtype, self.device, load_format=fmt, seed=m.seed, quantization=m.quantization
+        )
         eos = getattr(hf, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) and eos else eos
         self.runner = ModelRunner(

@@ -1,0 +1,160 @@
+"""FP8 (E4M3) linears: W8A8 with per-channel weight scales (``--quantization fp8``: quantized
+at load, activations per token at run time; compressed-tensors' FP8 checkpoints reuse the same
+matmul), and HF's fine-grained FP8 checkpoints (``quant_method: fp8``: DeepSeek-V3/R1's format).
+
+W8A8: ``y = (qx @ qw.T) * sx[t] * sw[n]`` through ``torch._scaled_mm`` (row-wise scales).
+Fine-grained: ``weight`` [N, K] fp8 with ``weight_scale_inv`` [N / bn, K / bk] float32, one per
+``weight_block_size`` = [bn, bk] block (``w = q * scale``); activations are quantized per token
+and per group of ``bk`` inputs at run time (``activation_scheme: dynamic``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightwell.quant.base import UnquantizedLinearMethod, WeightLoader
+from lightwell.quant.utils import add_param, check_divisible, replace_params
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def from_config(qc: dict[str, Any]) -> Fp8BlockMethod:
+    """HF fine-grained FP8 (``quant_method: fp8`` in config.json)."""
+    scheme = qc.get("activation_scheme", "dynamic")
+    block = qc.get("weight_block_size")
+    if scheme != "dynamic":
+        raise ValueError(f"fp8: activation_scheme {scheme!r} is not supported (supported: dynamic)")
+    if not (isinstance(block, list | tuple) and len(block) == 2 and min(block) > 0):
+        raise ValueError(
+            f"fp8: weight_block_size {block!r} is not supported (supported: two positive "
+            "integers, e.g. [128, 128])"
+        )
+    return Fp8BlockMethod(int(block[0]), int(block[1]))
+
+
+def online(qc: dict[str, Any] | None = None) -> Fp8W8A8Method:
+    """``--quantization fp8`` of a 16/32-bit checkpoint."""
+    return Fp8W8A8Method()
+
+
+def quantize_fp8(
+    x: torch.Tensor,  # [R, C]
+    scale: torch.Tensor | None = None,  # [R, 1] or broadcastable; None: per row, max|x| / 448
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] fp8, [R, 1] float32)
+    if scale is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).float()
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = scale.float().expand(x.shape[0], 1).contiguous()
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def fp8_w8a8_linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N] float32
+    input_scale: torch.Tensor | None,  # [] static, or None: dynamic per token
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N]
+    static = None if input_scale is None else input_scale.reshape(1, 1)
+    qx, sx = quantize_fp8(x, static)
+    sw = weight_scale.float().reshape(1, -1).contiguous()
+    # CUDA's row-wise _scaled_mm wants bf16 out and K, N multiples of 16
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    if x.is_cuda and (x.shape[1] % 16 or weight.shape[0] % 16):
+        out = ((qx.float() @ weight.float().t()) * sx * sw).to(x.dtype)
+    else:
+        out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+class Fp8W8A8Method(UnquantizedLinearMethod):
+    """Loads the 16/32-bit ``weight`` [N, K]; keeps fp8 [N, K] + [N] float32 scales."""
+
+    checkpoint_tensors = ("weight",)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        q, scale = quantize_fp8(layer.weight.data)
+        replace_params(layer, {"weight": q, "weight_scale": scale.reshape(-1)}, ())
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, K]
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, None, bias)
+
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor, bias: Any) -> None:
+        return None
+
+
+def dequantize_blocks(
+    weight: torch.Tensor,  # [N, K] fp8
+    scale_inv: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)]
+    block: tuple[int, int],
+) -> torch.Tensor:  # [N, K] float32
+    n, k = weight.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return weight.float() * s[:n, :k]
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and per ``group`` inputs: ([T, K] fp8, [T, ceil(K / group)] float32)."""
+    t, k = x.shape
+    pad = -k % group
+    xg = F.pad(x.float(), (0, pad)).view(t, -1, group)  # [T, K / g, g]
+    amax = xg.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(t, -1)[:, :k], scale.squeeze(-1)
+
+
+class Fp8BlockMethod:
+    """HF fine-grained FP8: ``weight`` fp8 and ``weight_scale_inv`` per [bn, bk] block."""
+
+    def __init__(self, block_n: int, block_k: int, scale_name: str = "weight_scale_inv"):
+        self.block, self.scale_name = (block_n, block_k), scale_name
+        self.checkpoint_tensors = ("weight", scale_name)
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        k, n = input_size_per_partition, sum(output_partition_sizes)
+        bn, bk = self.block
+        if k != getattr(layer, "input_size", k):  # row-parallel shard: whole blocks only
+            check_divisible(k, bk, "input features per rank", "fp8")
+            check_divisible(getattr(layer, "input_start", 0), bk, "input shard start", "fp8")
+        if len(output_partition_sizes) > 1 or n != getattr(layer, "output_size", n):
+            for size in output_partition_sizes:
+                check_divisible(size, bn, "output features per shard", "fp8")
+        add_param(layer, "weight", (n, k), FP8, weight_loader, 0, 1)
+        scale_shape = (-(-n // bn), -(-k // bk))
+        factors = {0: bn, 1: bk}
+        add_param(layer, self.scale_name, scale_shape, torch.float32, weight_loader, 0, 1, factors)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, K]
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        bk = self.block[1]
+        qx, sx = quantize_groups(x, bk)  # activations as the FP8 GEMM sees them
+        xd = qx.float() * sx.repeat_interleave(bk, dim=1)[:, : x.shape[1]]
+        w = dequantize_blocks(layer.weight, getattr(layer, self.scale_name), self.block)
+        return F.linear(xd, w, None if bias is None else bias.float()).to(x.dtype)

@@ -1,0 +1,97 @@
+"""int8 linears: weight-only per output channel (``--quantization int8``, quantized at load from
+a 16/32-bit checkpoint), and W8A8 (int8 weights and per-token dynamic or static per-tensor int8
+activations, as compressed-tensors' SmoothQuant/W8A8 checkpoints store them).
+
+Weight-only: ``w = q * scale[n]``, ``q = round(w / scale)``, ``scale = max|w[n, :]| / 127``.
+W8A8: ``y = (qx @ qw.T) * sx[t] * sw[n]`` with an exact int32 accumulation (``torch._int_mm``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightwell.quant.base import UnquantizedLinearMethod
+from lightwell.quant.utils import replace_params
+
+INT8_MAX = 127.0
+
+
+def from_config(qc: dict[str, Any]) -> Int8WeightOnlyMethod:
+    return Int8WeightOnlyMethod()
+
+
+def quantize_rows(
+    w: torch.Tensor,  # [R, C]
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] int8, [R] float32 scales)
+    """Symmetric int8 per row: ``scale = max|row| / 127`` (1 for an all-zero row)."""
+    amax = w.abs().amax(dim=1).float()
+    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    q = torch.round(w.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def int8_weight_only_linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K] int8
+    scale: torch.Tensor,  # [N] in x.dtype
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N]
+    if x.device.type == "cpu" and x.dim() == 2:
+        out = torch._weight_int8pack_mm(x.contiguous(), weight, scale.to(x.dtype))
+    else:
+        out = F.linear(x, weight.to(x.dtype)) * scale.to(x.dtype)
+    return out if bias is None else out + bias
+
+
+class Int8WeightOnlyMethod(UnquantizedLinearMethod):
+    """Loads the checkpoint's 16/32-bit ``weight`` [N, K], then keeps it as int8 + [N] scales."""
+
+    checkpoint_tensors = ("weight",)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        q, scale = quantize_rows(layer.weight.data)
+        replace_params(layer, {"weight": q, "weight_scale": scale.to(layer.weight.dtype)}, ())
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, K]
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        return int8_weight_only_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor, bias: Any) -> None:
+        return None  # the fused GEMV reads 16-bit weights only
+
+
+def quantize_activations(
+    x: torch.Tensor,  # [T, K]
+    static_scale: torch.Tensor | None,  # [] or None: dynamic per-token scales
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] int8, [T, 1] float32)
+    if static_scale is None:
+        amax = x.abs().amax(dim=1, keepdim=True).float()
+        scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
+    q = torch.round(x.float() / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def int8_w8a8_linear(
+    x: torch.Tensor,  # [T, K]
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] float32
+    input_scale: torch.Tensor | None,  # [] static, or None: dynamic per token
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N]
+    qx, sx = quantize_activations(x, input_scale)
+    if x.is_cuda and (qx.shape[0] <= 16 or qx.shape[1] % 8 or weight.shape[0] % 8):
+        acc = (qx.float() @ weight.float().t()).to(torch.int32)  # _int_mm's CUDA limits
+    else:
+        acc = torch._int_mm(qx, weight.t())  # [T, N] int32
+    out = (acc.float() * sx * weight_scale.float()[None, :]).to(x.dtype)
+    return out if bias is None else out + bias

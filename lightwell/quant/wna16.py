@@ -1,0 +1,86 @@
+"""Weight-only integer linears (4 or 8 bit weights, 16/32-bit activations): the one layout every
+checkpoint format (GPTQ, AWQ, compressed-tensors pack-quantized) is converted to after loading.
+
+After ``finalize`` a layer holds
+  ``qweight`` [K / (32 / bits), N] int32: unsigned weights packed along the inputs (GPTQ order),
+  ``scales``  [G, N] and ``zeros`` [G, N] in the activation dtype: ``w = (q - zero) * scale``,
+  ``g_idx``   [K] int32: the group of each input row (``k // group_size`` unless act-order),
+and ``apply`` computes ``x @ W + bias``: on CPU by dequantizing this one layer's weight for the
+call (never a resident dequantized copy), on CUDA through the W4A16 Triton kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightwell.quant.utils import pack_int32, replace_params, unpack_int32
+
+
+def finalize(
+    layer: nn.Module,
+    q: torch.Tensor,  # [K, N] unsigned integer weights
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor,  # [G, N] zero points (unsigned, same units as q)
+    g_idx: torch.Tensor,  # [K] group of each input row
+    bits: int,
+    drop: tuple[str, ...],
+) -> None:
+    """Replace the checkpoint's parameters by the canonical layout (see the module docstring)."""
+    dtype = scales.dtype if scales.is_floating_point() else torch.get_default_dtype()
+    layer.quant_bits = bits
+    replace_params(
+        layer,
+        {
+            "qweight": pack_int32(q, bits, dim=0),
+            "scales": scales.to(dtype).contiguous(),
+            "zeros": zeros.to(dtype).contiguous(),
+            "g_idx": g_idx.to(torch.int32).contiguous(),
+        },
+        drop,
+    )
+
+
+def dequantize(
+    qweight: torch.Tensor,  # [K / pack, N] int32
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor,  # [G, N]
+    g_idx: torch.Tensor,  # [K]
+    bits: int,
+) -> torch.Tensor:  # [K, N] in scales.dtype
+    q = unpack_int32(qweight, bits, dim=0).to(scales.dtype)  # [K, N]
+    g = g_idx.long()
+    return (q - zeros[g]) * scales[g]
+
+
+def wna16_linear(
+    layer: nn.Module,
+    x: torch.Tensor,  # [T, K]
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N]
+    if x.is_cuda and layer.quant_bits == 4 and x.dtype in (torch.float16, torch.bfloat16):
+        from lightwell.kernels.w4a16 import w4a16_matmul
+
+        return w4a16_matmul(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, bias)
+    w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits)
+    return F.linear(x, w.to(x.dtype).t(), bias)
+
+
+class WNA16Method:
+    """Base of the weight-only integer formats: subclasses create the checkpoint's parameters
+    and convert them in ``process_after_loading`` with ``finalize``."""
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, K]
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        return wna16_linear(layer, x, bias)
+
+
+def group_index(k: int, group_size: int, device: torch.device) -> torch.Tensor:  # [k] int32
+    """Input row -> group for contiguous groups (``group_size`` -1 or 0: one group)."""
+    rows = torch.arange(k, device=device, dtype=torch.int32)
+    return rows // group_size if group_size > 0 else torch.zeros_like(rows)
