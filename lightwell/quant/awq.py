@@ -76,4 +76,4 @@ class AWQMethod(WNA16Method):
         q = unpack_awq(layer.qweight.data)  # [K, N]
         zeros = unpack_awq(layer.qzeros.data)  # [G, N]
         g_idx = group_index(q.shape[0], self.group_size, q.device)
-        finalize(layer, q, layer.scales.data, zeros, g_idx, 4, ("qzeros",))
+        finalize(layer, q, layer.scales.data, zeros, g_idx, 4, ("qzeros",), self.group_size)

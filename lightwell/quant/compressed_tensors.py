@@ -166,7 +166,9 @@ class PackedMethod(WNA16Method):
             "weight_zero_point",
             "weight_g_idx",
         )
-        finalize(layer, q, scales, zeros, g_idx, self.bits, drop)
+        k = q.shape[0]
+        gs = 0 if self.act_order else (self.group_size if self.group_size > 0 else k)
+        finalize(layer, q, scales, zeros, g_idx, self.bits, drop, gs)
 
 
 class ScaledMethod:

@@ -155,6 +155,12 @@ class Fp8BlockMethod:
     ) -> torch.Tensor:  # [T, N]
         bk = self.block[1]
         qx, sx = quantize_groups(x, bk)  # activations as the FP8 GEMM sees them
+        scale = getattr(layer, self.scale_name)
+        if x.is_cuda:
+            from lightwell.kernels.fp8_block import fp8_block_matmul
+
+            out = fp8_block_matmul(qx.contiguous(), sx, layer.weight, scale, self.block, x.dtype)
+            return out if bias is None else out + bias
         xd = qx.float() * sx.repeat_interleave(bk, dim=1)[:, : x.shape[1]]
-        w = dequantize_blocks(layer.weight, getattr(layer, self.scale_name), self.block)
+        w = dequantize_blocks(layer.weight, scale, self.block)
         return F.linear(xd, w, None if bias is None else bias.float()).to(x.dtype)

@@ -26,10 +26,11 @@ def finalize(
     g_idx: torch.Tensor,  # [K] group of each input row
     bits: int,
     drop: tuple[str, ...],
+    group_size: int = 0,  # > 0: g_idx[k] == k // group_size (the kernels compute it); 0: act-order
 ) -> None:
     """Replace the checkpoint's parameters by the canonical layout (see the module docstring)."""
     dtype = scales.dtype if scales.is_floating_point() else torch.get_default_dtype()
-    layer.quant_bits = bits
+    layer.quant_bits, layer.quant_group_size = bits, group_size
     replace_params(
         layer,
         {
@@ -62,7 +63,10 @@ def wna16_linear(
     if x.is_cuda and layer.quant_bits == 4 and x.dtype in (torch.float16, torch.bfloat16):
         from lightwell.kernels.w4a16 import w4a16_matmul
 
-        return w4a16_matmul(x, layer.qweight, layer.scales, layer.zeros, layer.g_idx, bias)
+        return w4a16_matmul(
+            x.contiguous(), layer.qweight, layer.scales, layer.zeros, layer.g_idx, bias,
+            group_size=layer.quant_group_size,
+        )  # fmt: skip
     w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits)
     return F.linear(x, w.to(x.dtype).t(), bias)
 

@@ -1,0 +1,90 @@
+"""Block-scaled FP8 GEMM (DeepSeek-V3 / HF fine-grained FP8): out[M, N] = (a * sa) @ (b * sb)^T.
+
+``a`` [M, K] fp8 with ``a_scale`` [M, K / bk] (activations quantized per token and per group of
+``bk`` inputs), ``b`` [N, K] fp8 with ``b_scale`` [ceil(N / bn), K / bk] (one scale per [bn, bk]
+weight block). Each program computes a [BLOCK_M, BLOCK_N] tile walking K one ``bk`` block at a
+time: ``acc += dot(a_tile, b_tile^T) * sa[:, kb] * sb[n // bn, kb]`` in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _fp8_block_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K,
+    stride_am, stride_bn, stride_sam, stride_sbn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # BLOCK_K = bk
+    BN: tl.constexpr,  # the weight block's rows (bn)
+):  # fmt: skip
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk
+        a_mask = (rm[:, None] < M) & (k[None, :] < K)
+        b_mask = (rn[:, None] < N) & (k[None, :] < K)
+        a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :], mask=a_mask, other=0.0)
+        b = tl.load(b_ptr + rn[:, None] * stride_bn + k[None, :], mask=b_mask, other=0.0)
+        sa = tl.load(sa_ptr + rm * stride_sam + kb, mask=rm < M, other=0.0)
+        sb = tl.load(sb_ptr + (rn // BN) * stride_sbn + kb, mask=rn < N, other=0.0)
+        part = tl.dot(a, tl.trans(b), out_dtype=tl.float32)
+        acc += part * sa[:, None] * sb[None, :]
+    o_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(
+        out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty), o_mask
+    )
+
+
+def fp8_block_matmul(
+    a: torch.Tensor,  # [M, K] fp8
+    a_scale: torch.Tensor,  # [M, ceil(K / bk)] float32
+    b: torch.Tensor,  # [N, K] fp8
+    b_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)] float32
+    block: tuple[int, int],  # (bn, bk)
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    m, k = a.shape
+    n = b.shape[0]
+    bn, bk = block
+    kb = -(-k // bk)
+    if b.shape[1] != k or a_scale.shape != (m, kb) or b_scale.shape != (-(-n // bn), kb):
+        raise ValueError(
+            f"fp8 block GEMM: a {tuple(a.shape)}, a_scale {tuple(a_scale.shape)}, b "
+            f"{tuple(b.shape)}, b_scale {tuple(b_scale.shape)} do not fit block {block}"
+        )
+    if bk < 16 or bk & (bk - 1):
+        raise ValueError(f"fp8 block GEMM: bk must be a power of two >= 16, got {bk}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("fp8 block GEMM: a and b need a contiguous last dim")
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0:
+        return out
+    block_m = 16 if m <= 16 else 64
+    block_n = 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_block_kernel[grid](
+        a, b, a_scale, b_scale, out, m, n, k,
+        a.stride(0), b.stride(0), a_scale.stride(0), b_scale.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, BN=bn, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def fp8_block_matmul_ref(
+    a: torch.Tensor,  # [M, K] fp8
+    a_scale: torch.Tensor,  # [M, ceil(K / bk)]
+    b: torch.Tensor,  # [N, K] fp8
+    b_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)]
+    block: tuple[int, int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [M, N]
+    k, n = a.shape[1], b.shape[0]
+    bn, bk = block
+    sa = a_scale.float().repeat_interleave(bk, dim=1)[:, :k]
+    sb = b_scale.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:n, :k]
+    return ((a.float() * sa) @ (b.float() * sb).t()).to(out_dtype)
