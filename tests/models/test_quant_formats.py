@@ -112,7 +112,8 @@ def assert_no_float_weights(model) -> None:
     """Quantized linears keep no dequantized copy: float parameters (scales, zeros) are small."""
     for name, module in model.named_modules():
         if hasattr(module, "quant_method") and hasattr(module, "input_size"):
-            floats = sum(p.numel() for p in module.parameters() if p.is_floating_point())
+            wide = [p for p in module.parameters() if p.is_floating_point()]
+            floats = sum(p.numel() for p in wide if p.element_size() >= 2)  # not fp8
             assert floats * 4 <= module.input_size * module.output_size, name
 
 
@@ -214,3 +215,23 @@ def test_w8a8_formats_match_emulation_within_bounds(tmp_path, key):
         if bound is not None:  # the error the activation (and weight) quantization costs
             base = ref if quant_config is None else ex
             assert rel_err(lg, base) < bound, key
+
+
+@pytest.mark.parametrize(
+    "quant_config",
+    [gptq_cfg(act=True), WEIGHT_ONLY["awq_4b_g32"][0], W8A8["hf_fp8_block16"][0], ct_w()],
+    ids=["gptq_actorder", "awq", "hf_fp8_block", "ct_w4a16"],
+)
+def test_dummy_weights_in_quantized_layouts(quant_config):
+    """--load-format dummy with a quantization_config override: random weights of the format's
+    shapes (benchmarks of quantized models without a checkpoint) that run to finite logits."""
+    from lightwell.models.hf_config import load_hf_config
+    from lightwell.models.loader import load_model
+
+    overrides = {"preset": "llama-3-8b", **qp.QUANT_CONFIG, "quantization_config": quant_config}
+    overrides.pop("architectures")
+    hf_config = load_hf_config(None, overrides)
+    model = load_model(None, hf_config, torch.float32, "cpu", load_format="dummy")
+    assert_no_float_weights(model)
+    prefill, _ = run_ours(model, steps=1)
+    assert all(torch.isfinite(lg).all() for lg in prefill)
