@@ -15,17 +15,25 @@ import torch
 import torch.nn.functional as F
 
 from lightwell.attention.metadata import AttentionMetadata
+from lightwell.quant.kv_cache import dequantize_kv, quantize_kv
 
 
 def write_kv_cache(
-    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D'] (D' = D, or D + 4 for an int8 cache)
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64: block_id * B + offset
 ) -> None:
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    """Store k/v in the cache's dtype (``lightwell/quant/kv_cache.py``)."""
+    num_kv_heads, stored = kv_cache.shape[-2:]
+    for i, x in enumerate((k, v)):
+        rows = _raw(kv_cache[i].view(-1, num_kv_heads, stored))
+        rows.index_copy_(0, slot_mapping, _raw(quantize_kv(x, kv_cache.dtype)))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """fp8 as its bytes (index_copy_ / index_select have no fp8 kernels on CPU)."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def gather_kv(
@@ -50,7 +58,9 @@ def _take_blocks(
 ) -> torch.Tensor:  # [2, *S[:-1], S[-1] * B, Hkv, D]
     """Gather whole blocks with index_select (advanced indexing over dim 1 is ~10x slower)."""
     two, _, block_size, heads, dim = kv_cache.shape
-    flat = kv_cache.view(two, kv_cache.shape[1], -1).index_select(1, block_ids.reshape(-1))
+    raw = _raw(kv_cache)
+    flat = raw.view(two, kv_cache.shape[1], -1).index_select(1, block_ids.reshape(-1))
+    flat = flat.view(kv_cache.dtype)
     return flat.view(two, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, heads, dim)
 
 
@@ -201,7 +211,8 @@ def _attend_prefill(
     block_size = kv_cache.shape[2]
     num_blocks = -(-length // block_size)
     keys, values = gather_kv(kv_cache, meta.block_table[i, :num_blocks], length)
-    out[s:e] = _sdpa(q[s:e], keys.to(q.dtype), values.to(q.dtype), num_cached, scale, window)
+    keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
+    out[s:e] = _sdpa(q[s:e], keys, values, num_cached, scale, window)
 
 
 def _attend_decodes(
@@ -216,18 +227,18 @@ def _attend_decodes(
     """All query_len-1 requests at once: gather their blocks padded to the longest (keys out
     of the window are masked like the padding)."""
     device = q.device
-    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    num_kv_heads, stored, head_dim = *kv_cache.shape[-2:], q.shape[-1]
     tokens, num_reqs = plan.decode_tokens, len(plan.decodes)
     owned = plan.decode_first_block is None  # False: kv is a view into the cache
     if not owned:  # [2, 1, nb * B, Hkv, D]
         nb = plan.decode_blocks.shape[1]
         kv = kv_cache[:, plan.decode_first_block : plan.decode_first_block + nb]
-        kv = kv.reshape(2, 1, nb * kv_cache.shape[2], num_kv_heads, head_dim)
+        kv = kv.reshape(2, 1, nb * kv_cache.shape[2], num_kv_heads, stored)
     else:
         kv = _take_blocks(kv_cache, plan.decode_blocks)  # [2, R, nb * B, Hkv, D]
     kv = kv[:, :, : plan.decode_len]  # [2, R, L, Hkv, D]
     if kv.dtype != q.dtype:
-        kv, owned = kv.to(q.dtype), True
+        kv, owned = dequantize_kv(kv, q.dtype), True
     pad = plan.decode_pad  # [R, L] or None
     if window is not None:  # the query sits at seq_len - 1
         key_pos = torch.arange(kv.shape[2], device=device)[None, :]

@@ -14,6 +14,7 @@ from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
 from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
+from lightwell.quant.kv_cache import cache_dtype, stored_head_size
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
@@ -75,8 +76,10 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         is_driver: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        """``is_driver``: this rank samples. Under tensor parallelism only rank 0 does; the
+        """``kv_cache_dtype``: auto, fp8 or int8 (``lightwell/quant/kv_cache.py``).
+        ``is_driver``: this rank samples. Under tensor parallelism only rank 0 does; the
         others compute the same logits (their share of the LM head's all-gather) and drop them
         (in all-greedy steps every rank computes the tokens: ``_sharded_greedy``): the engine
         uses rank 0's tokens, and every rank learns them from the next step's
@@ -87,6 +90,8 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.device = device
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = cache_dtype(kv_cache_dtype, dtype)
         self.batch = InputBatch(block_size, device, max_positions=rope_table_length(model))
         self.sampler = Sampler()
         self.generator = torch.Generator(device=device)
@@ -106,6 +111,11 @@ class ModelRunner:
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
         backend = get_attention_backend(name)
+        if self.kv_dtype != self.dtype and backend.name != "torch":
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype} runs on the torch attention backend only "
+                f"(attention_backend {backend.name} was chosen)"
+            )
         for layer in self.attn_layers:
             layer.backend = backend
 
@@ -132,8 +142,11 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_layer = [2 * self.block_size * a.num_kv_heads * a.head_dim for a in self.attn_layers]
+        elem = torch.tensor([], dtype=self.kv_dtype).element_size()
+        per_layer = [
+            2 * self.block_size * a.num_kv_heads * stored_head_size(self.kv_dtype, a.head_dim)
+            for a in self.attn_layers
+        ]
         return sum(per_layer) * elem
 
     def init_kv_cache(self, num_blocks: int) -> None:
@@ -141,8 +154,9 @@ class ModelRunner:
         self.batch.num_blocks = num_blocks
         self.kv_caches = []
         for layer in self.attn_layers:
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            head = stored_head_size(self.kv_dtype, layer.head_dim)
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, head)
+            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 

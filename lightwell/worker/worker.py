@@ -128,6 +128,7 @@ class Worker:
             dtype=dtype,
             seed=m.seed,
             is_driver=self.rank == 0,
+            kv_cache_dtype=self.config.cache.kv_cache_dtype,
         )
         self.runner.set_attention_backend(self.config.device.attention_backend)
         from lightwell.worker.overlap import MicroBatchOverlap

@@ -22,13 +22,27 @@ from lightwell.layers.attention import Attention
 
 
 def bind_kv_caches(
-    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model: nn.Module,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_cache_dtype: str = "auto",
 ) -> list[torch.Tensor]:
+    from lightwell.quant.kv_cache import cache_dtype, stored_head_size
+
     caches = []
+    kv_dtype = cache_dtype(kv_cache_dtype, dtype)
     for layer in (m for m in model.modules() if isinstance(m, Attention)):
-        shape = layer.kv_cache_shape(num_blocks, block_size)
-        # Poison the cache: unwritten slots must never be read (NaN would propagate).
-        layer.kv_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        shape = list(layer.kv_cache_shape(num_blocks, block_size))
+        shape[-1] = stored_head_size(kv_dtype, shape[-1])
+        # Poison the cache: unwritten slots must never be read (NaN would propagate; an int8
+        # cache gets -128 codes and NaN scales).
+        if kv_dtype == torch.int8:
+            layer.kv_cache = torch.full(shape, -1, dtype=kv_dtype, device=device)
+            layer.kv_cache[..., :-4] = -128
+        else:
+            layer.kv_cache = torch.full(shape, float("nan"), dtype=kv_dtype, device=device)
         caches.append(layer.kv_cache)
     return caches
 
@@ -79,10 +93,13 @@ class PagedRunner:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         seed: int = 0,
+        kv_cache_dtype: str = "auto",
     ):
         self.model, self.block_size = model, block_size
         self.device = torch.device(device)
-        self.caches = bind_kv_caches(model, num_blocks, block_size, dtype, self.device)
+        self.caches = bind_kv_caches(
+            model, num_blocks, block_size, dtype, self.device, kv_cache_dtype
+        )
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.blocks: dict[str, list[int]] = {}

@@ -1,0 +1,77 @@
+"""Quantized KV caches (--kv-cache-dtype fp8 / int8) on the torch attention backend: the
+round-trip error of one stored row within its format's bound, and a tiny Llama's logits (prompts
+prefilled in chunks, so cached keys/values are read back, then greedy decode steps over a
+batch of unequal lengths) within a stated bound of HF transformers in fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightwell.quant.kv_cache import dequantize_kv, quantize_kv
+from tests.models.paged import PagedRunner
+from tests.models.tiny import hf_logits, hf_tiny_model, load_ours, rel_err, save_hf, tiny_config
+
+FP8 = torch.float8_e4m3fn
+# the logits' error, max |ours - HF| / max |HF|, over prefill chunks and decode steps
+BOUND = {"fp8": 0.08, "int8": 0.02}
+
+
+def test_kv_round_trip_within_format_bounds():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 3, 16, generator=gen) * torch.tensor([0.01, 1.0, 50.0])[None, :, None]
+    q = quantize_kv(x, torch.int8)
+    assert q.shape == (7, 3, 20) and q.dtype == torch.int8
+    step = x.abs().amax(-1, keepdim=True) / 127  # one int8 step per token and head
+    assert ((dequantize_kv(q, torch.float32) - x).abs() <= step / 2 + 1e-7).all()
+    f = quantize_kv(x, FP8)
+    assert f.shape == (7, 3, 20) and f.dtype == FP8
+    scale = x.abs().amax(-1, keepdim=True) / 448
+    err = (dequantize_kv(f, torch.float32) - x).abs()
+    normal = x.abs() >= scale * 2**-6  # e4m3's normal range: 3 mantissa bits, nearest
+    assert (err[normal] <= x.abs()[normal] / 16 + 1e-7).all()
+    assert (err[~normal] <= (scale * 2**-10).expand_as(x)[~normal] + 1e-9).all()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    torch.set_num_threads(1)
+    hf = hf_tiny_model(tiny_config("base", max_position_embeddings=256), seed=4)
+    return hf, load_ours(save_hf(hf, str(tmp_path_factory.mktemp("kv"))))
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+def test_quantized_kv_cache_logits_within_bound(pair, kv):
+    hf, ours = pair
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 300, (n,), generator=gen).tolist() for n in (23, 9)]
+    runner = PagedRunner(ours, block_size=4, num_blocks=64, kv_cache_dtype=kv)
+    assert runner.caches[0].dtype == {"fp8": FP8, "int8": torch.int8}[kv]
+    errs, seqs = [], [list(p) for p in prompts]
+    done = 0
+    for chunk in (10, 13):  # the first prompt in two chunks: the second reads the cache
+        part = [("a", prompts[0][done : done + chunk], done)]
+        if done == 0:
+            part.append(("b", prompts[1], 0))
+        out = runner.step(part)
+        done += chunk
+        errs.append(rel_err(out[0], hf_logits(hf, prompts[0][:done])[done - chunk :]))
+    for _ in range(6):
+        for s in seqs:
+            s.append(int(hf_logits(hf, s)[-1].argmax()))
+        out = runner.step([(r, [s[-1]], len(s) - 1) for r, s in zip("ab", seqs)])
+        errs += [rel_err(o[0], hf_logits(hf, s)[-1]) for o, s in zip(out, seqs)]
+    assert max(errs) < BOUND[kv], errs
+    assert max(errs) > 0  # the cache is really quantized
+
+
+def test_kv_cache_dtype_sizes_the_cache_and_needs_the_torch_backend(pair):
+    from lightwell.worker.model_runner import ModelRunner
+
+    _, ours = pair
+    kw = dict(block_size=16, vocab_size=300, device=torch.device("cpu"), dtype=torch.bfloat16)
+    sizes = {kv: ModelRunner(ours, kv_cache_dtype=kv, **kw).kv_bytes_per_block() for kv in BOUND}
+    auto = ModelRunner(ours, **kw).kv_bytes_per_block()
+    assert sizes["fp8"] == sizes["int8"] == auto * 20 // 32  # head_dim 16: 16 + 4 bytes vs 32
+    with pytest.raises(ValueError, match="kv_cache_dtype int8 runs on the torch attention"):
+        ModelRunner(ours, kv_cache_dtype="int8", **kw).set_attention_backend("triton")
