@@ -2,7 +2,8 @@
 at load, activations per token at run time; compressed-tensors' FP8 checkpoints reuse the same
 matmul), and HF's fine-grained FP8 checkpoints (``quant_method: fp8``: DeepSeek-V3/R1's format).
 
-W8A8: ``y = (qx @ qw.T) * sx[t] * sw[n]`` through ``torch._scaled_mm`` (row-wise scales).
+W8A8: ``y = (qx @ qw.T) * sx[t] * sw[n]`` through ``torch._scaled_mm`` on CUDA (row-wise scales),
+in fp32 on CPU (whose ``_scaled_mm`` is a slow reference).
 Fine-grained: ``weight`` [N, K] fp8 with ``weight_scale_inv`` [N / bn, K / bk] float32, one per
 ``weight_block_size`` = [bn, bk] block (``w = q * scale``); activations are quantized per token
 and per group of ``bk`` inputs at run time (``activation_scheme: dynamic``).
@@ -64,14 +65,25 @@ def fp8_w8a8_linear(
     static = None if input_scale is None else input_scale.reshape(1, 1)
     qx, sx = quantize_fp8(x, static)
     sw = weight_scale.float().reshape(1, -1).contiguous()
-    # CUDA's row-wise _scaled_mm wants bf16 out and K, N multiples of 16
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    if x.is_cuda and (x.shape[1] % 16 or weight.shape[0] % 16):
-        out = ((qx.float() @ weight.float().t()) * sx * sw).to(x.dtype)
+    # CUDA's row-wise _scaled_mm wants K, N multiples of 16; CPU's is a slow reference
+    if x.is_cuda and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
+        out = scaled_mm_rowwise(qx, weight, sx, sw, x.dtype)
     else:
-        out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=sw, out_dtype=out_dtype)
-    out = out.to(x.dtype)
+        out = ((qx.float() @ weight.float().t()) * sx * sw).to(x.dtype)
     return out if bias is None else out + bias
+
+
+def scaled_mm_rowwise(
+    qx: torch.Tensor,  # [T, K] fp8
+    weight: torch.Tensor,  # [N, K] fp8
+    sx: torch.Tensor,  # [T, 1] float32
+    sw: torch.Tensor,  # [1, N] float32
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [T, N]
+    """``torch._scaled_mm`` with row-wise scales (bf16 out on CUDA, as it requires there)."""
+    mm_dtype = torch.bfloat16 if qx.is_cuda else out_dtype
+    out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=sw, out_dtype=mm_dtype)
+    return out.to(out_dtype)
 
 
 class Fp8W8A8Method(UnquantizedLinearMethod):

@@ -235,3 +235,15 @@ def test_dummy_weights_in_quantized_layouts(quant_config):
     assert_no_float_weights(model)
     prefill, _ = run_ours(model, steps=1)
     assert all(torch.isfinite(lg).all() for lg in prefill)
+
+
+def test_scaled_mm_rowwise_call_matches_fp32():
+    """The CUDA path's torch._scaled_mm call (scale shapes and layouts), run by CPU's kernel."""
+    from lightwell.quant.fp8 import quantize_fp8, scaled_mm_rowwise
+
+    gen = torch.Generator().manual_seed(0)
+    qx, sx = quantize_fp8(torch.randn(5, 64, generator=gen))
+    qw, sw = quantize_fp8(torch.randn(48, 64, generator=gen))
+    out = scaled_mm_rowwise(qx, qw, sx, sw.reshape(1, -1), torch.float32)
+    ref = (qx.float() * sx) @ (qw.float() * sw).t()
+    assert rel_err(out, ref) < 1e-5

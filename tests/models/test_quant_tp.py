@@ -11,7 +11,7 @@ from tests.models.test_quant_formats import W8A8, WEIGHT_ONLY, build, with_input
 from tests.models.test_tensor_parallel import PROMPTS, _free_port, _run_rank
 from tests.models.tiny import hf_logits, rel_err
 
-KEYS = ["gptq_4b_g32_asym_actorder", "awq_4b_g32", "ct_w4a16_g32_asym"]
+KEYS = ["gptq_4b_g32_asym_actorder", "awq_4b_g32"]
 FP8_KEYS = ["ct_fp8_static_tensor", "hf_fp8_block16"]
 
 
