@@ -167,8 +167,8 @@ class PackedMethod(WNA16Method):
             "weight_g_idx",
         )
         k = q.shape[0]
-        gs = 0 if self.act_order else (self.group_size if self.group_size > 0 else k)
-        finalize(layer, q, scales, zeros, g_idx, self.bits, drop, gs)
+        gs = self.group_size if self.group_size > 0 else k
+        finalize(layer, q, scales, zeros, g_idx, self.bits, drop, gs, self.act_order)
 
 
 class ScaledMethod:

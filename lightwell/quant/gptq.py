@@ -90,5 +90,7 @@ class GPTQMethod(WNA16Method):
                 raise ValueError("gptq: g_idx names a group the checkpoint has no scales for")
         else:
             g_idx = group_index(k, self.group_size, q.device)
-        gs = 0 if self.desc_act else (self.group_size if self.group_size > 0 else k)
-        finalize(layer, q, layer.scales.data, zeros, g_idx, self.bits, ("qzeros",), gs)
+        gs = self.group_size if self.group_size > 0 else k
+        finalize(
+            layer, q, layer.scales.data, zeros, g_idx, self.bits, ("qzeros",), gs, self.desc_act
+        )

@@ -5,6 +5,8 @@ After ``finalize`` a layer holds
   ``qweight`` [K / (32 / bits), N] int32: unsigned weights packed along the inputs (GPTQ order),
   ``scales``  [G, N] and ``zeros`` [G, N] in the activation dtype: ``w = (q - zero) * scale``,
   ``g_idx``   [K] int32: the group of each input row (``k // group_size`` unless act-order),
+  ``quant_perm`` (attribute) [K] or None: act-order layers' rows sorted by group, x permuted to
+  match at each call,
 and ``apply`` computes ``x @ W + bias``: on CPU by dequantizing this one layer's weight for the
 call (never a resident dequantized copy), on CUDA through the W4A16 Triton kernels.
 """
@@ -26,11 +28,24 @@ def finalize(
     g_idx: torch.Tensor,  # [K] group of each input row
     bits: int,
     drop: tuple[str, ...],
-    group_size: int = 0,  # > 0: g_idx[k] == k // group_size (the kernels compute it); 0: act-order
+    group_size: int,  # the format's group size (K for one group per channel)
+    act_order: bool = False,  # g_idx comes from the checkpoint (rows in any group)
 ) -> None:
-    """Replace the checkpoint's parameters by the canonical layout (see the module docstring)."""
+    """Replace the checkpoint's parameters by the canonical layout (see the module docstring).
+
+    Act-order rows are sorted by group (``layer.quant_perm``: input k of the sorted layout is
+    input ``perm[k]`` of x) when that makes the groups contiguous runs of ``group_size``; the
+    kernels then compute the group (``layer.quant_group_size`` > 0). Otherwise (a row-parallel
+    shard of an act-order layer) they gather ``g_idx`` (``quant_group_size`` 0)."""
     dtype = scales.dtype if scales.is_floating_point() else torch.get_default_dtype()
-    layer.quant_bits, layer.quant_group_size = bits, group_size
+    layer.quant_bits, layer.quant_group_size, layer.quant_perm = bits, group_size, None
+    if act_order:
+        perm = torch.argsort(g_idx.long(), stable=True)
+        contiguous = torch.arange(q.shape[0], device=q.device) // group_size
+        if torch.equal(g_idx.long()[perm], contiguous):
+            q, g_idx, layer.quant_perm = q[perm], contiguous, perm
+        else:
+            layer.quant_group_size = 0
     replace_params(
         layer,
         {
@@ -60,6 +75,8 @@ def wna16_linear(
     x: torch.Tensor,  # [T, K]
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [T, N]
+    if layer.quant_perm is not None:  # act-order rows sorted by group: x's columns follow
+        x = x.index_select(1, layer.quant_perm)
     if x.is_cuda and layer.quant_bits == 4 and x.dtype in (torch.float16, torch.bfloat16):
         from lightwell.kernels.w4a16 import w4a16_matmul
 
