@@ -23,7 +23,7 @@ def is_preset_dummy(m: ModelConfig) -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
-QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gptq", "awq", "compressed-tensors")
+QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gptq", "awq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 ALL_REDUCE = (
     "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy",
@@ -67,11 +67,13 @@ class ModelConfig:
     quantization: str = _opt(
         "auto",
         "Weight quantization. auto: the checkpoint's quantization_config (GPTQ, AWQ, "
-        "compressed-tensors, HF fine-grained fp8), else none; none: refuse a quantized "
-        "checkpoint; gptq / awq / compressed-tensors: require that checkpoint format; int8: "
-        "quantize a 16/32-bit checkpoint at load to int8 weights per output channel "
-        "(weight-only); fp8: quantize it to fp8 weights per channel with fp8 activations per "
-        "token (W8A8), or read an HF fine-grained fp8 checkpoint.",
+        "compressed-tensors, HF fine-grained fp8), else none (a GGUF file is dequantized at "
+        "load); none: refuse a quantized checkpoint; gptq / awq / compressed-tensors: require "
+        "that checkpoint format; gguf (CPU): keep a GGUF file's linears in its quantized blocks, "
+        "dequantized per layer as they run (less memory, slower); int8: quantize a 16/32-bit "
+        "checkpoint at load to int8 weights per output channel (weight-only); fp8: quantize it "
+        "to fp8 weights per channel with fp8 activations per token (W8A8), or read an HF "
+        "fine-grained fp8 checkpoint.",
         QUANTIZATIONS,
     )
     max_model_len: int | None = _opt(

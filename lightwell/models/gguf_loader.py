@@ -1,4 +1,5 @@
-"""Tensors of a GGUF file, dequantized to torch and renamed to HF names.
+"""Tensors of a GGUF file, renamed to HF names: dequantized to torch, or (``keep_quantized``)
+the linear layers' weights as the file's quantized blocks.
 
 Quantized tensors are dequantized with the ``gguf`` package (F32/F16/BF16/Q8_0/Q4_0/Q4_1/
 K-quants ... whatever it implements). llama.cpp's converter permutes the rows of llama q/k
@@ -78,11 +79,26 @@ def gguf_tensor_to_torch(tensor: Any, path: str = "") -> torch.Tensor:
         ) from e
 
 
-class GGUFCheckpoint:
-    """Iterate ``(source, hf_name, tensor)`` over a GGUF file's weights."""
+# the linear layers' weights, which ``keep_quantized`` hands over as the file's blocks
+_LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 
-    def __init__(self, path: str, hf_config: Any):
-        self.path = path
+
+def _is_quantized_linear(tensor: Any) -> bool:
+    from gguf import GGMLQuantizationType as Q
+
+    if tensor.tensor_type in (Q.F32, Q.F16, Q.BF16) or not tensor.name.endswith(".weight"):
+        return False
+    parts = tensor.name.split(".")
+    return len(parts) == 4 and parts[0] == "blk" and parts[2] in _LINEARS
+
+
+class GGUFCheckpoint:
+    """Iterate ``(source, hf_name, tensor)`` over a GGUF file's weights. With
+    ``keep_quantized`` the linear layers' quantized weights come as their stored blocks
+    (``lightwell.quant.gguf.raw_tensor``), everything else dequantized."""
+
+    def __init__(self, path: str, hf_config: Any, keep_quantized: bool = False):
+        self.path, self.keep_quantized = path, keep_quantized
         self.reader = open_gguf(path)
         _, self.arch = gguf_arch(self.reader, path)
         self.num_heads = hf_config.num_attention_heads
@@ -95,9 +111,17 @@ class GGUFCheckpoint:
     def __iter__(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         for t in self.tensors:
             name = gguf_to_hf_name(t.name, self.path)
-            w = gguf_tensor_to_torch(t, self.path)
+            if self.keep_quantized and _is_quantized_linear(t):
+                from lightwell.quant.gguf import raw_tensor
+
+                w = raw_tensor(t.data, t.tensor_type)  # [rows, bytes per row]
+            else:
+                w = gguf_tensor_to_torch(t, self.path)
+            qtype = getattr(w, "gguf_type", None)
             if self.arch.permute_qk and ".attn_q." in t.name:
                 w = unpermute_qk(w, self.num_heads)
             elif self.arch.permute_qk and ".attn_k." in t.name:
                 w = unpermute_qk(w, self.num_kv_heads)
+            if qtype is not None:  # rows moved whole: still the file's blocks
+                w.gguf_type = qtype
             yield f"{self.path} (GGUF tensor {t.name!r})", name, w

@@ -64,12 +64,10 @@ def load_model(
     """The model for ``hf_config``, built on ``device`` in ``dtype``, weights loaded, in eval
     mode. ``files`` may be None for ``load_format="dummy"``. ``quantization``: see
     ``lightwell.quant`` (auto: the checkpoint's ``quantization_config``, if any)."""
-    from lightwell.quant import get_quant_method
-
     fmt = resolve_load_format(files, load_format)
     cls = get_model_class(hf_config)
     device = torch.device(device)
-    method = get_quant_method(hf_config, quantization)
+    method = _quant_method(hf_config, quantization, fmt, device)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config, method) if method is not None else cls(hf_config)
     if fmt == "dummy":
@@ -77,7 +75,7 @@ def load_model(
 
         init_dummy_weights(model, seed)
     else:
-        checkpoint = _open_checkpoint(files, fmt, hf_config)
+        checkpoint = _open_checkpoint(files, fmt, hf_config, method)
         _load_checkpoint(model, checkpoint, files.path, method)
     for module in model.modules():
         method = getattr(module, "quant_method", None)
@@ -86,12 +84,29 @@ def load_model(
     return model.eval()
 
 
-def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any) -> Any:
+def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.device) -> Any:
+    """``gguf``: a GGUF file's linears stay in the file's blocks (CPU); other values as
+    ``lightwell.quant.get_quant_method`` (a GGUF file's weights arrive dequantized)."""
+    from lightwell.quant import get_quant_method
+
+    if fmt == "gguf" and quantization in ("gptq", "awq", "compressed-tensors"):
+        raise ValueError(f"quantization {quantization!r} does not apply to a GGUF file")
+    if quantization == "gguf":
+        if fmt != "gguf" or device.type != "cpu":
+            raise ValueError("quantization 'gguf' keeps a .gguf file's blocks, on CPU only")
+        from lightwell.quant.gguf import GGUFLinearMethod
+
+        return GGUFLinearMethod()
+    return get_quant_method(hf_config, quantization)
+
+
+def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any, method: Any = None) -> Any:
     """A sized iterable of ``(source, hf_name, tensor)``."""
     if fmt == "gguf":
         from lightwell.models.gguf_loader import GGUFCheckpoint
 
-        return GGUFCheckpoint(files.path, hf_config)
+        keep = type(method).__name__ == "GGUFLinearMethod"
+        return GGUFCheckpoint(files.path, hf_config, keep_quantized=keep)
     from lightwell.models.safetensors_loader import SafetensorsCheckpoint
 
     return SafetensorsCheckpoint(files.path)

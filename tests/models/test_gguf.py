@@ -44,9 +44,21 @@ def roundtrip(w: np.ndarray, qtype) -> torch.Tensor:
     return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype).copy())
 
 
-def write_tiny_gguf(path: str, hf_model, rope_freqs: np.ndarray | None = None) -> dict:
+def quantize_roundtrip(array: np.ndarray, qtype) -> tuple[np.ndarray, torch.Tensor]:
+    """(stored blocks, what they dequantize to) of a float array, by gguf-py's quantizer."""
+    return gguf.quants.quantize(array, qtype), roundtrip(array, qtype)
+
+
+def write_tiny_gguf(
+    path: str,
+    hf_model,
+    rope_freqs: np.ndarray | None = None,
+    layer_types: list[dict] = LAYER_TYPES,
+    make=quantize_roundtrip,
+) -> dict:
     """Write ``hf_model`` as a llama GGUF; return the weights a perfect loader must produce
-    (HF names, dequantized, original row order)."""
+    (HF names, dequantized, original row order). ``make(array, qtype)`` gives a tensor's stored
+    blocks and their dequantized value (default: gguf-py quantizes the model's weights)."""
     cfg = hf_model.config
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf_model.state_dict().items()}
     w = gguf.GGUFWriter(path, "llama")
@@ -65,14 +77,14 @@ def write_tiny_gguf(path: str, hf_model, rope_freqs: np.ndarray | None = None) -
     expected: dict[str, torch.Tensor] = {}
 
     def put(name: str, hf_name: str, array: np.ndarray, qtype, heads: int = 0) -> None:
-        stored = llama_cpp_permute(array, heads) if heads else array
-        w.add_tensor(name, gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
         # Row-wise quantization commutes with the row permutation.
-        expected[hf_name] = roundtrip(array, qtype)
+        blocks, expected[hf_name] = make(array, qtype)
+        stored = llama_cpp_permute(blocks, heads) if heads else blocks
+        w.add_tensor(name, stored, raw_dtype=qtype)
 
     put("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
     for i in range(cfg.num_hidden_layers):
-        types = LAYER_TYPES[i % len(LAYER_TYPES)]
+        types = layer_types[i % len(layer_types)]
         for short, qtype in types.items():
             hf_name = f"model.layers.{i}.{HF_NAMES[short]}.weight"
             heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
@@ -138,8 +150,7 @@ def test_tiny_gguf(tmp_path, variant):
     assert config.architectures == ["LlamaForCausalLM"]
     assert config.tie_word_embeddings == (variant == "tied")
     assert (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (2, 96, 300)
-    ours = load_ours(path)
-    loaded = _loaded(ours)
+    loaded = _loaded(load_ours(path))  # dequantized at load
     for name, want in expected.items():
         assert torch.equal(loaded[name], want), name
     q0 = "model.layers.0.self_attn.q_proj.weight"  # stored F32: exactly the original
@@ -149,8 +160,12 @@ def test_tiny_gguf(tmp_path, variant):
 
     hf.load_state_dict({**hf.state_dict(), **expected})  # the reference sees the same weights
     prompt = list(range(5, 40))
-    (logits,) = PagedRunner(ours).step([("a", prompt, 0)])
-    assert rel_err(logits, hf_logits(hf, prompt)) < 1e-4
+    for quantization in ("auto", "gguf"):  # gguf: the linears keep the file's blocks
+        ours = load_ours(path, quantization=quantization)
+        (logits,) = PagedRunner(ours).step([("a", prompt, 0)])
+        assert rel_err(logits, hf_logits(hf, prompt)) < 1e-4
+    parts = ours.model.layers[1].mlp.gate_up_proj.gguf_parts  # Q4_0 gate, Q4_1 up: raw blocks
+    assert [(part.dtype, qtype) for qtype, part in parts] == [(torch.uint8, 2), (torch.uint8, 3)]
 
 
 def test_smollm2_gguf_matches_hf(smollm2_gguf):

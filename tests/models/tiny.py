@@ -75,10 +75,17 @@ def save_hf(model, folder: str, max_shard_size: str | None = None) -> str:
     return folder
 
 
-def load_ours(path: str, dtype: torch.dtype = torch.float32, overrides=None, load_format="auto"):
+def load_ours(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    overrides=None,
+    load_format="auto",
+    quantization="auto",
+):
     files = resolve_model(path)
     config = load_hf_config(files, overrides)
-    return load_model(files, config, dtype, torch.device("cpu"), load_format=load_format)
+    cpu = torch.device("cpu")
+    return load_model(files, config, dtype, cpu, load_format=load_format, quantization=quantization)
 
 
 @torch.no_grad()
