@@ -247,3 +247,27 @@ def test_scaled_mm_rowwise_call_matches_fp32():
     out = scaled_mm_rowwise(qx, qw, sx, sw.reshape(1, -1), torch.float32)
     ref = (qx.float() * sx) @ (qw.float() * sw).t()
     assert rel_err(out, ref) < 1e-5
+
+
+def test_llm_runs_a_gptq_checkpoint_with_an_int8_kv_cache(tmp_path):
+    """The engine options end to end: LLM(quantization=..., kv_cache_dtype=...) on a GPTQ
+    folder gives HF's greedy tokens, and an int8 KV cache holds more blocks in the same budget."""
+    from lightwell import LLM, SamplingParams
+
+    hf, folder = build(tmp_path, "gptq", *WEIGHT_ONLY["gptq_4b_g32_asym_actorder"])
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    blocks = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(
+            model=folder, skip_tokenizer_init=True, quantization="gptq", kv_cache_dtype=kv,
+            kv_cache_memory_gb=0.001, block_size=4, num_threads=1,
+        )  # fmt: skip
+        blocks[kv] = llm.engine.num_kv_blocks
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], greedy, use_tqdm=False)
+        if kv == "auto":
+            assert [o.outputs[0].token_ids for o in outs] == [
+                hf_greedy(hf, p)[len(p) :] for p in PROMPTS
+            ]
+        del llm
+    # fp32 cache: 16 values x 4 bytes per token and head; int8: 16 + 4 bytes
+    assert blocks["int8"] == pytest.approx(blocks["auto"] * 64 / 20, rel=0.01)
