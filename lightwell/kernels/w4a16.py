@@ -71,6 +71,7 @@ def _w4a16_gemm_kernel(
     stride_xm, stride_q, stride_s, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_SIZE: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (unused by 16-bit)
 ):  # fmt: skip
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -83,7 +84,7 @@ def _w4a16_gemm_kernel(
         w = _dequant_tile(
             q_ptr, s_ptr, z_ptr, g_ptr, k0, k, rn, K, N, stride_q, stride_s, GROUP_SIZE, ONE_GROUP
         )
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32)
+        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
     o_mask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -140,7 +141,8 @@ def w4a16_matmul(
         x, qweight, scales, zeros, g_idx, b, out, m, k, n,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE=group_size,
-        ONE_GROUP=one, HAS_BIAS=bias is not None, num_warps=4,
+        ONE_GROUP=one, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
     )  # fmt: skip
     return out
 

@@ -51,6 +51,10 @@ def _scheme(qc: dict[str, Any]) -> tuple[str, dict, dict | None]:
     status = qc.get("quantization_status", "compressed")
     if status != "compressed":
         raise _refuse(f"quantization_status {status!r} (only compressed checkpoints load)")
+    if qc.get("kv_cache_scheme"):
+        raise _refuse("a kv_cache_scheme (use --kv-cache-dtype instead)")
+    if (qc.get("sparsity_config") or {}).get("format") not in (None, "dense"):
+        raise _refuse("a sparsity_config")
     ignore = [i for i in qc.get("ignore") or [] if "lm_head" not in i]
     if ignore:
         raise _refuse(f"ignore names layers other than lm_head ({', '.join(ignore[:4])})")

@@ -98,6 +98,15 @@ def test_quantized_tensors_without_config_are_refused(gptq):
             },
             "compressed-tensors: ignore names layers other than lm_head",
         ),
+        (
+            {
+                **qp.ct_config(
+                    "float-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"}
+                ),
+                "kv_cache_scheme": {"num_bits": 8, "type": "float"},
+            },
+            "compressed-tensors: a kv_cache_scheme",
+        ),
     ],
 )
 def test_unsupported_configs_name_method_and_supported(plain, quant_config, message):
