@@ -24,8 +24,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 ALL_REDUCE = (
-    "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy",
-    "hostmem-copy-int8", "peermem", "gloo",
+    "auto", "nccl", "oneshot", "hostmem", "hostmem-int8", "hostmem-copy", "hostmem-copy-int8",
+    "gloo",
 )  # fmt: skip
 
 
@@ -133,20 +133,16 @@ class ParallelConfig:
         "auto",
         "All-reduce strategy for tensor parallelism. auto: on GPUs with peer access, "
         "hostmem's low-latency lane for decode messages up to 64 KB (two GPUs), peer-memory "
-        "one-shot/two-shot for small messages and NCCL for the rest; on GPUs "
-        "without (a pair that cannot map each other, or NCCL_P2P_DISABLE=1), hostmem; gloo "
-        "on CPU. nccl: the process group's own all-reduce; oneshot: torch symmetric memory "
-        "(GPU); int8: group-wise int8-quantized over NCCL (lossy, halves the bytes); host: "
-        "through shared host memory, summed by the CPUs; hostmem: one GPU kernel through "
-        "pinned host memory, exact (for PCIe boxes without P2P); hostmem-int8: the same with "
-        "an int8 payload (lossy); hostmem-copy / hostmem-copy-int8: hostmem / hostmem-int8 "
-        "with the --dual-stream overlap's all-reduces (of 1 MiB or more) moved by the copy "
-        "engines, no SMs held (the fastest prefills over PCIe, with --dual-stream and "
-        "prefill CUDA graphs); peermem (two GPUs with peer access): auto's rule with "
-        "hostmem's low-latency kernel writing into the peer GPU's memory instead of host "
-        "memory for messages up to 64 KB (unmeasured; --custom-all-reduce does not apply); "
-        "gloo: over the CPU group. See "
-        "docs/parallelism.md.",
+        "one-shot/two-shot for messages up to 4 MiB and NCCL for the rest; on GPUs without "
+        "(a pair that cannot map each other, or NCCL_P2P_DISABLE=1), hostmem; gloo on CPU. "
+        "nccl: the process group's own all-reduce (large messages over NVLink); oneshot: "
+        "torch symmetric memory (small messages, GPUs with peer access); hostmem: one GPU "
+        "kernel through pinned host memory, exact (PCIe boxes without P2P); hostmem-int8: the "
+        "same with an int8 payload (lossy; the fastest decode over PCIe); hostmem-copy / "
+        "hostmem-copy-int8: hostmem / hostmem-int8 with the --dual-stream overlap's "
+        "all-reduces (of 1 MiB or more) moved by the copy engines, no SMs held (the fastest "
+        "prefills over PCIe, with --dual-stream and prefill CUDA graphs); gloo: over the CPU "
+        "group. See docs/parallelism.md.",
         ALL_REDUCE,
     )
     custom_all_reduce: bool = _opt(
@@ -190,6 +186,13 @@ class DeviceConfig:
         "Default: 2048 under `lightwell serve` or with --dual-stream, 512 otherwise (never "
         "above the step budget). "
         "Decode graphs cover batches up to --max-num-seqs.",
+    )
+    pdl: bool = _opt(
+        True,
+        "GPU (NVIDIA sm_90+): programmatic dependent launch. The batch-1 decode matmuls and "
+        "the norms start while the kernel before them finishes (the matmul loads its first "
+        "weight tile before waiting for its input); the same results, a faster batch-1 "
+        "decode. Ignored elsewhere.",
     )
     attention_backend: str = _opt(
         "auto",

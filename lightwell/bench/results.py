@@ -17,9 +17,10 @@ from lightwell import envs
 
 
 def git_commit() -> str:
-    """The short commit of the Lightwell checkout that is running: the LIGHTWELL_COMMIT variable when set (a
-    tree copied without .git, e.g. to the GPU machine), else git's, else ``unknown``."""
-    from_env = envs.get("LIGHTWELL_COMMIT")
+    """The short commit of the Lightwell checkout that is running: ``envs.commit_override()``
+    when set (a tree copied without .git, e.g. to the GPU machine), else git's, else
+    ``unknown``."""
+    from_env = envs.commit_override()
     if from_env:
         return from_env
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,7 @@ from lightwell.engine.overlap_loop import OverlapLoop
 from lightwell.engine.step_trace import StepTrace
 from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
-from lightwell.models.paths import ModelFiles, resolve_model
+from lightwell.model_files import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.scheduler.request import Request
 from lightwell.scheduler.scheduler import Scheduler

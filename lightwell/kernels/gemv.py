@@ -17,7 +17,6 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
-from lightwell.kernels.pdl import prefetch_l2
 
 MAX_M = 4
 
@@ -48,9 +47,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [gate | up] ([M, 2K]): multiply by silu(gate) * up
     EARLY_W: tl.constexpr,  # the first K tile of W is loaded before anything else (PDL's form)
-    GDC: tl.constexpr,  # with EARLY_W: signal, L2-prefetch the other tiles, wait (kernels/pdl.py)
-    PF_STEP: tl.constexpr,  # elements of W per prefetched line (at most BLOCK_K)
-    PF_TILES: tl.constexpr,  # K tiles prefetched after the first (kernels/pdl.py)
+    GDC: tl.constexpr,  # with EARLY_W: signal, then wait for the kernel before (kernels/pdl.py)
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -69,9 +66,6 @@ def _gemv_kernel(
             w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
-            lines = tl.arange(0, BLOCK_K // PF_STEP) * PF_STEP
-            for k0 in range(BLOCK_K, tl.minimum(K, (1 + PF_TILES) * BLOCK_K), BLOCK_K):
-                prefetch_l2(w_rows + tl.minimum(k0 + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
         x = _load_x(x_rows, rk, K, EVEN_K, SILU_MUL)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -122,10 +116,9 @@ def gemv(
     """``x @ weight.T (+ bias)``; with ``silu_mul``, x is a gated MLP's ``[gate | up]`` and the
     product is ``(silu(gate) * up) @ weight.T``, the activation computed as the matmul loads
     it (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages),
-    default ``pick_config``. ``pdl`` (default: on an sm_90+ GPU unless ``LIGHTWELL_PDL=0``)
-    loads the first K tile of weights before the input, and on such a GPU launches with
-    programmatic dependent launch, prefetching ``LIGHTWELL_PDL_PREFETCH_TILES`` (default 0)
-    more weight tiles toward L2 before waiting for the kernel before (kernels/pdl.py);
+    default ``pick_config``. ``pdl`` (default: ``kernels.pdl.use_pdl``) loads the first K
+    tile of weights before the input, and on an sm_90+ GPU launches with programmatic
+    dependent launch, waiting for the kernel before only after that load (kernels/pdl.py);
     elsewhere only the load order changes. With it, ``weight``
     must be written by no kernel of the stream (a layer's weights are not): it is read before
     the wait."""
@@ -143,8 +136,7 @@ def gemv(
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        EARLY_W=early, GDC=gdc, PF_STEP=min(block_k, _pdl.LINE_BYTES // weight.element_size()),
-        PF_TILES=_pdl.PREFETCH_TILES if gdc else 0,
+        EARLY_W=early, GDC=gdc,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out

@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels import pdl as _pdl
 from lightwell.kernels.int8_pack import GROUP, aligned, packed_row_bytes, quantize_groups
 from lightwell.kernels.rmsnorm import norm_row
 
@@ -466,10 +465,7 @@ def _hostmem_ll_kernel(
     NORM: tl.constexpr,
     HIDDEN: tl.constexpr,
     ALIGN: tl.constexpr = False,  # as in _hostmem_all_reduce_kernel
-    PDL_SIGNAL: tl.constexpr = False,  # let a PDL-launched next kernel start now (kernels/pdl.py)
 ):
-    if PDL_SIGNAL:
-        tl.extra.cuda.gdc_launch_dependents()
     if ALIGN:
         n = n // 16 * 16
     BITS: tl.constexpr = 32 // COMP
@@ -566,7 +562,6 @@ def hostmem_ll_all_reduce(
         ASM=bufs.use_asm,
         **norm_consts,
         ALIGN=aligned(x.numel()),
-        PDL_SIGNAL=_pdl.allreduce_signal(x.device),
         num_warps=8 if bufs.block >= 4096 else 4,
     )
     return _result(out, res_out)

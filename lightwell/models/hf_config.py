@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from lightwell.models.paths import ModelFiles
+from lightwell.model_files import ModelFiles
 
 _LLAMA3 = {
     "architectures": ["LlamaForCausalLM"],

@@ -1,6 +1,6 @@
 """Build a model and fill its weights: routing between safetensors, GGUF and dummy weights.
 
-    files = resolve_model(path)                       # lightwell.models.paths
+    files = resolve_model(path)                       # lightwell.model_files
     hf_config = load_hf_config(files, overrides)      # lightwell.models.hf_config
     model = load_model(files, hf_config, torch.bfloat16, torch.device("cuda"))
 
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from lightwell.distributed.parallel_state import get_tp_rank
+from lightwell.model_files import ModelFiles
 from lightwell.models.hf_config import load_hf_config
-from lightwell.models.paths import ModelFiles
 from lightwell.models.registry import get_model_class
 
 __all__ = ["load_hf_config", "load_model", "resolve_load_format"]

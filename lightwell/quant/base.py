@@ -15,7 +15,6 @@ Parameter attributes the layers' weight loaders read (set with ``set_weight_attr
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
@@ -110,12 +109,9 @@ class UnquantizedLinearMethod:
 
 
 # A CUDA bf16/fp16 matmul of at most SKINNY_GEMM_MAX_ROWS rows (batch-1 decode) runs on
-# kernels/gemv.py instead of cuBLAS. On the H200, one row, weights streamed from HBM
-# (benchmarks/results/tp_run10/gemv_*.json): 1.05-1.27x faster than cuBLAS on llama-3-8b's
-# shapes at TP=1 and TP=2, the LM head included (tp2 qkv 9.0 vs 11.9 µs, down 17.6 vs 21.3,
-# LM head 122.8 vs 133.4); at 2 rows even or slower, at 4 much slower, hence one row.
-# LIGHTWELL_SKINNY_GEMM_MAX_ROWS=0 turns it off (at most 4: the kernel's MAX_M).
-SKINNY_GEMM_MAX_ROWS = min(4, int(os.environ.get("LIGHTWELL_SKINNY_GEMM_MAX_ROWS", "1")))
+# kernels/gemv.py instead of cuBLAS: faster than cuBLAS at one row on every llama-3-8b shape
+# (TP=1 and TP=2, the LM head included); even or slower at 2 rows and much slower at 4.
+SKINNY_GEMM_MAX_ROWS = 1
 
 
 def dense_linear(

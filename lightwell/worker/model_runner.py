@@ -12,13 +12,13 @@ from torch import nn
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
+from lightwell.dual_stream import DualStream
 from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
-from lightwell.worker.overlap import MicroBatchOverlap
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
 
@@ -94,7 +94,7 @@ class ModelRunner:
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
-        self.overlap: MicroBatchOverlap | None = None  # set by the worker (--dual-stream)
+        self.overlap: DualStream | None = None  # set by the worker (--dual-stream)
         # Async scheduling under tensor parallelism: rank 0 broadcasts its sampled tokens so
         # every rank can feed a token still in flight to the next step (set by the worker).
         self.share_sampled_tokens = False

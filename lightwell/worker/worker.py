@@ -11,7 +11,7 @@ import torch
 
 from lightwell.config import EngineConfig, is_preset_dummy
 from lightwell.layers.rotary import rope_table_length
-from lightwell.models.paths import ModelFiles, resolve_model
+from lightwell.model_files import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -36,6 +36,8 @@ class ModelInfo:
     device: str
     num_params: int
     load_seconds: float
+    hidden_size: int = 0
+    tie_word_embeddings: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -88,6 +90,10 @@ class Worker:
             threads = 1  # ranks share the cores: OpenMP spin-waits would collapse throughput
         if threads:
             torch.set_num_threads(threads)
+        if self.device.type == "cuda":
+            from lightwell.kernels import pdl
+
+            pdl.set_enabled(config.device.pdl)
         if tp > 1:
             if init_method is None:
                 raise ValueError("tensor_parallel_size > 1 needs an init_method for the group")
@@ -128,9 +134,9 @@ class Worker:
             is_driver=self.rank == 0,
         )
         self.runner.set_attention_backend(self.config.device.attention_backend)
-        from lightwell.worker.overlap import MicroBatchOverlap
+        from lightwell.dual_stream import DualStream
 
-        self.runner.overlap = MicroBatchOverlap.create(model, self.config.parallel, self.device)
+        self.runner.overlap = DualStream.create(model, self.config.parallel, self.device)
         return ModelInfo(
             name=self.files.name if files is not None else str(overrides),
             architecture=(getattr(hf, "architectures", None) or ["?"])[0],
@@ -141,6 +147,8 @@ class Worker:
             device=str(self.device),
             num_params=sum(p.numel() for p in model.parameters()),
             load_seconds=time.perf_counter() - t0,
+            hidden_size=hf.hidden_size,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         )
 
     def init_all_reduce(self, resolved: EngineConfig) -> None:
@@ -212,6 +220,13 @@ class Worker:
     def launch(self, sched: SchedulerOutput) -> PendingStep:
         """Queue the step on the device; the handle's ``result()`` waits for its tokens."""
         return self.runner.launch(sched)
+
+    def abort_collectives(self) -> None:
+        """Make this rank's pending collectives fail now (a peer process died), so the engine
+        raises instead of waiting in them: best effort, from the executor's monitor thread."""
+        from lightwell.distributed.launch import abort_distributed
+
+        abort_distributed()
 
     def shutdown(self) -> None:
         if self.device.type == "cuda":

@@ -1,4 +1,7 @@
-"""Int8-quantized all-reduce: about half the bytes of bf16 on the wire, for bandwidth-bound links.
+"""Experimental: ``int8``, an int8-quantized all-reduce over NCCL (hostmem-int8 is faster
+wherever both were measured). Its torch ops are also the reference of kernels/int8_pack.py.
+
+Int8-quantized all-reduce: about half the bytes of bf16 on the wire, for bandwidth-bound links.
 
     x [N] -> pad to n * C, view [n, C] (chunk j goes to rank j)
       quantize per group of GROUP elements (scale = absmax / 127, int8 values, fp32 scales)
@@ -17,7 +20,7 @@ Error: two roundings to a step of absmax/127 per group; each element is off by a
 (sum over ranks of its input group's absmax + its output group's absmax) / 254 (asserted in
 tests/models/test_tensor_parallel_comm.py). Measured on 2 ranks, [64, 4096] fp32: Gaussian
 inputs 0.9 % relative L2 error of the sum; with 8 outlier channels 50x larger, 2.2 % (the
-outliers' groups get coarse steps). See docs/parallelism.md.
+outliers' groups get coarse steps).
 """
 
 from __future__ import annotations

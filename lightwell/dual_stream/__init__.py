@@ -1,9 +1,18 @@
-"""When a step runs as micro-batches (``--dual-stream-micro-batches``, two by default) with
-their all-reduces on a second CUDA stream.
+"""The dual-stream overlap (``--dual-stream``): a step runs as micro-batches
+(``--dual-stream-micro-batches``, two by default) whose all-reduces go on a second CUDA stream
+while the other micro-batches compute.
+
+Everything about it lives in this package, behind ``DualStream`` (``create`` / ``applies`` /
+``forward``), which the model runner calls for the steps it applies to:
+
+- ``split``: one step's flat batch cut into micro-batches (metadata included);
+- ``comm``: the second stream and the all-reduces launched on it;
+- ``forward``: the forward over micro-batches, with each decoder layer as stages (the model
+  files keep a plain forward; the stages of the families it supports are written here).
 
 On only under tensor parallelism on GPU with ``--dual-stream``, for steps of at least
-``--dual-stream-min-tokens`` tokens, for models ``lightwell.models.micro_batch_forward`` supports;
-a no-op on CPU. Tests build it with ``stream=None`` to run the same split in order on CPU.
+``--dual-stream-min-tokens`` tokens, for models ``forward`` supports; a no-op on CPU. Tests
+build ``DualStream`` with ``stream=None`` to run the same split in order on CPU.
 """
 
 from __future__ import annotations
@@ -14,16 +23,16 @@ import torch
 from torch import nn
 
 from lightwell.attention.metadata import AttentionMetadata
-from lightwell.attention.micro_batch import can_split, split_batch
 from lightwell.config import ParallelConfig
-from lightwell.distributed.overlap import CommStream
 from lightwell.distributed.parallel_state import get_tp_size
-from lightwell.models.micro_batch_forward import micro_batch_forward, model_stages
+from lightwell.dual_stream.comm import CommStream
+from lightwell.dual_stream.forward import micro_batch_forward, model_stages
+from lightwell.dual_stream.split import can_split, split_batch
 
 logger = logging.getLogger(__name__)
 
 
-class MicroBatchOverlap:
+class DualStream:
     def __init__(
         self,
         model: nn.Module,
@@ -44,7 +53,7 @@ class MicroBatchOverlap:
     @classmethod
     def create(
         cls, model: nn.Module, parallel: ParallelConfig, device: torch.device
-    ) -> MicroBatchOverlap | None:
+    ) -> DualStream | None:
         if not parallel.dual_stream or get_tp_size() == 1 or device.type != "cuda":
             return None
         if model_stages(model) is None:

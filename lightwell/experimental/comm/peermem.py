@@ -1,4 +1,5 @@
-"""``peermem``: hostmem's low-latency kernel over peer memory, for two GPUs with peer access.
+"""Experimental (not yet measured on two GPUs): ``peermem``, hostmem's low-latency kernel over
+peer memory, for two GPUs with peer access.
 
 The same one-kernel all-reduce as ``hostmem``'s ll lane (lightwell/kernels/hostmem_allreduce.py:
 the epoch in the high half of every 8-byte word, the payload in the low half, the residual add
@@ -6,8 +7,7 @@ the epoch in the high half of every 8-byte word, the payload in the low half, th
 instead of a host segment: each rank owns a buffer in its own device memory (torch symmetric
 memory, mapped by the peer), writes its words into the peer's buffer (NVLink stores) and polls
 its own buffer, a local read, for the peer's. hostmem's lane reads the peer's words back from
-host memory over PCIe, a round trip per poll, which is why a batch-1 all-reduce there takes
-~5.8 µs (docs/parallelism.md, run 10).
+host memory over PCIe, a round trip per poll.
 
 Two ranks only (a rank writes into one peer's buffer); exact (the fp32 sum in rank order,
 rounded once, the same bytes on both ranks); CUDA-graph safe. Buffers are zeroed before either
@@ -18,12 +18,12 @@ Triton interpreter) the two buffers are the halves of one shared-memory segment.
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightwell import envs
 from lightwell.distributed.comm.base import CommContext
 from lightwell.distributed.comm.hostmem import LL_MAX_BYTES, HostMemAllReduce, map_pinned
 
@@ -51,7 +51,7 @@ class PeerMemAllReduce(HostMemAllReduce):
             except ImportError:
                 return False
             return True
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        return envs.triton_interpret()
 
     def _segments(self, ctx: CommContext, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's buffer, the peer's), both ``nbytes``, zeroed, addressable here."""

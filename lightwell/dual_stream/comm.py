@@ -103,19 +103,6 @@ class CommStream:
             pending.result = phased.finish()
         return pending.result
 
-    def wait_add_rmsnorm(
-        self, pending: PendingAllReduce, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``wait`` fused with the residual add + RMSNorm that consumes the sum, ``(norm(sum
-        + residual) * weight, sum + residual)``, where the call in phases has that form
-        (``hostmem-copy-int8`` with it enabled); None otherwise, having done nothing."""
-        phased = pending.phased
-        fusable = getattr(phased, "can_finish_add_rmsnorm", None)
-        if fusable is None or not fusable(residual):
-            return None
-        self._take(pending)
-        return phased.finish_add_rmsnorm(residual, weight, eps)
-
     def join(self) -> None:
         """The main stream waits for the last finished call's flag writes (a strategy's down
         stream runs in order: they come after every earlier call's)."""
