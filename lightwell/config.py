@@ -120,8 +120,8 @@ class SchedulerConfig:
         "sampled are fed to the next step on the device; under tensor parallelism rank 0 "
         "broadcasts them). Same tokens for greedy and per-request-seeded sampling (unseeded "
         "rows share one random stream, so they depend on the batch in either loop); hides the "
-        "host's per-step work on a GPU (H200, llama-3-8b: 1.13x batch-1 decode, 1.3x offline "
-        "throughput). A request that stops on EOS or a stop string computes one "
+        "host's per-step work on a GPU (faster batch-1 decode and offline throughput; "
+        "docs/performance.md). A request that stops on EOS or a stop string computes one "
         "extra token, which is dropped.",
     )
 
@@ -308,10 +308,8 @@ def resolve_config(
     max_len = model_max_len if m.max_model_len is None else m.max_model_len
     if kv_capacity_tokens is not None:
         max_len = min(max_len, kv_capacity_tokens)
-    # GPU defaults by use (tp_run9, llama-3-8b on H200s): serving (W3 at 8 and 32 req/s) had
-    # lower TTFT and TPOT with 2,048-token steps replayed from graphs (TP=1 at 32 req/s: TTFT
-    # P50 167 vs 1,138 ms, 17.1 vs 15.5 req/s); offline throughput (W2) is 9 % higher with
-    # 8,192-token steps (30,170 vs 27,430 tok/s)
+    # GPU defaults by use: serving has lower TTFT and TPOT with 2,048-token steps replayed from
+    # graphs; offline throughput is higher with 8,192-token steps (docs/performance.md)
     if on_gpu:
         default_batched = SERVE_BATCHED_TOKENS if cfg.serving else GPU_BATCHED_TOKENS
     else:
@@ -322,7 +320,7 @@ def resolve_config(
     seqs = s.max_num_seqs or (256 if on_gpu else 64)
     graph_tokens = cfg.device.cuda_graph_prefill_tokens
     if graph_tokens is None:  # --dual-stream pays inside graphs only (eager splits are bound
-        # by their launches: docs/parallelism.md, runs 4 and 6), so it takes serve's size too
+        # by their launches: docs/parallelism.md), so it takes serve's size too
         wide = cfg.serving or cfg.parallel.dual_stream
         graph_tokens = SERVE_PREFILL_GRAPH_TOKENS if wide else PREFILL_GRAPH_TOKENS
     return cfg.replace(

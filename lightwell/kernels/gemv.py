@@ -1,13 +1,12 @@
 """Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M <= 4.
 
-Decode at batch 1 is bound by streaming W once. cuBLAS streams llama-3-8b's narrow matrices
-(qkv and o_proj, more so at TP=2) at only 2.2-3.1 TB/s of the H200's ~4.2 TB/s of copy
-bandwidth (benchmarks/results/tp_run8/blas_*.json). This kernel uses the CUDA cores: each
-program owns BLOCK_N rows of W, walks K in BLOCK_K tiles of contiguous 16-byte loads, keeps a
-[BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator of products and reduces it once at the end, so
-the loop holds no reductions. Rows past N (the last program) and past M re-read the last
-valid row instead of masking, so the loads stay unmasked vectors when BLOCK_K divides K.
-(An earlier version padded M to 16 for ``tl.dot``: 1.9-3.7 TB/s, slower than cuBLAS.)
+Decode at batch 1 is bound by streaming W once, and cuBLAS streams narrow matrices
+(llama-3-8b's qkv and o_proj, more so at TP=2) well below the copy bandwidth. This kernel uses
+the CUDA cores: each program owns BLOCK_N rows of W, walks K in BLOCK_K tiles of contiguous
+16-byte loads, keeps a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator of products and reduces it
+once at the end, so the loop holds no reductions. Rows past N (the last program) and past M
+re-read the last valid row instead of masking, so the loads stay unmasked vectors when BLOCK_K
+divides K. (Padding M to 16 for ``tl.dot`` instead is slower than cuBLAS.)
 """
 
 from __future__ import annotations
@@ -90,15 +89,12 @@ Config = tuple[int, int, int, int]
 
 
 def pick_config(n: int, k: int, m: int = 1, silu_mul: bool = False) -> Config:
-    """The tile for an [N, K] weight and M rows. benchmarks/gpu_gemv.py's sweep of 100 tiles
-    on llama-3-8b's eight shapes (TP=1 and 2, one row, H200) put the best within 5 % of one
-    another; two rows a program, 1,024-wide K steps, one warp, 3 stages is among the best
-    on most shapes and within 4 % of the best on every one (benchmarks/results/tp_run10).
-    With ``silu_mul`` every program recomputes the activation of its K range (an exponential
-    per element), so a program takes 8 weight rows, an exponential per 8 weight elements
-    instead of per 2: llama-3-8b's down projection at one row, 17.8 µs fused against 19.3 for
-    the activation then the gemv (TP=2), 32.9 against 34.0 (TP=1); 2 rows a program: 27.3
-    and 54.1; 16 rows: 21.4 and 39.1 (``gpu_gemv.py --silu``, tp_run10)."""
+    """The tile for an [N, K] weight and M rows: two rows a program, 1,024-wide K steps, one
+    warp, 3 stages, within a few percent of the best tile on every llama-3-8b shape (the
+    kernel benchmark's tile sweep). With ``silu_mul`` every program recomputes the activation
+    of its K range (an exponential per element), so a program takes 8 weight rows, an
+    exponential per 8 weight elements instead of per 2 (faster than the activation kernel
+    then the gemv; 2 and 16 rows a program are slower)."""
     if silu_mul:
         return 8, min(1024, triton.next_power_of_2(k)), 4, 1
     return 2, min(1024, triton.next_power_of_2(k)), 1, 3

@@ -519,8 +519,8 @@ def _hostmem_ll_kernel(
                     acc += vals.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         if gave_up > 0:
             _give_up(status_ptr, ASM)
-        # loaded after the polls, unlike the flag kernel: loaded before, they made W1 (one
-        # program) 2 % slower (tp_run5 calls 2 and 4)
+        # loaded after the polls, unlike the flag kernel: loaded before, they make batch-1
+        # decode (one program) slower
         r, w = _norm_inputs(res_ptr, w_ptr, offs, mask, NORM, HIDDEN)
         _finish(acc, offs, mask, out_ptr, r, w, res_out_ptr, eps, BLOCK, NORM, HIDDEN)
         tl.store(epoch_ptr + b, epoch)

@@ -25,9 +25,7 @@ import triton.language as tl
 
 GROUP = 128  # elements per scale: equals lightwell.experimental.comm.int8_nccl.GROUP (tested)
 # Groups a program of quantize_pack / dequant_sum: one group a program (a warp's worth of
-# work) left an 8 MB message's quantize at 22 us on the H200, ~0.5 TB/s (tp_run6); of 4-32
-# groups x 2-8 warps, 16 x 4 was the fastest for both (tp_run7 copy_ops: quantize 15.6 us,
-# the sum 14.0, against 19.0 and 18.9 at 8 x 4, same call).
+# work) is far from the bandwidth; of 4-32 groups x 2-8 warps, 16 x 4 is the fastest for both.
 GROUPS_PER_PROGRAM = 16
 TILE_WARPS = 4  # warps a program of those two kernels
 

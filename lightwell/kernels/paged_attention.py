@@ -142,8 +142,7 @@ def _attend_tile(
 
 
 # Per-step integers are not specialised: Triton would otherwise compile a variant for each
-# combination of "== 1" / "divisible by 16" among them (seconds each, in the middle of serving;
-# on the H200 a W2 run spent ~15 s compiling such variants).
+# combination of "== 1" / "divisible by 16" among them (seconds each, in the middle of serving).
 @triton.jit(
     do_not_specialize=["req_base", "num_reqs", "tok_base", "tile_base", "window", "stride_bt"]
 )

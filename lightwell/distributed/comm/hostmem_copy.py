@@ -47,15 +47,15 @@ In phases (``start`` / ``transfer`` / ``finish``, the dual-stream overlap's call
 ``CommStream``): the int8 quantize runs on the stream that produced x, the copies and flags on
 the comm stream, the sum on the stream that consumes the result, so the comm stream runs no
 kernel. A kernel there waits for the SMs, and the GEMM beside it holds every SM until it ends
-(benchmarks/gpu_copy_ops.py on the H200: a 13 us quantize took 164 us ready-to-done beside a
-153 us GEMM, at either stream priority). Calls in flight in phases each own one of the
-stage sets (``phases``: this rank's packed message, the peers' copies, each sized for a
-micro-batch's share of a step's message), taken at ``start`` and given back at ``finish``;
-with none free (or a message too large), ``start`` declines and the call runs whole on the
-comm stream. Every call also waits, on its own up stream, for this rank's flag writes of the
-previous call in phases of its parity in the same forward (``end_forward`` forgets them), so
-a graph whose branches run one after the other still progresses, also when a whole call
-follows calls in phases: the comm stream does not wait for the down stream otherwise.
+(a short quantize beside a GEMM finishes only after the GEMM, at either stream priority). Calls
+in flight in phases each own one of the stage sets (``phases``: this rank's packed message, the
+peers' copies, each sized for a micro-batch's share of a step's message), taken at ``start``
+and given back at ``finish``; with none free (or a message too large), ``start`` declines and
+the call runs whole on the comm stream. Every call also waits, on its own up stream, for this
+rank's flag writes of the previous call in phases of its parity in the same forward
+(``end_forward`` forgets them), so a graph whose branches run one after the other still
+progresses, also when a whole call follows calls in phases: the comm stream does not wait for
+the down stream otherwise.
 
 On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag writes
 stores, the waits bounded spins; the int8 kernels run under the Triton interpreter.
@@ -435,7 +435,7 @@ class _Phased:
 
     def claim(self) -> None:
         """The slot handshake, on the current stream (the comm stream, before it waits for
-        the stream that quantizes: measured run 8, ``to_first_d2h``). Once a call."""
+        the stream that quantizes, so its round trips overlap the quantize). Once a call."""
         if self.parity is not None:
             raise RuntimeError("this call has claimed its slot already")
         self.parity = self.owner._claim()
@@ -451,8 +451,8 @@ class _Phased:
     def finish(self) -> torch.Tensor:
         """The sum, on the current stream (the consumer's, after it waited for the current
         stream of ``transfer``), once the peers' copies have landed; gives the set back. The
-        flags' lowering after the copies is left to ``join`` (waiting for it here held the
-        consumer ~10 us a call: run 7 call 3)."""
+        flags' lowering after the copies is left to ``join`` (waiting for it here would hold
+        the consumer for a round trip a call)."""
         try:
             return self.owner._sum_after(self.x, self.layout, self.stage, self.marks, join=False)
         finally:

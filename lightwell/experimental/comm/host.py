@@ -15,8 +15,8 @@ Barriers are per-rank counters in the same shared memory, spun on with ``sched_y
 sockets on the hot path), with a timeout so a dead peer raises instead of hanging.
 
 The whole call runs on one CPU thread, not torch's intra-op pool: two ranks' OpenMP teams
-spin-waiting on the same cores (beside the barriers' own spinning) made a 32-token call take
-43 ms instead of ~0.1 ms (this CPU, 2 threads a rank; 41 ms on the H200 host). With 2 ranks the
+spin-waiting on the same cores (beside the barriers' own spinning) make a 32-token call take
+tens of milliseconds instead of ~0.1 ms. With 2 ranks the
 sum is one add in x's dtype (computed in fp32, rounded once: the bytes of the fp32 sum).
 
 Not capturable in a CUDA graph (host synchronisation): the selector uses NCCL inside captures.

@@ -96,8 +96,7 @@ class Int8AllReduce:
     def __init__(self, ctx: CommContext, fused: bool | None = None) -> None:
         """``fused``: quantize/pack, dequantize-sum-requantize and unpack/dequantize as one
         Triton kernel each (lightwell/kernels/int8_pack.py) instead of a dozen torch ops each
-        way; default: on GPUs (H200 pair, emulated PCIe: 24-159 us in a CUDA graph vs 65-260
-        for the torch ops, 1 to 512 tokens; benchmarks/results/tp_run4), torch ops on CPU
+        way; default: on GPUs (several times faster than the torch ops), torch ops on CPU
         (where Triton only interprets). Tested against the torch ops on CPU and over gloo."""
         self.group = ctx.group
         self.size = ctx.size
