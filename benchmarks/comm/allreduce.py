@@ -1,29 +1,41 @@
-"""Stage of benchmarks/gpu_tp.py run in 2 spawned processes (one per GPU): the all-reduce table
-and a model-level check of every strategy and of the dual-stream forward.
+"""The all-reduce strategies on 2 GPUs: per strategy and message size (tokens x 4096 bf16),
+eager and (up to 512 tokens) inside a CUDA graph, the median time per all-reduce with its error
+against the exact fp32 sum; then a model-level check of every --all-reduce choice and of the
+dual-stream forward. One device call of about a minute per mode:
 
-Table: per strategy and message size (tokens x 4096 bf16), eager and (up to 512 tokens) inside
-a CUDA graph, the median time per all-reduce, with the error against the exact fp32 sum.
+    run(kind="nvidia-h200-x2",
+        command="python3 -m benchmarks.comm.allreduce --mode nvlink --out $OUT/allreduce.json")
+
+``--mode pcie-emulated`` sets NCCL_P2P_DISABLE=1 (NCCL through host memory, no peer-memory
+strategies); ``--stages allreduce`` or ``check`` runs one part; ``--only nccl,hostmem`` limits
+the table's rows; ``--experimental`` adds the strategies of lightwell.experimental.comm (int8
+over NCCL, host) to the table (peermem is in it whenever the GPUs have peer access).
+workloads/tp.py runs this first in each of its modes. Reference results:
+benchmarks/results/allreduce_tp2_nvlink.json and allreduce_tp2_pcie-emulated.json.
+
 Check: a small random Llama (fp32) at TP=2; each strategy's logits against NCCL's, and the
-two-micro-batch forward on a second CUDA stream against the plain forward.
-Rank 0 appends rows to ``out`` (a JSON list) as it goes; every part is time-boxed.
+two- and three-micro-batch forward on a second CUDA stream against the plain forward.
+Rank 0 appends rows to ``--out`` (a JSON list) as it goes; every part is time-boxed.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import sys
 import time
-from unittest import mock
+from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lightwell.bench.results import record
+from lightwell.config import ParallelConfig
 
-from results_io import record  # noqa: E402
-
+# NCCL reads its environment at init: each mode's, set before the ranks start
+MODE_ENV = {"nvlink": {}, "pcie-emulated": {"NCCL_P2P_DISABLE": "1"}}
+COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 HIDDEN = 4096
 TOKENS = [1, 8, 32, 64, 128, 512, 2048, 8192]
 GRAPH_MAX_TOKENS = 512
@@ -43,10 +55,21 @@ CHECK_MODEL = json.dumps(  # llama-3-8b's config with small shapes
 )
 
 
-def emit(out: str, rows: list, metric: str, value: float, **fields) -> None:
-    rows.append(record(metric, value, **fields))
-    with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
+@dataclass
+class Sink:
+    """Rank 0's rows, rewritten to ``out`` after each one; ``command`` is the run's."""
+
+    out: str
+    command: str
+    rank: int
+    rows: list = field(default_factory=list)
+
+    def emit(self, metric: str, value: float, **fields) -> None:
+        if self.rank != 0:
+            return
+        self.rows.append(record(metric, value, command=self.command, **fields))
+        with open(self.out, "w") as f:
+            json.dump(self.rows, f, indent=1)
 
 
 def _inputs(tokens: int, rank: int) -> torch.Tensor:  # [tokens, HIDDEN] bf16 on this GPU
@@ -98,16 +121,15 @@ def _time_graph(fn, x: torch.Tensor, per_graph: int = 8) -> float:  # us per cal
     return start.elapsed_time(end) * 1e3 / (10 * per_graph)
 
 
-def _strategies(ctx, mode: str) -> dict:
+def _strategies(ctx, mode: str, experimental: bool) -> dict:
     from lightwell.distributed.comm import create_strategy, is_available
-    from lightwell.distributed.comm.int8 import Int8AllReduce
 
     big = 8192 * HIDDEN * 2
     makers = {"nccl": lambda: create_strategy("nccl", ctx)}
     if mode == "nvlink" and is_available("oneshot", ctx):
         makers["oneshot"] = lambda: create_strategy("oneshot", ctx, max_bytes=big)
-    if mode == "nvlink" and is_available("peermem", ctx):  # hostmem-ll's kernel, peer memory
-        makers["peermem"] = lambda: create_strategy("peermem", ctx, max_bytes=big, fuse_norm="1")
+    if mode == "nvlink":  # hostmem-ll's kernel, its words pushed into the peer GPU's memory
+        makers["peermem"] = lambda: _experimental("peermem", ctx, max_bytes=big, fuse_norm="1")
     # fuse_norm "1": the +norm rows fuse at every size (the default rule would refuse some)
     makers["hostmem"] = lambda: create_strategy("hostmem", ctx, max_bytes=big, fuse_norm="1")
     makers["hostmem-int8"] = lambda: create_strategy(
@@ -129,10 +151,10 @@ def _strategies(ctx, mode: str) -> dict:
         )
     for kind in ("hostmem-copy", "hostmem-copy-int8"):  # each direction's chunks on 2 streams
         makers[f"{kind}-l2"] = lambda kind=kind: create_strategy(kind, ctx, max_bytes=big, lanes=2)
-    if os.environ.get("TP_TABLE_ALL"):  # measured in tp_run4 calls 1-2
-        makers["int8-torch-ops"] = lambda: Int8AllReduce(ctx, fused=False)
-        makers["int8"] = lambda: create_strategy("int8", ctx)  # fused kernels on GPUs
-        makers["host"] = lambda: create_strategy("host", ctx, max_bytes=big)
+    if experimental:
+        makers["int8-torch-ops"] = lambda: _experimental("int8", ctx, fused=False)
+        makers["int8"] = lambda: _experimental("int8", ctx)  # fused kernels on GPUs
+        makers["host"] = lambda: _experimental("host", ctx, max_bytes=big)
     out = {}
     for name, make in makers.items():
         try:
@@ -169,7 +191,7 @@ def _with_norm(name: str, strategy) -> dict:
     return fns
 
 
-def pcie_probe(rank: int, mode: str, out: str, rows: list) -> None:
+def pcie_probe(rank: int, mode: str, sink: Sink) -> None:
     """Copy-engine bandwidth to and from pinned host memory, both ranks at once (16 MiB)."""
     import torch.distributed as dist
 
@@ -186,15 +208,14 @@ def pcie_probe(rank: int, mode: str, out: str, rows: list) -> None:
         torch.cuda.synchronize()
         gbps = 10 * dev.numel() / (time.perf_counter() - t0) / 1e9
         print(f"  {mode} rank {rank} {name} {gbps:.1f} GB/s (both ranks copying)", flush=True)
-        if rank == 0:
-            emit(out, rows, f"pcie_{name}_gbps", gbps, workload="pcie-probe", mode=mode)
+        sink.emit(f"pcie_{name}_gbps", gbps, workload="pcie-probe", mode=mode)
 
 
-def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: float) -> None:
-    pcie_probe(rank, mode, out, rows)
-    only = os.environ.get("TP_TABLE_ONLY")  # comma-separated strategy rows, for short runs
-    for name, fn in _strategies(ctx, mode).items():
-        if only and name not in only.split(","):
+def allreduce_table(rank: int, ctx, args: argparse.Namespace, sink: Sink) -> None:
+    mode, deadline = args.mode, args.deadline - 25
+    pcie_probe(rank, mode, sink)
+    for name, fn in _strategies(ctx, mode, args.experimental).items():
+        if args.only and name not in args.only.split(","):
             continue
         for tokens in NORM_TOKENS if "norm" in name else TOKENS:
             if time.time() > deadline:
@@ -208,25 +229,24 @@ def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: f
             timings = {"eager": _time_eager(fn, x, iters)}
             if tokens <= GRAPH_MAX_TOKENS and name != "host":
                 timings["graph"] = _time_graph(fn, x)
+            max_abs_err = err.abs().max().item()
+            for how, us in timings.items():
+                sink.emit(
+                    "allreduce_us",
+                    us,
+                    workload="allreduce",
+                    mode=mode,
+                    tp=2,
+                    strategy=name,
+                    launch=how,
+                    tokens=tokens,
+                    bytes=tokens * HIDDEN * 2,
+                    dtype="bfloat16",
+                    rel_err=rel,
+                    max_abs_err=max_abs_err,
+                    correct=ok,
+                )
             if rank == 0:
-                for how, us in timings.items():
-                    emit(
-                        out,
-                        rows,
-                        "allreduce_us",
-                        us,
-                        workload="allreduce",
-                        mode=mode,
-                        tp=2,
-                        strategy=name,
-                        launch=how,
-                        tokens=tokens,
-                        bytes=tokens * HIDDEN * 2,
-                        dtype="bfloat16",
-                        rel_err=rel,
-                        max_abs_err=err.abs().max().item(),
-                        correct=ok,
-                    )
                 print(
                     f"  {mode} {name:14s} {tokens:5d} tok  "
                     + "  ".join(f"{k} {v:8.1f} us" for k, v in timings.items())
@@ -235,69 +255,58 @@ def allreduce_table(rank: int, ctx, mode: str, out: str, rows: list, deadline: f
                 )
 
 
-def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
+# --all-reduce choices checked (+dual: two micro-batches, +dual3: three, +graph: replayed from a
+# mixed-step graph and split inside it), then lightwell.experimental.comm's strategies
+CHECK_CHOICES = [
+    "nccl",
+    "auto",
+    "oneshot",
+    "hostmem",
+    "hostmem-fused",  # every all-reduce fused with its norm (1,024 hidden: 4 rows a block)
+    "hostmem-int8",
+    "nccl+dual",
+    "hostmem+dual",
+    "hostmem-int8+dual",
+    "hostmem-copy",  # plain: hostmem's lanes; +dual: the copy engines (2.8 / 1.4 MB)
+    "hostmem-copy+dual",
+    "hostmem-copy-int8+dual",
+    "hostmem-copy+dual+graph",
+    "hostmem-copy-int8+dual+graph",
+    "hostmem-copy+dual3+graph",
+    "hostmem-copy-int8+dual3+graph",
+    "experimental:peermem",
+    "experimental:int8",
+    "experimental:host",
+]
+PEER_ONLY = ("auto", "oneshot", "experimental:peermem")  # the nvlink mode's only
+
+
+def model_check(rank: int, ctx, args: argparse.Namespace, sink: Sink) -> None:
     """Logits of one prefill batch (3 requests, 700 tokens) per strategy, vs NCCL's."""
-    from lightwell.distributed.comm.hostmem import FUSE_NORM_ENV
-    from lightwell.distributed.comm.hostmem_copy import LANES_ENV
-    from lightwell.distributed.comm.selector import AllReduceSelector
     from lightwell.distributed.parallel_state import get_tp_all_reduce, set_tp_all_reduce
     from lightwell.models.hf_config import load_hf_config
     from lightwell.models.loader import load_model
     from lightwell.worker.model_runner import ModelRunner
-    from lightwell.worker.overlap import MicroBatchOverlap
 
+    mode = args.mode
     hf = load_hf_config(None, CHECK_MODEL)
     model = load_model(None, hf, torch.float32, ctx.device, load_format="dummy", seed=5)
     runner = ModelRunner(
-        model,
-        block_size=16,
-        vocab_size=hf.vocab_size,
-        device=ctx.device,
-        dtype=torch.float32,
+        model, block_size=16, vocab_size=hf.vocab_size, device=ctx.device, dtype=torch.float32
     )
     runner.set_attention_backend("triton")
     runner.init_kv_cache(128)
-    choices = [
-        "nccl",
-        "auto",
-        "oneshot",
-        "peermem",
-        "int8",
-        "host",
-        "hostmem",
-        "hostmem-fused",  # every all-reduce fused with its norm (1,024 hidden: 4 rows a block)
-        "hostmem-int8",
-        "nccl+dual",
-        "hostmem+dual",
-        "hostmem-int8+dual",
-        "hostmem-copy",  # plain: hostmem's lanes; +dual: the copy engines (2.8 / 1.4 MB)
-        "hostmem-copy+dual",
-        "hostmem-copy-int8+dual",
-        "hostmem-copy+dual+graph",  # replayed from a mixed-step graph, split inside it
-        "hostmem-copy-int8+dual+graph",
-        "hostmem-copy+dual3+graph",  # the same in three micro-batches
-        "hostmem-copy-int8+dual3+graph",
-        "hostmem-copy+dual+graph+l2",  # the copies of each direction on two streams
-        "hostmem-copy-int8+dual+graph+l2",
-    ]
-    if mode != "nvlink":
-        choices = [c for c in choices if c not in ("auto", "oneshot", "peermem")]
-    only = os.environ.get("TP_CHECK_ONLY")  # comma-separated choices (nccl, the reference, kept)
-    if only:
-        choices = ["nccl"] + [c for c in choices if c in only.split(",") and c != "nccl"]
-    ref, fuse_env = None, os.environ.get(FUSE_NORM_ENV)
+    choices = [c for c in CHECK_CHOICES if mode == "nvlink" or c not in PEER_ONLY]
+    if args.check_only:  # nccl, the reference, kept
+        choices = ["nccl"] + [c for c in choices if c in args.check_only.split(",") and c != "nccl"]
+    ref = None
     for step, choice in enumerate(choices):
-        name = choice.split("+")[0].removesuffix("-fused")
         previous = get_tp_all_reduce()
         if previous is not None:
             previous.close()
-        os.environ[FUSE_NORM_ENV] = "1" if choice.endswith("-fused") else "auto"
         parts = (3 if "+dual3" in choice else 2) if "+dual" in choice else 0
-        lanes = next((w[1:] for w in choice.split("+") if w[:1] == "l"), "1")  # +lN: N lanes
-        with mock.patch.dict(os.environ, {LANES_ENV: lanes}):
-            selector = AllReduceSelector(ctx, name, mode == "nvlink", 8 << 20, parts)
-        set_tp_all_reduce(selector)
-        runner.overlap = MicroBatchOverlap(model, 2, torch.cuda.Stream(), parts) if parts else None
+        set_tp_all_reduce(_check_strategy(ctx, choice, mode, parts))
+        runner.overlap = _dual_stream(model, parts, ctx.device) if parts else None
         runner.graphs = None
         if "graph" in choice.split("+")[1:]:  # every mixed graph (16..1,024 tokens) split in parts
             runner.capture_cuda_graphs(max_batch=4, max_model_len=2048, prefill_tokens=1024)
@@ -306,29 +315,81 @@ def model_check(rank: int, ctx, mode: str, out: str, rows: list) -> None:
             ref = logits
         rel = ((logits - ref).norm() / ref.norm()).item()
         same = bool((logits.argmax(-1) == ref.argmax(-1)).all())
+        sink.emit(
+            "logits_rel_err",
+            rel,
+            workload="check",
+            mode=mode,
+            tp=2,
+            strategy=choice,
+            argmax_equal=same,
+            model="llama-1024x4-random",
+            dtype="float32",
+        )
         if rank == 0:
-            emit(
-                out,
-                rows,
-                "logits_rel_err",
-                rel,
-                workload="check",
-                mode=mode,
-                tp=2,
-                strategy=choice,
-                argmax_equal=same,
-                model="llama-1024x4-random",
-                dtype="float32",
-            )
-            print(
-                f"  check {mode} {choice:10s} logits rel err vs nccl {rel:.2e}  "
-                f"argmax equal {same}",
-                flush=True,
-            )
-    if fuse_env is None:  # as it was: the strategies built later follow their default rule
-        os.environ.pop(FUSE_NORM_ENV, None)
-    else:
-        os.environ[FUSE_NORM_ENV] = fuse_env
+            print(f"  check {mode} {choice:10s} logits rel err vs nccl {rel:.2e}  "
+                  f"argmax equal {same}", flush=True)  # fmt: skip
+
+
+def _check_strategy(ctx, choice: str, mode: str, parts: int):
+    """The all-reduce of check row ``choice``: the selector of an --all-reduce choice, or an
+    experimental strategy with NCCL for the messages it does not take."""
+    from lightwell.distributed.comm import create_strategy
+    from lightwell.distributed.comm.selector import AllReduceSelector
+
+    name = choice.split("+")[0]
+    if name.startswith("experimental:"):
+        return _WithFallback(
+            _experimental(name.split(":", 1)[1], ctx), create_strategy("nccl", ctx)
+        )
+    selector = AllReduceSelector(ctx, name.removesuffix("-fused"), mode == "nvlink", 8 << 20, parts)
+    if name.endswith("-fused"):  # fuse the residual add + RMSNorm at every size
+        for strategy in selector.preferred:
+            if hasattr(strategy, "fuse_norm_max_bytes"):
+                strategy.fuse_norm_max_bytes = strategy.max_bytes
+    return selector
+
+
+def _experimental(name: str, ctx, **options):
+    """A strategy of lightwell.experimental.comm (peermem, int8, host)."""
+    from lightwell.experimental.comm import create_experimental
+
+    return create_experimental(name, ctx, **options)
+
+
+def _dual_stream(model, parts: int, device: torch.device):
+    """The dual-stream forward in ``parts`` micro-batches from 2 tokens (a high-priority
+    stream, as the engine's)."""
+    from lightwell.dual_stream import DualStream
+
+    parallel = ParallelConfig(
+        tensor_parallel_size=2,
+        dual_stream=True,
+        dual_stream_min_tokens=2,
+        dual_stream_micro_batches=parts,
+    )
+    return DualStream.create(model, parallel, device)
+
+
+class _WithFallback:
+    """``strategy`` for the messages it supports, ``fallback`` for the rest."""
+
+    name = "with-fallback"
+    graph_safe = False
+
+    def __init__(self, strategy, fallback) -> None:
+        self.strategy, self.fallback = strategy, fallback
+
+    def supports(self, x: torch.Tensor) -> bool:
+        return True
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        pick = self.strategy if self.strategy.supports(x) else self.fallback
+        return pick.all_reduce(x)
+
+    def close(self) -> None:
+        for s in (self.strategy, self.fallback):
+            getattr(s, "close", lambda: None)()
 
 
 def _prefill_logits(runner, step: int) -> torch.Tensor:
@@ -364,7 +425,7 @@ def _prefill_logits(runner, step: int) -> torch.Tensor:
         return runner.model.compute_logits(hidden[inp.logits_indices])  # [3, V]
 
 
-def run_rank(rank: int, port: int, mode: str, out: str, deadline: float, stages: str) -> None:
+def run_rank(rank: int, port: int, args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from lightwell.distributed.comm import CommContext
@@ -374,10 +435,41 @@ def run_rank(rank: int, port: int, mode: str, out: str, deadline: float, stages:
     device = torch.device("cuda", rank)
     init_distributed(rank, 2, f"tcp://127.0.0.1:{port}", device)
     ctx = CommContext(rank, 2, get_tp_group(), get_tp_cpu_group(), device)
-    rows: list = []
-    if "allreduce" in stages:
-        allreduce_table(rank, ctx, mode, out, rows, deadline - 25)
-    if "check" in stages and time.time() < deadline - 10:
-        model_check(rank, ctx, mode, out, rows)
+    sink = Sink(args.out, args.command, rank)
+    if "allreduce" in args.stages:
+        allreduce_table(rank, ctx, args, sink)
+    if "check" in args.stages and time.time() < args.deadline - 10:
+        model_check(rank, ctx, args, sink)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", required=True, help="JSON file for rank 0's rows")
+    ap.add_argument("--mode", choices=sorted(MODE_ENV), default="nvlink")
+    ap.add_argument("--stages", default="allreduce,check", help="allreduce, check")
+    ap.add_argument("--budget-s", type=float, default=90.0, help="time box of the whole run")
+    ap.add_argument("--only", default="", help="comma-separated table rows (strategies)")
+    ap.add_argument("--check-only", default="", help="comma-separated check rows")
+    ap.add_argument("--experimental", action="store_true", help="int8 and host in the table")
+    ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)  # from workloads/tp.py
+    ap.add_argument("--command", help=argparse.SUPPRESS)  # the driver's, from workloads/tp.py
+    args = ap.parse_args()
+    import torch.multiprocessing as mp
+
+    from lightwell.bench.results import script_command
+    from lightwell.executor.multiproc import free_port
+
+    args.deadline = args.deadline or time.time() + args.budget_s
+    args.command = args.command or script_command()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    os.environ.update({**COMMON_ENV, **MODE_ENV[args.mode]})  # before the ranks start
+    mp.spawn(run_rank, args=(free_port(), args), nprocs=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

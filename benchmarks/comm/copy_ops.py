@@ -1,6 +1,7 @@
-"""Costs of the pieces of hostmem-copy's all-reduce on one GPU, in CUDA graphs (run 7).
+"""Costs of the pieces of hostmem-copy's all-reduce on one GPU, in CUDA graphs. One device call
+of about a minute:
 
-    python3 benchmarks/gpu_copy_ops.py --out $OUT/copy_ops.json
+    run(command="python3 -m benchmarks.comm.copy_ops --out $OUT/copy_ops.json")
 
 1. Copies and stream memory operations: 4 x 1 MB D2H into pinned memory back to back, with a
    fenced cuStreamWriteValue32 after each (the unfenced flag is refused there), one 4 MB
@@ -9,22 +10,22 @@
 2. A small kernel's latency beside a large GEMM: the int8 quantize of a 1,024 x 4,096 bf16
    message (and the 2-rank dequant-sum) made ready on a second stream as the GEMM starts,
    normal and high priority, against the same kernel alone (eager, CUDA events).
-Medians of 30 runs (part 1: graph replays). Prints a table; writes JSON rows.
+3. The int8 kernels' tiles (groups a program x warps) on that message, and the sum followed by
+   the residual add + RMSNorm.
+Medians of 30 runs (part 1: graph replays). Prints a table; writes records of µs. Reference
+result: benchmarks/results/comm_copy_ops_h200.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from graph_timing import graph_replay_us  # noqa: E402
+from benchmarks.kernels.timing import graph_replay_us
+from lightwell.bench.results import record, write_json
 
 MB = 1 << 20
 REPS = 30
@@ -59,7 +60,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from lightwell.bench.results import git_commit
     from lightwell.distributed.comm.hostmem_copy import _DriverOps
     from lightwell.kernels.int8_pack import dequant_sum, packed_row_bytes, quantize_pack
 
@@ -90,7 +90,7 @@ def main() -> int:
     rows = []
 
     def emit(what, us):
-        rows.append({"what": what, "us": round(us, 2)})
+        rows.append(record("time_us", us, workload="copy-ops", what=what))
         print(f"{what:60s} {us:8.1f} us", flush=True)
 
     def each(*ops):  # the ops once per chunk c (each op takes c)
@@ -183,16 +183,12 @@ def main() -> int:
             rows[-1]["us_dequant_sum"] = round(ts, 2)
             print(f"{'':60s} {ts:8.1f} us (dequant_sum)")
     int8_pack.GROUPS_PER_PROGRAM, int8_pack.TILE_WARPS = default
-    # the sum fused into the residual add + RMSNorm that consumes it (bf16: checked here, on
-    # the GPU, against the two kernels in turn)
+    # the sum, then the residual add + RMSNorm that consumes it
     from lightwell.kernels.rmsnorm import fused_add_rmsnorm
 
     residual = torch.randn(1024, 4096, device=dev, dtype=torch.bfloat16)
     weight = torch.rand(4096, device=dev, dtype=torch.bfloat16) + 0.5
-    fused = lambda: int8_pack.dequant_sum_add_rmsnorm(stage, cols, rows_, residual, weight, 1e-5)  # noqa: E731
     apart = lambda: fused_add_rmsnorm(dsum().view(1024, 4096), residual, weight, 1e-5)  # noqa: E731
-    same = all(torch.equal(a, b) for a, b in zip(fused(), apart()))
-    emit(f"dequant_sum + add + rmsnorm 1024x4096, fused (equal: {same})", timed_graph(fused))
     emit("dequant_sum, then add + rmsnorm 1024x4096", timed_graph(apart))
     emit("gemm 1024x4096x14336 alone (graph)", timed_graph(gemm))
     for name, fn in (("quantize 1024x4096", quant), ("dequant_sum 1024x4096", dsum)):
@@ -205,10 +201,7 @@ def main() -> int:
                     + ("a GEMM starting beside" if beside else "alone"),
                     ready_to_done(fn, gemm if beside else None, side),
                 )
-    meta = {"gpu": torch.cuda.get_device_name(dev), "commit": git_commit(),
-            "command": "python3 benchmarks/gpu_copy_ops.py --out $OUT/copy_ops.json"}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump([{**r, **meta} for r in rows], f, indent=1)
+    write_json(args.out, rows)
     return 0
 
 

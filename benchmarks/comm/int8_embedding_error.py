@@ -1,10 +1,10 @@
 """How much of hostmem-int8's error the embedding's all-reduce carries: logits of a 4-layer
 random Llama (hidden 128, fp32) over 2 CPU ranks (gloo, the hostmem kernels under the Triton
 interpreter), NCCL's (gloo's) sum against hostmem-int8 with the embedding's all-reduce exact
-(the default: ``comm.base.exact_sum``) and quantized like the rest.
+(the default: ``comm.base.exact_sum``) and quantized like the rest. On the CPU, under a minute:
 
-    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 benchmarks/cpu_int8_embedding_error.py \
-        [--out FILE.json]
+    TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 -m benchmarks.comm.int8_embedding_error \
+        --out benchmarks/results/comm_int8_embedding_error_cpu.json
 
 Prints the relative logits error of each (60 prompt tokens); ``--out`` also writes them.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import tempfile
@@ -22,11 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, ROOT)
+from lightwell.bench.results import record, script_command, write_json
 
 
-def run(rank: int, port: int, folder: str, out: str | None) -> None:
+def run(rank: int, port: int, folder: str, out: str | None, command: str) -> None:
     from lightwell.attention.metadata import forward_context
     from lightwell.distributed.comm import CommContext
     from lightwell.distributed.comm.selector import AllReduceSelector
@@ -62,17 +60,11 @@ def run(rank: int, port: int, folder: str, out: str | None) -> None:
         for name, got in (("embedding exact", exact_embedding), ("all in int8", quantized)):
             err = ((got - ref).norm() / ref.norm()).item()
             print(f"hostmem-int8, {name:15s}: logits rel err {err:.3e}")
-            rows.append({"metric": "logits_rel_err", "value": err, "strategy": "hostmem-int8",
-                         "embedding_all_reduce": name})  # fmt: skip
+            rows.append(record("logits_rel_err", err, workload="check", strategy="hostmem-int8",
+                               embedding_all_reduce=name, model="llama-128x4-random",
+                               dtype="float32", tp=2, backend="gloo", command=command))  # fmt: skip
         if out:
-            from lightwell.bench.results import git_commit
-
-            meta = {"workload": "check", "model": "llama-128x4-random", "dtype": "float32",
-                    "tp": 2, "device": "cpu (gloo)", "commit": git_commit(),
-                    "command": "TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 "
-                    "benchmarks/cpu_int8_embedding_error.py"}  # fmt: skip
-            with open(out, "w") as f:
-                json.dump([{**r, **meta} for r in rows], f, indent=1)
+            write_json(out, rows)
     set_tp_all_reduce(None)
     selector.close()
     dist.destroy_process_group()
@@ -88,7 +80,7 @@ def main() -> int:
     cfg = tiny_config("base", num_key_value_heads=2, hidden_size=128, num_hidden_layers=4)
     with tempfile.TemporaryDirectory() as tmp:
         folder = save_hf(hf_tiny_model(cfg, seed=3), os.path.join(tmp, "tiny"))
-        mp.spawn(run, args=(free_port(), folder, args.out), nprocs=2)
+        mp.spawn(run, args=(free_port(), folder, args.out, script_command()), nprocs=2)
     return 0
 
 

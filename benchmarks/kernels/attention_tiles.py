@@ -1,28 +1,27 @@
 """Prefill tile shapes of the paged attention kernel at TP=1 and TP=2 head counts, on one GPU.
+One device call of a few minutes:
 
-    python3 benchmarks/gpu_attention_tiles.py --out $OUT/attention_tiles.jsonl
+    run(command="python3 -m benchmarks.kernels.attention_tiles --out $OUT/attention_tiles.json")
 
 llama-3-8b heads (head dim 128): 32 query / 8 KV heads on one GPU, 16 / 4 on each of two (the
 kernel's programs are (query tiles x KV heads), so TP=2 halves them: a 1,024-token prompt
 fills the H200's 132 SMs with one program each). Per case (tokens, cached context) and tile
 shape (block_m rows, block_n keys, warps, stages): checked against the torch reference, then
-timed as CUDA-graph replays (gpu_kernels.Bench.graph_us); JSON lines with TFLOP/s.
+timed as CUDA-graph replays (triton_kernels.Bench.graph_us); records of µs with TFLOP/s.
+Reference result: benchmarks/results/kernels_attention_tiles_h200.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from gpu_kernels import TOL, Bench, make_batch  # noqa: E402
-
-from lightwell.kernels import kv_store, paged_attention  # noqa: E402
+from benchmarks.kernels.triton_kernels import TOL, Bench, make_batch
+from lightwell.bench.results import record, write_json
+from lightwell.kernels import kv_store, paged_attention
 
 SHAPES = {"tp1": (32, 8, 128), "tp2": (16, 4, 128)}
 CASES = [([1024], [0]), ([1024], [1024]), ([2048], [0]), ([512], [0]), ([128], [0]),
@@ -53,20 +52,17 @@ def main() -> int:
                 def ours(cfg=cfg, q=q, cache=cache, meta=meta, scale=scale):
                     return paged_attention.paged_attention(q, cache, meta, scale, config=cfg)
 
-                row = dict(case=case, config=list(cfg_t))
+                fields, us = dict(case=case, config=list(cfg_t)), None
                 try:
-                    row["max_err"] = b.check(f"{case} {cfg_t}", ours(), ref, TOL[dtype])
+                    fields["max_err"] = b.check(f"{case} {cfg_t}", ours(), ref, TOL[dtype])
                     us = b.graph_us(ours)
                 except Exception as e:  # out of shared memory, etc.
-                    row["failed"] = f"{type(e).__name__}: {str(e)[:120]}"
+                    fields["failed"] = f"{type(e).__name__}: {str(e)[:120]}"
                 else:
-                    row.update(us=round(us, 2), tflops=round(flops / us / 1e6, 1))
-                row.update(b.meta)
-                b.rows.append(row)
-                print(json.dumps({k: row[k] for k in row if k not in b.meta}), flush=True)
-    with open(args.out, "w") as f:
-        for row in b.rows:
-            f.write(json.dumps(row) + "\n")
+                    fields["tflops"] = round(flops / us / 1e6, 1)
+                b.rows.append(record("time_us", us, **{**b.meta, "tp": int(shape[2:])}, **fields))
+                print(json.dumps({"us": us, **fields}), flush=True)
+    write_json(args.out, b.rows)
     if b.failures:
         print(f"{len(b.failures)} correctness failures:\n  " + "\n  ".join(b.failures))
         return 1

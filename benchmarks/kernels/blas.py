@@ -1,28 +1,27 @@
 """Decode-shaped matmuls under cuBLAS and cuBLASLt (torch.backends.cuda.preferred_blas_library).
+One device call of about a minute:
 
-    python3 benchmarks/gpu_blas.py --out $OUT/blas.json
+    run(command="python3 -m benchmarks.kernels.blas --out $OUT/blas.json")
 
 llama-3-8b's four weight shapes per GPU at TP=1 and TP=2, bf16, ``x @ W.T`` with 1-128 rows
 (``torch.matmul`` into a preallocated output: the GEMM ``F.linear`` runs). Each timing
 cycles through enough copies of the weight (>= 200 MB) that no replay finds it in L2: a CUDA
 graph of one launch per copy, median of 20 replays / copies. Reports µs a launch and the
 weight bytes streamed per second, and each library's largest error against an fp32
-reference (recorded, not asserted).
+reference (recorded, not asserted). Reference result: benchmarks/results/kernels_blas_h200.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from graph_timing import graph_replay_us  # noqa: E402
+from benchmarks.kernels.timing import graph_replay_us
+from lightwell.bench.results import record, write_json
 
 SHAPES = {  # name: (N, K) of the weight on one GPU
     "tp2 qkv": (3072, 4096),
@@ -43,8 +42,6 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    from lightwell.bench.results import git_commit
-
     dev = torch.device("cuda", 0)
     torch.manual_seed(0)
     rows_out = []
@@ -71,12 +68,10 @@ def main() -> int:
                 row[f"{lib}_tbps"] = round(nbytes / us / 1e6, 2)
             ref = F.linear(x.float(), ws[0].float())
             row["max_err"] = {lib: float((results[lib].float() - ref).abs().max()) for lib in libs}
-            row.update(commit=git_commit(), device=torch.cuda.get_device_name(dev))
-            rows_out.append(row)
+            rows_out.append(record("cublas_us", row["cublas_us"], **row))
             print(json.dumps(row), flush=True)
     torch.backends.cuda.preferred_blas_library("cublas")
-    with open(args.out, "w") as f:
-        json.dump(rows_out, f, indent=1)
+    write_json(args.out, rows_out)
     return 0
 
 

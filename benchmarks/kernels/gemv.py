@@ -1,35 +1,33 @@
 """Decode-shaped matmuls with few rows: our Triton GEMV (lightwell/kernels/gemv.py) against
-cuBLAS, on llama-3-8b's weight shapes per GPU at TP=1 and TP=2, bf16, 1, 2 and 4 rows.
+cuBLAS, on llama-3-8b's weight shapes per GPU at TP=1 and TP=2, bf16, 1, 2 and 4 rows. One
+device call of about a minute (``--sweep``: several minutes):
 
-    python3 benchmarks/gpu_gemv.py --out $OUT/gemv.json [--sweep]
+    run(command="python3 -m benchmarks.kernels.gemv --out $OUT/gemv.json")
 
 Each result is checked against an fp32 reference first (its largest error beside cuBLAS's).
-Timing as in gpu_blas.py: a CUDA graph cycling through enough copies of the weight (>= 200 MB)
+Timing as in kernels/blas.py: a CUDA graph cycling through enough copies of the weight (>= 200 MB)
 that no launch finds it in L2, median of 20 replays, µs a launch and weight bytes a second.
 ``--sweep``: every tile (BLOCK_N, BLOCK_K, warps, stages) with 32-256 bytes of W a thread per
-K step, at one row; the best five are then timed at every row count too.
+K step, at one row; the best five are then timed at every row count too. ``--silu``: the down
+projections with the SiLU-and-mul fused in, against the activation apart. ``--shapes "tp2 qkv"``
+picks shapes. Reference result: benchmarks/results/kernels_gemv_h200.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.kernels.blas import MIN_BYTES
+from benchmarks.kernels.blas import SHAPES as BLAS_SHAPES
+from benchmarks.kernels.timing import graph_replay_us
+from lightwell.bench.results import record, write_json
+from lightwell.kernels.gemv import gemv, gemv_ref, pick_config
 
-from gpu_blas import MIN_BYTES  # noqa: E402
-from gpu_blas import SHAPES as BLAS_SHAPES  # noqa: E402
-from graph_timing import graph_replay_us  # noqa: E402
-
-from lightwell.kernels.gemv import gemv, gemv_ref, pick_config  # noqa: E402
-
-# name: (N, K) of the weight on one GPU: gpu_blas.py's eight and the LM head at TP=2 and TP=1
+# name: (N, K) of the weight on one GPU: kernels/blas.py's eight and the LM head at TP=2 and TP=1
 SHAPES = {**BLAS_SHAPES, "tp2 lm_head": (64128, 4096), "tp1 lm_head": (128256, 4096)}
 ROWS = (1, 2, 4)
 
@@ -46,8 +44,6 @@ def sweep_configs() -> list[tuple[int, int, int, int]]:
 
 
 def measure_shape(name: str, sweep: bool, dev: torch.device) -> list[dict]:
-    from lightwell.bench.results import git_commit
-
     n, k = SHAPES[name]
     nbytes = n * k * 2
     copies = max(2, -(-MIN_BYTES // nbytes))
@@ -96,10 +92,10 @@ def measure_shape(name: str, sweep: bool, dev: torch.device) -> list[dict]:
             )
         row["max_err_cublas"] = err_cublas
         best = min(row["configs"], key=lambda c: c["us"])
-        row.update(best=best, commit=git_commit(), device=torch.cuda.get_device_name(dev))
+        row["best"] = best
         if m == 1 and ranked:
             row["sweep_top10"] = [(round(t, 2), list(c)) for t, c in ranked[:10]]
-        rows.append(row)
+        rows.append(record("gemv_us", row["configs"][0]["us"], **row))
         d = row["configs"][0]
         print(
             f"{name:12} m={m} cuBLAS {row['cublas_us']:6.2f} us {row['cublas_tbps']:4.2f} TB/s"
@@ -123,7 +119,6 @@ SILU_CONFIGS = (
 def measure_silu(name: str, dev: torch.device) -> list[dict]:
     """The down projection of one row with its activation: silu_and_mul then cuBLAS or our
     gemv (two kernels), against gemv(silu_mul=True) (one) at several tiles; checked first."""
-    from lightwell.bench.results import git_commit
     from lightwell.kernels.activation import silu_and_mul
 
     n, k = SHAPES[name]
@@ -132,7 +127,7 @@ def measure_silu(name: str, dev: torch.device) -> list[dict]:
     gate_up = torch.randn(1, 2 * k, device=dev, dtype=torch.bfloat16)
     act = silu_and_mul(gate_up)
     ref = gemv_ref(act.float(), ws[0].float())
-    row = dict(shape=name, n=n, k=k, m=1, commit=git_commit(), device=torch.cuda.get_device_name())
+    row = dict(shape=name, n=n, k=k, m=1)
     row["silu_then_cublas_us"] = graph_replay_us(
         lambda: [torch.matmul(silu_and_mul(gate_up), w.t()) for w in ws], calls=copies
     )
@@ -153,7 +148,7 @@ def measure_silu(name: str, dev: torch.device) -> list[dict]:
         + "  ".join(f"{c['config']} {c['us']:6.2f} (err {c['max_err']:.3g})" for c in row["fused"]),
         flush=True,
     )
-    return [row]
+    return [record("gemv_silu_us", row["fused"][0]["us"], **row)]
 
 
 def main() -> int:
@@ -168,8 +163,7 @@ def main() -> int:
     rows_out: list[dict] = []
     for name in args.shapes.split(","):
         rows_out += measure_silu(name, dev) if args.silu else measure_shape(name, args.sweep, dev)
-        with open(args.out, "w") as f:
-            json.dump(rows_out, f, indent=1)
+        write_json(args.out, rows_out)
         torch.cuda.empty_cache()
     return 0
 

@@ -4,31 +4,29 @@
 at batch 1 (TP=1 and TP=2 weight shapes, bf16, random weights): fused add + RMSNorm -> qkv gemv
 -> o_proj gemv (on the q part) -> fused add + RMSNorm -> gate_up gemv -> down gemv with the
 SiLU-and-mul fused. No attention, RoPE or all-reduce between them, so a gain here is an upper
-bound of the engine's (gpu_tp.py's W1 engines measure that). For each shape set: the chain's
-output with PDL off and on (prefetching 0, 1 or 3 K tiles toward L2 before the wait), eagerly
-and replayed from a CUDA graph, must be bit-identical (a race in the wait would show); then
-the median replay time of the graph (after warm-up, L2 not flushed: the 32 layers' weights,
-7-14 GB, do not fit in it).
+bound of the engine's (workloads/tp.py's tp1 / tp1-nopdl engines measure that). For each shape
+set: the chain's output with PDL off and on, eagerly and replayed from a CUDA graph, must be
+bit-identical (a race in the wait would show); then the median replay time of the graph
+(after warm-up, L2 not flushed: the 32 layers' weights, 7-14 GB, do not fit in it), twice
+each, interleaved. One device call of about a minute:
 
-    python3 benchmarks/gpu_pdl.py --out $OUT/pdl.json
+    run(command="python3 -m benchmarks.kernels.pdl --out $OUT/pdl.json")
+
+Reference result: benchmarks/results/kernels_pdl_h200.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from lightwell.bench.results import git_commit  # noqa: E402
-from lightwell.kernels import pdl  # noqa: E402
-from lightwell.kernels.gemv import gemv  # noqa: E402
-from lightwell.kernels.rmsnorm import fused_add_rmsnorm  # noqa: E402
+from lightwell.bench.results import record, write_json
+from lightwell.kernels import pdl
+from lightwell.kernels.gemv import gemv
+from lightwell.kernels.rmsnorm import fused_add_rmsnorm
 
 # [N, K] per rank: qkv, o_proj, gate_up, down
 SHAPES = {
@@ -94,34 +92,28 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=200)
     args = ap.parse_args()
     dev = torch.device("cuda")
-    info = {"commit": git_commit(), "device": torch.cuda.get_device_name(dev),
-            "torch": torch.__version__, "supported": pdl.device_supports(dev)}  # fmt: skip
-    rows, saved = [], (pdl.ENABLED, pdl.PREFETCH_TILES)
+    rows, saved = [], pdl.ENABLED
     for name, shapes in SHAPES.items():
         chain = build(shapes, args.layers, dev)
         res: dict[str, list] = {}
-        modes = {"off": (False, 1), "pf0": (True, 0), "pf1": (True, 1), "pf3": (True, 3)}
         for _ in range(2):  # twice each, interleaved
-            for mode, (on, tiles) in modes.items():
-                pdl.ENABLED, pdl.PREFETCH_TILES = on, tiles
+            for mode, on in (("off", False), ("on", True)):
+                pdl.ENABLED = on
                 res.setdefault(mode, []).append(measure(chain, args.reps))
-        pdl.ENABLED, pdl.PREFETCH_TILES = saved
+        pdl.ENABLED = saved
         ref = res["off"][0]["eager"]
         outs = [r[k] for rs in res.values() for r in rs for k in ("eager", "graph")]
-        row = {"shapes": name, "layers": args.layers}
+        row = {"shapes": name, "layers": args.layers, "supported": pdl.device_supports(dev)}
         row["identical"] = all(torch.equal(o, ref) for o in outs)
         for mode, rs in res.items():
             row[f"{mode}_us"] = [round(r["us"], 1) for r in rs]
             row[f"{mode}_min_us"] = [round(r["us_min"], 1) for r in rs]
-            if mode != "off":
-                gain = min(row["off_us"]) - min(row[f"{mode}_us"])
-                row[f"{mode}_gain_us_per_layer"] = round(gain / args.layers, 2)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        gain = (min(row["off_us"]) - min(row["on_us"])) / args.layers
+        rows.append(record("gain_us_per_layer", gain, workload="kernels-pdl", **row))
+        print(json.dumps(rows[-1]), flush=True)
         del chain
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump({"info": info, "rows": rows, "command": " ".join(sys.argv)}, f, indent=1)
+    write_json(args.out, rows)
 
 
 if __name__ == "__main__":

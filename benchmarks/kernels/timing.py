@@ -1,5 +1,5 @@
-"""The timing of the one-GPU probes (gpu_blas, gpu_copy_ops, gpu_int8_pack): a CUDA graph's
-replays, timed with CUDA events."""
+"""Shared timing of the one-GPU probes (kernels/blas.py, kernels/gemv.py, kernels/int8_pack.py,
+comm/copy_ops.py): a CUDA graph's replays, timed with CUDA events. A helper, not a benchmark."""
 
 from __future__ import annotations
 

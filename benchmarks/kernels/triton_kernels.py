@@ -1,40 +1,38 @@
-"""Check every Triton kernel against its torch reference at llama-3-8b sizes, then time it.
+"""Every Triton kernel checked against its torch reference at llama-3-8b sizes, then timed
+(paged attention decode / prefill / mixed, RMSNorm, RoPE, KV store, SiLU-and-mul), with the
+engine's torch layers, its torch backend and scaled_dot_product_attention as peers. One device
+call of a few minutes:
 
-On the GPU machine, from the repository root (one device call):
-    python3 benchmarks/gpu_kernels.py --out $OUT/kernels.jsonl
+    run(command="python3 -m benchmarks.kernels.triton_kernels --out $OUT/kernels.json")
+
 Correctness runs in bf16 and fp16; timings in bf16 (--time-dtypes to change). Triton kernels are
 timed as CUDA-graph replays (10 calls a graph, median of 20 replays: GPU time, no launch cost, and
 a warm L2 for small cases: see "l2_resident"); the torch paths, which cannot be captured, with
-triton.testing.do_bench (median, L2 flushed). Peers: the engine's torch layers and torch backend,
-and for prefill scaled_dot_product_attention (flash, and cuDNN if present).
+triton.testing.do_bench (median, L2 flushed). ``--no-sweep`` skips the split and tile sweeps.
 Exit status 1 if any correctness check fails. ``--smoke`` runs tiny shapes anywhere, to check the
 script itself (on CPU: TRITON_INTERPRET=1 ... --smoke --dtypes fp16 --time-dtypes fp16, since the
-interpreter gets bf16 wrong).
+interpreter gets bf16 wrong). Reference result: benchmarks/results/kernels_triton_h200.json.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from lightwell.attention.metadata import AttentionMetadata  # noqa: E402
-from lightwell.attention.torch_backend import TorchAttentionBackend, write_kv_cache  # noqa: E402
-from lightwell.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from lightwell.bench.results import git_commit  # noqa: E402
-from lightwell.kernels import activation, kv_store, paged_attention, rmsnorm, rotary  # noqa: E402
-from lightwell.layers.activation import SiluAndMul  # noqa: E402
-from lightwell.layers.norm import RMSNorm  # noqa: E402
-from lightwell.layers.rotary import get_rope  # noqa: E402
+from lightwell.attention.metadata import AttentionMetadata
+from lightwell.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from lightwell.attention.triton_backend import TritonAttentionBackend
+from lightwell.bench.results import record, write_json
+from lightwell.kernels import activation, kv_store, paged_attention, rmsnorm, rotary
+from lightwell.layers.activation import SiluAndMul
+from lightwell.layers.norm import RMSNorm
+from lightwell.layers.rotary import get_rope
 
 COPY_GBPS, MATMUL_TFLOPS, L2_BYTES = 4221.0, 788.0, 60e6
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -47,15 +45,7 @@ class Bench:
         self.args, self.dev = args, "cuda" if torch.cuda.is_available() else "cpu"
         self.rows: list[dict] = []
         self.failures: list[str] = []
-        self.meta = {
-            "workload": "kernels",
-            "model": "llama-3-8b",
-            "tp": 1,
-            "gpu": torch.cuda.get_device_name() if self.dev == "cuda" else "cpu",
-            "commit": git_commit(),
-            "date": datetime.date.today().isoformat(),
-            "command": "python3 " + " ".join(sys.argv),
-        }
+        self.meta = {"workload": "kernels", "model": "llama-3-8b", "tp": 1}
 
     def check(self, name: str, out: torch.Tensor, ref: torch.Tensor, tol: float) -> float:
         err = (out.float() - ref.float()).abs()
@@ -67,12 +57,12 @@ class Bench:
         return max_err
 
     def record(self, kernel: str, case: str, dtype: str, us: float, **extra) -> None:
-        row = {**self.meta, "kernel": kernel, "case": case, "dtype": dtype, "metric": "time_us"}
-        row["value"] = round(us, 2)
+        row = record("time_us", round(us, 2), **self.meta, kernel=kernel, case=case, dtype=dtype)
         row.update({k: round(v, 4 if k == "max_err" else 2) if isinstance(v, float) else v
                     for k, v in extra.items()})  # fmt: skip
         self.rows.append(row)
-        print(json.dumps({k: row[k] for k in row if k not in self.meta}), flush=True)
+        shown = ("kernel", "case", "dtype", "value", *extra)
+        print(json.dumps({k: row[k] for k in shown}), flush=True)
 
     def graph_us(self, fn, calls: int = 10, trials: int = 20) -> float:
         """GPU time of one call: median over replays of a graph holding ``calls`` calls."""
@@ -311,7 +301,7 @@ def bench_small_kernels(b: Bench, t: int, dims: dict, name: str, timed: list[str
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="JSON-lines file for the results (appended)")
+    p.add_argument("--out", required=True, help="JSON file for the results")
     p.add_argument("--dtypes", default="bf16,fp16", help="checked dtypes, comma-separated")
     p.add_argument("--time-dtypes", default="bf16", help="timed dtypes, comma-separated")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, to test this script")
@@ -355,9 +345,7 @@ def main() -> int:
     for name in DTYPES:
         for t in tokens:
             bench_small_kernels(b, t, dims, name, timed)
-    with open(args.out, "a") as f:
-        for row in b.rows:
-            f.write(json.dumps(row) + "\n")
+    write_json(args.out, b.rows)
     print_table(b)
     if b.failures:
         print(f"{len(b.failures)} correctness failures:\n  " + "\n  ".join(b.failures))

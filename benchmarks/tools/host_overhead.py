@@ -2,25 +2,21 @@
 
 A tiny 2-layer random Llama keeps the forward small, so what is left is the control plane and
 input preparation: scheduling, InputBatch.prepare, logits + sampling, Scheduler.update and
-output processing, each timed by wrapping it. 256 running decode requests by default.
+output processing, each timed by wrapping it. 256 running decode requests by default. On the
+CPU, about a minute:
 
-    python benchmarks/host_overhead.py [--requests 256] [--steps 40] [--async-scheduling]
-        [--out benchmarks/results/host_overhead_cpu.json]
+    python3 -m benchmarks.tools.host_overhead --out benchmarks/results/host_overhead_cpu.json
+
+``--requests 256 --steps 40 --async-scheduling`` change the load and the loop.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import record  # noqa: E402
+from lightwell.bench.results import record, write_json
 
 
 def _timed(fn, acc: dict[str, float], key: str):
@@ -92,8 +88,7 @@ def main() -> None:
         )
         rows = [record("step_ms", 1e3 * per_step, **common)]
         rows += [record(f"{k}_ms", 1e3 * v / args.steps, **common) for k, v in acc.items()]
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_json(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Where hostmem-copy-int8's all-reduces spend their time, from a kernel timeline that
-benchmarks/gpu_tp.py's ``profile`` stage wrote (one 2,048-token prefill on rank 0).
+workloads/tp.py's ``profile`` stage wrote (one 2,048-token prefill on rank 0; the files,
+profile_<mode>_<engine>.json, are in tp.py's parts.tgz). On any machine, in a second:
 
-    python3 benchmarks/profile_chain.py benchmarks/results/tp_run7/call3_profile_*.json.gz
+    python3 -m benchmarks.tools.profile_chain OUT/profile_pcie-emulated_tp2-hostmem-copy-int8-*.json
 
 Pairs the i-th quantize with the i-th group of D2H copies, H2D copies and sum (each kind runs
 in call order), and prints medians (p10, p90) in µs: the quantize, from its end to the first

@@ -1,13 +1,17 @@
 """Where a step's GPU time goes, kernel by kernel (llama-3-8b shapes, bf16, dummy weights, one
 H200): torch.profiler over single engine steps run eagerly (CUDA-graph replays hide their
-kernels from the profiler; the kernels and their times are the same).
+kernels from the profiler; the kernels and their times are the same). About 2 minutes:
 
-    python3 benchmarks/gpu_profile.py --out $OUT/profile
+    run(command="python3 -m benchmarks.tools.step_profile --out $OUT/profile")
 
 Steps profiled: a batch-1 decode at a 200-token context (W1), a decode-only step of
 --batch requests at ~1,100 tokens of context, and a W2-like mixed step (those decodes plus
 1,024-token prompts up to the 8,192-token budget). Each writes a kernel table (by CUDA time)
-to --out/<step>.txt and a summary row (step wall, CUDA total, top kernels) to --out/profile.json.
+to --out/<step>.txt and a summary row (step wall, CUDA total, top kernels) to
+--out/profile.json. ``--stages gaps`` adds a chrome trace of the async loop's decode steps and
+the GPU's idle gaps. Profiles are not kept in benchmarks/results. The profiler helpers here
+(``cuda_kernels``, ``idle_gaps``, ``profiled_step``, ``scheduled_steps``) serve
+workloads/engine.py and workloads/tp.py too.
 """
 
 from __future__ import annotations
@@ -21,13 +25,10 @@ import sys
 import time
 from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-from results_io import record  # noqa: E402
-
-from lightwell import LLM, SamplingParams  # noqa: E402
+from lightwell import LLM, SamplingParams
+from lightwell.bench.results import record
 
 
 def prompt(n: int, seed: int) -> dict:

@@ -1,8 +1,9 @@
-"""Summarise a server's step trace (``--step-trace``; gpu_w3.sh keeps it as steps.jsonl.gz):
-how many steps ran each way (a CUDA graph and its size, eager, eager split), their durations,
-and the longest steps with what they held.
+"""Summarise a server's step trace (``lightwell serve --step-trace``; workloads/w3.sh keeps it
+as steps.jsonl.gz): how many steps ran each way (a CUDA graph and its size, eager, eager
+split), their durations, and the longest steps with what they held. On any machine, in a
+second:
 
-    python3 benchmarks/step_trace_report.py OUT/steps.jsonl.gz [--top 15]
+    python3 -m benchmarks.tools.step_trace_report OUT/steps.jsonl.gz [--top 15]
 
 ``ms`` is the time since the previous step's end, idle time included: a long step after an
 idle spell shows as long here, with ``new_requests`` > 0 and few ``running``.

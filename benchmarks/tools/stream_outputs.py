@@ -1,7 +1,9 @@
 """What turning each step's results into streamed RequestOutputs costs the engine's host
-loop: 64 streams, one token each a step, no tokenizer (token ids only), one CPU thread.
+loop: 64 streams, one token each a step, no tokenizer (token ids only), one CPU thread. On the
+CPU, about 30 seconds:
 
-    OMP_NUM_THREADS=1 python3 benchmarks/cpu_stream_outputs.py [--out FILE.json]
+    OMP_NUM_THREADS=1 python3 -m benchmarks.tools.stream_outputs \
+        --out benchmarks/results/stream_outputs_cpu.json
 
 Prints the mean ms a step over the last 100 steps of 256-, 4,096- and 16,384-token streams
 (a snapshot that copied every token so far made this grow with the stream's length); with
@@ -11,16 +13,13 @@ Prints the mean ms a step over the last 100 steps of 256-, 4,096- and 16,384-tok
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from lightwell.engine.output_processor import OutputProcessor  # noqa: E402
-from lightwell.scheduler.output import EngineCoreOutput  # noqa: E402
-from lightwell.types import SamplingParams  # noqa: E402
+from lightwell.bench.results import record, write_json
+from lightwell.engine.output_processor import OutputProcessor
+from lightwell.scheduler.output import EngineCoreOutput
+from lightwell.types import SamplingParams
 
 STREAMS = 64
 
@@ -48,20 +47,10 @@ def main() -> int:
     for tokens in (256, 4096, 16384):
         ms = late_step_ms(tokens)
         print(f"{tokens:6d} tokens x {STREAMS} streams: {ms:6.2f} ms a step")
-        rows.append({"metric": "output_step_ms", "value": round(ms, 3), "tokens": tokens,
-                     "streams": STREAMS})  # fmt: skip
+        rows.append(record("output_step_ms", round(ms, 3), workload="stream-outputs",
+                           tokens=tokens, streams=STREAMS, threads=1))  # fmt: skip
     if args.out:
-        from lightwell.bench.results import git_commit
-
-        meta = {
-            "workload": "stream-outputs",
-            "device": "cpu, 1 thread",
-            "commit": git_commit(),
-            "date": time.strftime("%Y-%m-%d"),
-            "command": "OMP_NUM_THREADS=1 python3 benchmarks/cpu_stream_outputs.py",
-        }
-        with open(args.out, "w") as f:
-            json.dump([{**r, **meta} for r in rows], f, indent=1)
+        write_json(args.out, rows)
     return 0
 
 

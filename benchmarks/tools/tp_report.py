@@ -1,4 +1,8 @@
-"""The short tables benchmarks/gpu_tp.py prints last: all-reduce times, engine figures, goals."""
+"""The short tables workloads/tp.py prints last: all-reduce times, engine figures, goals. A
+helper of tp.py; on its own, from a merged result file (any machine, in a second):
+
+    python3 -m benchmarks.tools.tp_report OUT/tp/tp.json
+"""
 
 from __future__ import annotations
 
@@ -87,3 +91,18 @@ def print_tables(rows: list[dict]) -> None:
             f"{v.get('start_s', nan):8.1f} {same:>11s}"
         )
     _goals(cells)
+
+
+def main() -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("path", help="tp.json, the rows workloads/tp.py merged")
+    with open(ap.parse_args().path) as f:
+        print_tables(json.load(f))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,20 +1,19 @@
-"""W5 (PERFORMANCE.md): SmolLM2-135M-Instruct on this CPU, Lightwell vs HF transformers.
+"""W5: SmolLM2-135M-Instruct on this CPU, Lightwell against HF transformers: batch-1 decode
+(128 prompt tokens, 256 output tokens, EOS ignored) and a 32-request batch, both engines fp32
+at the same thread count, in one run of about 3 minutes on 2 idle cores:
 
-Batch-1 decode (128 prompt tokens, 256 output tokens, EOS ignored) and a 32-request batch,
-both engines fp32 at the same thread count, in one run.
+    python3 -m benchmarks.workloads.cpu_w5 --threads 2 --out benchmarks/results/W5_cpu.json
 
-    python benchmarks/w5_cpu.py --threads 2 --out benchmarks/results/w5_cpu.json
+``--batch 2 --output-len 8 --skip-hf`` checks the script in seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import record, write_results  # noqa: E402
+from lightwell.bench.results import record, write_json
 
 
 def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
@@ -81,7 +80,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/w5_cpu.json")
+    ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import torch
 
@@ -107,7 +106,7 @@ def main() -> None:
             rows.append(record("ttft_ms", r["ttft_s"] * 1e3, **common))
             if batch == 1:
                 rows.append(record("decode_tok_s", r["decode_tok_s_per_seq"], **common))
-    write_results(args.out, rows)
+    write_json(args.out, rows)
     print(f"{'engine':10} {'batch':>5} {'out tok/s':>10} {'TTFT ms':>9} {'decode tok/s/seq':>17}")
     for name, batch, r in table:
         print(

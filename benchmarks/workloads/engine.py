@@ -1,8 +1,14 @@
-"""The engine on one GPU: correctness checks, then W1 and W2 on llama-3-8b shapes, with HF
-transformers `generate` on the same shapes as the side-by-side peer. One device call:
+"""The engine on one GPU (llama-3-8b shapes, dummy weights, bf16): correctness checks, W1
+(batch-1 decode, TTFT of 128- and 1,024-token prompts) and W2 (1,000 x 1,024 in / 256 out),
+with HF transformers' `generate` on the same shapes as the side-by-side peer. One device call
+from the repository root, about 6 minutes with every stage:
 
-    python3 benchmarks/gpu_engine.py --out $OUT/engine.json [--stages check,check-async,w1,w2,hf]
-        [--scheduling sync,async] [--budget-s S]
+    run(command="python3 -m benchmarks.workloads.engine --out $OUT/engine.json")
+
+``--stages`` picks among check, check-async, w1, w2, profile, hf (default check,w1,w2,hf);
+``--scheduling sync,async`` runs W1/W2 under both step loops; ``--budget-s S`` skips engines
+started after S seconds. Reference results: benchmarks/results/W1_llama-3-8b_h200.json,
+W2_llama-3-8b_h200.json, check_engine_h200.json.
 
 Correctness (stage "check"): a tiny random HF Llama in fp32 on the GPU (CUDA graphs on) gives
 HF's greedy tokens; the same in bf16 stays within bf16 tolerance of HF's fp32 logits; a
@@ -21,14 +27,11 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-from gpu_profile import profiled_step, scheduled_steps  # noqa: E402
-from results_io import record  # noqa: E402
-
-from lightwell import LLM, SamplingParams  # noqa: E402
+from benchmarks.tools.step_profile import profiled_step, scheduled_steps
+from lightwell import LLM, SamplingParams
+from lightwell.bench.results import record
 
 FLOOR_TOK_S = 281.0  # 15.01 GB / 4,221 GB/s
 PEAK_TFLOPS = 788.0
@@ -40,6 +43,7 @@ START = time.perf_counter()
 def emit(args: argparse.Namespace, metric: str, value: float, **fields) -> None:
     row = record(metric, value, **fields)
     ROWS.append(row)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(ROWS, f, indent=1)
     print(f"  {metric} = {value:.4g}  {fields}", flush=True)
@@ -89,7 +93,7 @@ TINY_LLAMA = dict(
 
 
 # SmolLM2-135M's shapes, random weights: 2,048 positions, under the GPU's default 8,192-token
-# step budget (the memory-profiling forward must wrap its positions: tp_run11).
+# step budget (the memory-profiling forward wraps its positions at the model's length).
 SMOLLM2_SHAPED = dict(
     vocab_size=49152,
     hidden_size=576,

@@ -2,8 +2,13 @@
 tokens (fp32) against HF transformers on the CPU, and every step's top-5 log-probabilities
 against the GPU's TP=1 run (tiny random models repeat tokens, which the log-probabilities do
 not hide). Models from tests/models/families.py; each engine runs in its own subprocess.
+One device call of about 6 minutes (eight engines; give it timeout_s=600):
 
-    python3 benchmarks/gpu_families_dual.py --out $OUT/families.json
+    run(kind="nvidia-h200-x2",
+        command="python3 -m benchmarks.workloads.families_dual --out $OUT/families.json")
+
+Exit status 1 on any mismatch. Reference result:
+benchmarks/results/check_families_dual_tp2_h200.json.
 """
 
 from __future__ import annotations
@@ -16,8 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from lightwell.bench.results import record, script_command
 
 RUNS = {
     "tp1": dict(tensor_parallel_size=1),
@@ -78,30 +82,33 @@ def main() -> int:
         return 0
     from tests.models.families import cohere, hf_generate, minicpm
 
-    rows, ok = [], True
+    rows, ok, command = [], True, script_command()
     for name, build in (("minicpm", minicpm), ("cohere", cohere)):
         folder = tempfile.mkdtemp(prefix=name)
         hf = build(folder, 7)
         ref = [hf_generate(hf, p, NEW_TOKENS) for p in prompts(300)]
         base = None
         for run in RUNS:
-            cmd = [sys.executable, os.path.abspath(__file__), "--out", args.out]
+            cmd = [sys.executable, "-m", "benchmarks.workloads.families_dual", "--out", args.out]
             r = subprocess.run(
                 cmd + ["--child", folder, run], capture_output=True, text=True, timeout=240
             )
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
             got = json.loads(line[0][7:]) if line else None
             same = sum(a[0] == b for a, b in zip(got or [], ref))
-            rows.append(dict(model=name, run=run, rc=r.returncode, identical_to_hf=f"{same}/4"))
+            dist, extra = None, {}
             if got is None:
-                rows[-1]["log_tail"] = (r.stdout + r.stderr)[-3000:]
+                extra["log_tail"] = (r.stdout + r.stderr)[-3000:]
             else:
                 base = got if run == "tp1" else base
                 dist = logprob_distance(got, base) if base else float("inf")
-                rows[-1]["logprob_max_abs_diff_vs_tp1"] = dist
                 ok = ok and dist < 1e-3
+            rows.append(record("logprob_max_abs_diff_vs_tp1", dist, workload="check-families",
+                               model=name, run=run, dtype="float32", rc=r.returncode,
+                               identical_to_hf=f"{same}/4", command=command, **extra))  # fmt: skip
             ok = ok and same == 4
             print(rows[-1] if got else rows[-1] | {"log_tail": "..."}, flush=True)
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
                 json.dump(rows, f, indent=1)
     print("ALL IDENTICAL" if ok else "MISMATCH", flush=True)

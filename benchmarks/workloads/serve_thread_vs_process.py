@@ -9,9 +9,13 @@ server sends commands down one pipe and a reader thread receives each step's Req
 Both serve the same FastAPI app (lightwell.server.api_server). A separate load process runs
 ``--concurrency`` closed-loop streaming clients for ``--duration`` s and probes /health every
 50 ms; inside the server an asyncio task measures event-loop lag (oversleep of 10 ms sleeps).
+On the CPU (SmolLM2-135M, one torch thread), about 75 s a design:
 
-    python benchmarks/serve_thread_vs_process.py --design thread --out /tmp/thread.json
-    python benchmarks/serve_thread_vs_process.py --design process --out /tmp/process.json
+    python3 -m benchmarks.workloads.serve_thread_vs_process --design thread --out thread.json
+
+(then ``--design process``). Writes one record (metric output_tok_s, with the TTFT, ITL,
+/health and loop-lag percentiles). Reference result:
+benchmarks/results/serve_thread_vs_process_cpu.json (three runs of each design).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import threading
 import time
 from types import SimpleNamespace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lightwell.bench.results import record
 
 
 # ---- the process design (prototype) ------------------------------------------------------------
@@ -171,7 +175,8 @@ def serve(args) -> None:
         monitor = asyncio.create_task(_lag_monitor(lags))
         load = await asyncio.create_subprocess_exec(
             sys.executable,
-            __file__,
+            "-m",
+            "benchmarks.workloads.serve_thread_vs_process",
             "--load",
             "--port",
             str(args.port),
@@ -195,8 +200,9 @@ def serve(args) -> None:
     with open(args.out) as f:
         result = json.load(f)
     result["loop_lag_ms"] = _pcts([x * 1e3 for x in lags[len(lags) // 10 :]])
+    result = record("output_tok_s", result.pop("output_tok_s"), workload="serve-design", **result)
     with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        json.dump([result], f, indent=1)
     print(json.dumps(result, indent=1))
 
 

@@ -1,19 +1,17 @@
-"""W3 (PERFORMANCE.md): start `lightwell serve`, load it with `lightwell bench serve`, stop it.
+"""W3 on any machine: start `lightwell serve`, load it with `lightwell bench serve`, stop it;
+print the result as a markdown table and write the raw records (vLLM's `bench serve` metrics).
+The scaled-down CPU run (SmolLM2-135M on 2 cores, 50 requests of 128 in / 32 out a rate, about
+6 minutes) that writes benchmarks/results/W3_cpu.json:
 
-Prints the result as a markdown table (for docs/performance.md) and writes the raw records.
-Full W3 on a GPU (500 requests of 1,024 in / 256 out, Poisson at 2, 8 and 32 req/s):
-
-    python benchmarks/w3_serve.py --out benchmarks/results/w3_h200.json
-
-The scaled-down CPU run of docs/performance.md (SmolLM2 on 2 cores):
-
-    python benchmarks/w3_serve.py --input-len 128 --output-len 32 --num-prompts 50 \
+    python3 -m benchmarks.workloads.serve_w3 --input-len 128 --output-len 32 --num-prompts 50 \
         --request-rate 0.5,1,2,4 --serve-args="--num-threads 1 --log-level WARNING" \
-        --bench-args=--no-progress --out benchmarks/results/w3_cpu.json
+        --bench-args=--no-progress --out benchmarks/results/W3_cpu.json
 
-Server options go in --serve-args (one string), extra client options in --bench-args (write
-them with "=", e.g. --bench-args="--metadata dtype=bfloat16", so they are not read as options
-of this script). The client cannot see the server's dtype: pass it as metadata to record it.
+Full W3 (500 requests of 1,024 in / 256 out, Poisson at 2, 8 and 32 req/s) on the registry-less
+GPU machine runs through workloads/w3.sh, which installs the server's wheels first. Server
+options go in --serve-args (one string), extra client options in --bench-args (write them with
+"=", e.g. --bench-args="--metadata dtype=bfloat16", so they are not read as options of this
+script). The client cannot see the server's dtype: pass it as metadata to record it.
 """
 
 from __future__ import annotations
@@ -27,6 +25,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+
+from lightwell.bench.results import script_command
 
 COLUMNS = [("request_s", "req/s"), ("output_tok_s", "out tok/s"), ("total_tok_s", "total tok/s")]
 LATENCY_STEMS = [("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E")]
@@ -73,7 +73,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def bench_command(args: argparse.Namespace, url: str, plot: str) -> list[str]:
-    command = shlex.join(["python", "benchmarks/w3_serve.py", *sys.argv[1:]])
+    command = script_command()
     bench = [sys.executable, "-m", "lightwell.cli", "bench", "serve", "--base-url", url]
     bench += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
     bench += ["--num-prompts", str(args.num_prompts), "--request-rate", args.request_rate]
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--request-rate", default="2,8,32")
     ap.add_argument("--serve-args", default="", help="Options for `lightwell serve`.")
     ap.add_argument("--bench-args", default="", help="More options for `lightwell bench serve`.")
-    ap.add_argument("--out", default="benchmarks/results/w3.json")
+    ap.add_argument("--out", default="w3.json")
     ap.add_argument("--plot", default=None, help="PNG path (default: --out with .png).")
     ap.add_argument("--ready-timeout", type=float, default=600.0)
     args = ap.parse_args()

@@ -1,19 +1,25 @@
-"""Tensor parallelism on 2 GPUs (nvidia-h200-x2): all-reduce strategies, W1 at TP=1 and TP=2,
-TTFT of a 2,048-token prompt and decode step time at batch 64, per communication option, in two
-modes. One device call, about 8 minutes:
+"""W4, tensor parallelism on 2 GPUs: W1 (batch-1 decode) at TP=1 and TP=2, TTFT of a
+2,048-token prompt and the decode step at batch 64, per communication option, in two modes,
+after the all-reduce table and model check of benchmarks/comm/allreduce.py. One device call of
+about 8 minutes (the whole run is time-boxed by --budget-s, 470 s):
 
-    python3 benchmarks/gpu_tp.py --out $OUT/tp
+    run(kind="nvidia-h200-x2", command="python3 -m benchmarks.workloads.tp --out $OUT/tp")
+
+``--modes nvlink`` or ``--modes pcie-emulated`` runs one mode; ``--engines tp1,tp2-auto`` (or
+``pcie-emulated:tp2-nccl``) picks engine labels from ENGINES; ``--stages none`` skips the
+all-reduce table and check. Reference results: benchmarks/results/W4_tp2_nvlink.json and
+W4_tp2_pcie-emulated.json (engines), allreduce_tp2_*.json (the all-reduce tables and checks).
 
 Modes (NCCL reads its environment at init, so every mode runs in its own subprocesses):
 - ``nvlink``: the machine as it is;
 - ``pcie-emulated``: NCCL_P2P_DISABLE=1 (NCCL goes through host memory, like a PCIe box
   without peer access) and the peer-memory all-reduce off (``custom_all_reduce=False``).
-Per mode: the all-reduce table and a model-level check of every strategy (2 spawned ranks,
-``tp_allreduce.py``), then one subprocess per engine configuration (llama-3-8b shapes, dummy
+Per mode: the all-reduce table and model check (``python3 -m benchmarks.comm.allreduce``, 2
+spawned ranks), then one subprocess per engine configuration (llama-3-8b shapes, dummy
 weights, bf16, max_num_seqs=64, max_num_batched_tokens=2048, 16 GiB of KV cache a rank).
-Every subprocess is time-boxed against one overall budget (--budget-s); each writes its rows
-to its own JSON file under --out as it goes, so a timeout keeps what was measured. The merged
-rows go to --out/gpu_tp.json and a short table is printed last.
+Every subprocess is time-boxed against the overall budget; each writes its rows to its own
+JSON file under --out as it goes, so a timeout keeps what was measured. The merged rows go to
+--out/tp.json (the per-engine files into --out/parts.tgz) and a short table is printed last.
 """
 
 from __future__ import annotations
@@ -29,29 +35,13 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.comm.allreduce import COMMON_ENV, MODE_ENV
 
 # W1 floors: bytes streamed per token by each GPU over 4,221 GB/s. llama-3-8b at TP=1: 15.01 GB
 # (TP=2 halves it: 562 tok/s); llama-3-70b at TP=2: 69.5e9 non-embedding params x 2 B / 2 GPUs.
 FLOOR_TOK_S = {"llama-3-8b": 281.0, "llama-3-70b": 60.7}
-MODE_ENV = {
-    "nvlink": {},
-    "pcie-emulated": {"NCCL_P2P_DISABLE": "1"},
-}
-COMMON_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# hostmem never / always fusing the residual add + RMSNorm into its kernel (for comparison)
-NOFUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "0"}
-FUSE = {"LIGHTWELL_HOSTMEM_FUSE_NORM": "1"}
 G2048 = {"cuda_graph_prefill_tokens": 2048}
-NOALIGN = {"LIGHTWELL_INT8_PACK_ALIGN": "0"}  # lightwell/kernels/int8_pack.py's switch
-CUBLAS_W1 = {"LIGHTWELL_SKINNY_GEMM_MAX_ROWS": "0"}  # lightwell/quant/base.py's switch
-ROPE_APART = {"LIGHTWELL_FUSED_ROPE_STORE": "0"}  # attention/triton_backend.py's switch
-COMBINE = {"LIGHTWELL_SPLIT_COMBINE_IN_KERNEL": "1"}  # kernels/paged_attention.py's switch
-PDL = {"LIGHTWELL_PDL": "1"}  # kernels/pdl.py's switch (on by default since tp_run12)
-NOPDL = {"LIGHTWELL_PDL": "0"}
-PDL_AR = {"LIGHTWELL_PDL_ALLREDUCE": "1"}  # the low-latency all-reduce signals too (not default)
-PF1 = {"LIGHTWELL_PDL_PREFETCH_TILES": "1"}  # its L2 prefetch of a second weight tile (run 12)
+NOPDL = {"pdl": False}  # programmatic dependent launch off (the default is on, sm_90+)
 
 
 def dual512(all_reduce: str, **options) -> dict:
@@ -61,6 +51,8 @@ def dual512(all_reduce: str, **options) -> dict:
 
 
 # (label, engine options, stages), most important first: the budget cuts from the end.
+# Stages: w1, ttft (2,048-token prompt), decode (batch 64), profile (the 2,048-token prefill
+# under torch.profiler), profile-decode (batch 64), profile-w1 (batch 1).
 ENGINES = {
     "nvlink": [
         ("tp1", dict(tensor_parallel_size=1), ("w1", "ttft", "decode")),
@@ -70,47 +62,25 @@ ENGINES = {
         ("tp2-auto-dual", dict(all_reduce="auto", dual_stream=True), ("w1", "ttft", "decode")),
         ("tp2-oneshot", dict(all_reduce="oneshot"), ("ttft", "decode")),
         ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
+        ("tp1-nopdl", dict(tensor_parallel_size=1, **NOPDL), ("w1", "ttft")),
+        ("tp2-auto-nopdl", dict(all_reduce="auto", **NOPDL), ("w1",)),
         ("tp2-auto-dual-profile", dict(all_reduce="auto", dual_stream=True), ("profile",)),
         ("tp2-auto-pdec", dict(all_reduce="auto"), ("profile-decode",)),
-        # W1's decode step (batch 1) under the profiler, TP=1 and TP=2 (run 10)
         ("tp1-pw1", dict(tensor_parallel_size=1), ("profile-w1",)),
         ("tp2-auto-pw1", dict(all_reduce="auto"), ("profile-w1",)),
-        # cuBLAS for the batch-1 matmuls, as before run 10 (kernels/gemv.py off)
-        ("tp1-cublas", dict(tensor_parallel_size=1, _env=CUBLAS_W1), ("w1",)),
-        ("tp2-auto-cublas", dict(all_reduce="auto", _env=CUBLAS_W1), ("w1",)),
-        # RoPE and the KV-cache store as two kernels (one since tp_run11: the default)
-        ("tp1-ropeapart", dict(tensor_parallel_size=1, _env=ROPE_APART), ("w1", "profile-w1")),
-        ("tp2-auto-ropeapart", dict(all_reduce="auto", _env=ROPE_APART), ("w1", "profile-w1")),
-        # the split-KV combine inside the attention kernel (not yet the default)
-        ("tp1-combine", dict(tensor_parallel_size=1, _env=COMBINE), ("w1", "profile-w1")),
-        ("tp2-auto-combine", dict(all_reduce="auto", _env=COMBINE), ("w1", "profile-w1")),
-        # programmatic dependent launch of the gemv and the norms (the default since tp_run12:
-        # -pdl pins it on, -nopdl off), alone and with the combine inside the attention kernel
-        # (whose o_proj then follows it); -pdlar: the all-reduce kernel signals too
-        ("tp1-pdl", dict(tensor_parallel_size=1, _env=PDL), ("w1", "profile-w1")),
-        ("tp1-pdl-pf1", dict(tensor_parallel_size=1, _env=PDL | PF1), ("w1",)),
-        ("tp2-auto-pdl", dict(all_reduce="auto", _env=PDL), ("w1", "profile-w1")),
-        ("tp1-pdl-combine", dict(tensor_parallel_size=1, _env=PDL | COMBINE), ("w1",)),
-        ("tp1-nopdl", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "ttft")),
-        ("tp2-auto-nopdl", dict(all_reduce="auto", _env=NOPDL), ("w1",)),
-        # decode all-reduces of up to 64 KB through the peer GPU's memory (not auto's yet)
-        ("tp2-peermem", dict(all_reduce="peermem"), ("w1", "decode")),
-        ("tp2-auto-pdlar", dict(all_reduce="auto", _env=PDL_AR), ("w1", "profile-w1")),
-        ("tp2-peermem-pdlar", dict(all_reduce="peermem", _env=PDL_AR), ("w1",)),
-        # the 2,048-token prefill, PDL on and off, alone / after W1 / profiled (tp_run12 calls 5-8)
         ("tp1-pttft", dict(tensor_parallel_size=1), ("profile",)),
-        ("tp1-nopdl-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("profile",)),
-        ("tp1-ttft", dict(tensor_parallel_size=1), ("ttft",)),  # with no W1 before it
-        ("tp1-nopdl-ttft", dict(tensor_parallel_size=1, _env=NOPDL), ("ttft",)),
-        ("tp1-w1-pttft", dict(tensor_parallel_size=1), ("w1", "profile")),  # after W1
-        ("tp1-nopdl-w1-pttft", dict(tensor_parallel_size=1, _env=NOPDL), ("w1", "profile")),
-        ("tp2-auto-pdl-combine", dict(all_reduce="auto", _env=PDL | COMBINE), ("w1",)),
-        ("tp2-peermem-pdl-combine", dict(all_reduce="peermem", _env=PDL | COMBINE), ("w1",)),
     ],
     "pcie-emulated": [
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
+        ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
         ("tp2-hostmem", dict(all_reduce="hostmem"), ("w1", "ttft", "decode")),
         ("tp2-hostmem-int8", dict(all_reduce="hostmem-int8"), ("w1", "ttft", "decode")),
+        (
+            "tp2-hostmem-copy-int8-dual512-g2048",
+            dual512("hostmem-copy-int8"),
+            ("w1", "ttft", "decode", "profile"),
+        ),
+        ("tp2-hostmem-copy-dual512-g2048", dual512("hostmem-copy"), ("w1", "ttft", "decode")),
         ("tp2-hostmem-copy", dict(all_reduce="hostmem-copy"), ("ttft", "decode")),
         (
             "tp2-hostmem-copy-dual",
@@ -124,52 +94,6 @@ ENGINES = {
             "tp2-hostmem-copy-dual-g2048",
             dict(all_reduce="hostmem-copy", dual_stream=True, **G2048),
             ("ttft", "decode", "profile"),
-        ),
-        # dual-stream from 512 tokens only: decode steps run plain (hostmem's kernels)
-        (
-            "tp2-hostmem-copy-dual512-g2048",
-            dual512("hostmem-copy"),
-            ("w1", "ttft", "decode"),
-        ),
-        (
-            "tp2-hostmem-copy-int8-dual512-g2048",
-            dual512("hostmem-copy-int8"),
-            ("w1", "ttft", "decode", "profile"),
-        ),
-        # each direction's copies taking turns on 1, 2 or 3 streams (run 9)
-        *[
-            (
-                f"tp2-hostmem-copy-int8-dual512-g2048-l{n}",
-                dual512("hostmem-copy-int8", _env={"LIGHTWELL_HOSTMEM_COPY_LANES": str(n)}),
-                ("ttft", "profile") if n == 2 else ("ttft",),
-            )
-            for n in (1, 2, 3)
-        ],
-        (  # 8 smaller pieces on 2 lanes: each chunk lands sooner
-            "tp2-hostmem-copy-int8-dual512-g2048-c8-l2",
-            dual512(
-                "hostmem-copy-int8",
-                _env={"LIGHTWELL_HOSTMEM_COPY_LANES": "2", "LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"},
-            ),
-            ("ttft",),
-        ),
-        (
-            "tp2-hostmem-copy-dual512-g2048-l2",
-            dual512("hostmem-copy", _env={"LIGHTWELL_HOSTMEM_COPY_LANES": "2"}),
-            ("ttft",),
-        ),
-        # the int8 kernels without their alignment hints (run 8)
-        (
-            "tp2-hostmem-copy-int8-dual512-g2048-noalign",
-            dual512("hostmem-copy-int8", _env=NOALIGN),
-            ("ttft", "decode"),
-        ),
-        ("tp2-hostmem-int8-noalign", dict(all_reduce="hostmem-int8", _env=NOALIGN), ("decode",)),
-        # the peers' int8 copies summed inside the norm that consumes them (default: apart)
-        (
-            "tp2-hostmem-copy-int8-dual512-g2048-fuse",
-            dual512("hostmem-copy-int8", _env={"LIGHTWELL_HOSTMEM_COPY_FUSE_NORM": "1"}),
-            ("ttft",),
         ),
         # three or four micro-batches (--dual-stream-micro-batches)
         *[
@@ -186,20 +110,6 @@ ENGINES = {
             dual512("hostmem-int8", dual_stream_micro_batches=3),
             ("ttft",),
         ),
-        # the copy-engine messages in 2, 3 or 8 pieces (default 4)
-        *[
-            (
-                f"tp2-hostmem-copy-int8-dual512-g2048-c{c}",
-                dual512("hostmem-copy-int8", _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": str(c)}),
-                ("ttft",) if c < 8 else ("w1", "ttft", "decode"),
-            )
-            for c in (2, 3, 8)
-        ],
-        (
-            "tp2-hostmem-copy-dual512-g2048-c8",
-            dual512("hostmem-copy", _env={"LIGHTWELL_HOSTMEM_COPY_CHUNKS": "8"}),
-            ("ttft",),
-        ),
         (
             "tp2-hostmem-int8-dual-g2048",
             dict(all_reduce="hostmem-int8", dual_stream=True, **G2048),
@@ -207,44 +117,14 @@ ENGINES = {
         ),
         ("tp2-hostmem-int8-g2048", dict(all_reduce="hostmem-int8", **G2048), ("ttft",)),
         (
-            "tp2-hostmem-int8-nofuse",
-            dict(all_reduce="hostmem-int8", _env=NOFUSE),
-            ("ttft", "decode"),
-        ),
-        ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
-        ("tp2-auto-nofuse", dict(all_reduce="auto", _env=NOFUSE), ("w1", "ttft", "decode")),
-        ("tp2-hostmem-int8-fuse", dict(all_reduce="hostmem-int8", _env=FUSE), ("ttft", "decode")),
-        ("tp2-nccl-pdec", dict(all_reduce="nccl"), ("profile-decode",)),
-        ("tp2-hostmem-int8-pdec", dict(all_reduce="hostmem-int8"), ("profile-decode",)),
-        (
             "tp2-hostmem-int8-dual",
             dict(all_reduce="hostmem-int8", dual_stream=True),
             ("ttft", "decode", "profile"),
         ),
-        (
-            "tp2-hostmem-int8-dual-p32",
-            dict(
-                all_reduce="hostmem-int8",
-                dual_stream=True,
-                _env={"LIGHTWELL_HOSTMEM_MAX_PROGRAMS": "32"},
-            ),
-            ("ttft", "decode", "profile"),
-        ),
-        (
-            "tp2-hostmem-int8-noll",
-            dict(all_reduce="hostmem-int8", _env={"LIGHTWELL_HOSTMEM_LL_MAX_BYTES": "0"}),
-            ("w1", "decode"),
-        ),
-        (
-            "tp2-hostmem-noll",
-            dict(all_reduce="hostmem", _env={"LIGHTWELL_HOSTMEM_LL_MAX_BYTES": "0"}),
-            ("w1", "decode"),
-        ),
         ("tp2-hostmem-dual", dict(all_reduce="hostmem", dual_stream=True), ("ttft", "decode")),
         ("tp2-nccl-dual", dict(all_reduce="nccl", dual_stream=True), ("ttft", "profile")),
-        ("tp2-int8", dict(all_reduce="int8"), ("w1", "ttft", "decode")),
-        ("tp2-int8-dual", dict(all_reduce="int8", dual_stream=True), ("ttft", "decode")),
-        ("tp2-host", dict(all_reduce="host"), ("ttft", "decode")),
+        ("tp2-nccl-pdec", dict(all_reduce="nccl"), ("profile-decode",)),
+        ("tp2-hostmem-int8-pdec", dict(all_reduce="hostmem-int8"), ("profile-decode",)),
     ],
 }
 ENGINE_CAP_S = 150  # one engine subprocess at most
@@ -267,8 +147,8 @@ def make_llm(mode: str, options: dict, dual_min_tokens: int):
         max_num_seqs=64,
         max_num_batched_tokens=2048,
         kv_cache_memory_gb=16.0,
-        # the engine's default when runs 1-9 measured these labels (--dual-stream now raises
-        # it to 2,048): the -g2048 labels set it themselves
+        # prefill graphs up to 512 tokens (--dual-stream would raise it to 2,048), so that the
+        # labels without -g2048 compare with those that set 2,048
         cuda_graph_prefill_tokens=512,
     )
     if options.get("tensor_parallel_size", 2) == 2:
@@ -350,9 +230,9 @@ def stage_profile(llm, emit, out: str, name: str) -> None:
     """One 2,048-token prefill under torch.profiler on rank 0: the CUDA kernels with their
     streams and times (JSON), to see what overlaps with what."""
     import torch
-    from gpu_profile import cuda_kernels
     from torch.profiler import ProfilerActivity, profile
 
+    from benchmarks.tools.step_profile import cuda_kernels
     from lightwell import SamplingParams
 
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
@@ -388,8 +268,9 @@ def stage_profile_decode(llm, emit, out: str, name: str, batch: int = 64, steps:
     time some kernel ran (busy), and kernel time by kind (KERNEL_KINDS, else other) and by
     kernel."""
     import torch
-    from gpu_profile import cuda_kernels, idle_gaps
     from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.tools.step_profile import cuda_kernels, idle_gaps
 
     engine = llm.engine
     _start_decoding(engine, batch, steps + 32, "pdec")
@@ -434,12 +315,12 @@ def _prefilling(engine) -> bool:
 
 
 def run_engine(args: argparse.Namespace) -> int:
-    from results_io import record
+    from lightwell.bench.results import record
 
     mode, label = args.mode, args.engine
     _, options, stages = next(e for e in ENGINES[mode] if e[0] == label)
     rows: list[dict] = []
-    path = os.path.join(args.out, f"gpu_tp_{mode}_{label}.json")
+    path = os.path.join(args.out, f"tp_{mode}_{label}.json")
     tp = options.get("tensor_parallel_size", 2)
     model = options.get("hf_config_json", "llama-3-8b")
     common = dict(
@@ -449,6 +330,7 @@ def run_engine(args: argparse.Namespace) -> int:
         mode=mode,
         config=label,
         options={k: v for k, v in options.items() if k != "tensor_parallel_size"},
+        command=args.command,
     )
 
     def emit(metric: str, value: float, **fields) -> None:
@@ -457,8 +339,6 @@ def run_engine(args: argparse.Namespace) -> int:
             json.dump(rows, f, indent=1)
         print(f"  [{mode} {label}] {metric} = {value:.4g}", flush=True)
 
-    options = dict(options)
-    os.environ.update(options.pop("_env", {}))  # before the engine spawns its ranks
     t0 = time.perf_counter()
     llm = make_llm(mode, options, args.dual_min_tokens)
     emit("engine_start_s", time.perf_counter() - t0, workload="startup")
@@ -479,40 +359,23 @@ def run_engine(args: argparse.Namespace) -> int:
     os._exit(0)  # results are on disk; never wait on NCCL/CUDA teardown at interpreter exit
 
 
-# ---- all-reduce table + model check (subprocess, 2 spawned ranks) --------------------------
-def run_allreduce(args: argparse.Namespace) -> int:
-    import torch.multiprocessing as mp
-    from tp_allreduce import run_rank
-
-    from lightwell.executor.multiproc import free_port
-
-    port = free_port()
-    out = os.path.join(args.out, f"gpu_tp_{args.mode}_allreduce.json")
-    mp.spawn(run_rank, args=(port, args.mode, out, args.deadline, args.stages), nprocs=2)
-    return 0
-
-
 # ---- driver ----------------------------------------------------------------------------------
 def child(args: argparse.Namespace, what: list[str], deadline: float, cap: float) -> None:
+    """One subprocess in the mode's environment: the all-reduce table and check
+    (benchmarks.comm.allreduce) when ``what`` is empty, else this module's engine ``what``."""
     env = {**os.environ, **COMMON_ENV, **MODE_ENV[args.mode_now]}
-    cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--out",
-        args.out,
-        "--mode",
-        args.mode_now,
-        "--deadline",
-        str(deadline),
-        "--stages",
-        args.stages,
-        "--dual-min-tokens",
-        str(args.dual_min_tokens),
-        *what,
-    ]
+    common = ["--mode", args.mode_now, "--deadline", str(deadline), "--command", args.command]
+    if what:
+        module = "benchmarks.workloads.tp"
+        rest = ["--out", args.out, "--dual-min-tokens", str(args.dual_min_tokens), *what]
+    else:
+        module = "benchmarks.comm.allreduce"
+        out = os.path.join(args.out, f"tp_{args.mode_now}_allreduce.json")
+        rest = ["--out", out, "--stages", args.stages]
     timeout = max(5.0, min(cap, deadline - time.time()))
     t0 = time.time()
     # Its own session, so a timeout ends it together with the rank processes it spawned.
+    cmd = [sys.executable, "-m", module, *common, *rest]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
         rc = proc.wait(timeout=timeout)
@@ -547,16 +410,16 @@ def drive(args: argparse.Namespace) -> int:
                 continue
             child(args, ["--engine", label], min(end, mode_end + 20), ENGINE_CAP_S)
     rows = []
-    for path in sorted(glob.glob(os.path.join(args.out, "gpu_tp_*.json"))):
+    for path in sorted(glob.glob(os.path.join(args.out, "tp_*.json"))):
         with open(path) as f:
             rows.extend(json.load(f))
-    with open(os.path.join(args.out, "gpu_tp.json"), "w") as f:
+    with open(os.path.join(args.out, "tp.json"), "w") as f:
         json.dump(rows, f, indent=1)
     _bundle(args.out)
-    from tp_report import print_tables
+    from benchmarks.tools.tp_report import print_tables
 
     print_tables(rows)
-    print(f"total {time.time() - start:.0f} s; {len(rows)} rows in {args.out}/gpu_tp.json")
+    print(f"total {time.time() - start:.0f} s; {len(rows)} rows in {args.out}/tp.json")
     return 0
 
 
@@ -564,9 +427,7 @@ def _bundle(out: str) -> None:
     """The per-subprocess files into one tar (the device tool returns only a few files)."""
     import tarfile
 
-    parts = [
-        p for p in glob.glob(os.path.join(out, "*")) if not p.endswith(("gpu_tp.json", ".tgz"))
-    ]
+    parts = [p for p in glob.glob(os.path.join(out, "*")) if not p.endswith(("tp.json", ".tgz"))]
     with tarfile.open(os.path.join(out, "parts.tgz"), "w:gz") as tar:
         for path in parts:
             tar.add(path, arcname=os.path.basename(path))
@@ -583,7 +444,7 @@ def main() -> int:
     ap.add_argument(
         "--stages",
         default="allreduce,check",
-        help="stages of the 2-rank subprocess: allreduce, check",
+        help="stages of benchmarks.comm.allreduce run first in each mode: allreduce, check, none",
     )
     ap.add_argument(
         "--engines",
@@ -597,11 +458,13 @@ def main() -> int:
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--command", help=argparse.SUPPRESS)  # the driver's, recorded by children
     args = ap.parse_args()
     if args.mode is None:
+        from lightwell.bench.results import script_command
+
+        args.command = script_command()
         return drive(args)
-    if args.engine is None:
-        return run_allreduce(args)
     return run_engine(args)
 
 
