@@ -1,7 +1,7 @@
 """How much of hostmem-int8's error the embedding's all-reduce carries: logits of a 4-layer
 random Llama (hidden 128, fp32) over 2 CPU ranks (gloo, the hostmem kernels under the Triton
 interpreter), NCCL's (gloo's) sum against hostmem-int8 with the embedding's all-reduce exact
-(the default: ``comm.base.exact_sum``) and quantized like the rest. On the CPU, under a minute:
+(the default: ``comm.base.exact_sum``) and quantized like the rest. On the CPU, 1-3 minutes:
 
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python3 -m benchmarks.comm.int8_embedding_error \
         --out benchmarks/results/comm_int8_embedding_error_cpu.json
