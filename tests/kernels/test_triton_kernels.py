@@ -1,7 +1,7 @@
 """Triton kernels vs their torch references: on CPU under TRITON_INTERPRET=1, compiled on CUDA.
 
 Shapes are tiny (the interpreter runs every program in Python); full sizes and bf16 run on the GPU
-through benchmarks/gpu_kernels.py.
+through benchmarks/kernels/triton_kernels.py.
 """
 
 from __future__ import annotations
