@@ -373,7 +373,10 @@ def _check_exact_sum(rank: int, ctx) -> None:
         lossy = sel.all_reduce(xs[rank].clone())
         assert not torch.equal(lossy, want) and (lossy - want).abs().max() < 0.1, choice
         with exact_sum(), beside_compute():
-            assert torch.equal(sel.all_reduce(xs[rank].clone()), want), choice
+            if choice == "int8":  # (a strategy alone: it leaves exact sums to the selector)
+                assert not sel.supports(xs[rank])
+            else:
+                assert torch.equal(sel.all_reduce(xs[rank].clone()), want), choice
         assert torch.equal(sel.all_reduce(xs[rank].clone()), lossy), choice
         sel.close()
     table = torch.randn(100, 256, generator=g)
