@@ -155,6 +155,14 @@ class ParallelConfig:
         "access (peer memory; hostmem's low-latency lane on two GPUs); off: NCCL for every "
         "message there.",
     )
+    enable_expert_parallel: bool = _opt(
+        False,
+        "Mixture-of-experts models: spread whole experts over the tensor-parallel ranks (each "
+        "rank holds experts / tp of them) instead of a slice of every expert; attention stays "
+        "tensor-parallel. Every rank computes its experts for all the step's tokens and the "
+        "layer's output is summed by the all-reduce the layer makes anyway. The experts must "
+        "divide evenly among the ranks.",
+    )
     dual_stream: bool = _opt(
         False,
         "GPU, tensor parallel: split a step's tokens into micro-batches (two by default) so "

@@ -115,6 +115,9 @@ class Worker:
         self.hf_config = hf = load_hf_config(files, overrides)
         dtype = pick_dtype(m.dtype, hf, self.device)
         fmt = m.load_format
+        from lightwell.distributed.parallel_state import set_expert_parallel
+
+        set_expert_parallel(self.config.parallel.enable_expert_parallel)
         model = load_model(files, hf, dtype, self.device, load_format=fmt, seed=m.seed)
         eos = getattr(hf, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) and eos else eos

@@ -155,6 +155,52 @@ def minicpm(folder: str, seed: int):
     return ref
 
 
+MOE = dict(intermediate_size=48, num_experts_per_tok=2)
+
+
+def mixtral(folder: str, seed: int, **overrides):
+    """4 experts, top-2 renormalised, a sliding window shorter than the prompts."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(
+        **{**COMMON, **MOE, **overrides}, num_local_experts=4, sliding_window=WINDOW
+    )
+    return _saved(cfg, folder, seed)
+
+
+def qwen2_moe(folder: str, seed: int, **overrides):
+    """4 experts top-2 (not renormalised), a sigmoid-gated shared expert, layer 1 of 3 dense
+    (``mlp_only_layers``), q/k/v biases."""
+    from transformers import Qwen2MoeConfig
+
+    kw = {**COMMON, **MOE, "num_hidden_layers": 3, **overrides}
+    cfg = Qwen2MoeConfig(
+        **kw,
+        num_experts=4,
+        moe_intermediate_size=40,
+        shared_expert_intermediate_size=56,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+    )
+    return _saved(cfg, folder, seed)
+
+
+def qwen3_moe(folder: str, seed: int, **overrides):
+    """q/k norms, head_dim 24, 4 experts top-2 renormalised, every second layer sparse."""
+    from transformers import Qwen3MoeConfig
+
+    kw = {**COMMON, **MOE, "num_hidden_layers": 3, **overrides}
+    cfg = Qwen3MoeConfig(
+        **kw,
+        head_dim=24,
+        num_experts=4,
+        moe_intermediate_size=40,
+        decoder_sparse_step=2,
+        norm_topk_prob=True,
+    )
+    return _saved(cfg, folder, seed)
+
+
 FAMILIES: dict[str, Family] = {
     "mistral_window": Family("MistralForCausalLM", mistral),
     "qwen2_yarn_window": Family("Qwen2ForCausalLM", qwen2),
@@ -165,6 +211,9 @@ FAMILIES: dict[str, Family] = {
     ),
     "minicpm_linear": Family("MiniCPMForCausalLM", minicpm),
     "cohere_qk_norm": Family("CohereForCausalLM", cohere),
+    "mixtral_window": Family("MixtralForCausalLM", mixtral),
+    "qwen2_moe_shared": Family("Qwen2MoeForCausalLM", qwen2_moe),
+    "qwen3_moe_step2": Family("Qwen3MoeForCausalLM", qwen3_moe),
 }
 
 
