@@ -1,0 +1,83 @@
+"""Multi-head latent attention (DeepSeek's MLA) over a paged latent cache, in plain torch.
+
+The cache of an MLA layer holds one entry per token: the compressed latent ``c`` (kv_lora_rank
+values, after its RMSNorm) followed by the rotated shared RoPE key ``k_pe`` (rope dims), as
+``[1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]``: one "head", no separate values.
+The query comes absorbed: ``[q_nope @ W_UK | q_pe]`` per head (``[T, H, kv_lora_rank +
+rope_dim]``), so a score is ``q . entry`` and the output is ``softmax(scores) @ c`` (``[T, H,
+kv_lora_rank]``), which the layer maps through ``W_UV``. Prefill chunks and decodes take the
+same path: one request at a time, causal over its cached prefix plus its new tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lightwell.attention.metadata import AttentionMetadata
+
+
+def write_latent(
+    kv_cache: torch.Tensor,  # [1, N, B, 1, D]
+    entry: torch.Tensor,  # [T, D]
+    slot_mapping: torch.Tensor,  # [T] int64: block_id * B + offset
+) -> None:
+    dim = kv_cache.shape[-1]
+    kv_cache.view(-1, dim).index_copy_(0, slot_mapping, entry.to(kv_cache.dtype))
+
+
+def gather_latent(
+    kv_cache: torch.Tensor,  # [1, N, B, 1, D]
+    block_ids: torch.Tensor,  # [nb]
+    length: int,
+) -> torch.Tensor:  # [length, D]
+    """The first ``length`` cached entries of one request, in order."""
+    _, num_blocks, block_size, _, dim = kv_cache.shape
+    blocks = kv_cache.view(num_blocks, block_size * dim).index_select(0, block_ids)
+    return blocks.view(-1, dim)[:length]
+
+
+def attend_latent(
+    q: torch.Tensor,  # [T, H, D]: absorbed queries, D = kv_lora_rank + rope_dim
+    entry: torch.Tensor,  # [T, D]: the step's new latent entries
+    kv_cache: torch.Tensor | None,  # [1, N, B, 1, D]; None: profiling, fresh prefills only
+    meta: AttentionMetadata,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:  # [T, H, kv_lora_rank]
+    """Write the new entries at ``meta.slot_mapping``, then attend each request's queries
+    causally over its ``seq_lens[i]`` entries."""
+    if q.shape[0] != meta.num_tokens or entry.shape[0] != q.shape[0]:
+        raise ValueError(f"{q.shape[0]} queries / {entry.shape[0]} entries for {meta.num_tokens}")
+    if kv_cache is not None:
+        write_latent(kv_cache, entry, meta.slot_mapping)
+    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    qsl = meta.query_start_loc_cpu
+    for i in range(meta.num_reqs):
+        s, e = qsl[i], qsl[i + 1]
+        length = meta.seq_lens_cpu[i]
+        if length == e - s:  # nothing cached before this chunk
+            keys = entry[s:e]
+        elif kv_cache is None:
+            raise ValueError("latent attention without a cache cannot serve cached tokens")
+        else:
+            num_blocks = -(-length // kv_cache.shape[2])
+            keys = gather_latent(kv_cache, meta.block_table[i, :num_blocks], length).to(q.dtype)
+        out[s:e] = latent_sdpa(q[s:e], keys, length - (e - s), scale, kv_lora_rank)
+    return out
+
+
+def latent_sdpa(
+    q: torch.Tensor,  # [n, H, D]
+    keys: torch.Tensor,  # [L, D]: num_cached + n entries
+    num_cached: int,
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:  # [n, H, kv_lora_rank]
+    n = q.shape[0]
+    scores = torch.einsum("nhd,ld->hnl", q.float(), keys.float()) * scale  # [H, n, L]
+    key_pos = torch.arange(keys.shape[0], device=q.device)
+    query_pos = torch.arange(num_cached, num_cached + n, device=q.device)
+    scores.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+    probs = scores.softmax(-1)
+    out = torch.einsum("hnl,lc->nhc", probs, keys[:, :kv_lora_rank].float())
+    return out.to(q.dtype)
