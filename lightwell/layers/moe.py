@@ -81,6 +81,9 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer (silu-gated MLPs); ``forward`` returns this rank's
     partial sum over the experts each token chose, weighted by the router."""
 
+    # The torch loop reads the per-expert token counts on the host each step.
+    cuda_graph_safe = False
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()

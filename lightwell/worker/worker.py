@@ -70,6 +70,20 @@ def _max_positions(model: torch.nn.Module, hf_config: object) -> int:
     return length if length is not None else getattr(hf_config, "max_position_embeddings", 2048)
 
 
+def _graph_blockers(runner: object) -> str:
+    """What keeps the model out of CUDA graphs (host-side work per step): an attention backend
+    that says so, or a module with ``cuda_graph_safe = False`` (the MoE torch loop); "" if
+    nothing."""
+    attn = runner.attn_layers
+    names = {type(a.backend).__name__ for a in attn if not a.backend.supports_cuda_graphs}
+    names |= {
+        type(m).__name__
+        for m in runner.model.modules()
+        if getattr(m, "cuda_graph_safe", True) is False
+    }
+    return ", ".join(sorted(names))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
         """``init_method`` (``tcp://host:port``): join the tensor-parallel group as ``rank``
@@ -197,7 +211,8 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
         if self.device.type == "cuda" and not self.config.device.enforce_eager:
-            if all(a.backend.supports_cuda_graphs for a in self.runner.attn_layers):
+            blockers = _graph_blockers(self.runner)
+            if not blockers:
                 s = resolved.scheduler
                 self.runner.capture_cuda_graphs(
                     s.max_num_seqs,
@@ -205,7 +220,7 @@ class Worker:
                     resolved.device.cuda_graph_prefill_tokens,  # (at most the step budget)
                 )
             else:
-                logger.warning("the attention backend cannot be captured: decode runs eagerly")
+                logger.warning("%s cannot be captured: every step runs eagerly", blockers)
         if self.compile_watch is not None:
             self.compile_watch.arm()  # start-up is over: later compiles stall serving
 

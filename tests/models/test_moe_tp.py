@@ -1,4 +1,5 @@
-"""MoE families at tensor_parallel_size=2 (2 CPU processes over gloo): experts sliced along
+"""MoE families (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3 with MLA heads split) at
+tensor_parallel_size=2 (2 CPU processes over gloo): experts sliced along
 their intermediate size on both ranks (tensor parallel), or whole experts per rank (expert
 parallel, ``--enable-expert-parallel``), against HF's logits (what TP=1 reproduces, see
 test_families.py); the engine end to end with expert parallelism; uneven splits refused."""
@@ -10,11 +11,28 @@ import torch
 
 from lightwell.distributed.parallel_state import reset_tp_group, set_expert_parallel
 from lightwell.layers.moe import FusedMoE
-from tests.models.families import hf_generate, mixtral, qwen2_moe, qwen3_moe, save_tokenizer
+from tests.models.families import (
+    deepseek_v2,
+    deepseek_v3,
+    hf_generate,
+    mixtral,
+    qwen2_moe,
+    qwen3_moe,
+    save_tokenizer,
+)
 from tests.models.test_tensor_parallel import DECODE_STEPS, PROMPTS, _free_port
 from tests.models.tiny import hf_logits, rel_err
 
-BUILDS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe, "qwen3_moe": qwen3_moe}
+BUILDS = {
+    "mixtral": mixtral,
+    "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe,
+    "deepseek_v2": deepseek_v2,  # 8 experts; MLA heads split 2 / 2
+    "deepseek_v3": deepseek_v3,
+}
+# (experts, expert intermediate size)
+SHAPES = {"mixtral": (4, 48), "qwen2_moe": (4, 40), "qwen3_moe": (4, 40), "deepseek_v2": (8, 40),
+          "deepseek_v3": (4, 40)}  # fmt: skip
 
 
 def _run_rank(rank: int, size: int, port: int, folders: dict[str, str], out: str) -> None:
@@ -64,11 +82,12 @@ def test_tp2_moe_families_match_hf_with_and_without_expert_parallel(tmp_path):
     out = str(tmp_path / "results.pt")
     mp.spawn(_run_rank, args=(2, _free_port(), folders, out), nprocs=2, join=True)
     results = torch.load(out)
-    inter = {"mixtral": 48, "qwen2_moe": 40, "qwen3_moe": 40}
     for (key, ep), (prefill, seqs, steps, shape) in results.items():
         hf = hf_models[key]
-        # rank 1: experts 2-3 whole, or a half of each of the 4
-        assert shape == ((2, 2, inter[key]) if ep else (4, 0, inter[key] // 2)), key
+        # rank 1: the second half of the experts whole, or the second half of each expert
+        experts, inter = SHAPES[key]
+        half = experts // 2
+        assert shape == ((half, half, inter) if ep else (experts, 0, inter // 2)), key
         for p, lg in zip(PROMPTS, prefill):
             assert rel_err(lg, hf_logits(hf, p)) < 1e-4, (key, ep)
         for p, s, st in zip(PROMPTS, seqs, steps):
