@@ -81,9 +81,6 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer (silu-gated MLPs); ``forward`` returns this rank's
     partial sum over the experts each token chose, weighted by the router."""
 
-    # The torch loop reads the per-expert token counts on the host each step.
-    cuda_graph_safe = False
-
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
@@ -141,7 +138,18 @@ class FusedMoE(nn.Module):
         weights: torch.Tensor,  # [T, k] router weights
         ids: torch.Tensor,  # [T, k] expert ids
     ) -> torch.Tensor:  # [T, H] this rank's partial sum
-        return moe_loop(x, self.w13_weight, self.w2_weight, weights, ids - self.expert_start)
+        ids = ids - self.expert_start if self.expert_start else ids
+        if x.is_cuda:
+            from lightwell.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
+        return moe_loop(x, self.w13_weight, self.w2_weight, weights, ids)
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """The Triton kernel (CUDA) runs without host syncs; the torch loop reads the
+        per-expert token counts on the host."""
+        return self.w13_weight.is_cuda
 
     def extra_repr(self) -> str:
         return (
