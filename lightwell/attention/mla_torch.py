@@ -43,16 +43,19 @@ def attend_latent(
     meta: AttentionMetadata,
     scale: float,
     kv_lora_rank: int,
+    first_req: int = 0,  # requests before it are the caller's (written, not attended here)
+    out: torch.Tensor | None = None,  # [T, H, kv_lora_rank]
 ) -> torch.Tensor:  # [T, H, kv_lora_rank]
-    """Write the new entries at ``meta.slot_mapping``, then attend each request's queries
-    causally over its ``seq_lens[i]`` entries."""
+    """Write the new entries at ``meta.slot_mapping`` (unless ``first_req``), then attend each
+    request's queries causally over its ``seq_lens[i]`` entries."""
     if q.shape[0] != meta.num_tokens or entry.shape[0] != q.shape[0]:
         raise ValueError(f"{q.shape[0]} queries / {entry.shape[0]} entries for {meta.num_tokens}")
-    if kv_cache is not None:
+    if kv_cache is not None and first_req == 0:
         write_latent(kv_cache, entry, meta.slot_mapping)
-    out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1], kv_lora_rank)
     qsl = meta.query_start_loc_cpu
-    for i in range(meta.num_reqs):
+    for i in range(first_req, meta.num_reqs):
         s, e = qsl[i], qsl[i + 1]
         length = meta.seq_lens_cpu[i]
         if length == e - s:  # nothing cached before this chunk

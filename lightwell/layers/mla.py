@@ -22,7 +22,7 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import get_attention_metadata
-from lightwell.attention.mla_torch import attend_latent
+from lightwell.attention.mla_torch import attend_latent, write_latent
 from lightwell.layers.attention import Attention
 from lightwell.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from lightwell.layers.norm import RMSNorm
@@ -32,7 +32,11 @@ from lightwell.quant.base import QuantMethod
 
 class LatentAttention(Attention):
     """Owns one layer's latent cache ``[1, N, B, 1, kv_lora_rank + rope_dim]``; attends
-    absorbed queries over it (torch; eager only: it plans per request on the host)."""
+    absorbed queries over it: the step's decodes through the split-KV Triton kernel
+    (``decode_kernel``: on CUDA by default), prefill chunks in torch (eager only: the torch
+    path plans per request on the host)."""
+
+    decode_kernel: bool | None = None  # None: on CUDA
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__(num_heads, kv_lora_rank + rope_dim, scale, num_kv_heads=1)
@@ -55,7 +59,22 @@ class LatentAttention(Attention):
         entry: torch.Tensor,  # [T, kv_lora_rank + rope_dim]
     ) -> torch.Tensor:  # [T, H, kv_lora_rank]
         meta = get_attention_metadata()
-        return attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank)
+        kernel = q.is_cuda if self.decode_kernel is None else self.decode_kernel
+        n = meta.num_decodes  # the first n requests, one token each
+        if not kernel or self.kv_cache is None or n == 0:
+            return attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank)
+        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits
+
+        write_latent(self.kv_cache, entry, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
+        splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
+        out[:n] = mla_decode(
+            q[:n].contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
+            self.scale, self.kv_lora_rank, splits, meta.max_seq_len,
+        )  # fmt: skip
+        if n < meta.num_reqs:
+            attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank, n, out)
+        return out
 
 
 def mla_softmax_scale(config: Any, qk_head_dim: int) -> float:
