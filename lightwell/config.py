@@ -70,7 +70,7 @@ class ModelConfig:
         None,
         "With --load-format dummy: a JSON string of HF config overrides (e.g. the shapes of a "
         "model you have no weights for), or a preset name: " + "llama-3-8b, qwen2.5-7b, "
-        "llama-3-70b.",
+        "llama-3-70b, mixtral-8x7b, deepseek-v2-lite, deepseek-v3.",
     )
 
 

@@ -96,3 +96,21 @@ def test_mtp_layer_skipped_at_load(tmp_path, caplog):
         loaded = model.load_weights({**weights, **mtp}.items())
     assert loaded == set(dict(model.named_parameters()))
     assert "skipped 2 tensors of the multi-token-prediction layer" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("preset", "billions", "entry"),
+    [("mixtral-8x7b", 46.70, (2, 1, 1, 8, 128)), ("deepseek-v2-lite", 15.71, (1, 1, 1, 1, 576)),
+     ("deepseek-v3", 671.03, (1, 1, 1, 1, 576))],
+)  # fmt: skip
+def test_presets_have_the_published_sizes(preset, billions, entry):
+    """Dummy-weight presets (built on the meta device): parameter counts of the published
+    models, and a latent cache entry of 576 values (against 2 x 8 x 128 for Mixtral's GQA)."""
+    from lightwell.layers.attention import Attention
+    from lightwell.models.hf_config import load_hf_config
+    from lightwell.models.loader import load_model
+
+    model = load_model(None, load_hf_config(None, preset), torch.bfloat16, "meta", "dummy")
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
+    attn = next(m for m in model.modules() if isinstance(m, Attention))
+    assert attn.kv_cache_shape(1, 1) == entry
