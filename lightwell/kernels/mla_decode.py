@@ -89,7 +89,7 @@ def _combine(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 def pick_num_splits(num_reqs: int, num_heads: int, max_seq_len: int, sms: int = 132) -> int:
     """Key splits per request: enough programs to fill ``sms`` SMs, each split at least 256
     keys long, at most 16."""
-    programs = num_reqs * triton.cdiv(num_heads, 64)
+    programs = num_reqs * triton.cdiv(num_heads, 16)
     return max(1, min(16, sms // max(programs, 1), triton.cdiv(max_seq_len, 256)))
 
 
@@ -114,7 +114,7 @@ def mla_decode(
     per_split = triton.cdiv(triton.cdiv(max_len, num_splits), 16) * 16
     part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
     lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
-    block_h = max(16, min(64, triton.next_power_of_2(num_heads)))
+    block_h = 16  # tl.dot's smallest tile; the [16, L] fp32 accumulator stays in registers
     grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_kernel[grid](
         q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, scale, num_heads,
