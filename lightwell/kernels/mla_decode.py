@@ -8,6 +8,8 @@ loaded once for all those heads and go through two dots (scores against the late
 part, then probabilities times the latent). Each split writes its partial output with its
 log-sum-exp; ``_combine`` rescales and sums the splits. Entry width ``L + P`` (512 + 64 for
 DeepSeek) need not be a power of two: the latent and RoPE parts are loaded apart.
+``store_latent`` writes a step's entries into the cache, skipping slots < 0 (CUDA-graph padding).
+Nothing here reads host-side metadata per step, so decode steps can replay from CUDA graphs.
 """
 
 from __future__ import annotations
@@ -78,6 +80,45 @@ def _mla_decode_kernel(
     tl.store(part_ptr + base[:, None] * LATENT + lat[None, :], out,
              mask=head_ok[:, None] & lat_ok[None, :])  # fmt: skip
     tl.store(lse_ptr + base, lse, mask=head_ok)
+
+
+@triton.jit
+def _store_latent_kernel(
+    entry_ptr,  # [T, D]
+    cache_ptr,  # [num_slots, D]
+    slot_ptr,  # [T] int64; < 0: padding, skipped
+    stride_entry,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    row = tl.load(entry_ptr + token * stride_entry + offs, mask=mask)
+    tl.store(cache_ptr + slot * WIDTH + offs, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_latent(
+    entry: torch.Tensor,  # [T, D]
+    kv_cache: torch.Tensor,  # [1, N, B, 1, D]
+    slot_mapping: torch.Tensor,  # [T] int64; < 0 (CUDA-graph padding): not stored
+) -> None:
+    width = kv_cache.shape[-1]
+    if entry.dim() != 2 or entry.shape[1] != width or entry.stride(1) != 1:
+        raise ValueError(f"entries {tuple(entry.shape)} do not fit the cache's width {width}")
+    if entry.shape[0]:
+        _store_latent_kernel[(entry.shape[0],)](
+            entry, kv_cache.view(-1, width), slot_mapping, entry.stride(0), WIDTH=width,
+            BLOCK=triton.next_power_of_2(width),
+        )  # fmt: skip
+
+
+def store_latent_ref(entry: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    keep = slot_mapping >= 0
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(kv_cache.dtype)
 
 
 def _combine(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:

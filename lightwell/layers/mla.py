@@ -22,7 +22,7 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import get_attention_metadata
-from lightwell.attention.mla_torch import attend_latent, write_latent
+from lightwell.attention.mla_torch import attend_latent
 from lightwell.layers.attention import Attention
 from lightwell.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from lightwell.layers.norm import RMSNorm
@@ -37,6 +37,9 @@ class LatentAttention(Attention):
     path plans per request on the host)."""
 
     decode_kernel: bool | None = None  # None: on CUDA
+    # Decode-only steps through the kernel read no host metadata: CUDA graphs may capture
+    # them; steps with prefill chunks must run eagerly (the torch path plans on the host).
+    cuda_graph_mode = "decode"
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__(num_heads, kv_lora_rank + rope_dim, scale, num_kv_heads=1)
@@ -63,9 +66,9 @@ class LatentAttention(Attention):
         n = meta.num_decodes  # the first n requests, one token each
         if not kernel or self.kv_cache is None or n == 0:
             return attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank)
-        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits
+        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits, store_latent
 
-        write_latent(self.kv_cache, entry, meta.slot_mapping)
+        store_latent(entry, self.kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
         splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
         out[:n] = mla_decode(

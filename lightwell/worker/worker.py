@@ -73,8 +73,8 @@ def _max_positions(model: torch.nn.Module, hf_config: object) -> int:
 def _graph_blockers(runner: object) -> str:
     """What keeps the model out of CUDA graphs (host-side work per step): an attention backend
     that says so, or a module with ``cuda_graph_safe = False`` (the MoE torch loop); "" if
-    nothing."""
-    attn = runner.attn_layers
+    nothing. Layers with ``cuda_graph_mode = "decode"`` (MLA) allow decode-only graphs."""
+    attn = [a for a in runner.attn_layers if getattr(a, "cuda_graph_mode", None) != "decode"]
     names = {type(a.backend).__name__ for a in attn if not a.backend.supports_cuda_graphs}
     names |= {
         type(m).__name__
@@ -214,10 +214,15 @@ class Worker:
             blockers = _graph_blockers(self.runner)
             if not blockers:
                 s = resolved.scheduler
+                decode_only = any(
+                    getattr(a, "cuda_graph_mode", None) == "decode" for a in self.runner.attn_layers
+                )
+                if decode_only:
+                    logger.info("latent attention: CUDA graphs for decode-only steps only")
                 self.runner.capture_cuda_graphs(
                     s.max_num_seqs,
                     resolved.model.max_model_len,
-                    resolved.device.cuda_graph_prefill_tokens,  # (at most the step budget)
+                    0 if decode_only else resolved.device.cuda_graph_prefill_tokens,
                 )
             else:
                 logger.warning("%s cannot be captured: every step runs eagerly", blockers)

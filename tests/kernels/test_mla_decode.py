@@ -83,3 +83,58 @@ def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path):
             steps.append(torch.cat(got))
         logits[kernel] = torch.cat(steps)
     assert rel_err(logits[True], logits[False]) < 1e-4
+
+
+def test_store_latent_skips_padding_slots():
+    from lightwell.kernels.mla_decode import store_latent, store_latent_ref
+
+    gen = torch.Generator().manual_seed(4)
+    entry = torch.randn(5, 40, generator=gen).to(DEVICE)
+    cache = torch.randn(1, 6, 4, 1, 40, generator=gen).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, -1], device=DEVICE)
+    want = cache.clone()
+    store_latent_ref(entry, want, slots)
+    store_latent(entry, cache, slots)
+    assert torch.equal(cache, want) and torch.equal(cache.view(-1, 40)[17], entry[2])
+
+
+def test_deepseek_decode_graph_padding_equals_eager(tmp_path):
+    """What a decode graph's replay computes for a tiny DeepSeek-V3 (the forward over the padded
+    static inputs with the capture-time metadata: 3 requests padded to 4, padding slots -1)
+    equals the eager forward; no graphs for steps with prefill tokens."""
+    from lightwell.layers.mla import LatentAttention
+    from lightwell.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from lightwell.types import SamplingParams
+    from lightwell.worker.model_runner import ModelRunner
+    from tests.models.families import deepseek_v3
+    from tests.models.tiny import load_ours
+
+    torch.set_num_threads(1)
+    deepseek_v3(str(tmp_path), 5)
+    model = load_ours(str(tmp_path))
+    for layer in model.modules():
+        if isinstance(layer, LatentAttention):
+            layer.decode_kernel = True
+    runner = ModelRunner(model, block_size=4, vocab_size=300, device=torch.device("cpu"),
+                         dtype=torch.float32)  # fmt: skip
+    runner.init_kv_cache(32)
+    runner.capture_cuda_graphs(max_batch=4, max_model_len=64, prefill_tokens=0, capture=False)
+    sp = SamplingParams(max_tokens=8)
+    prompts = {"a": list(range(3, 10)), "b": list(range(40, 45)), "c": list(range(60, 73))}
+    blocks = {"a": [5, 9], "b": [3, 11], "c": [20, 2, 7, 14]}
+    new = [NewRequestData(r, p, len(p), sp, blocks[r], 0) for r, p in prompts.items()]
+    sched = SchedulerOutput(new, [], {r: len(p) for r, p in prompts.items()}, 25)
+    runner.batch.apply(sched)
+    inp = runner.batch.prepare(sched)
+    assert not runner.graphs.can_run(inp.meta)  # prefill: eager
+    runner.forward(inp.input_ids, inp.positions, inp.meta)
+    cached = [CachedRequestData(r, [7], [], len(p)) for r, p in prompts.items()]
+    sched = SchedulerOutput([], cached, {r: 1 for r in prompts}, 3)
+    runner.batch.apply(sched)
+    inp = runner.batch.prepare(sched)
+    assert runner.graphs.can_run(inp.meta)
+    eager = runner.forward(inp.input_ids, inp.positions, inp.meta).clone()
+    padded = runner.graphs.run(inp.input_ids, inp.positions, inp.meta)
+    assert padded.abs().max() > 0.1
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    assert runner.graphs.outputs[("decode", 4)].shape[0] == 4
