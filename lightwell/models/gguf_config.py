@@ -3,7 +3,10 @@
 To support another llama.cpp architecture: add a row to ``GGUF_ARCHS`` (its transformers
 config class, HF architecture name, whether llama.cpp permuted its q/k rows) and, if its
 hyper-parameter keys differ, to ``_HPARAMS``. Qwen2/Qwen3 use the same keys as llama and no
-q/k permutation (they are NeoX-style RoPE in llama.cpp too).
+q/k permutation (they are NeoX-style RoPE in llama.cpp too). MoE: qwen2moe / qwen3moe, and
+Mixtral, which llama.cpp writes as "llama" with ``expert_count`` set; the expert keys
+(``expert_count``, ``expert_used_count``, ``expert_feed_forward_length`` ...) map to the HF
+fields.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ _HPARAMS: dict[str, str] = {
     "expert_used_count": "num_experts_per_tok",
     "expert_feed_forward_length": "moe_intermediate_size",
     "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",  # when the file says (else the arch's default)
 }
 
 _TOKEN_IDS = {

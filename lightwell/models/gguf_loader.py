@@ -3,6 +3,8 @@
 Quantized tensors are dequantized with the ``gguf`` package (F32/F16/BF16/Q8_0/Q4_0/Q4_1/
 K-quants ... whatever it implements). llama.cpp's converter permutes the rows of llama q/k
 weights from HF's half-split RoPE layout into its interleaved layout; ``unpermute_qk`` undoes it.
+MoE experts stored stacked (``blk.N.ffn_{gate,up,down}_exps`` [E, ...]) are yielded one expert at
+a time under HF's per-expert names.
 """
 
 from __future__ import annotations
