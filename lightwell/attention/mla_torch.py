@@ -69,6 +69,9 @@ def attend_latent(
     return out
 
 
+SCORES_PER_CHUNK = 1 << 26  # fp32 scores held at once (256 MB): queries go in chunks
+
+
 def latent_sdpa(
     q: torch.Tensor,  # [n, H, D]
     keys: torch.Tensor,  # [L, D]: num_cached + n entries
@@ -76,11 +79,18 @@ def latent_sdpa(
     scale: float,
     kv_lora_rank: int,
 ) -> torch.Tensor:  # [n, H, kv_lora_rank]
-    n = q.shape[0]
-    scores = torch.einsum("nhd,ld->hnl", q.float(), keys.float()) * scale  # [H, n, L]
+    """Causal attention of n absorbed queries over the entries, a chunk of queries at a time
+    (a long prefill's [H, n, L] scores would not fit: 128 heads x 8K x 8K is 34 GB)."""
+    n, heads = q.shape[0], q.shape[1]
+    keys32 = keys.float()
+    latent = keys32[:, :kv_lora_rank]
     key_pos = torch.arange(keys.shape[0], device=q.device)
-    query_pos = torch.arange(num_cached, num_cached + n, device=q.device)
-    scores.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-    probs = scores.softmax(-1)
-    out = torch.einsum("hnl,lc->nhc", probs, keys[:, :kv_lora_rank].float())
-    return out.to(q.dtype)
+    step = max(1, SCORES_PER_CHUNK // (heads * keys.shape[0]))
+    out = q.new_empty(n, heads, kv_lora_rank)
+    for s in range(0, n, step):
+        e = min(s + step, n)
+        scores = torch.einsum("nhd,ld->hnl", q[s:e].float(), keys32) * scale  # [H, e - s, L]
+        query_pos = torch.arange(num_cached + s, num_cached + e, device=q.device)
+        scores.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[s:e] = torch.einsum("hnl,lc->nhc", scores.softmax(-1), latent).to(q.dtype)
+    return out

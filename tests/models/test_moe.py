@@ -114,3 +114,17 @@ def test_presets_have_the_published_sizes(preset, billions, entry):
     assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == billions
     attn = next(m for m in model.modules() if isinstance(m, Attention))
     assert attn.kv_cache_shape(1, 1) == entry
+
+
+def test_latent_attention_in_query_chunks_equals_whole(monkeypatch):
+    """Long prefills attend a chunk of queries at a time (bounded score memory): 4 queries a
+    chunk over 13 cached + 37 new entries give the one-chunk result."""
+    import lightwell.attention.mla_torch as mla
+
+    gen = torch.Generator().manual_seed(2)
+    q, keys = torch.randn(37, 3, 40, generator=gen), torch.randn(50, 40, generator=gen)
+    whole = mla.latent_sdpa(q, keys, 13, 0.2, 32)
+    monkeypatch.setattr(mla, "SCORES_PER_CHUNK", 3 * 50 * 4)
+    torch.testing.assert_close(mla.latent_sdpa(q, keys, 13, 0.2, 32), whole)
+    causal = mla.latent_sdpa(q[:1], keys[:14], 13, 0.2, 32)  # the first query sees 14 entries
+    torch.testing.assert_close(whole[:1], causal)
