@@ -75,6 +75,7 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
             quant_method,
             shared=("shared_experts", shared * config.moe_intermediate_size) if shared else None,
             correction_bias=router_of(config).scoring == "sigmoid",
+            router_fp32=True,
         )
 
 

@@ -1,7 +1,7 @@
 """The parts the MoE families share: the sparse MLP block, its decoder layer, and the routing
 of HF's per-expert checkpoint tensors to the stacked expert weights.
 
-``MoEBlock``: router (``gate``, a replicated [E, H] linear), routed experts (``FusedMoE``), and
+``MoEBlock``: router (``gate``, a replicated [E, H] weight), routed experts (``FusedMoE``), and
 optionally a shared expert (DeepSeek's ``shared_experts``; Qwen2-MoE's ``shared_expert`` scaled
 per token by ``sigmoid(shared_expert_gate(x))``). Its ``partial`` is this rank's partial sum of
 all of them: one all-reduce for the whole block, consumed by the next norm like a dense MLP's.
@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from lightwell.distributed.parallel_state import tp_all_reduce
@@ -46,6 +47,25 @@ def gated_mlp(config: Any, intermediate_size: int, quant_method: QuantMethod | N
     return LlamaMLP(shape, quant_method)
 
 
+class Router(nn.Module):
+    """The router's [E, H] weight (replicated), optionally kept and applied in fp32 (DeepSeek:
+    HF's reference routes in fp32, so bf16 logits could pick other experts), and DeepSeek-V3's
+    ``e_score_correction_bias`` [E] (fp32)."""
+
+    def __init__(self, hidden: int, experts: int, fp32: bool, correction_bias: bool):
+        super().__init__()
+        dtype = torch.float32 if fp32 else torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(experts, dtype=torch.float32), False)
+            if correction_bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
 class MoEBlock(nn.Module):
     def __init__(
         self,
@@ -57,16 +77,14 @@ class MoEBlock(nn.Module):
         shared: tuple[str, int] | None = None,  # (attribute name, intermediate size)
         shared_gate: bool = False,  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) per token
         correction_bias: bool = False,  # DeepSeek-V3: gate.e_score_correction_bias
+        router_fp32: bool = False,  # the router's weight and logits in fp32 (DeepSeek)
     ):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"MoE experts support hidden_act 'silu' only, not {config.hidden_act}")
         num_experts = num_experts_of(config)
         self.router = router
-        self.gate = ReplicatedLinear(config.hidden_size, num_experts, bias=False)
-        if correction_bias:
-            bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), False)
-            self.gate.e_score_correction_bias = bias
+        self.gate = Router(config.hidden_size, num_experts, router_fp32, correction_bias)
         self.experts = FusedMoE(num_experts, config.hidden_size, intermediate_size)
         self.shared_name = shared[0] if shared else None
         if shared:
@@ -76,7 +94,7 @@ class MoEBlock(nn.Module):
         )
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
-        bias = getattr(self.gate, "e_score_correction_bias", None)
+        bias = self.gate.e_score_correction_bias
         weights, ids = select_experts(self.gate(x), self.router, bias)  # [T, k] each
         out = self.experts(x, weights, ids)
         if self.shared_name is not None:

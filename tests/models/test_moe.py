@@ -128,3 +128,18 @@ def test_latent_attention_in_query_chunks_equals_whole(monkeypatch):
     torch.testing.assert_close(mla.latent_sdpa(q, keys, 13, 0.2, 32), whole)
     causal = mla.latent_sdpa(q[:1], keys[:14], 13, 0.2, 32)  # the first query sees 14 entries
     torch.testing.assert_close(whole[:1], causal)
+
+
+def test_deepseek_routes_in_fp32_in_a_bf16_model(tmp_path):
+    """HF computes DeepSeek's router logits in fp32; so do we, whatever the model dtype."""
+    from tests.models.families import deepseek_v3
+    from tests.models.tiny import load_ours
+
+    torch.set_num_threads(1)
+    deepseek_v3(str(tmp_path), 0)
+    model = load_ours(str(tmp_path), dtype=torch.bfloat16)
+    block = model.model.layers[1].mlp
+    assert block.gate.weight.dtype == block.gate.e_score_correction_bias.dtype == torch.float32
+    assert block.experts.w13_weight.dtype == torch.bfloat16
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert block.gate(x).dtype == torch.float32 and block(x).dtype == torch.bfloat16
