@@ -70,7 +70,7 @@ class ModelConfig:
         None,
         "With --load-format dummy: a JSON string of HF config overrides (e.g. the shapes of a "
         "model you have no weights for), or a preset name: " + "llama-3-8b, qwen2.5-7b, "
-        "llama-3-70b.",
+        "llama-3-70b, mixtral-8x7b, deepseek-v2-lite, deepseek-v3.",
     )
 
 
@@ -150,6 +150,14 @@ class ParallelConfig:
         "Allow the custom all-reduces that auto picks for small messages on GPUs with peer "
         "access (peer memory; hostmem's low-latency lane on two GPUs); off: NCCL for every "
         "message there.",
+    )
+    enable_expert_parallel: bool = _opt(
+        False,
+        "Mixture-of-experts models: spread whole experts over the tensor-parallel ranks (each "
+        "rank holds experts / tp of them) instead of a slice of every expert; attention stays "
+        "tensor-parallel. Every rank computes its experts for all the step's tokens and the "
+        "layer's output is summed by the all-reduce the layer makes anyway. The experts must "
+        "divide evenly among the ranks.",
     )
     dual_stream: bool = _opt(
         False,

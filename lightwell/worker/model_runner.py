@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -132,16 +133,19 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
+        """Per the layers' own cache shapes: [2, 1, B, Hkv, D] for K and V, [1, 1, B, 1, D]
+        for a latent-cache (MLA) layer."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
-        per_layer = [2 * self.block_size * a.num_kv_heads * a.head_dim for a in self.attn_layers]
+        per_layer = [math.prod(a.kv_cache_shape(1, self.block_size)) for a in self.attn_layers]
         return sum(per_layer) * elem
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one [2, num_blocks, block_size, Hkv, D] tensor per layer and bind it."""
+        """Allocate each layer's cache (``kv_cache_shape``: [2, num_blocks, block_size, Hkv, D]
+        for K and V; one latent entry a token for MLA layers) and bind it."""
         self.batch.num_blocks = num_blocks
         self.kv_caches = []
         for layer in self.attn_layers:
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            shape = layer.kv_cache_shape(num_blocks, self.block_size)
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)

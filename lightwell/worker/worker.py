@@ -72,6 +72,20 @@ def _max_positions(model: torch.nn.Module, hf_config: object) -> int:
     return length if length is not None else getattr(hf_config, "max_position_embeddings", 2048)
 
 
+def _graph_blockers(runner: object) -> str:
+    """What keeps the model out of CUDA graphs (host-side work per step): an attention backend
+    that says so, or a module with ``cuda_graph_safe = False`` (the MoE torch loop); "" if
+    nothing. Layers with ``cuda_graph_mode = "decode"`` (MLA) allow decode-only graphs."""
+    attn = [a for a in runner.attn_layers if getattr(a, "cuda_graph_mode", None) != "decode"]
+    names = {type(a.backend).__name__ for a in attn if not a.backend.supports_cuda_graphs}
+    names |= {
+        type(m).__name__
+        for m in runner.model.modules()
+        if getattr(m, "cuda_graph_safe", True) is False
+    }
+    return ", ".join(sorted(names))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
         """``init_method`` (``tcp://host:port``): join the tensor-parallel group as ``rank``
@@ -121,6 +135,9 @@ class Worker:
         self.hf_config = hf = load_hf_config(files, overrides)
         dtype = pick_dtype(m.dtype, hf, self.device)
         fmt = m.load_format
+        from lightwell.distributed.parallel_state import set_expert_parallel
+
+        set_expert_parallel(self.config.parallel.enable_expert_parallel)
         model = load_model(files, hf, dtype, self.device, load_format=fmt, seed=m.seed)
         eos = getattr(hf, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) and eos else eos
@@ -202,15 +219,21 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
         if self.device.type == "cuda" and not self.config.device.enforce_eager:
-            if all(a.backend.supports_cuda_graphs for a in self.runner.attn_layers):
+            blockers = _graph_blockers(self.runner)
+            if not blockers:
                 s = resolved.scheduler
+                decode_only = any(
+                    getattr(a, "cuda_graph_mode", None) == "decode" for a in self.runner.attn_layers
+                )
+                if decode_only:
+                    logger.info("latent attention: CUDA graphs for decode-only steps only")
                 self.runner.capture_cuda_graphs(
                     s.max_num_seqs,
                     resolved.model.max_model_len,
-                    resolved.device.cuda_graph_prefill_tokens,  # (at most the step budget)
+                    0 if decode_only else resolved.device.cuda_graph_prefill_tokens,
                 )
             else:
-                logger.warning("the attention backend cannot be captured: decode runs eagerly")
+                logger.warning("%s cannot be captured: every step runs eagerly", blockers)
         if self.compile_watch is not None:
             self.compile_watch.arm()  # start-up is over: later compiles stall serving
 
