@@ -38,6 +38,7 @@ def _mla_decode_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    DOT_PREC: tl.constexpr,  # "ieee" for fp32 (exact), else "tf32" (ignored by 16-bit dots)
 ):
     req, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -65,13 +66,15 @@ def _mla_decode_kernel(
                     mask=pos_ok[:, None] & lat_ok[None, :], other=0.0)  # fmt: skip
         k_pe = tl.load(cache_ptr + slot[:, None] * width + LATENT + pe[None, :],
                        mask=pos_ok[:, None] & pe_ok[None, :], other=0.0)  # fmt: skip
-        scores = tl.dot(q_lat, tl.trans(c)) + tl.dot(q_pe, tl.trans(k_pe))  # [BLOCK_H, BLOCK_S]
+        scores = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC) + tl.dot(
+            q_pe, tl.trans(k_pe), input_precision=DOT_PREC
+        )  # [BLOCK_H, BLOCK_S]
         scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
         m = m_new
     safe = denom > 0  # an empty split (past the sequence's end) contributes nothing
     out = acc / tl.where(safe, denom, 1.0)[:, None]
@@ -160,8 +163,10 @@ def mla_decode(
     _mla_decode_kernel[grid](
         q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, scale, num_heads,
         block_table.stride(0), per_split, BLOCK_SIZE=block_size, LATENT=kv_lora_rank, ROPE=rope,
-        BLOCK_L=triton.next_power_of_2(kv_lora_rank), BLOCK_P=triton.next_power_of_2(rope),
-        BLOCK_H=block_h, BLOCK_S=16,
+        # (tl.dot needs K >= 16: small test shapes pad the latent and RoPE tiles, masked)
+        BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=block_h, BLOCK_S=16, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return _combine(part, lse).to(q.dtype)
 
