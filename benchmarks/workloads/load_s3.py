@@ -17,6 +17,7 @@ import argparse
 import gc
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -164,6 +165,7 @@ def main() -> None:
 
 def run(args: argparse.Namespace, folder: str, uri: str, endpoint: str, nbytes: int) -> list:
     common = {**provenance("cpu"), "checkpoint_bytes": nbytes, "shard_mb": args.shard_mb}
+    common["command"] = shlex.join(["python3", "-m", "benchmarks.workloads.load_s3", *sys.argv[1:]])
     local_s, local_tokens = timed_load(folder)
     rows = [make_record("load_local_s", local_s, common, tokens=local_tokens)]
     print(f"local load {local_s:.1f}s tokens {local_tokens}")
