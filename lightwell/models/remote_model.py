@@ -174,3 +174,4 @@ class S3Checkpoint:
                 del buf
                 for name, tensor in tensors:
                     yield where, name, tensor
+                del tensors  # the shard's memory goes before the one after next arrives
