@@ -179,6 +179,8 @@ def run(args: argparse.Namespace, folder: str, uri: str, endpoint: str, nbytes: 
         rows.append(make_record("s3_transfer_s", xfer, common, **extra))
         rows.append(make_record("s3_transfer_gb_per_s", nbytes / xfer / 1e9, common, **extra))
         rows.append(make_record("load_s3_s", load_s, common, **extra))
+    for row in rows:  # the machine's load while it ran (shared machines skew the timings)
+        row["load_average_1m_end"] = round(os.getloadavg()[0], 2)
     return rows
 
 

@@ -86,9 +86,13 @@ def _translated(where: str, bucket: str) -> Iterator[None]:
     try:
         yield
     except bx.ClientError as e:
-        code = str(e.response.get("Error", {}).get("Code", ""))
-        msg = _MESSAGES.get(code, f"{code}: {e.response.get('Error', {}).get('Message', e)}")
-        raise ObjectStoreError(f"{where}: {msg.format(bucket=bucket)}") from None
+        error = e.response.get("Error", {})
+        code = str(error.get("Code", ""))
+        if code in _MESSAGES:
+            msg = _MESSAGES[code].format(bucket=bucket)
+        else:
+            msg = f"{code}: {error.get('Message', e)}"
+        raise ObjectStoreError(f"{where}: {msg}") from None
     except bx.NoCredentialsError:
         raise ObjectStoreError(
             f"{where}: no credentials found (set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "

@@ -12,6 +12,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 import yaml
@@ -115,3 +116,22 @@ def test_request_id_errors_and_json_logs(server):
         e.get("request_id") == "cmpl-trace-abc.1" and "finished" in e["message"] for e in lines
     )
     assert any(e.get("request_id") == "trace-abc.1" and "POST" in e["message"] for e in lines)
+
+
+def test_invalid_request_id_replaced_and_disconnect_counted(server):
+    body = {"model": MODEL, "prompt": "Count:", "max_tokens": 200, "ignore_eos": True}
+    r = server.post("/v1/completions", json={**body, "max_tokens": 1},
+                    headers={"X-Request-Id": "two words"})  # fmt: skip
+    assert r.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    before = server.metric("request_timeouts_total", 'reason="client_disconnect"')
+    with server.http.stream(
+        "POST", "/v1/completions", json={**body, "stream": True}, headers=server.auth
+    ) as stream:
+        next(stream.iter_lines())  # the first chunk, then the client goes away
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        now = server.metric("request_timeouts_total", 'reason="client_disconnect"')
+        if now == before + 1:
+            break
+        time.sleep(0.2)
+    assert now == before + 1
