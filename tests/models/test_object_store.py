@@ -3,7 +3,9 @@ ranged reads, the download cache (ETag reuse, resume) and the errors start-up st
 
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -20,8 +22,21 @@ from tests.models.tiny import hf_tiny_model, save_hf, tiny_config
 
 BUCKET = "models"
 URI = f"s3://{BUCKET}/tiny/llama"
-PROMPTS = [{"prompt_token_ids": [5, 17, 42, 7, 99]}, {"prompt_token_ids": [1, 2, 3]}]
-ENGINE = dict(dtype="float32", device="cpu", skip_tokenizer_init=True, num_kv_blocks=32)
+PROMPTS = ["w5 w17 w42 w7 w99", "w1 w2 w3"]
+ENGINE = dict(dtype="float32", device="cpu", num_kv_blocks=32)
+
+
+def save_word_tokenizer(folder: str, vocab_size: int) -> None:
+    """A word-level tokenizer (``w0`` ... ``wN``) in the HF files an s3:// load must fetch."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(folder, "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "[UNK]"}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +54,9 @@ def s3(endpoint):
 def tiny_folder(tmp_path_factory, s3) -> str:
     """A sharded tiny Llama (index + several shards), uploaded under URI."""
     torch.set_num_threads(1)
-    folder = save_hf(hf_tiny_model(tiny_config()), str(tmp_path_factory.mktemp("tiny")), "150KB")
+    config = tiny_config()
+    folder = save_hf(hf_tiny_model(config), str(tmp_path_factory.mktemp("tiny")), "150KB")
+    save_word_tokenizer(folder, config.vocab_size)
     assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
     s3.create_bucket(Bucket=BUCKET)
     s3_server.upload_folder(s3, folder, BUCKET, "tiny/llama")
@@ -51,9 +68,10 @@ def local_tokens(tiny_folder) -> list[list[int]]:
     return _greedy(LLM(tiny_folder, **ENGINE))
 
 
-def _greedy(llm: LLM) -> list[list[int]]:
+def _greedy(llm: LLM) -> list[tuple[list[int], str]]:
+    """Token ids and text: the text needs the tokenizer files that came with the model."""
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    return [o.outputs[0].token_ids for o in outs]
+    return [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
 
 
 def _shards(folder: str) -> list[str]:
@@ -86,6 +104,7 @@ def test_s3_load_matches_local(endpoint, tiny_folder, local_tokens, monkeypatch)
     llm = LLM(URI, s3_endpoint_url=endpoint, s3_max_connections=4, **ENGINE)
     files = llm.engine.files
     assert files.remote is not None and _shards(files.path) == []  # weights never on disk
+    assert all(re.fullmatch(r"(\s*w\d+)+", text) for _, text in local_tokens)
     assert _greedy(llm) == local_tokens
 
 
