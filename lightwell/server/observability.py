@@ -15,6 +15,8 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
+# per HTTP request, shared with the tasks it starts: {"stream_error": HTTP status or None}
+_STATE: contextvars.ContextVar[dict | None] = contextvars.ContextVar("request_state", default=None)
 HEADER = b"x-request-id"
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 # HTTP status -> the `reason` label of lightwell:request_errors
@@ -31,6 +33,13 @@ DISCONNECTED = "lightwell.client_disconnected"  # set in the ASGI scope by strea
 
 def current_request_id() -> str | None:
     return REQUEST_ID.get()
+
+
+def note_stream_error(status: int) -> None:
+    """An error sent inside a stream whose 200 has gone out: accounted like an error response."""
+    state = _STATE.get()
+    if state is not None:
+        state["stream_error"] = status
 
 
 def incoming_id(scope: Scope) -> str:
@@ -57,6 +66,8 @@ class RequestContextMiddleware:
             return
         rid = incoming_id(scope)
         token = REQUEST_ID.set(rid)
+        state: dict = {"stream_error": None}
+        state_token = _STATE.set(state)
         status = [0]
 
         async def send_with_id(message: Message) -> None:
@@ -69,7 +80,8 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
-            self._account(status[0], bool(scope.get(DISCONNECTED)))
+            self._account(state["stream_error"] or status[0], bool(scope.get(DISCONNECTED)))
+            _STATE.reset(state_token)
             REQUEST_ID.reset(token)
 
     def _account(self, status: int, disconnected: bool) -> None:

@@ -16,7 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from lightwell.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
-from lightwell.server.observability import DISCONNECTED, current_request_id
+from lightwell.server.observability import DISCONNECTED, current_request_id, note_stream_error
 from lightwell.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from lightwell.types import FinishReason, Logprob, RequestOutput, SamplingParams
 
@@ -260,6 +260,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse_error(error: APIError) -> bytes:
+    note_stream_error(error.status)
     return sse(json.dumps(error.body()))
 
 
