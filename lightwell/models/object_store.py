@@ -183,9 +183,15 @@ class ObjectStore:
     def download(self, obj: StoredObject, dest: str, bar: Any = None) -> int:
         """Make ``dest`` a copy of ``obj``; returns the bytes transferred (0 when the cached
         copy's ETag and size match; the missing tail only when a partial copy of the same
-        ETag is there)."""
+        ETag is there). Processes sharing the folder take turns per file."""
         if cached_matches(dest, obj):
             return 0
+        with _exclusive(_meta_path(dest) + ".lock"):
+            if cached_matches(dest, obj):  # another process fetched it meanwhile
+                return 0
+            return self._download(obj, dest, bar)
+
+    def _download(self, obj: StoredObject, dest: str, bar: Any) -> int:
         partial = dest + ".partial"
         start = _resume_offset(partial, obj)
         _write_meta(partial, obj)
@@ -265,6 +271,19 @@ def _in_order(
         if nxt is not None:
             pending.append(pool.submit(fn, nxt))
         yield result
+
+
+@contextmanager
+def _exclusive(lock_path: str) -> Iterator[None]:
+    import fcntl
+
+    os.makedirs(os.path.dirname(lock_path), exist_ok=True)
+    with open(lock_path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _meta_path(path: str) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -139,6 +140,17 @@ def test_download_cache_reuse_and_resume(endpoint, tiny_folder, s3, tmp_path, mo
     assert open(dest, "rb").read() == expected[:-1] + b"!"
     s3.put_object(Bucket=BUCKET, Key=obj.key, Body=expected)  # restore for the other tests
     s3.delete_object(Bucket=BUCKET, Key="tiny/llama/other.bin")
+
+
+def test_concurrent_downloads_take_turns(endpoint, tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setattr(object_store, "CHUNK_BYTES", 8 << 10)
+    store = ObjectStore(URI, StoreOptions(endpoint, 2, str(tmp_path)))
+    obj = store.list()[_shards(tiny_folder)[0]]
+    dest = str(tmp_path / obj.name)
+    with ThreadPoolExecutor(3) as pool:  # three "pods" sharing one download dir
+        moved = list(pool.map(lambda _: store.download(obj, dest), range(3)))
+    assert sorted(moved) == [0, 0, obj.size]
+    assert open(dest, "rb").read() == open(os.path.join(tiny_folder, obj.name), "rb").read()
 
 
 def test_lightwell_download_then_load(endpoint, tiny_folder, local_tokens, tmp_path, capsys):
