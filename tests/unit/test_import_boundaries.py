@@ -3,7 +3,8 @@
 Every package and top-level module of ``lightwell`` has a rule: the layers it must never
 import. The control plane (server -> engine -> scheduler -> kvcache) has no torch; the data
 plane goes executor -> worker -> models -> layers / attention / quant -> kernels; the leaves
-(config, types, envs, model_files) import nothing of Lightwell's but themselves (and envs).
+(config, types, envs, model_files, storage) import nothing of Lightwell's but themselves
+(model_files and storage: each other, pure Python).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ FORBIDDEN = {
     "config": ["torch", "lightwell"],
     "envs": ["torch", "lightwell"],
     "model_files": ["torch", "lightwell"],
+    "storage": ["torch", "lightwell"],
     "cli": ["lightwell.worker", "lightwell.models", "lightwell.layers", "lightwell.kernels"],
     "cli_args": ["torch", "lightwell.worker", "lightwell.models", "lightwell.engine"],
 }
@@ -68,7 +70,8 @@ ALLOWED = {
     "types": ["lightwell.types"],
     "config": ["lightwell.config"],
     "envs": ["lightwell.envs"],
-    "model_files": ["lightwell.model_files"],
+    "model_files": ["lightwell.model_files", "lightwell.storage"],
+    "storage": ["lightwell.storage", "lightwell.model_files"],
 }
 # nothing of the product imports the experimental package
 PRODUCT = [p for p in FORBIDDEN if p != "experimental"]
