@@ -19,7 +19,7 @@ import statistics
 
 import torch
 
-from lightwell.bench.results import make_record, provenance, write_json
+from lightwell.bench.results import make_record, provenance, script_command, write_json
 from lightwell.kernels.fused_moe import fused_moe
 from lightwell.layers.moe import moe_loop
 
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out", help="write the results here (JSON)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
     args = parser.parse_args()
-    common = provenance("cuda")
+    common = {**provenance("cuda"), "command": script_command()}
     rows = []
     for name in args.shapes.split(","):
         for tokens in TOKENS:

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from lightwell.bench.results import make_record, provenance, write_json
+from lightwell.bench.results import make_record, provenance, script_command, write_json
 from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref, pick_num_splits
 
 RANK, ROPE, BLOCK = 512, 64, 16
@@ -80,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results here (JSON)")
     args = parser.parse_args()
-    common = provenance("cuda")
+    common = {**provenance("cuda"), "command": script_command()}
     rows = []
     for heads, batch, ctx in CASES:
         rows += bench(heads, batch, ctx, common)

@@ -14,8 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from lightwell import LLM, SamplingParams
 from lightwell.cli import main
-from lightwell.storage import object_store
 from lightwell.models.safetensors_loader import tensors_from_buffer
+from lightwell.storage import object_store
 from lightwell.storage.object_store import ObjectStore, ObjectStoreError, StoreOptions
 from lightwell.storage.remote import cache_folder, download_model
 from tests.models import s3_server
