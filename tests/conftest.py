@@ -33,6 +33,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> str:
-    from lightwell.models.paths import default_model_path
+    from lightwell.model_files import default_model_path
 
     return default_model_path()

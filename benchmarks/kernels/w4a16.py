@@ -2,7 +2,8 @@
 size 128, bf16 activations: checked against the torch reference, then timed beside cuBLAS on
 the bf16 weight of the same shape.
 
-    python3 -m benchmarks.kernels.w4a16 [--out $OUT/w4a16.json] [--rows 1 16] [--act-order]
+    run(command="python3 -m benchmarks.kernels.w4a16 --out $OUT/w4a16.json")  # ~1 min
+    [--rows 1 16] [--act-order]
 
 Timing: a CUDA graph cycling through enough copies of the weights (>= 200 MB) that no launch
 finds them in L2; median of 20 replays; µs a call and the 4-bit weights' bytes (with scales and
@@ -16,7 +17,8 @@ import json
 
 import torch
 
-from benchmarks.graph_timing import graph_replay_us
+from benchmarks.kernels.timing import graph_replay_us
+from lightwell.bench.results import record, write_json
 from lightwell.kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
 
 SHAPES = {  # name: (N, K) of the weight on one GPU
@@ -65,9 +67,9 @@ def measure(name: str, rows: list[int], act_order: bool, dev: torch.device) -> l
         )
         blas_us = graph_replay_us(lambda x=x: [x @ w.t() for w in dense], calls=dense_copies)
         row = dict(shape=name, n=n, k=k, m=m, act_order=act_order, group=GROUP, rel_err=err)
-        row.update(us=us, gb_s=w4_bytes / us / 1e3, cublas_bf16_us=blas_us)
-        print(json.dumps(row), flush=True)
-        out.append(row)
+        row.update(gb_s=w4_bytes / us / 1e3, cublas_bf16_us=blas_us)
+        print(json.dumps({**row, "us": us}), flush=True)
+        out.append(record("w4a16_us", us, **row))
     return out
 
 
@@ -83,10 +85,7 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     rows = [r for name in SHAPES for r in measure(name, args.rows, args.act_order, dev)]
     if args.out:
-        from lightwell.bench.results import git_commit
-
-        with open(args.out, "w") as f:
-            json.dump({"commit": git_commit(), "rows": rows}, f, indent=1)
+        write_json(args.out, rows)
     return 0
 
 

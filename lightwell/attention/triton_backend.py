@@ -8,13 +8,14 @@ place as a cache of one-token blocks, so the same kernel serves.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
+import triton
 
 from lightwell.attention.metadata import AttentionMetadata
+from lightwell.kernels.attention_tiles import default_config
 from lightwell.kernels.kv_store import kv_store
-from lightwell.kernels.paged_attention import compile_variants, paged_attention
+from lightwell.kernels.paged_attention import paged_attention
 
 
 class TritonAttentionBackend:
@@ -37,10 +38,8 @@ class TritonAttentionBackend:
         return paged_attention(q, kv_cache, meta, scale, sliding_window=sliding_window)
 
     # The RoPE kernel stores the new keys/values too (kernels/rotary.py): one launch a layer
-    # fewer; ``attend_stored`` then attends. W1 on llama-3-8b, H200 (tp_run11): 225.7 against
-    # 224.0 tok/s at TP=1, 331.7 against 329.1 at TP=2, the same tokens.
-    # LIGHTWELL_FUSED_ROPE_STORE=0 keeps them two kernels.
-    stores_with_rope = os.environ.get("LIGHTWELL_FUSED_ROPE_STORE", "1") != "0"
+    # fewer; ``attend_stored`` then attends.
+    stores_with_rope = True
 
     def attend_stored(
         self,
@@ -83,3 +82,48 @@ def _attend_without_cache(
     flat = dataclasses.replace(meta, block_table=block_table.to(torch.int32))
     kv = (k.unsqueeze(1), v.unsqueeze(1))
     return paged_attention(q, kv, flat, scale, sliding_window=sliding_window)
+
+
+def compile_variants(
+    num_heads: int,
+    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # a layer's real cache
+    scale: float,
+    dtype: torch.dtype,
+    sliding_window: int | None = None,
+) -> int:
+    """Launch, once, each variant of the kernel that serving can need for this layer's shapes:
+    decode rows with and without split-KV, a prefill within one query
+    tile and one over several. Each reads block 0 of ``kv_cache`` and writes a scratch output
+    only. Start-up calls it (after warm-up), because CUDA-graph capture covers only the
+    variants its own steps use, and an eager step (a mixed step that skips its graph) would
+    otherwise compile the rest in the middle of serving. Returns the launches made."""
+    k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
+    device, block_size, num_kv_heads, head_dim = k_cache.device, *k_cache.shape[1:]
+    gqa = num_heads // num_kv_heads
+    cfg = default_config(head_dim, decode=False)
+    block_q = max(cfg.block_m, triton.next_power_of_2(gqa)) // gqa
+    cases = (  # (query length, splits): decode split / unsplit, prefill in one tile / several
+        (1, 2),
+        (1, 1),
+        (min(2, block_q), 1),
+        (block_q + 1, 1),
+    )
+    for q_len, splits in cases:
+        seq_len = max(q_len, 2 * splits)
+        blocks = triton.cdiv(seq_len, block_size)
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=device),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
+            block_table=torch.zeros((1, blocks), dtype=torch.int32, device=device),
+            slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=device),
+            max_query_len=q_len,
+            max_seq_len=seq_len,
+            query_start_loc_cpu=[0, q_len],
+            seq_lens_cpu=[seq_len],
+            num_decodes=int(q_len == 1),
+        )
+        q = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
+        paged_attention(
+            q, (k_cache, v_cache), meta, scale, num_splits=splits, sliding_window=sliding_window
+        )
+    return len(cases)

@@ -143,13 +143,10 @@ def time_batch(llm: Any, reqs: list[SampleRequest], temperature: float) -> Batch
 
 def streamed_weight_bytes(llm: Any) -> int:
     """Bytes of weights read per decode step: all parameters but an untied embedding table."""
-    from lightwell.models.hf_config import load_hf_config
-
     info = llm.engine.model_info
-    hf = load_hf_config(llm.engine.files, llm.engine.config.model.hf_config_json)
     params = info.num_params
-    if not getattr(hf, "tie_word_embeddings", False):
-        params -= info.vocab_size * hf.hidden_size
+    if not info.tie_word_embeddings:
+        params -= info.vocab_size * info.hidden_size
     return params * DTYPE_BYTES.get(info.dtype, 4)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import math
 import os
@@ -17,9 +18,10 @@ from lightwell import envs
 
 
 def git_commit() -> str:
-    """The short commit of the Lightwell checkout that is running: the LIGHTWELL_COMMIT variable when set (a
-    tree copied without .git, e.g. to the GPU machine), else git's, else ``unknown``."""
-    from_env = envs.get("LIGHTWELL_COMMIT")
+    """The short commit of the Lightwell checkout that is running: ``envs.commit_override()``
+    when set (a tree copied without .git, e.g. to the GPU machine), else git's, else
+    ``unknown``."""
+    from_env = envs.commit_override()
     if from_env:
         return from_env
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,6 +78,36 @@ def command_line() -> str:
     return shlex.join(["lightwell", *sys.argv[1:]])
 
 
+def script_command() -> str:
+    """The command that is running, as typed: ``python3 -m benchmarks.workloads.engine ...``
+    for a module run with ``-m``, else ``python3 SCRIPT ...``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["-m", spec.name] if spec is not None and spec.name else [sys.argv[0]]
+    return shlex.join(["python3", *head, *sys.argv[1:]])
+
+
+@functools.lru_cache(maxsize=1)
+def _script_provenance() -> tuple[str, str]:
+    return machine(), git_commit()
+
+
+def record(metric: str, value: float, **fields: Any) -> dict:
+    """One result record of a benchmark script: metric and value, then gpu (the accelerator
+    that nvidia-smi lists, else the CPU), commit, date and command (``script_command()``),
+    then ``fields``, which may override any of them (a child process passes its driver's
+    command)."""
+    gpu, commit = _script_provenance()
+    return {
+        "metric": metric,
+        "value": _round(value),
+        "gpu": gpu,
+        "commit": commit,
+        "date": datetime.date.today().isoformat(),
+        "command": script_command(),
+        **fields,
+    }
+
+
 def provenance(device: str | None = None) -> dict[str, Any]:
     return {
         "gpu": machine(device),
@@ -89,7 +121,7 @@ def make_record(metric: str, value: float, common: dict[str, Any], **extra: Any)
     return {**common, "metric": metric, "value": _round(value), **extra}
 
 
-def _round(v: float) -> float | None:
+def _round(v: float | None) -> float | None:
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
         return None
     return float(f"{float(v):.6g}")  # 6 significant digits: an MFU of 3e-5 stays non-zero

@@ -119,7 +119,7 @@ def load_tokenizer(tokenizer: str | None, model: str | None) -> Any:
     import os
 
     from lightwell.engine.tokenizer import Tokenizer
-    from lightwell.models.paths import ModelFiles, resolve_model
+    from lightwell.model_files import ModelFiles, resolve_model
 
     path = tokenizer or (model if model and os.path.exists(os.path.expanduser(model)) else None)
     if path is None:

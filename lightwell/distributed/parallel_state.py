@@ -22,6 +22,7 @@ class _TPState:
     group: Any = None  # a torch.distributed ProcessGroup, or None for the default group
     cpu_group: Any = None  # a gloo group over the same ranks (host-side control), or None
     all_reduce: Any = None  # an AllReduceStrategy, or None: the group's own all-reduce
+    expert_parallel: bool = False  # MoE layers hold whole experts per rank (not slices)
 
 
 _STATE = _TPState()
@@ -39,6 +40,16 @@ def set_tp_all_reduce(strategy: Any) -> None:
     """Route ``tp_all_reduce`` through ``strategy`` (``strategy.all_reduce(x) -> sum``)."""
     global _STATE
     _STATE = dataclasses.replace(_STATE, all_reduce=strategy)
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    """Whether MoE layers built from now on spread whole experts over the TP ranks."""
+    global _STATE
+    _STATE = dataclasses.replace(_STATE, expert_parallel=bool(enabled))
+
+
+def get_expert_parallel() -> bool:
+    return _STATE.expert_parallel
 
 
 def get_tp_all_reduce() -> Any:

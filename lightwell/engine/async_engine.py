@@ -85,9 +85,16 @@ class _Abort:
 class AsyncEngine:
     """Runs ``engine``'s step loop on a background thread; the only thread that touches it."""
 
-    def __init__(self, engine: LLMEngine, on_finished: FinishedCallback | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_finished: FinishedCallback | None = None,
+        on_step: Callable[[float], None] | None = None,
+    ) -> None:
+        """``on_finished(output)`` and ``on_step(seconds)`` run on the engine thread."""
         self.engine = engine
         self.on_finished = on_finished
+        self.on_step = on_step
         self._cond = threading.Condition()
         self._commands: deque[_Add | _Abort] = deque()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
@@ -235,8 +242,14 @@ class AsyncEngine:
         c.stream.loop.call_soon_threadsafe(_accept, c.stream)
 
     def _step(self) -> None:
+        t0 = time.perf_counter()
         outputs = self.engine.step()
         self._stats = self.engine.stats()
+        if self.on_step is not None:
+            try:
+                self.on_step(time.perf_counter() - t0)
+            except Exception:  # noqa: BLE001 - metrics must never stop the engine
+                logger.exception("the on_step callback failed")
         deliveries: list[tuple[RequestStream, RequestOutput | BaseException]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)

@@ -16,10 +16,11 @@ from lightwell.engine.overlap_loop import OverlapLoop
 from lightwell.engine.step_trace import StepTrace
 from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
-from lightwell.models.paths import ModelFiles, resolve_model
+from lightwell.model_files import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.scheduler.request import Request
 from lightwell.scheduler.scheduler import Scheduler
+from lightwell.storage.object_store import store_options
 from lightwell.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class LLMEngine:
         config.validate()
         m = config.model
         self.files: ModelFiles | None = (
-            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format)
+            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
         )
         skip = m.skip_tokenizer_init or (self.files is None and m.tokenizer is None)
         self.tokenizer = None if skip else Tokenizer.load(self.files, m.tokenizer)

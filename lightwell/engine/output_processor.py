@@ -187,9 +187,7 @@ def _no_piece(token_id: int) -> None:
 
 def _snapshot(o: CompletionOutput, finished: bool) -> CompletionOutput:
     """The output as it is now: views of the growing lists while the request runs (a copy each
-    step made streaming O(tokens^2): 2.0-2.3 ms a step at 4,096 tokens x 64 streams, 10.6-13.1
-    at 16,384, against 0.22-0.41 with views: benchmarks/cpu_stream_outputs.py), copies once it
-    has finished."""
+    step would make streaming O(tokens^2)), copies once it has finished."""
     keep = list if finished else _prefix
     return CompletionOutput(
         index=o.index,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightwell.models.paths import ModelFiles
+from lightwell.model_files import ModelFiles
 
 
 class Tokenizer:

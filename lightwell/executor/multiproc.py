@@ -224,9 +224,7 @@ class MultiprocExecutor:
             return
         logger.error("a tensor-parallel worker process ended unexpectedly")
         if self.worker is not None and self.worker.device.type == "cuda":
-            from lightwell.distributed.launch import abort_distributed
-
-            abort_distributed()
+            self.worker.abort_collectives()
 
 
 def _make_worker(config: EngineConfig, init_method: str) -> Any:

@@ -1,13 +1,12 @@
 """Skinny GEMM for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with M <= 4.
 
-Decode at batch 1 is bound by streaming W once. cuBLAS streams llama-3-8b's narrow matrices
-(qkv and o_proj, more so at TP=2) at only 2.2-3.1 TB/s of the H200's ~4.2 TB/s of copy
-bandwidth (benchmarks/results/tp_run8/blas_*.json). This kernel uses the CUDA cores: each
-program owns BLOCK_N rows of W, walks K in BLOCK_K tiles of contiguous 16-byte loads, keeps a
-[BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator of products and reduces it once at the end, so
-the loop holds no reductions. Rows past N (the last program) and past M re-read the last
-valid row instead of masking, so the loads stay unmasked vectors when BLOCK_K divides K.
-(An earlier version padded M to 16 for ``tl.dot``: 1.9-3.7 TB/s, slower than cuBLAS.)
+Decode at batch 1 is bound by streaming W once, and cuBLAS streams narrow matrices
+(llama-3-8b's qkv and o_proj, more so at TP=2) well below the copy bandwidth. This kernel uses
+the CUDA cores: each program owns BLOCK_N rows of W, walks K in BLOCK_K tiles of contiguous
+16-byte loads, keeps a [BLOCK_M, BLOCK_N, BLOCK_K] fp32 accumulator of products and reduces it
+once at the end, so the loop holds no reductions. Rows past N (the last program) and past M
+re-read the last valid row instead of masking, so the loads stay unmasked vectors when BLOCK_K
+divides K. (Padding M to 16 for ``tl.dot`` instead is slower than cuBLAS.)
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
-from lightwell.kernels.pdl import prefetch_l2
 
 MAX_M = 4
 
@@ -48,9 +46,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [gate | up] ([M, 2K]): multiply by silu(gate) * up
     EARLY_W: tl.constexpr,  # the first K tile of W is loaded before anything else (PDL's form)
-    GDC: tl.constexpr,  # with EARLY_W: signal, L2-prefetch the other tiles, wait (kernels/pdl.py)
-    PF_STEP: tl.constexpr,  # elements of W per prefetched line (at most BLOCK_K)
-    PF_TILES: tl.constexpr,  # K tiles prefetched after the first (kernels/pdl.py)
+    GDC: tl.constexpr,  # with EARLY_W: signal, then wait for the kernel before (kernels/pdl.py)
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -69,9 +65,6 @@ def _gemv_kernel(
             w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
-            lines = tl.arange(0, BLOCK_K // PF_STEP) * PF_STEP
-            for k0 in range(BLOCK_K, tl.minimum(K, (1 + PF_TILES) * BLOCK_K), BLOCK_K):
-                prefetch_l2(w_rows + tl.minimum(k0 + lines, K - 1)[None, :])
             tl.extra.cuda.gdc_wait()
         x = _load_x(x_rows, rk, K, EVEN_K, SILU_MUL)
         acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
@@ -96,15 +89,12 @@ Config = tuple[int, int, int, int]
 
 
 def pick_config(n: int, k: int, m: int = 1, silu_mul: bool = False) -> Config:
-    """The tile for an [N, K] weight and M rows. benchmarks/gpu_gemv.py's sweep of 100 tiles
-    on llama-3-8b's eight shapes (TP=1 and 2, one row, H200) put the best within 5 % of one
-    another; two rows a program, 1,024-wide K steps, one warp, 3 stages is among the best
-    on most shapes and within 4 % of the best on every one (benchmarks/results/tp_run10).
-    With ``silu_mul`` every program recomputes the activation of its K range (an exponential
-    per element), so a program takes 8 weight rows, an exponential per 8 weight elements
-    instead of per 2: llama-3-8b's down projection at one row, 17.8 µs fused against 19.3 for
-    the activation then the gemv (TP=2), 32.9 against 34.0 (TP=1); 2 rows a program: 27.3
-    and 54.1; 16 rows: 21.4 and 39.1 (``gpu_gemv.py --silu``, tp_run10)."""
+    """The tile for an [N, K] weight and M rows: two rows a program, 1,024-wide K steps, one
+    warp, 3 stages, within a few percent of the best tile on every llama-3-8b shape (the
+    kernel benchmark's tile sweep). With ``silu_mul`` every program recomputes the activation
+    of its K range (an exponential per element), so a program takes 8 weight rows, an
+    exponential per 8 weight elements instead of per 2 (faster than the activation kernel
+    then the gemv; 2 and 16 rows a program are slower)."""
     if silu_mul:
         return 8, min(1024, triton.next_power_of_2(k)), 4, 1
     return 2, min(1024, triton.next_power_of_2(k)), 1, 3
@@ -122,10 +112,9 @@ def gemv(
     """``x @ weight.T (+ bias)``; with ``silu_mul``, x is a gated MLP's ``[gate | up]`` and the
     product is ``(silu(gate) * up) @ weight.T``, the activation computed as the matmul loads
     it (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages),
-    default ``pick_config``. ``pdl`` (default: on an sm_90+ GPU unless ``LIGHTWELL_PDL=0``)
-    loads the first K tile of weights before the input, and on such a GPU launches with
-    programmatic dependent launch, prefetching ``LIGHTWELL_PDL_PREFETCH_TILES`` (default 0)
-    more weight tiles toward L2 before waiting for the kernel before (kernels/pdl.py);
+    default ``pick_config``. ``pdl`` (default: ``kernels.pdl.use_pdl``) loads the first K
+    tile of weights before the input, and on an sm_90+ GPU launches with programmatic
+    dependent launch, waiting for the kernel before only after that load (kernels/pdl.py);
     elsewhere only the load order changes. With it, ``weight``
     must be written by no kernel of the stream (a layer's weights are not): it is read before
     the wait."""
@@ -143,8 +132,7 @@ def gemv(
         x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
-        EARLY_W=early, GDC=gdc, PF_STEP=min(block_k, _pdl.LINE_BYTES // weight.element_size()),
-        PF_TILES=_pdl.PREFETCH_TILES if gdc else 0,
+        EARLY_W=early, GDC=gdc,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out

@@ -40,7 +40,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels import pdl as _pdl
 from lightwell.kernels.int8_pack import GROUP, aligned, packed_row_bytes, quantize_groups
 from lightwell.kernels.rmsnorm import norm_row
 
@@ -466,10 +465,7 @@ def _hostmem_ll_kernel(
     NORM: tl.constexpr,
     HIDDEN: tl.constexpr,
     ALIGN: tl.constexpr = False,  # as in _hostmem_all_reduce_kernel
-    PDL_SIGNAL: tl.constexpr = False,  # let a PDL-launched next kernel start now (kernels/pdl.py)
 ):
-    if PDL_SIGNAL:
-        tl.extra.cuda.gdc_launch_dependents()
     if ALIGN:
         n = n // 16 * 16
     BITS: tl.constexpr = 32 // COMP
@@ -523,8 +519,8 @@ def _hostmem_ll_kernel(
                     acc += vals.to(x_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
         if gave_up > 0:
             _give_up(status_ptr, ASM)
-        # loaded after the polls, unlike the flag kernel: loaded before, they made W1 (one
-        # program) 2 % slower (tp_run5 calls 2 and 4)
+        # loaded after the polls, unlike the flag kernel: loaded before, they make batch-1
+        # decode (one program) slower
         r, w = _norm_inputs(res_ptr, w_ptr, offs, mask, NORM, HIDDEN)
         _finish(acc, offs, mask, out_ptr, r, w, res_out_ptr, eps, BLOCK, NORM, HIDDEN)
         tl.store(epoch_ptr + b, epoch)
@@ -566,7 +562,6 @@ def hostmem_ll_all_reduce(
         ASM=bufs.use_asm,
         **norm_consts,
         ALIGN=aligned(x.numel()),
-        PDL_SIGNAL=_pdl.allreduce_signal(x.device),
         num_warps=8 if bufs.block >= 4096 else 4,
     )
     return _result(out, res_out)

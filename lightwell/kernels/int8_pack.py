@@ -1,4 +1,5 @@
-"""Fused kernels of the int8-quantized all-reduce (lightwell/distributed/comm/int8.py).
+"""Fused kernels of the int8-quantized all-reduces (hostmem-copy-int8; the torch reference is
+lightwell/experimental/comm/int8_nccl.py).
 
 The wire format is the one of ``int8.pack``: per chunk (row), C int8 values, then C / GROUP
 fp32 scales (absmax / 127 of each group of GROUP values). Three kernels replace a dozen torch
@@ -11,10 +12,6 @@ ops each way:
     dequant_sum(stage, C, R, out)    uint8 [w, >= R bytes] (every rank's R packed chunks) ->
                                      out [n]: the sum over ranks in fp32, rounded once
                                      (hostmem-copy-int8)
-    dequant_sum_add_rmsnorm(stage, C, R, residual, w, eps)
-                                     the same sum as [T, H] rows, then the residual add +
-                                     RMSNorm of ``fused_add_rmsnorm``, in one pass (the same
-                                     values as the two kernels in turn)
 
 Rounding is half away from zero (torch.round in the reference rounds half to even): the same
 bound, half a step per rounding, and every rank computes the same bytes.
@@ -22,19 +19,13 @@ bound, half a step per rounding, and every rank computes the same bytes.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.rmsnorm import norm_row
-
-GROUP = 128  # elements per scale: equals lightwell.distributed.comm.int8.GROUP (tested)
+GROUP = 128  # elements per scale: equals lightwell.experimental.comm.int8_nccl.GROUP (tested)
 # Groups a program of quantize_pack / dequant_sum: one group a program (a warp's worth of
-# work) left an 8 MB message's quantize at 22 us on the H200, ~0.5 TB/s (tp_run6); of 4-32
-# groups x 2-8 warps, 16 x 4 was the fastest for both (tp_run7 copy_ops: quantize 15.6 us,
-# the sum 14.0, against 19.0 and 18.9 at 8 x 4, same call).
+# work) is far from the bandwidth; of 4-32 groups x 2-8 warps, 16 x 4 is the fastest for both.
 GROUPS_PER_PROGRAM = 16
 TILE_WARPS = 4  # warps a program of those two kernels
 
@@ -138,55 +129,15 @@ def _dequant_sum_kernel(
     tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (idx < n))
 
 
-@triton.jit(do_not_specialize=["world", "rank_stride", "row_bytes", "cols"])
-def _dequant_sum_add_rmsnorm_kernel(
-    q_ptr, s_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    world, rank_stride, row_bytes, cols, eps,
-    HIDDEN: tl.constexpr, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-):  # fmt: skip
-    """One token row a program, as a [GROUPS, GROUP] tile: the row's group g is group
-    t * HIDDEN / GROUP + g of the message, in packed chunk (that) // (cols / GROUP) (a group
-    never straddles chunks: cols is a multiple of GROUP)."""
-    t = tl.program_id(0).to(tl.int64)
-    gi = tl.arange(0, GROUPS)
-    g_ok = gi < HIDDEN // GROUP
-    lane = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]  # [GROUPS, GROUP]: in the row
-    mask = g_ok[:, None]
-    group = t * (HIDDEN // GROUP) + gi  # [GROUPS]: in the message
-    per_chunk = cols // GROUP
-    chunk = group // per_chunk
-    base = chunk * row_bytes
-    at = group - chunk * per_chunk  # the group's place in its chunk
-    q_at = q_ptr + (base + at * GROUP)[:, None] + tl.arange(0, GROUP)[None, :]
-    s_at = s_ptr + (base + cols) // 4 + at
-    acc = tl.zeros([GROUPS, GROUP], dtype=tl.float32)
-    for _ in range(world):  # rank order, as dequant_sum
-        q = tl.load(q_at, mask=mask, other=0).to(tl.float32)
-        acc += q * tl.load(s_at, mask=g_ok, other=0.0)[:, None]
-        q_at += rank_stride
-        s_at += rank_stride // 4
-    dtype = res_ptr.dtype.element_ty
-    r = tl.load(res_ptr + t * HIDDEN + lane, mask=mask, other=0.0)
-    x = (acc.to(dtype).to(tl.float32) + r.to(tl.float32)).to(dtype)  # the sum, rounded, + r
-    tl.store(res_out_ptr + t * HIDDEN + lane, x, mask=mask)
-    w = tl.load(w_ptr + lane, mask=mask, other=0.0).to(tl.float32)
-    out = norm_row(x, w, eps, HIDDEN)
-    tl.store(out_ptr + t * HIDDEN + lane, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 # Sizes are not specialised (above), so Triton cannot tell that a message's rows start 16
-# bytes apart and moves every element with a load or store of its own. Where the sizes are
-# multiples of 16, the kernels round them down to a multiple of 16 (a no-op that Triton can
-# see through; a tl.multiple_of hint on a scalar argument did not reach the loads): 16-byte
-# vector loads and stores, one more compiled variant. Measured on the H200 (tp_run8): the
-# quantize of 1,024 x 4,096 bf16 10.5 -> 5.3 us, the 2-rank sum 10.5 -> 4.7 us; hostmem-int8's
-# decode step at batch 64 5.13 -> 4.88 ms (the hostmem kernels take the same switch).
-# LIGHTWELL_INT8_PACK_ALIGN=0 turns it off (for comparisons; every rank must agree).
-ALIGN_HINTS = os.environ.get("LIGHTWELL_INT8_PACK_ALIGN", "1") != "0"
+# bytes apart. Where the sizes are multiples of 16, the kernels round them down to a multiple
+# of 16 (a no-op that Triton can see through; a tl.multiple_of hint on a scalar argument does
+# not reach the loads), so the masked loads and stores become 16-byte vectors: one more
+# compiled variant.
 
 
 def aligned(*sizes: int) -> bool:
-    return ALIGN_HINTS and all(size % 16 == 0 for size in sizes)
+    return all(size % 16 == 0 for size in sizes)
 
 
 def packed_row_bytes(cols: int) -> int:
@@ -278,39 +229,3 @@ def dequant_sum(
         ALIGN=aligned(out.numel(), stage.shape[1], rb, cols), num_warps=TILE_WARPS,
     )  # fmt: skip
     return out
-
-
-def dequant_sum_add_rmsnorm(
-    stage: torch.Tensor,  # uint8 [w, S]: as dequant_sum's
-    cols: int,
-    num_rows: int,
-    residual: torch.Tensor,  # [T, H] contiguous: T * H elements of the message
-    weight: torch.Tensor,  # [H]
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] normed, [T, H] new residual)
-    """``fused_add_rmsnorm(dequant_sum(...).view(T, H), residual, weight, eps)`` in one pass
-    (the same values: the sum is rounded to the residual's dtype before the add)."""
-    _check_cols(cols)
-    rb = packed_row_bytes(cols)
-    tokens, hidden = residual.shape
-    _check_stage(stage, num_rows * rb)
-    if not residual.is_contiguous() or tokens * hidden > num_rows * cols:
-        raise ValueError("residual must be contiguous and fit num_rows x cols")
-    if weight.shape != (hidden,) or not weight.is_contiguous():
-        raise ValueError(f"want a contiguous weight [{hidden}]")
-    if hidden % GROUP:
-        raise ValueError(f"hidden size {hidden} is not a multiple of {GROUP}")
-    out = torch.empty(residual.shape, dtype=torch.result_type(residual, weight),
-                      device=residual.device)  # fmt: skip
-    res_out = torch.empty_like(residual)
-    if tokens == 0:
-        return out, res_out
-    q, s = _views(stage)
-    block = triton.next_power_of_2(hidden)
-    _dequant_sum_add_rmsnorm_kernel[(tokens,)](
-        q, s, residual, weight, out, res_out,
-        stage.shape[0], stage.shape[1], rb, cols, eps,
-        HIDDEN=hidden, GROUPS=triton.next_power_of_2(hidden // GROUP), GROUP=GROUP,
-        num_warps=min(16, max(1, block // 512)),
-    )  # fmt: skip
-    return out, res_out

@@ -12,9 +12,7 @@ below the causal diagonal skip the masking. With a sliding window ``W`` (``SLIDI
 position p sees keys ``p - W < j <= p``: keys before the window of the tile's first row are never
 loaded, and tiles that start before the window of its last row are masked too. With
 ``SPLIT_KV`` (flash-decoding) the key range is cut into ``grid[2]`` chunks per request, each
-program writes a partial (max, sum, acc), and ``split_kv.reduce_splits`` combines them; with
-``COMBINE`` (``LIGHTWELL_SPLIT_COMBINE_IN_KERNEL=1``, off until measured on a GPU) the last
-split of each tile to finish combines them itself, one launch instead of two.
+program writes a partial (max, sum, acc), and ``split_kv.reduce_splits`` combines them.
 
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);
@@ -23,29 +21,24 @@ when every request fits in one tile (decode) the tile id is the request index.
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from lightwell.attention.metadata import AttentionMetadata
 from lightwell.kernels.attention_tiles import MAX_HEAD_DIM, AttentionConfig, default_config
 from lightwell.kernels.pdl import use_pdl
 from lightwell.kernels.split_kv import (
-    COUNTER_CAPACITY,
     MAX_SPLITS,
     SplitPartials,
     auto_num_splits,
-    combine_if_last,
     reduce_splits,
-    split_counters,
     store_partials,
 )
 
-# The split combine inside the attention kernel (split_kv.combine_if_last): the environment
-# is read at import, this attribute at each launch.
-COMBINE_IN_KERNEL = os.environ.get("LIGHTWELL_SPLIT_COMBINE_IN_KERNEL", "0") == "1"
+if TYPE_CHECKING:  # (the metadata's type only: kernels sit below attention/)
+    from lightwell.attention.metadata import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 # initial running max: finite, so fully masked rows never see inf - inf
@@ -149,15 +142,13 @@ def _attend_tile(
 
 
 # Per-step integers are not specialised: Triton would otherwise compile a variant for each
-# combination of "== 1" / "divisible by 16" among them (seconds each, in the middle of serving;
-# on the H200 a W2 run spent ~15 s compiling such variants).
+# combination of "== 1" / "divisible by 16" among them (seconds each, in the middle of serving).
 @triton.jit(
     do_not_specialize=["req_base", "num_reqs", "tok_base", "tile_base", "window", "stride_bt"]
 )
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, Hq, D], [N, B, Hkv, D] x2, [T, Hq, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # split-KV partials (split_kv.SplitPartials)
-    count_ptr,  # COMBINE: [grid[0] * grid[1]] int32 counts (split_kv.split_counters)
     qsl_ptr, seq_lens_ptr, block_table_ptr,  # [R+1] int32, [R] int32, [R, max_blocks] int32
     req_base,  # this launch's first request: its rows of the three tables above
     num_reqs,
@@ -172,8 +163,6 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr,  # grid[2] > 1: write partials for split_kv.reduce_splits
-    COMBINE: tl.constexpr,  # with SPLIT_KV: the last split combines (no reduce_splits)
-    FENCE: tl.constexpr,  # COMBINE compiled for a GPU (split_kv.combine_if_last)
     SLIDING: tl.constexpr,
     ONE_TILE_PER_REQ: tl.constexpr, PAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL_SIGNAL: tl.constexpr,  # let a PDL-launched next kernel start now (kernels/pdl.py)
@@ -267,12 +256,6 @@ def _paged_attention_kernel(
         part = (q_rows - tok_base) * (tl.num_programs(1) * GQA) + head  # [BLOCK_M] (token, head)
         store_partials(part_acc_ptr, part_m_ptr, part_l_ptr, part, split, acc, l_i, m_i, row_ok,
                         offs_d, HEAD_DIM_PAD)  # fmt: skip
-        if COMBINE:
-            count = count_ptr + tl.program_id(0) * tl.num_programs(1) + kvh
-            used = tl.cdiv(kv_end - kv_start, chunk)  # splits past it start at kv_end: empty
-            combine_if_last(part_acc_ptr, part_m_ptr, part_l_ptr, count, used, part, row_ok,
-                            offs_d, o_ptrs, row_ok[:, None] & d_ok[None, :], HEAD_DIM_PAD,
-                            FENCE)  # fmt: skip
 
 
 def paged_attention(
@@ -294,7 +277,7 @@ def paged_attention(
     batches, 1 forces it off, > 1 forces that many splits (any batch). ``config`` overrides the
     tile shape (tests, tuning). When the first ``num_decodes`` requests are exactly the decodes,
     they get their own decode-shaped launch. Tokens not covered by ``query_start_loc`` are left
-    unwritten (split path with the separate combine: zeroed)."""
+    unwritten (split path: zeroed)."""
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
     _check(q, k_cache, v_cache, meta, out)
     if sliding_window is not None and sliding_window < 1:
@@ -345,15 +328,13 @@ def _launch(
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    combine = num_splits > 1 and COMBINE_IN_KERNEL and num_tiles * num_kv_heads <= COUNTER_CAPACITY
     if num_splits > 1:
         parts = SplitPartials.empty(tok1 - tok0, num_heads, num_splits, d_pad, q.device)
         part_acc, part_m, part_l = parts.acc, parts.row_max, parts.row_sum
     else:
         part_acc = part_m = part_l = out  # unused
-    counts = split_counters(q.device) if combine else out  # (unused without COMBINE)
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l, counts,
+        q, k_cache, v_cache, out, part_acc, part_m, part_l,
         meta.query_start_loc, meta.seq_lens, meta.block_table, r0,
         r1 - r0, tok0, tok0 // block_q, scale * _LOG2E, sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -362,59 +343,13 @@ def _launch(
         meta.block_table.stride(0),
         GQA=gqa, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SPLIT_KV=num_splits > 1,
-        COMBINE=combine, FENCE=combine and q.is_cuda and torch.version.hip is None,
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
         PDL_SIGNAL=decode and use_pdl(q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if num_splits > 1 and not combine:
+    if num_splits > 1:
         reduce_splits(parts, out, meta.query_start_loc, tok0, covered_index=r1)
-
-
-def compile_variants(
-    num_heads: int,
-    kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # a layer's real cache
-    scale: float,
-    dtype: torch.dtype,
-    sliding_window: int | None = None,
-) -> int:
-    """Launch, once, each variant of the kernel that serving can need for this layer's shapes:
-    decode rows with and without split-KV (and the split combine), a prefill within one query
-    tile and one over several. Each reads block 0 of ``kv_cache`` and writes a scratch output
-    only. Start-up calls it (after warm-up), because CUDA-graph capture covers only the
-    variants its own steps use, and an eager step (a mixed step that skips its graph) would
-    otherwise compile the rest in the middle of serving. Returns the launches made."""
-    k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
-    device, block_size, num_kv_heads, head_dim = k_cache.device, *k_cache.shape[1:]
-    gqa = num_heads // num_kv_heads
-    cfg = default_config(head_dim, decode=False)
-    block_q = max(cfg.block_m, triton.next_power_of_2(gqa)) // gqa
-    cases = (  # (query length, splits): decode split / unsplit, prefill in one tile / several
-        (1, 2),
-        (1, 1),
-        (min(2, block_q), 1),
-        (block_q + 1, 1),
-    )
-    for q_len, splits in cases:
-        seq_len = max(q_len, 2 * splits)
-        blocks = triton.cdiv(seq_len, block_size)
-        meta = AttentionMetadata(
-            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=device),
-            block_table=torch.zeros((1, blocks), dtype=torch.int32, device=device),
-            slot_mapping=torch.full((q_len,), -1, dtype=torch.int64, device=device),
-            max_query_len=q_len,
-            max_seq_len=seq_len,
-            query_start_loc_cpu=[0, q_len],
-            seq_lens_cpu=[seq_len],
-            num_decodes=int(q_len == 1),
-        )
-        q = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
-        paged_attention(
-            q, (k_cache, v_cache), meta, scale, num_splits=splits, sliding_window=sliding_window
-        )
-    return len(cases)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -17,9 +17,6 @@ import triton.language as tl
 
 MAX_SPLITS = 64
 MIN_KEYS_PER_SPLIT = 256
-# combine_if_last's counts: one per (query tile, KV head) of a launch, zero between launches
-COUNTER_CAPACITY = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 _NEG_BIG = tl.constexpr(-1.0e30)
 
 
@@ -37,25 +34,6 @@ class SplitPartials:
         m = torch.empty((num_tokens, num_heads, splits), dtype=f32, device=device)
         acc = torch.empty((num_tokens, num_heads, splits, d_pad), dtype=f32, device=device)
         return cls(acc, m, torch.empty_like(m))
-
-
-def split_counters(device: torch.device) -> torch.Tensor:
-    """The device's ``COUNTER_CAPACITY`` int32 counts for ``combine_if_last``, allocated once
-    (zeros; each launch leaves them zero), so CUDA graphs captured over them stay valid.
-    One set per device: two combining launches must never run at once on one device (all
-    attention runs on the step's main stream; the dual-stream overlap's second stream only
-    carries all-reduces), or their counts would mix and stay non-zero."""
-    counts = _COUNTERS.get(device)
-    if counts is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # (allocated here they would live in the graph's pool, zeroed by its replays)
-            raise RuntimeError(
-                "split_counters: first use inside CUDA-graph capture; warm-up (which compiles "
-                "every attention variant) must run before capture"
-            )
-        counts = torch.zeros(COUNTER_CAPACITY, dtype=torch.int32, device=device)
-        _COUNTERS[device] = counts
-    return counts
 
 
 @functools.cache
@@ -86,63 +64,6 @@ def store_partials(
     tl.store(l_ptr + idx, l_i, mask=row_ok)
 
 
-@triton.jit
-def combine_if_last(
-    acc_ptr, m_ptr, l_ptr,  # the partials (SplitPartials), as store_partials wrote them
-    count_ptr,  # int32, zero between launches: splits of this (tile, KV head) done so far
-    num_used,  # splits that hold keys (0 .. num_used - 1); the others are empty
-    row,  # [BLOCK_M] partial row ids (token x head), as given to store_partials
-    row_ok,  # [BLOCK_M]
-    offs_d,  # [HEAD_DIM_PAD]
-    o_ptrs,  # [BLOCK_M, HEAD_DIM_PAD] output pointers
-    o_mask,  # [BLOCK_M, HEAD_DIM_PAD]
-    HEAD_DIM_PAD: tl.constexpr,
-    FENCE: tl.constexpr,  # compiled for a GPU: every thread of the last program fences
-):  # fmt: skip
-    """The split combine inside the attention kernel: the program that finishes last among
-    the ``num_programs(2)`` splits of its rows combines them all and resets the count, so no
-    combine kernel follows. Every thread's partial stores are issued before the barrier; the
-    count's atomic (acquire-release at GPU scope, the pattern of a grid barrier) publishes
-    them. In the last program every thread then fences (acquire-release at GPU scope: Triton
-    happens to put a barrier between one thread's atomic and the others' loads, but does not
-    promise it) and reads the others' partials past L1 (``.cg``), which may hold an older
-    layer's lines of the same buffer. Only the ``num_used`` splits with keys are read (decode
-    graphs split for max_model_len: at a short context most splits are empty)."""
-    num_splits = tl.num_programs(2)
-    tl.debug_barrier()
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == num_splits - 1:
-        if FENCE:
-            tl.inline_asm_elementwise(
-                "fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [row], dtype=tl.int32,
-                is_pure=False, pack=1,
-            )  # fmt: skip
-        big_m = tl.full(row.shape, _NEG_BIG, tl.float32)
-        den = tl.zeros(row.shape, tl.float32)
-        acc = tl.zeros(o_mask.shape, tl.float32)
-        for s in range(0, num_used):
-            idx = row * num_splits + s
-            m_s = tl.load(m_ptr + idx, mask=row_ok, other=_NEG_BIG, cache_modifier=".cg")
-            l_s = tl.load(l_ptr + idx, mask=row_ok, other=0.0, cache_modifier=".cg")
-            a_s = tl.load(
-                acc_ptr + idx[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                mask=row_ok[:, None],
-                other=0.0,
-                cache_modifier=".cg",
-            )
-            new_m = tl.maximum(big_m, m_s)
-            alpha = tl.exp2(big_m - new_m)
-            w = tl.exp2(m_s - new_m)
-            den = den * alpha + w * l_s
-            acc = acc * alpha[:, None] + w[:, None] * a_s
-            big_m = new_m
-        out = acc / tl.where(den > 0, den, 1.0)[:, None]
-        tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=o_mask)
-        tl.atomic_xchg(count_ptr, 0)  # ready for the next launch (or graph replay)
-
-
-# per-step values: no recompiles (num_covered_ptr + covered_index, not a sliced tensor, whose
-# address alignment would be specialised on)
 @triton.jit(do_not_specialize=["covered_index", "tok_base", "num_splits"])
 def _reduce_splits_kernel(
     part_acc_ptr,  # [T_sub, Hq, S, HEAD_DIM_PAD] fp32

@@ -23,7 +23,6 @@ from lightwell.layers.linear import _load_sharded
 from lightwell.layers.norm import LayerNorm, pre_norm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.models.llama import (
-    LayerStage,
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
@@ -86,15 +85,6 @@ class CohereDecoderLayer(nn.Module):
         self.input_layernorm = LayerNorm(config.hidden_size, config.layer_norm_eps)
         self.self_attn = CohereAttention(config, layer_idx, rotary_emb, quant_method)
         self.mlp = LlamaMLP(config, quant_method, reduce_results=False)
-
-    def micro_batch_stages(self) -> list[LayerStage]:
-        """One stage a layer: the parallel block's attention + MLP partial sums, summed
-        before their single all-reduce, as in ``forward``."""
-
-        def block(positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-            return self.self_attn(positions, hidden) + self.mlp(hidden)  # (both partial)
-
-        return [LayerStage(self.input_layernorm, block)]
 
     def forward(
         self,

@@ -3,11 +3,15 @@
 To support another llama.cpp architecture: add a row to ``GGUF_ARCHS`` (its transformers
 config class, HF architecture name, whether llama.cpp permuted its q/k rows) and, if its
 hyper-parameter keys differ, to ``_HPARAMS``. Qwen2/Qwen3 use the same keys as llama and no
-q/k permutation (they are NeoX-style RoPE in llama.cpp too).
+q/k permutation (they are NeoX-style RoPE in llama.cpp too). MoE: qwen2moe / qwen3moe, and
+Mixtral, which llama.cpp writes as "llama" with ``expert_count`` set; the expert keys
+(``expert_count``, ``expert_used_count``, ``expert_feed_forward_length`` ...) map to the HF
+fields.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -20,6 +24,8 @@ class GGUFArch:
     architecture: str  # HF architecture (the model registry key)
     permute_qk: bool  # llama.cpp's converter permuted q/k rows for interleaved RoPE
     optional_biases: bool = False  # set attention_bias / mlp_bias from the tensors present
+    experts_field: str = "num_experts"  # the config field that takes {arch}.expert_count
+    fixed: dict[str, Any] = dataclasses.field(default_factory=dict)  # fields llama.cpp implies
 
 
 GGUF_ARCHS: dict[str, GGUFArch] = {
@@ -27,7 +33,16 @@ GGUF_ARCHS: dict[str, GGUFArch] = {
     # q/k/v biases are implied by the Qwen2 architecture; Qwen3's q/k norms map in gguf_loader.
     "qwen2": GGUFArch("Qwen2Config", "Qwen2ForCausalLM", permute_qk=False),
     "qwen3": GGUFArch("Qwen3Config", "Qwen3ForCausalLM", permute_qk=False),
+    # llama.cpp renormalises the top-k weights of qwen3moe, not of qwen2moe
+    "qwen2moe": GGUFArch(
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", False, fixed={"norm_topk_prob": False}
+    ),
+    "qwen3moe": GGUFArch(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", False, fixed={"norm_topk_prob": True}
+    ),
 }
+# llama.cpp writes Mixtral as "llama" with {arch}.expert_count set
+MIXTRAL = GGUFArch("MixtralConfig", "MixtralForCausalLM", True, experts_field="num_local_experts")
 
 # "{arch}.<key>" -> HF config field
 _HPARAMS: dict[str, str] = {
@@ -41,6 +56,10 @@ _HPARAMS: dict[str, str] = {
     "context_length": "max_position_embeddings",
     "vocab_size": "vocab_size",
     "rope.freq_base": "rope_theta",
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+    "expert_weights_norm": "norm_topk_prob",  # when the file says (else the arch's default)
 }
 
 _TOKEN_IDS = {
@@ -87,7 +106,12 @@ def gguf_hf_config(path: str) -> Any:
 
     reader = open_gguf(path)
     arch, spec = gguf_arch(reader, path)
-    kw: dict[str, Any] = {"architectures": [spec.architecture]}
+    experts = field_value(reader, f"{arch}.expert_count")
+    if arch == "llama" and experts:
+        spec = MIXTRAL
+    kw: dict[str, Any] = {"architectures": [spec.architecture], **spec.fixed}
+    if experts:
+        kw[spec.experts_field] = int(experts)
     for key, field in _HPARAMS.items():
         value = field_value(reader, f"{arch}.{key}")
         if isinstance(value, list):
@@ -100,6 +124,8 @@ def gguf_hf_config(path: str) -> Any:
     kw.update(_rope_settings(reader, arch, kw))
     names = {t.name for t in reader.tensors}
     kw["tie_word_embeddings"] = "output.weight" not in names
+    if experts and not any(n.endswith(".ffn_gate_shexp.weight") for n in names):
+        kw["shared_expert_intermediate_size"] = 0
     if spec.optional_biases:
         kw["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
         kw["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in names)

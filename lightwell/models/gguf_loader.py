@@ -4,6 +4,8 @@ the linear layers' weights as the file's quantized blocks.
 Quantized tensors are dequantized with the ``gguf`` package (F32/F16/BF16/Q8_0/Q4_0/Q4_1/
 K-quants ... whatever it implements). llama.cpp's converter permutes the rows of llama q/k
 weights from HF's half-split RoPE layout into its interleaved layout; ``unpermute_qk`` undoes it.
+MoE experts stored stacked (``blk.N.ffn_{gate,up,down}_exps`` [E, ...]) are yielded one expert at
+a time under HF's per-expert names.
 """
 
 from __future__ import annotations
@@ -33,6 +35,17 @@ _LAYER_NAMES = {
     "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm",  # qwen3
     "attn_k_norm": "self_attn.k_norm",  # qwen3
+    "ffn_gate_inp": "mlp.gate",  # MoE router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",  # qwen2moe
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+# Experts stacked in one tensor [E, ...]: yielded one expert at a time under HF's names.
+_EXPERT_NAMES = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
 }
 # Read into the config instead (see gguf_config), never loaded as weights.
 _SKIP = {ROPE_FREQS_TENSOR}
@@ -110,6 +123,14 @@ class GGUFCheckpoint:
 
     def __iter__(self) -> Iterator[tuple[str, str, torch.Tensor]]:
         for t in self.tensors:
+            source = f"{self.path} (GGUF tensor {t.name!r})"
+            parts = t.name.split(".")
+            if len(parts) == 4 and parts[0] == "blk" and parts[2] in _EXPERT_NAMES:
+                stacked = gguf_tensor_to_torch(t, self.path)  # [E, rows, cols]
+                proj = _EXPERT_NAMES[parts[2]]
+                for e, w in enumerate(stacked):
+                    yield source, f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.weight", w
+                continue
             name = gguf_to_hf_name(t.name, self.path)
             if self.keep_quantized and _is_quantized_linear(t):
                 from lightwell.quant.gguf import raw_tensor
@@ -118,10 +139,12 @@ class GGUFCheckpoint:
             else:
                 w = gguf_tensor_to_torch(t, self.path)
             qtype = getattr(w, "gguf_type", None)
+            if name.endswith("shared_expert_gate.weight") and w.ndim == 1:
+                w = w[None, :]  # llama.cpp stores the [1, H] gate as [H]
             if self.arch.permute_qk and ".attn_q." in t.name:
                 w = unpermute_qk(w, self.num_heads)
             elif self.arch.permute_qk and ".attn_k." in t.name:
                 w = unpermute_qk(w, self.num_kv_heads)
             if qtype is not None:  # rows moved whole: still the file's blocks
                 w.gguf_type = qtype
-            yield f"{self.path} (GGUF tensor {t.name!r})", name, w
+            yield source, name, w

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from lightwell.models.paths import ModelFiles
+from lightwell.model_files import ModelFiles
 
 _LLAMA3 = {
     "architectures": ["LlamaForCausalLM"],
@@ -26,6 +26,66 @@ _LLAMA3 = {
     "eos_token_id": 128001,
     "tie_word_embeddings": False,
 }
+
+_DEEPSEEK = {  # MLA shapes and YaRN of DeepSeek-V2-Lite and V3 alike
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
+_DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "vocab_size": 102400,
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "moe_intermediate_size": 1408,
+    "num_hidden_layers": 27,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "num_experts_per_tok": 6,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": None,
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                     "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},
+    "bos_token_id": 100000,
+    "eos_token_id": 100001,
+}  # fmt: skip
+_DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "n_group": 8,
+    "topk_group": 4,
+    "first_k_dense_replace": 3,
+    "q_lora_rank": 1536,
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rope_theta": 10000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}  # fmt: skip
 
 PRESETS: dict[str, dict[str, Any]] = {
     "llama-3-8b": {
@@ -44,6 +104,26 @@ PRESETS: dict[str, dict[str, Any]] = {
         "num_attention_heads": 64,
         "num_key_value_heads": 8,
     },
+    "mixtral-8x7b": {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "vocab_size": 32000,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "tie_word_embeddings": False,
+    },
+    "deepseek-v2-lite": {**_DEEPSEEK, **_DEEPSEEK_V2_LITE},
+    "deepseek-v3": {**_DEEPSEEK, **_DEEPSEEK_V3},
     # Qwen2 architecture (QKV bias is implied by the architecture).
     "qwen2.5-7b": {
         "architectures": ["Qwen2ForCausalLM"],

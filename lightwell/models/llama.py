@@ -9,8 +9,7 @@ and layer classes they are given), and ``LlamaForCausalLM`` (``build_model`` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -160,17 +159,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj.partial(self.attend(positions, hidden))
 
 
-@dataclass
-class LayerStage:
-    """One stage of a decoder layer in micro-batches: ``norm`` (with the residual add) of the
-    previous stage's all-reduced output times its ``scale``, then ``fn(positions, normed)``,
-    this rank's partial sum [T, H] (all-reduced by the overlap)."""
-
-    norm: nn.Module
-    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    scale: float = 1.0  # on the all-reduced output (MiniCPM's residual scale)
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -195,21 +183,6 @@ class LlamaDecoderLayer(nn.Module):
         class's ``forward``; a subclass that overrides ``forward`` returns a reduced output
         (MiniCPM scales it after the all-reduce) unless it overrides this too."""
         return type(self).forward is LlamaDecoderLayer.forward
-
-    def micro_batch_stages(self) -> list[LayerStage] | None:
-        """This layer as the dual-stream overlap runs it (``models/micro_batch_forward.py``):
-        stages, each ending in a partial sum whose all-reduce overlaps the other micro-batches'
-        work. Describes ``forward`` of the class that defines it (a subclass that overrides
-        ``forward`` must override this too: otherwise the model runs plain); None where this
-        layer's parts have no partial-sum form (another MLP or attention forward)."""
-        if type(self.mlp) is not LlamaMLP or type(self.self_attn).forward is not (
-            LlamaAttention.forward
-        ):
-            return None
-        return [
-            LayerStage(self.input_layernorm, self.self_attn.partial),
-            LayerStage(self.post_attention_layernorm, lambda _pos, h: self.mlp.partial(h)),
-        ]
 
     def forward(
         self,

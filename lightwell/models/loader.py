@@ -1,6 +1,6 @@
 """Build a model and fill its weights: routing between safetensors, GGUF and dummy weights.
 
-    files = resolve_model(path)                       # lightwell.models.paths
+    files = resolve_model(path)                       # lightwell.model_files
     hf_config = load_hf_config(files, overrides)      # lightwell.models.hf_config
     model = load_model(files, hf_config, torch.bfloat16, torch.device("cuda"))
 
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from lightwell.distributed.parallel_state import get_tp_rank
+from lightwell.model_files import ModelFiles
 from lightwell.models.hf_config import load_hf_config
-from lightwell.models.paths import ModelFiles
 from lightwell.models.registry import get_model_class
 from lightwell.quant import describe
 
@@ -107,6 +107,10 @@ def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any, method: Any = 
 
         keep = type(method).__name__ == "GGUFLinearMethod"
         return GGUFCheckpoint(files.path, hf_config, keep_quantized=keep)
+    if files.remote is not None:
+        from lightwell.models.remote_model import S3Checkpoint
+
+        return S3Checkpoint(files.remote, files.path, progress=get_tp_rank() == 0)
     from lightwell.models.safetensors_loader import SafetensorsCheckpoint
 
     return SafetensorsCheckpoint(files.path)

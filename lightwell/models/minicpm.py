@@ -12,7 +12,6 @@ other architectures and are refused.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any
 
@@ -22,7 +21,6 @@ from torch import nn
 from lightwell.layers.norm import pre_norm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.models.llama import (
-    LayerStage,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -42,14 +40,6 @@ class MiniCPMDecoderLayer(LlamaDecoderLayer):
     ):
         super().__init__(config, layer_idx, rotary_emb, quant_method, attention_cls)
         self.residual_scale = _scale(config, "scale_depth") / math.sqrt(config.num_hidden_layers)
-
-    def micro_batch_stages(self) -> list[LayerStage] | None:
-        """Llama's stages, each all-reduced output times the residual scale (as ``forward``
-        scales the attention and MLP outputs after their all-reduces)."""
-        stages = super().micro_batch_stages()
-        if stages is None:
-            return None
-        return [dataclasses.replace(st, scale=self.residual_scale) for st in stages]
 
     def forward(
         self,

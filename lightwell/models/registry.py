@@ -15,6 +15,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("lightwell.models.qwen3", "Qwen3ForCausalLM"),
     "MiniCPMForCausalLM": ("lightwell.models.minicpm", "MiniCPMForCausalLM"),
     "CohereForCausalLM": ("lightwell.models.cohere", "CohereForCausalLM"),
+    "MixtralForCausalLM": ("lightwell.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("lightwell.models.qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("lightwell.models.qwen_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("lightwell.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("lightwell.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 

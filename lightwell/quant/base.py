@@ -113,8 +113,8 @@ class UnquantizedLinearMethod:
 
 
 # A CUDA bf16/fp16 matmul of at most SKINNY_GEMM_MAX_ROWS rows (batch-1 decode) runs on
-# kernels/gemv.py instead of cuBLAS: faster than cuBLAS on llama-3-8b's shapes at one row, even
-# or slower at two, hence one row.
+# kernels/gemv.py instead of cuBLAS: faster than cuBLAS at one row on every llama-3-8b shape
+# (TP=1 and TP=2, the LM head included); even or slower at 2 rows and much slower at 4.
 SKINNY_GEMM_MAX_ROWS = 1
 
 

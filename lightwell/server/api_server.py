@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from lightwell import __version__
 from lightwell.engine.async_engine import AsyncEngine, EngineDeadError
 from lightwell.server.metrics import ServerMetrics
+from lightwell.server.observability import RequestContextMiddleware
 from lightwell.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -70,6 +71,7 @@ def build_app(
 
     app = FastAPI(title="Lightwell", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)
     _add_error_handlers(app)
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_misc_router(ctx, metrics))

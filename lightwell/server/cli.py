@@ -43,6 +43,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         help="Logging level (INFO: one line per finished request and periodic stats).",
     )
     p.add_argument(
+        "--log-format",
+        default="text",
+        choices=["text", "json"],
+        help="Log lines as text, or as one JSON object each (time, level, logger, message, "
+        "request_id: the X-Request-Id a client sent, or the one the server made and returned "
+        "in X-Request-Id).",
+    )
+    p.add_argument(
         "--shutdown-timeout",
         type=float,
         default=30.0,
@@ -62,12 +70,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lightwell.engine.llm_engine import LLMEngine
     from lightwell.server.api_server import BannerServer, build_app
     from lightwell.server.metrics import ServerMetrics
+    from lightwell.server.observability import use_json_logs
 
+    if args.log_format == "json":
+        use_json_logs()
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config_from_args(args).replace(serving=True))
     name = args.served_model_name or (engine.files.name if engine.files else engine.model_info.name)
     metrics = ServerMetrics(name)
-    async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
+    async_engine = AsyncEngine(
+        engine, on_finished=metrics.observe_finished, on_step=metrics.observe_step
+    )
     metrics.attach(lambda: async_engine.stats)
     app = build_app(async_engine, name, metrics, args.api_key, args.stats_interval)
     config = uvicorn.Config(
@@ -76,6 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         port=args.port,
         log_level=args.log_level.lower(),
         timeout_graceful_shutdown=args.shutdown_timeout,
+        # JSON logs: uvicorn's loggers propagate to the root's JSON handler
+        **({"log_config": None} if args.log_format == "json" else {}),
     )
     server = BannerServer(config, banner=_banner(args, engine, name, time.perf_counter() - t0))
     # uvicorn re-raises the signal it shut down on; make that a no-op so the exit code is 0.

@@ -11,15 +11,23 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from lightwell.engine.llm_engine import EngineStats
+from lightwell.server.observability import ERROR_REASONS, TIMEOUT_REASONS
 from lightwell.types import RequestOutput
 
 logger = logging.getLogger("lightwell.server")
@@ -93,6 +101,62 @@ REQUEST_BUCKETS = (
     1920.0,
     7680.0,
 )
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class _MemoryCollector(Collector):
+    """Host memory (/proc/meminfo) and, where the engine runs on CUDA, this process's GPUs'
+    used and total memory (families without samples elsewhere, so the names always exist)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        info = _meminfo()
+        for name, key, doc in (
+            ("host_memory_total_bytes", "MemTotal", "Host memory in all."),
+            ("host_memory_available_bytes", "MemAvailable", "Host memory available."),
+        ):
+            metric = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            if key in info:
+                metric.add_metric([self.model_name], float(info[key]))
+            yield metric
+        used = GaugeMetricFamily(
+            P + "gpu_memory_used_bytes", "GPU memory in use (all processes).", labels=LB_GPU
+        )
+        total = GaugeMetricFamily(P + "gpu_memory_total_bytes", "GPU memory.", labels=LB_GPU)
+        for device, (free, size) in _gpu_memory().items():
+            used.add_metric([self.model_name, device], float(size - free))
+            total.add_metric([self.model_name, device], float(size))
+        yield used
+        yield total
+
+
+LB_GPU = ["model_name", "device"]
+
+
+def _meminfo() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * (1024 if parts[-1] == "kB" else 1)
+    except OSError:
+        pass
+    return out
+
+
+def _gpu_memory() -> dict[str, tuple[int, int]]:
+    """device -> (free, total) bytes of this process's current GPU (none on CPU)."""
+    torch = sys.modules.get("torch")  # imported by the worker; never imported here
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    device = torch.cuda.current_device()
+    return {f"cuda:{device}": torch.cuda.mem_get_info(device)}
 
 
 class _EngineCollector(Collector):
@@ -171,6 +235,23 @@ class ServerMetrics:
         self.queue = self._hist(
             "request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS
         )
+        self.request_errors = Counter(
+            P + "request_errors", "Error responses by reason.", lb + ["reason"], registry=r
+        )
+        self.request_timeouts = Counter(
+            P + "request_timeouts",
+            "Requests given up before they finished, by reason (client_disconnect: the client "
+            "closed the connection, e.g. on its own timeout).",
+            lb + ["reason"],
+            registry=r,
+        )
+        for reason in ERROR_REASONS.values():
+            self.request_errors.labels(model_name, reason)
+        for reason in TIMEOUT_REASONS:
+            self.request_timeouts.labels(model_name, reason)
+        self.step_time = self._hist("engine_step_seconds", "One engine step.", STEP_BUCKETS)
+        ProcessCollector(registry=r)
+        r.register(_MemoryCollector(model_name))
         self._lock = threading.Lock()
         self._totals = [0, 0]  # prompt, generation tokens (for the stats log)
         self._stats: Callable[[], EngineStats] | None = None
@@ -221,7 +302,18 @@ class ServerMetrics:
             ",".join(str(c.finish_reason) for c in out.outputs),
             "-" if ttft is None else f"{ttft:.3f}s",
             e2e,
+            extra={"request_id": out.request_id},
         )
+
+    def observe_error(self, reason: str) -> None:
+        self.request_errors.labels(self.model_name, reason).inc()
+
+    def observe_timeout(self, reason: str) -> None:
+        self.request_timeouts.labels(self.model_name, reason).inc()
+
+    def observe_step(self, seconds: float) -> None:
+        """One engine step's duration; runs on the engine thread."""
+        self.step_time.observe(seconds)
 
     def totals(self) -> tuple[int, int]:
         with self._lock:

@@ -16,6 +16,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from lightwell.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from lightwell.server.observability import DISCONNECTED, current_request_id, note_stream_error
 from lightwell.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
 from lightwell.types import FinishReason, Logprob, RequestOutput, SamplingParams
 
@@ -113,7 +114,8 @@ class ServingContext:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """``prefix-<the HTTP request's id>`` (its X-Request-Id, or a random one)."""
+    return f"{prefix}-{current_request_id() or uuid.uuid4().hex}"
 
 
 def sampling_params(ctx: ServingContext, req: SamplingRequest, **overrides: Any) -> SamplingParams:
@@ -258,6 +260,7 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def sse_error(error: APIError) -> bytes:
+    note_stream_error(error.status)
     return sse(json.dumps(error.body()))
 
 
@@ -276,6 +279,8 @@ class SSEResponse(StreamingResponse):
         watcher = asyncio.create_task(_wait_disconnect(receive))
         try:
             await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher.done() and not producer.done():
+                scope[DISCONNECTED] = True
         finally:
             for task in (producer, watcher):
                 task.cancel()

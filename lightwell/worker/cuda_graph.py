@@ -39,15 +39,15 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 # Mixed-step graphs above this many tokens come every MIXED_STEP tokens (below: powers of two),
 # so that a step pads by less than MIXED_STEP tokens: in serving, steps of a prompt chunk plus
-# the running decodes (1,024 + a few dozen tokens) padded to the next power of two did twice
-# the work (tp_run9's W3).
+# the running decodes (1,024 + a few dozen tokens) padded to the next power of two would do
+# twice the work.
 MIXED_POW2_MAX = 512
 MIXED_STEP = 256
 # A mixed step whose decode rows would get split-KV attention eagerly (few rows, long
 # contexts) still replays its graph when it carries at least this many prefill tokens: then the
 # prefill's GEMMs set the step's time, not the decode rows' unsplit attention, and an eager
 # step under --dual-stream is bound by its launches (under serving load most mixed steps have
-# such rows: tp_run9's W3 ran them all eagerly).
+# such rows).
 SPLIT_KV_EAGER_MAX_PREFILL = 256
 
 

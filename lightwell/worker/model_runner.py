@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
+from lightwell.dual_stream import DualStream
 from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
 from lightwell.quant.kv_cache import cache_dtype, stored_head_size
@@ -19,7 +21,6 @@ from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
-from lightwell.worker.overlap import MicroBatchOverlap
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
 
@@ -97,9 +98,14 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
+        latent = [type(a).__name__ for a in self.attn_layers if type(a) is not Attention]
+        if self.kv_dtype != dtype and latent:
+            raise ValueError(
+                f"kv_cache_dtype {kv_cache_dtype} does not apply to {latent[0]} layers"
+            )
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
-        self.overlap: MicroBatchOverlap | None = None  # set by the worker (--dual-stream)
+        self.overlap: DualStream | None = None  # set by the worker (--dual-stream)
         # Async scheduling under tensor parallelism: rank 0 broadcasts its sampled tokens so
         # every rank can feed a token still in flight to the next step (set by the worker).
         self.share_sampled_tokens = False
@@ -142,23 +148,28 @@ class ModelRunner:
 
     # ---- KV cache -------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
+        """Per the layers' own cache shapes: [2, 1, B, Hkv, D] for K and V, [1, 1, B, 1, D]
+        for a latent-cache (MLA) layer; an 8-bit cache stores D + 4 per row (its scale)."""
         elem = torch.tensor([], dtype=self.kv_dtype).element_size()
-        per_layer = [
-            2 * self.block_size * a.num_kv_heads * stored_head_size(self.kv_dtype, a.head_dim)
-            for a in self.attn_layers
-        ]
+        per_layer = [math.prod(self._kv_shape(a, 1)) for a in self.attn_layers]
         return sum(per_layer) * elem
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate one [2, num_blocks, block_size, Hkv, D] tensor per layer and bind it."""
+        """Allocate each layer's cache (``kv_cache_shape``: [2, num_blocks, block_size, Hkv, D]
+        for K and V; one latent entry a token for MLA layers) and bind it."""
         self.batch.num_blocks = num_blocks
         self.kv_caches = []
         for layer in self.attn_layers:
-            head = stored_head_size(self.kv_dtype, layer.head_dim)
-            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, head)
+            shape = self._kv_shape(layer, num_blocks)
             cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
+
+    def _kv_shape(self, layer: nn.Module, num_blocks: int) -> list[int]:
+        """The layer's cache shape with each row as stored in the cache dtype."""
+        shape = list(layer.kv_cache_shape(num_blocks, self.block_size))
+        shape[-1] = stored_head_size(self.kv_dtype, shape[-1])
+        return shape
 
     # ---- one step ---------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:

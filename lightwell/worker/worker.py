@@ -11,8 +11,9 @@ import torch
 
 from lightwell.config import EngineConfig, is_preset_dummy
 from lightwell.layers.rotary import rope_table_length
-from lightwell.models.paths import ModelFiles, resolve_model
+from lightwell.model_files import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.storage.object_store import store_options
 
 if TYPE_CHECKING:
     from lightwell.worker.model_runner import PendingStep
@@ -36,6 +37,8 @@ class ModelInfo:
     device: str
     num_params: int
     load_seconds: float
+    hidden_size: int = 0
+    tie_word_embeddings: bool = False
     extra: dict = field(default_factory=dict)
 
 
@@ -70,6 +73,20 @@ def _max_positions(model: torch.nn.Module, hf_config: object) -> int:
     return length if length is not None else getattr(hf_config, "max_position_embeddings", 2048)
 
 
+def _graph_blockers(runner: object) -> str:
+    """What keeps the model out of CUDA graphs (host-side work per step): an attention backend
+    that says so, or a module with ``cuda_graph_safe = False`` (the MoE torch loop); "" if
+    nothing. Layers with ``cuda_graph_mode = "decode"`` (MLA) allow decode-only graphs."""
+    attn = [a for a in runner.attn_layers if getattr(a, "cuda_graph_mode", None) != "decode"]
+    names = {type(a.backend).__name__ for a in attn if not a.backend.supports_cuda_graphs}
+    names |= {
+        type(m).__name__
+        for m in runner.model.modules()
+        if getattr(m, "cuda_graph_safe", True) is False
+    }
+    return ", ".join(sorted(names))
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
         """``init_method`` (``tcp://host:port``): join the tensor-parallel group as ``rank``
@@ -79,7 +96,7 @@ class Worker:
         self.tp_size = tp = config.parallel.tensor_parallel_size
         m = config.model
         self.files: ModelFiles | None = (
-            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format)
+            None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
         )
         # Under TP rank r owns cuda:r (decided before any CUDA call, so no context on cuda:0).
         self.device = pick_device(config.device.device, rank if tp > 1 else None)
@@ -88,6 +105,10 @@ class Worker:
             threads = 1  # ranks share the cores: OpenMP spin-waits would collapse throughput
         if threads:
             torch.set_num_threads(threads)
+        if self.device.type == "cuda":
+            from lightwell.kernels import pdl
+
+            pdl.set_enabled(config.device.pdl)
         if tp > 1:
             if init_method is None:
                 raise ValueError("tensor_parallel_size > 1 needs an init_method for the group")
@@ -115,6 +136,9 @@ class Worker:
         self.hf_config = hf = load_hf_config(files, overrides)
         dtype = pick_dtype(m.dtype, hf, self.device)
         fmt = m.load_format
+        from lightwell.distributed.parallel_state import set_expert_parallel
+
+        set_expert_parallel(self.config.parallel.enable_expert_parallel)
         model = load_model(
             files, hf, dtype, self.device, load_format=fmt, seed=m.seed, quantization=m.quantization
         )
@@ -131,9 +155,9 @@ class Worker:
             kv_cache_dtype=self.config.cache.kv_cache_dtype,
         )
         self.runner.set_attention_backend(self.config.device.attention_backend)
-        from lightwell.worker.overlap import MicroBatchOverlap
+        from lightwell.dual_stream import DualStream
 
-        self.runner.overlap = MicroBatchOverlap.create(model, self.config.parallel, self.device)
+        self.runner.overlap = DualStream.create(model, self.config.parallel, self.device)
         return ModelInfo(
             name=self.files.name if files is not None else str(overrides),
             architecture=(getattr(hf, "architectures", None) or ["?"])[0],
@@ -144,6 +168,8 @@ class Worker:
             device=str(self.device),
             num_params=sum(p.numel() for p in model.parameters()),
             load_seconds=time.perf_counter() - t0,
+            hidden_size=hf.hidden_size,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         )
 
     def init_all_reduce(self, resolved: EngineConfig) -> None:
@@ -197,15 +223,21 @@ class Worker:
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
         if self.device.type == "cuda" and not self.config.device.enforce_eager:
-            if all(a.backend.supports_cuda_graphs for a in self.runner.attn_layers):
+            blockers = _graph_blockers(self.runner)
+            if not blockers:
                 s = resolved.scheduler
+                decode_only = any(
+                    getattr(a, "cuda_graph_mode", None) == "decode" for a in self.runner.attn_layers
+                )
+                if decode_only:
+                    logger.info("latent attention: CUDA graphs for decode-only steps only")
                 self.runner.capture_cuda_graphs(
                     s.max_num_seqs,
                     resolved.model.max_model_len,
-                    resolved.device.cuda_graph_prefill_tokens,  # (at most the step budget)
+                    0 if decode_only else resolved.device.cuda_graph_prefill_tokens,
                 )
             else:
-                logger.warning("the attention backend cannot be captured: decode runs eagerly")
+                logger.warning("%s cannot be captured: every step runs eagerly", blockers)
         if self.compile_watch is not None:
             self.compile_watch.arm()  # start-up is over: later compiles stall serving
 
@@ -215,6 +247,13 @@ class Worker:
     def launch(self, sched: SchedulerOutput) -> PendingStep:
         """Queue the step on the device; the handle's ``result()`` waits for its tokens."""
         return self.runner.launch(sched)
+
+    def abort_collectives(self) -> None:
+        """Make this rank's pending collectives fail now (a peer process died), so the engine
+        raises instead of waiting in them: best effort, from the executor's monitor thread."""
+        from lightwell.distributed.launch import abort_distributed
+
+        abort_distributed()
 
     def shutdown(self) -> None:
         if self.device.type == "cuda":

@@ -1,7 +1,7 @@
 """Triton kernels vs their torch references: on CPU under TRITON_INTERPRET=1, compiled on CUDA.
 
 Shapes are tiny (the interpreter runs every program in Python); full sizes and bf16 run on the GPU
-through benchmarks/gpu_kernels.py.
+through benchmarks/kernels/triton_kernels.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ if DEVICE == "cpu":
             allow_module_level=True,
         )
 
+from lightwell.attention import triton_backend as tb  # noqa: E402
 from lightwell.attention.backend import get_attention_backend  # noqa: E402
 from lightwell.attention.metadata import AttentionMetadata, forward_context  # noqa: E402
 from lightwell.attention.torch_backend import TorchAttentionBackend  # noqa: E402
@@ -233,38 +234,6 @@ def test_paged_attention_sliding_window(case):
     assert not torch.allclose(ref, full, atol=1e-3)  # the window did cut something
 
 
-SPLIT_CASES = [c for c in ATTN_CASES if ATTN_CASES[c][5]] + [
-    c for c in WINDOW_CASES if WINDOW_CASES[c][5]
-]
-
-
-@pytest.mark.parametrize("case", SPLIT_CASES)
-def test_split_combine_inside_the_kernel(case, monkeypatch):
-    """LIGHTWELL_SPLIT_COMBINE_IN_KERNEL: the last split of each (tile, KV head) combines the
-    partials itself; no combine kernel runs, the output matches the reference, and the counts
-    are all zero again after the launch (a second launch, as a graph replay would, agrees)."""
-    from lightwell.kernels import split_kv as sk_mod
-
-    spec = ATTN_CASES.get(case) or WINDOW_CASES[case]
-    qlens, ctxs, hkv, gqa, d, splits, tiles = spec[:7]
-    window = spec[7] if len(spec) > 7 else None
-    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=3)
-    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
-    ref = pa.paged_attention_ref(q, cache, meta, d**-0.5, sliding_window=window)
-
-    def no_reduce(*args, **kwargs):
-        raise AssertionError("the separate combine ran")
-
-    monkeypatch.setattr(pa, "COMBINE_IN_KERNEL", True)
-    monkeypatch.setattr(pa, "reduce_splits", no_reduce)
-    for _ in range(2):
-        out = pa.paged_attention(
-            q, cache, meta, d**-0.5, num_splits=splits, config=config, sliding_window=window
-        )
-        assert not sk_mod.split_counters(q.device).any()
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-
-
 def test_reduce_splits():
     gen = torch.Generator().manual_seed(4)
     num_tokens, hq, splits, d = 3, 4, 5, 24
@@ -292,7 +261,7 @@ def test_compile_variants_runs_every_case_and_leaves_the_cache_alone(window):
     gen = torch.Generator().manual_seed(11)
     cache = _randn(2, 5, 16, 2, 64, dtype=torch.float16, gen=gen)
     before = cache.clone()
-    assert pa.compile_variants(8, cache, 0.125, torch.float16, sliding_window=window) == 4
+    assert tb.compile_variants(8, cache, 0.125, torch.float16, sliding_window=window) == 4
     assert torch.equal(cache, before)
 
 
@@ -342,7 +311,7 @@ def test_serving_shaped_steps_launch_only_variants_compiled_at_start_up(monkeypa
     hkv, gqa, d, block_size = 2, 2, 32, 16
     gen = torch.Generator().manual_seed(21)
     cache = _randn(2, 40, block_size, hkv, d, dtype=torch.float16, gen=gen)
-    assert pa.compile_variants(hkv * gqa, cache, d**-0.5, torch.float16) == 4
+    assert tb.compile_variants(hkv * gqa, cache, d**-0.5, torch.float16) == 4
     at_start = (set(attn.keys), set(combine.keys))
     # the GPU's choice: split long contexts when few programs (CPU would never split)
     monkeypatch.setattr(pa, "auto_num_splits", lambda progs, keys, dev: 1 + keys // 64)
@@ -421,7 +390,7 @@ def test_triton_backend_matches_torch_backend(with_cache, window):
 @pytest.mark.parametrize("fused", [True, False])
 def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkeypatch, fused):
     """The Attention layer given ``rope``: on the Triton backend RoPE and the KV store are one
-    launch (``stores_with_rope``, the default) or two (LIGHTWELL_FUSED_ROPE_STORE=0); on the
+    launch (``stores_with_rope``) or, set off here, two; on the
     torch backend they stay apart. The same outputs and the same cache, for a decode, a
     cached-prefix chunk and a fresh prompt in one step."""
     from lightwell.layers.attention import Attention
@@ -438,7 +407,7 @@ def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkey
     meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
     positions = torch.tensor(pos, device=DEVICE)
     rope = RotaryEmbedding(d, d, 64, 10000.0).to(DEVICE)
-    monkeypatch.setattr(TritonAttentionBackend, "stores_with_rope", fused)  # (env switch)
+    monkeypatch.setattr(TritonAttentionBackend, "stores_with_rope", fused)
     gen = torch.Generator().manual_seed(9)
     qkv = _randn(len(pos), (hkv * gqa + 2 * hkv) * d, dtype=torch.float32, gen=gen)
     outs, caches = [], []
@@ -531,54 +500,11 @@ def test_gemv_early_weight_load_gives_the_same_bits(m, n, k, silu_mul):
         torch.testing.assert_close(early.float(), gemv_ref(x, w, b).float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
-def test_ll_all_reduce_signal_then_gemv_reads_the_new_sum(rows, monkeypatch):
-    """The low-latency all-reduce kernel (one rank: no peers to wait for) with its residual add
-    + norm fused, signalling its dependents (LIGHTWELL_PDL_ALLREDUCE=1), and the batch-1 GEMV
-    right after it, as in a TP decode layer: on an sm_90 GPU the GEMV launches with PDL and
-    must see this call's sum, not the last one's (new inputs each time, the same buffers)."""
-    from lightwell.kernels import hostmem_allreduce as hm
-    from lightwell.kernels import pdl
-    from lightwell.kernels.gemv import gemv
-
-    monkeypatch.setattr(pdl, "ALLREDUCE_SIGNAL", True)
-    ll = _SpecRecorder(hm._hostmem_ll_kernel)
-    monkeypatch.setattr(hm, "_hostmem_ll_kernel", ll)
-    hidden, dt = 1024, torch.float16
-    slot = 2 * hm.ll_words_per_block(hm.BLOCK, False, 2) * 8
-    bufs = hm.HostMemBuffers(
-        data=torch.zeros(2 * slot, dtype=torch.uint8, device=DEVICE),
-        flags=torch.zeros(2, dtype=torch.int32, device=DEVICE),
-        epochs=torch.zeros(2, dtype=torch.int32, device=DEVICE),
-        status=torch.zeros(1, dtype=torch.int32, device=DEVICE),
-        rank=0, world=1, max_spin=1000, use_asm=DEVICE == "cuda",
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(rows)
-    w_norm = (1 + 0.1 * torch.randn(hidden, generator=g)).to(DEVICE, dt)
-    w = (0.05 * torch.randn(512, hidden, generator=g)).to(DEVICE, dt)
-    results = []
-    for _ in range(6 if DEVICE == "cuda" else 2):
-        x, res = (torch.randn(rows, hidden, generator=g).to(DEVICE, dt) for _ in range(2))
-        normed, new_res = hm.hostmem_ll_all_reduce(x, bufs, False, hm.AddRMSNorm(res, w_norm, 1e-6))
-        results.append((x, res, normed, new_res, gemv(normed, w)))
-    for x, res, normed, new_res, y in results:
-        ref = rn.rmsnorm_ref(x.float() + res.float(), w_norm.float(), 1e-6)
-        torch.testing.assert_close(normed.float(), ref, rtol=2e-2, atol=2e-2)
-        torch.testing.assert_close(new_res, x + res, rtol=1e-3, atol=1e-3)
-        assert torch.equal(y, gemv(normed, w, pdl=False))
-    assert bufs.status.item() == 0
-    # the launcher asks for the signal exactly where PDL runs (an sm_90 GPU; never the CPU)
-    signal = pdl.allreduce_signal(torch.device(DEVICE))
-    assert {dict((k[0], k[1]) for k in key if len(k) == 2)["PDL_SIGNAL"] for key in ll.keys} == {
-        signal
-    }
-
-
 def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
+    from lightwell.config import DeviceConfig
     from lightwell.kernels import pdl
 
-    assert pdl.ENABLED == (os.environ.get("LIGHTWELL_PDL", "1") != "0")
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    assert DeviceConfig().pdl and pdl._enabled  # the config's default, and the module's
     assert not pdl.use_pdl(torch.device("cpu"))  # the interpreter has no grid dependency ops
     for rows in (1, 5):  # on an sm_90 GPU, the norm's PDL form (a decode row, a prefill)
         x = torch.randn(rows, 64, device=DEVICE)
@@ -587,18 +513,15 @@ def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
     monkeypatch.setattr(pdl, "device_supports", lambda device: True)  # as on an sm_90 GPU
     gpu = torch.device("cuda", 0)
     assert pdl.use_pdl(gpu)
-    # the all-reduce's signal: only with its own switch (not yet measured: off by default)
-    assert pdl.ALLREDUCE_SIGNAL == (os.environ.get("LIGHTWELL_PDL_ALLREDUCE", "0") == "1")
-    monkeypatch.setattr(pdl, "ALLREDUCE_SIGNAL", False)
-    assert not pdl.allreduce_signal(gpu)
-    monkeypatch.setattr(pdl, "ALLREDUCE_SIGNAL", True)
-    assert pdl.allreduce_signal(gpu)
-    monkeypatch.setattr(pdl, "ENABLED", False)
+    monkeypatch.setattr(pdl, "_enabled", True)  # restored after the test
+    pdl.set_enabled(False)  # --no-pdl
     assert not pdl.use_pdl(gpu)
+    pdl.set_enabled(True)
+    assert pdl.use_pdl(gpu)
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
 
 
-# ---- int8 all-reduce kernels vs the torch ops of lightwell/distributed/comm/int8.py -----------
+# ---- int8 all-reduce kernels vs the torch ops of lightwell/experimental/comm/int8_nccl.py ----
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 # (2,400, 2, 1,280): 10 groups a row: two programs of GROUPS_PER_PROGRAM (8), the second
 # holding 2 groups (the rest masked)
@@ -606,7 +529,7 @@ def test_pdl_is_on_by_default_but_never_on_cpu(monkeypatch):
     "n,rows,cols", [(512, 2, 256), (700, 2, 384), (1000, 4, 256), (2400, 2, 1280)]
 )
 def test_int8_pack_kernels_match_torch_ops(n, rows, cols, dtype):
-    from lightwell.distributed.comm import int8 as ref
+    from lightwell.experimental.comm import int8_nccl as ref
 
     assert i8.GROUP == ref.GROUP
     gen = torch.Generator().manual_seed(n)
@@ -651,48 +574,15 @@ def test_int8_dequant_sum_into_out(dtype):
     assert (out.float() - exact).norm() / exact.norm() < 0.01  # one rounding a rank
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_int8_dequant_sum_add_rmsnorm_equals_the_two_kernels(dtype):
-    """The fused finish of hostmem-copy-int8: the same values as dequant_sum, then the
-    residual add + RMSNorm kernel, bit for bit; token rows that straddle a packed chunk
-    (cols = 640, hidden 384: 3 groups a row, a tile of 4) and a hidden size that is not a
-    power of two."""
-    from lightwell.kernels.rmsnorm import fused_add_rmsnorm
-
-    tokens, hidden, world, cols = 7, 384, 2, 640
-    n = tokens * hidden
-    rows = -(-n // cols)
-    rb = i8.packed_row_bytes(cols)
-    stage = torch.zeros((world, rows * rb), dtype=torch.uint8, device=DEVICE)
-    gen = torch.Generator().manual_seed(4)
-    for r in range(world):
-        x = _randn(n, dtype=dtype, gen=gen) * (r + 2)
-        i8.quantize_pack(x, rows, cols, out=stage[r].view(rows, rb))
-    residual = _randn(n, dtype=dtype, gen=gen).view(tokens, hidden)
-    weight = (1 + 0.1 * _randn(hidden, dtype=torch.float32, gen=gen)).to(dtype)
-    summed = i8.dequant_sum(stage, cols, rows, torch.empty(n, dtype=dtype, device=DEVICE))
-    want = fused_add_rmsnorm(summed.view(tokens, hidden), residual, weight, 1e-5)
-    got = i8.dequant_sum_add_rmsnorm(stage, cols, rows, residual, weight, 1e-5)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-    assert got[0].abs().max() > 0.5  # real values
-    with pytest.raises(ValueError, match="fit"):
-        i8.dequant_sum_add_rmsnorm(stage, cols, 1, residual, weight, 1e-5)
-    with pytest.raises(ValueError, match="multiple of 128"):  # rows of whole groups only
-        i8.dequant_sum_add_rmsnorm(stage, cols, rows, residual[:, :320].contiguous(),
-                                   weight[:320].contiguous(), 1e-5)  # fmt: skip
-
-
-@pytest.mark.parametrize("align", [True, False], ids=["aligned", "plain"])
-def test_int8_pack_aligned_sizes_take_the_same_values(align, monkeypatch):
+def test_int8_pack_aligned_sizes_take_the_same_values():
     """Sizes that are multiples of 16 (hostmem-copy-int8's rows: multiples of 512 elements)
     take the kernels' ALIGN form, which rounds them down to a multiple of 16 inside: the
-    same bytes and sums as the torch ops (and as the plain form, ALIGN_HINTS off)."""
-    from lightwell.distributed.comm import int8 as ref
+    same bytes and sums as the torch ops."""
+    from lightwell.experimental.comm import int8_nccl as ref
 
-    monkeypatch.setattr(i8, "ALIGN_HINTS", align)
     n, rows, cols, world = 1536 + 512, 4, 512, 2  # 4 rows of 4 groups; the last row: zeros
     rb = i8.packed_row_bytes(cols)
-    assert i8.aligned(n, rb, cols) is align  # (528-byte rows)
+    assert i8.aligned(n, rb, cols) and not i8.aligned(n + 1, rb, cols)  # (528-byte rows)
     gen = torch.Generator().manual_seed(3)
     xs = [_randn(n, dtype=torch.float32, gen=gen) * (r + 1) for r in range(world)]
     stage = torch.zeros((world, rows * rb), dtype=torch.uint8, device=DEVICE)
@@ -778,7 +668,7 @@ out = {
         "status_ptr": "*i32", "res_ptr": "*bf16", "res_out_ptr": "*bf16", "w_ptr": "*bf16",
         "eps": "fp32", "n": "i32", "rank": "i32", "max_spin": "i32"}, dict(SLOT_WORDS=1 << 16,
         WPB=2048, WORLD=2, BLOCK=4096, GROUP=128, INT8=False, COMP=2, INT_TY=tl.int16, ASM=True,
-        NORM=True, HIDDEN=4096, ALIGN=align, PDL_SIGNAL=False), 8),
+        NORM=True, HIDDEN=4096, ALIGN=align), 8),
 }
 print(json.dumps(out))
 """
@@ -827,7 +717,7 @@ _PDL_PTX_SCRIPT = r"""
 import inspect, json, re, sys, triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
-from lightwell.kernels import gemv as gv, hostmem_allreduce as hm, paged_attention as pa
+from lightwell.kernels import gemv as gv, paged_attention as pa
 from lightwell.kernels import rmsnorm as rn
 
 def ops(fn, types, consts, **options):
@@ -838,7 +728,7 @@ def ops(fn, types, consts, **options):
     src = triton.compiler.ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
                                     constexprs=consts, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    found = re.findall(r"\b(griddepcontrol\.\w+|prefetch\.global\.L2|[ls][dt]\.global[.\w]*)",
+    found = re.findall(r"\b(griddepcontrol\.\w+|[ls][dt]\.global[.\w]*)",
                        k.asm["ptx"])
     return {"ops": found, "launch_pdl": bool(k.metadata.launch_pdl)}
 
@@ -849,42 +739,35 @@ out = {}
 for silu in (False, True):
     out[f"gemv{'_silu' if silu else ''}"] = ops(gv._gemv_kernel, b16, dict(
         BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=True, HAS_BIAS=False, SILU_MUL=silu,
-        EARLY_W=on, GDC=on, PF_STEP=64, PF_TILES=1), num_warps=1, num_stages=3, launch_pdl=on)
+        EARLY_W=on, GDC=on), num_warps=1, num_stages=3, launch_pdl=on)
 out["gemv_m4_bias_uneven_k"] = ops(gv._gemv_kernel, b16, dict(
     BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, EVEN_K=False, HAS_BIAS=True, SILU_MUL=False,
-    EARLY_W=on, GDC=on, PF_STEP=64, PF_TILES=3), num_warps=4, num_stages=1, launch_pdl=on)
+    EARLY_W=on, GDC=on), num_warps=4, num_stages=1, launch_pdl=on)
 out["rmsnorm"] = ops(rn._rmsnorm_kernel, dict(b16, eps="fp32"), dict(
     HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GDC=on), num_warps=8, launch_pdl=on)
 out["attention"] = ops(pa._paged_attention_kernel, dict(b16, qk_scale="fp32", **{
     n: "*fp32" for n in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")}, **{n: "*i32" for n in (
-    "count_ptr", "qsl_ptr", "seq_lens_ptr", "block_table_ptr")}), dict(GQA=4, HEAD_DIM=128,
+    "qsl_ptr", "seq_lens_ptr", "block_table_ptr")}), dict(GQA=4, HEAD_DIM=128,
     HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1, BLOCK_N=64, SPLIT_KV=True,
-    COMBINE=False, FENCE=False, SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False,
+    SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False,
     DOT_PREC="tf32", PDL_SIGNAL=on), num_warps=4, num_stages=1)
-out["hostmem_ll"] = ops(hm._hostmem_ll_kernel, dict(b16, eps="fp32", **{
-    n: "*i64" for n in ("slot_ptr", "dst_ptr")}, **{n: "*i32" for n in ("epoch_ptr",
-    "status_ptr")}), dict(SLOT_WORDS=1 << 16, WPB=2048, WORLD=2, BLOCK=4096, GROUP=128,
-    INT8=False, COMP=2, INT_TY=tl.int16, ASM=True, NORM=True, HIDDEN=4096, ALIGN=True,
-    PDL_SIGNAL=on), num_warps=8)
 print(json.dumps(out))
 """
 
 
 @pytest.mark.parametrize("on", [True, False])
 def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
-    """With PDL on, the gemv signals, loads only weights (16-byte vectors) and prefetches the
-    next tile(s) of them toward L2 before its single wait, and stores after it; the norm
-    waits before any access; the decode attention kernel and the low-latency all-reduce
-    (with LIGHTWELL_PDL_ALLREDUCE=1) only signal, first thing. Off, none of it is compiled
-    in."""
+    """With PDL on, the gemv signals and loads only weights (16-byte vectors) before its
+    single wait, and stores after it; the norm waits before any access; the decode attention
+    kernel only signals, first thing. Off, none of it is compiled in."""
     kernels = _run_ptx_script(_PDL_PTX_SCRIPT, on)
     for name, got in kernels.items():
         found = got["ops"]
-        pdl_ops = [op for op in found if op.startswith(("griddep", "prefetch"))]
+        pdl_ops = [op for op in found if op.startswith("griddep")]
         if not on:
             assert not pdl_ops and not got["launch_pdl"], (name, found)
             continue
-        if name in ("attention", "hostmem_ll"):
+        if name == "attention":
             assert pdl_ops == ["griddepcontrol.launch_dependents"] and found[0] == pdl_ops[0]
             continue
         assert got["launch_pdl"], name
@@ -896,59 +779,9 @@ def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
         assert any(op.startswith("st.") for op in after), (name, found)
         if name == "rmsnorm":
             assert before == ["griddepcontrol.launch_dependents"], found
-        else:  # weight loads and prefetches only, then x and the other tiles
-            assert "prefetch.global.L2" in before and any(op.startswith("ld.") for op in before)
-            assert all(op.startswith(("griddep", "prefetch", "ld.global")) for op in before)
+        else:  # weight loads only, then x and the other tiles
+            assert any(op.startswith("ld.") for op in before)
+            assert all(op.startswith(("griddep", "ld.global")) for op in before)
             assert any(op.startswith("ld.global") for op in after)
             if name != "gemv_m4_bias_uneven_k":  # 2 rows x 1,024 bf16 / 32 threads, 16 B each
                 assert before.count("ld.global.v4.b32") == 8, found
-
-
-# The attention kernel with the split combine inside, compiled for sm_90 here (no GPU): its
-# count is one acquire-release atomic at GPU scope after a barrier, reset by one exchange, and
-# the last split reads the others' partials past L1.
-_ATTN_PTX_SCRIPT = r"""
-import collections, inspect, json, re, sys, triton
-from triton.backends.compiler import GPUTarget
-from lightwell.kernels import paged_attention as pa
-
-combine = sys.argv[1] == "1"
-fn = pa._paged_attention_kernel
-consts = dict(GQA=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
-              BLOCK_N=64, SPLIT_KV=True, COMBINE=combine, SLIDING=False, ONE_TILE_PER_REQ=True,
-              PAD_D=False, DOT_PREC="tf32", PDL_SIGNAL=False, FENCE=combine)
-ptrs = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
-        "part_acc_ptr": "*fp32", "part_m_ptr": "*fp32", "part_l_ptr": "*fp32"}
-names = list(inspect.signature(fn.fn).parameters)
-types = {n: ptrs.get(n, "*i32") if n.endswith("_ptr") else "fp32" if n == "qk_scale" else "i32"
-         for n in names if n not in consts}
-attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if "*" in types.get(n, "")}
-src = triton.compiler.ASTSource(fn=fn, signature=dict(types, **{k: "constexpr" for k in consts}),
-                                constexprs=consts, attrs=attrs)
-ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                     options={"num_warps": 4, "num_stages": 1}).asm["ptx"]
-ops = re.findall(r"\b(?:atom|bar|fence|ld\.global\.cg)[.\w]*", ptx)
-print(json.dumps({"counts": dict(collections.Counter(ops)), "order": ops}))
-"""
-
-
-@pytest.mark.parametrize("combine", [True, False])
-def test_split_combine_compiles_to_one_release_count_for_sm90(combine):
-    found = _run_ptx_script(_ATTN_PTX_SCRIPT, combine)
-    ops, order = found["counts"], found["order"]
-    atomics = {k: v for k, v in ops.items() if k.startswith("atom")}
-    if not combine:
-        assert not atomics and not any(k.startswith(("ld.global.cg", "fence")) for k in ops), ops
-        return
-    # (the spelling's order varies between Triton versions: compare the parts)
-    parts = sorted((frozenset(k.split(".")), v) for k, v in atomics.items())
-    want = [{"atom", "global", "gpu", "acq_rel", "add", "u32"}, {"atom", "exch", "b32"}]
-    assert len(parts) == 2 and all(v == 1 for _, v in parts), atomics
-    assert any(want[0] <= p for p, _ in parts) and any(want[1] <= p for p, _ in parts), atomics
-    assert sum(v for k, v in ops.items() if k.startswith("ld.global.cg")) >= 3  # m, l, acc
-    # in order: a barrier (every thread's partials issued), the count, then every thread's
-    # fence, then the partials' loads past L1
-    count = next(i for i, op in enumerate(order) if want[0] <= set(op.split(".")))
-    first_load = next(i for i, op in enumerate(order) if op.startswith("ld.global.cg"))
-    assert order[count - 1].startswith("bar.sync"), order[count - 3 : count + 1]
-    assert any(op.startswith("fence") and "gpu" in op for op in order[count:first_load]), order

@@ -155,6 +155,94 @@ def minicpm(folder: str, seed: int):
     return ref
 
 
+MOE = dict(intermediate_size=48, num_experts_per_tok=2)
+
+
+def mixtral(folder: str, seed: int, **overrides):
+    """4 experts, top-2 renormalised, a sliding window shorter than the prompts."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(
+        **{**COMMON, **MOE, **overrides}, num_local_experts=4, sliding_window=WINDOW
+    )
+    return _saved(cfg, folder, seed)
+
+
+def qwen2_moe(folder: str, seed: int, **overrides):
+    """4 experts top-2 (not renormalised), a sigmoid-gated shared expert, layer 1 of 3 dense
+    (``mlp_only_layers``), q/k/v biases."""
+    from transformers import Qwen2MoeConfig
+
+    kw = {**COMMON, **MOE, "num_hidden_layers": 3, **overrides}
+    cfg = Qwen2MoeConfig(
+        **kw,
+        num_experts=4,
+        moe_intermediate_size=40,
+        shared_expert_intermediate_size=56,
+        mlp_only_layers=[1],
+        norm_topk_prob=False,
+    )
+    return _saved(cfg, folder, seed)
+
+
+def qwen3_moe(folder: str, seed: int, **overrides):
+    """q/k norms, head_dim 24, 4 experts top-2 renormalised, every second layer sparse."""
+    from transformers import Qwen3MoeConfig
+
+    kw = {**COMMON, **MOE, "num_hidden_layers": 3, **overrides}
+    cfg = Qwen3MoeConfig(
+        **kw,
+        head_dim=24,
+        num_experts=4,
+        moe_intermediate_size=40,
+        decoder_sparse_step=2,
+        norm_topk_prob=True,
+    )
+    return _saved(cfg, folder, seed)
+
+
+MLA = dict(
+    kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=20,
+    moe_intermediate_size=40, first_k_dense_replace=1, num_key_value_heads=4,
+)  # fmt: skip
+
+
+def deepseek_v2(folder: str, seed: int, **overrides):
+    """Plain q, group-limited greedy routing (2 of 4 groups of 2 experts), 2 shared experts,
+    YaRN x4 over 32 positions with mscale, layer 0 dense."""
+    from transformers import DeepseekV2Config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_MAX,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+    kw = {**COMMON, **MOE, **MLA, "num_hidden_layers": 3, **overrides}
+    cfg = DeepseekV2Config(
+        **kw, q_lora_rank=None, n_routed_experts=8, n_shared_experts=2,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        norm_topk_prob=False, rope_scaling=yarn,
+    )  # fmt: skip
+    return _saved(cfg, folder, seed)
+
+
+def deepseek_v3(folder: str, seed: int, **overrides):
+    """q LoRA, noaux_tc routing (sigmoid scores, a random correction bias, experts from the
+    best of 2 groups), renormalised, scaled by 2.5, interleaved RoPE, layer 0 dense."""
+    from transformers import DeepseekV3Config
+
+    kw = {**COMMON, **MOE, **MLA, "num_hidden_layers": 3, **overrides}
+    cfg = DeepseekV3Config(
+        **kw, q_lora_rank=24, n_routed_experts=4, n_shared_experts=1, n_group=2, topk_group=1,
+        routed_scaling_factor=2.5, norm_topk_prob=True,
+    )  # fmt: skip
+    model = _hf_model(cfg, seed)
+    gen = torch.Generator().manual_seed(seed)
+    for name, buf in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # a buffer: randomize() leaves it at 0
+            buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+    model.save_pretrained(folder)
+    save_tokenizer(folder)
+    return model
+
+
 FAMILIES: dict[str, Family] = {
     "mistral_window": Family("MistralForCausalLM", mistral),
     "qwen2_yarn_window": Family("Qwen2ForCausalLM", qwen2),
@@ -165,6 +253,11 @@ FAMILIES: dict[str, Family] = {
     ),
     "minicpm_linear": Family("MiniCPMForCausalLM", minicpm),
     "cohere_qk_norm": Family("CohereForCausalLM", cohere),
+    "mixtral_window": Family("MixtralForCausalLM", mixtral),
+    "qwen2_moe_shared": Family("Qwen2MoeForCausalLM", qwen2_moe),
+    "qwen3_moe_step2": Family("Qwen3MoeForCausalLM", qwen3_moe),
+    "deepseek_v2_yarn": Family("DeepseekV2ForCausalLM", deepseek_v2),
+    "deepseek_v3_qlora": Family("DeepseekV3ForCausalLM", deepseek_v3),
 }
 
 

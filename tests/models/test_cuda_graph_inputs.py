@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from lightwell.attention.metadata import forward_context
+from lightwell.dual_stream import DualStream
 from lightwell.models.loader import load_model
 from lightwell.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from lightwell.types import SamplingParams
 from lightwell.worker.cuda_graph import mixed_capture_sizes
 from lightwell.worker.model_runner import ModelRunner
-from lightwell.worker.overlap import MicroBatchOverlap
 from tests.models.tiny import randomize, tiny_config
 
 BLOCK = 4
@@ -50,7 +50,7 @@ def _tiny_runner(
     r.set_attention_backend("triton")
     r.init_kv_cache(96)
     if dual_min_tokens:
-        r.overlap = MicroBatchOverlap(model, dual_min_tokens, None, micro_batches)
+        r.overlap = DualStream(model, dual_min_tokens, None, micro_batches)
     r.capture_cuda_graphs(
         max_batch=6, max_model_len=max_model_len, prefill_tokens=prefill_tokens, capture=False
     )

@@ -41,7 +41,11 @@ def test_builds_the_family(family):
     name, fam, _, _, ours = family
     assert type(ours).__name__ == fam.cls_name
     windows = [layer.self_attn.attn.sliding_window for layer in ours.model.layers]
-    expected = {"mistral_window": [WINDOW] * 2, "qwen2_yarn_window": [None, WINDOW, WINDOW]}
+    expected = {
+        "mistral_window": [WINDOW] * 2,
+        "mixtral_window": [WINDOW] * 2,
+        "qwen2_yarn_window": [None, WINDOW, WINDOW],
+    }
     assert windows == expected.get(name, [None] * len(windows))
 
 
@@ -136,3 +140,19 @@ def test_unknown_architecture_lists_the_supported(tmp_path):
         path.write_text(json.dumps({**config, "architectures": [arch], "model_type": model_type}))
         with pytest.raises(ValueError, match=f"(?s){arch}.*{supported}"):
             LLM(model=folder)
+
+
+def test_preemption_mid_request_matches_hf(family):
+    """16 blocks of 4 tokens for four requests of up to 50 tokens: requests are preempted
+    mid-decode, recomputed later, and still give HF's tokens."""
+    from lightwell import LLM, SamplingParams
+
+    _, fam, hf, folder, _ = family
+    prompts = _prompts([5, 13, 30, 22], seed=4)
+    want = [hf_generate(hf, p, 20) for p in prompts]
+    llm = LLM(model=folder, max_num_batched_tokens=16, block_size=4, num_kv_blocks=16,
+              **fam.llm_options)  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.engine.stats().num_preemptions > 0

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from lightwell.model_files import resolve_model
 from lightwell.models.hf_config import get_rope_config, load_hf_config
-from lightwell.models.paths import resolve_model
 from tests.models.paged import PagedRunner
 from tests.models.tiny import hf_logits, hf_tiny_model, load_ours, rel_err, tiny_config
 

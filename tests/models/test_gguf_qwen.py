@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from lightwell.model_files import resolve_model
 from lightwell.models.hf_config import load_hf_config
-from lightwell.models.paths import resolve_model
 from tests.models.families import hf_generate
 from tests.models.paged import PagedRunner
 from tests.models.test_gguf import _loaded, roundtrip

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from lightwell.model_files import resolve_model
 from lightwell.models.hf_config import PRESETS, get_rope_config, load_hf_config
 from lightwell.models.loader import load_model
-from lightwell.models.paths import resolve_model
 from lightwell.models.registry import get_model_class
 from tests.models.tiny import hf_tiny_model, load_ours, save_hf, tiny_config
 

@@ -22,9 +22,9 @@ def _compare(folders: dict[str, str]) -> dict[str, float]:
     """Largest difference, per family, between the micro-batch forward (two and three
     micro-batches) and the plain forward over ``STEPS``."""
     from lightwell.attention.metadata import forward_context
-    from lightwell.attention.micro_batch import can_split, split_batch
-    from lightwell.distributed.overlap import CommStream
-    from lightwell.models.micro_batch_forward import micro_batch_forward, supports_micro_batches
+    from lightwell.dual_stream.comm import CommStream
+    from lightwell.dual_stream.forward import micro_batch_forward, supports_micro_batches
+    from lightwell.dual_stream.split import can_split, split_batch
 
     worst = {}
     for key, folder in folders.items():
@@ -89,10 +89,11 @@ def test_micro_batches_match_the_plain_forward_tp2(tmp_path):
 
 
 def test_a_layer_whose_forward_its_stages_do_not_describe_runs_plain(tmp_path):
-    """A subclass that overrides ``forward`` but not ``micro_batch_stages`` (or a layer
-    without stages at all) makes the model run plain, not wrong."""
+    """A layer class whose ``forward`` the dual-stream stages do not know (a subclass that
+    overrides it, or a layer whose MLP has no partial-sum form) makes the model run plain,
+    not wrong."""
+    from lightwell.dual_stream.forward import supports_micro_batches
     from lightwell.models.llama import LlamaDecoderLayer
-    from lightwell.models.micro_batch_forward import supports_micro_batches
     from tests.models.tiny import load_ours
 
     folder = str(tmp_path / "mistral")

@@ -28,9 +28,9 @@ def _set_quant_config(folder: str, quant_config: dict | None) -> None:
 
 
 def _load(folder: str, quantization: str = "auto"):
+    from lightwell.model_files import resolve_model
     from lightwell.models.hf_config import load_hf_config
     from lightwell.models.loader import load_model
-    from lightwell.models.paths import resolve_model
 
     files = resolve_model(folder)
     return load_model(files, load_hf_config(files), torch.float32, "cpu", quantization=quantization)

@@ -191,9 +191,9 @@ W8A8 = {  # key: (quant_config or None, make, --quantization, fake input quant, 
 
 @pytest.mark.parametrize("key", sorted(W8A8))
 def test_w8a8_formats_match_emulation_within_bounds(tmp_path, key):
+    from lightwell.model_files import resolve_model
     from lightwell.models.hf_config import load_hf_config
     from lightwell.models.loader import load_model
-    from lightwell.models.paths import resolve_model
 
     quant_config, make, quantization, fake, bound = W8A8[key]
     hf, folder = build(tmp_path, key, quant_config, make)

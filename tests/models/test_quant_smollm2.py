@@ -41,9 +41,9 @@ def _as_safetensors(gguf: str, folder: str) -> str:
     """The GGUF's tensors, dequantized once, as an HF folder (each load below is then quick)."""
     from safetensors.torch import save_file
 
+    from lightwell.model_files import resolve_model
     from lightwell.models.gguf_loader import GGUFCheckpoint
     from lightwell.models.hf_config import load_hf_config
-    from lightwell.models.paths import resolve_model
 
     config = load_hf_config(resolve_model(gguf))
     tensors = {name: t.contiguous() for _, name, t in GGUFCheckpoint(gguf, config)}
@@ -54,9 +54,9 @@ def _as_safetensors(gguf: str, folder: str) -> str:
 
 @pytest.mark.slow
 def test_8bit_options_keep_smollm2_log_likelihood_within_1_percent(smollm2_gguf, tmp_path):
+    from lightwell.model_files import resolve_model
     from lightwell.models.hf_config import load_hf_config
     from lightwell.models.loader import load_model
-    from lightwell.models.paths import resolve_model
 
     torch.set_num_threads(1)
     files = resolve_model(_as_safetensors(smollm2_gguf, str(tmp_path)))

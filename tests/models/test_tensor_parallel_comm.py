@@ -27,6 +27,15 @@ def _inputs(shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tens
     return torch.randn(shape, generator=g).to(dtype)
 
 
+def _create(name: str, ctx, **options):
+    """A product strategy by name, or an experimental one (peermem, int8, host)."""
+    from lightwell.distributed.comm import create_strategy
+    from lightwell.experimental.comm import EXPERIMENTAL, create_experimental
+
+    make = create_experimental if name in EXPERIMENTAL else create_strategy
+    return make(name, ctx, **options)
+
+
 def _exact(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # fp32 sum of all ranks
     return sum(_inputs(shape, dtype, r).float() for r in range(WORLD))
 
@@ -38,7 +47,7 @@ def int8_bound(
     the NCCL int8 path) half a step of the reduced group (whose absmax is at most the exact one
     plus the first error). hostmem-int8 quantizes each input once and sums the dequantized
     values, so only the first term applies."""
-    from lightwell.distributed.comm.int8 import GROUP
+    from lightwell.experimental.comm.int8_nccl import GROUP
 
     def group_amax(x: torch.Tensor) -> torch.Tensor:  # [N] -> [N]: absmax of x's group
         n = x.numel()
@@ -51,10 +60,10 @@ def int8_bound(
 
 
 def _check_strategies(rank: int, ctx) -> None:
-    from lightwell.distributed.comm import create_strategy, is_available
+    from lightwell.distributed.comm import is_available
+    from lightwell.experimental.comm.int8_nccl import Int8AllReduce
 
     assert not is_available("oneshot", ctx)  # peer memory is CUDA-only: skipped on CPU
-    from lightwell.distributed.comm.int8 import Int8AllReduce
 
     threads = torch.get_num_threads()
     # hostmem(-int8): the Triton kernel through shared memory, interpreted, 2 processes
@@ -65,19 +74,19 @@ def _check_strategies(rank: int, ctx) -> None:
         # int8-fused: the Triton kernels (interpreted here) between the same collectives
         strategy = Int8AllReduce(ctx, fused=True) if name == "int8-fused" else None
         if name == "hostmem-int8":  # 3 persistent programs share the blocks (40 at most here)
-            strategy = create_strategy(name, ctx, max_programs=3, block=1024)
+            strategy = _create(name, ctx, max_programs=3, block=1024)
         elif name == "hostmem-ll":  # the low-latency protocol: the epoch in every word
-            strategy = create_strategy("hostmem", ctx, protocol="ll")
+            strategy = _create("hostmem", ctx, protocol="ll")
         elif name == "peermem":  # the same kernel, each rank's words in the other's buffer
-            strategy = create_strategy(name, ctx, max_bytes=1 << 20)
+            strategy = _create(name, ctx, max_bytes=1 << 20)
             # a peer that never writes: a failure in seconds, not an hour of polls
             strategy.bufs = dataclasses.replace(strategy.bufs, max_spin=1 << 15)
         elif name == "hostmem-int8-ll":
-            strategy = create_strategy("hostmem-int8", ctx, max_programs=3, protocol="ll")
+            strategy = _create("hostmem-int8", ctx, max_programs=3, protocol="ll")
         elif name.endswith("-chunked"):  # 8 pieces of >= 256 bytes: (40, 1000) has 8,
             # taking turns on 3 lanes (streams on a GPU)
-            strategy = create_strategy(name.removesuffix("-chunked"), ctx, chunks=8, lanes=3)
-        strategy = strategy or create_strategy(name, ctx)
+            strategy = _create(name.removesuffix("-chunked"), ctx, chunks=8, lanes=3)
+        strategy = strategy or _create(name, ctx)
         # host: runs single-threaded whatever torch's pool is, and leaves the pool as it was
         torch.set_num_threads(2 if name == "host" else threads)
         with _min_chunk_bytes(256 if name.endswith("-chunked") else None):
@@ -165,7 +174,7 @@ def _check_fused_norm(rank: int, ctx) -> None:
     int8: the same values as the all-reduce followed by the fused_add_rmsnorm kernel (the new
     residual bit for bit), interleaved with plain calls on the same buffers (the epochs stay in
     step); None where the hidden size does not divide the block or the dtypes differ."""
-    from lightwell.distributed.comm import create_strategy, hostmem
+    from lightwell.distributed.comm import hostmem
     from lightwell.kernels.rmsnorm import fused_add_rmsnorm
 
     for name, options in (
@@ -174,7 +183,7 @@ def _check_fused_norm(rank: int, ctx) -> None:
         ("peermem", {"block": 512}),
         ("hostmem-int8", {"block": 1024, "max_programs": 2, "fuse_norm": "1"}),
     ):
-        strategy = create_strategy(name, ctx, max_bytes=1 << 16, **options)
+        strategy = _create(name, ctx, max_bytes=1 << 16, **options)
         for shape in ((5, 128), (3, 512), (9, 256)):  # 4, 1 and 2 rows a block (int8: 8, 2, 4)
             for dtype in (torch.float32, torch.float16):
                 x = _inputs(shape, dtype, rank)
@@ -199,13 +208,13 @@ def _check_fused_norm(rank: int, ctx) -> None:
     # the default rule (auto): messages up to FUSE_NORM_MAX_BYTES; 0: never; 1: always
     x, w = torch.ones(4, 128), torch.ones(128)
     for name, fuse, small, big in (
-        ("hostmem", None, True, False),
-        ("hostmem-int8", None, True, False),
+        ("hostmem", "auto", True, False),
+        ("hostmem-int8", "auto", True, False),
         ("hostmem", "0", False, False),
         ("hostmem-int8", "1", True, True),
     ):
-        strategy = create_strategy(name, ctx, max_bytes=1 << 16, block=512, fuse_norm=fuse)
-        if fuse is None:  # auto is the measured limit; lowered to 4 KB: x fits, y does not
+        strategy = _create(name, ctx, max_bytes=1 << 16, block=512, fuse_norm=fuse)
+        if fuse == "auto":  # auto is the measured limit; lowered to 4 KB: x fits, y does not
             assert strategy.fuse_norm_max_bytes == hostmem.FUSE_NORM_MAX_BYTES
             strategy.fuse_norm_max_bytes = 4 << 10
         assert (strategy.all_reduce_add_rmsnorm(x, x, w, 1e-5) is not None) == small, name
@@ -257,9 +266,7 @@ def _check_peermem_pushes(rank: int, ctx) -> None:
     """peermem writes its words into the peer's buffer and reads the peer's from its own: after
     one call (epoch 1, parity buffer 1) this rank's slot holds epoch-1 words in the peer's
     buffer and nothing in its own, where the peer's slot holds the peer's words."""
-    from lightwell.distributed.comm import create_strategy
-
-    strategy = create_strategy("peermem", ctx, max_bytes=1 << 16)
+    strategy = _create("peermem", ctx, max_bytes=1 << 16)
     x = torch.ones(4, 576)  # 2,304 fp32 words
     assert torch.equal(strategy.all_reduce(x), 2 * x) and not strategy.timed_out()
     own = strategy.bufs.view(torch.int64).view(2, WORLD, -1)[1, :, :2304]
@@ -291,24 +298,18 @@ def _check_selector(rank: int, ctx) -> None:
     x = torch.ones(4, 576)
     for choice, picked in (
         ("auto", "nccl"),
-        ("int8", "int8"),
-        ("host", "host"),
         ("hostmem", "hostmem"),
         ("hostmem-int8", "hostmem-int8"),
-        ("oneshot", "nccl"),
-        ("peermem", "peermem"),  # (then oneshot, not available on CPU: skipped)
+        ("oneshot", "nccl"),  # (not available on CPU: skipped)
         ("gloo", "gloo"),
     ):
         sel = AllReduceSelector(ctx, choice, max_bytes=1 << 16)
         assert sel.pick(x).name == picked, (choice, sel.describe())
         assert torch.equal(sel.all_reduce(x.clone()), 2 * x), choice
         sel.close()
-    peer = AllReduceSelector(ctx, "peermem", max_bytes=1 << 20)
-    assert peer.pick(torch.ones(40, 1000)).name == "nccl"  # above its 64 KB
-    peer.close()
-    host = AllReduceSelector(ctx, "host", max_bytes=1 << 10)
-    assert host.pick(x).name == "nccl"  # larger than its buffer: the fallback
-    host.close()
+    small = AllReduceSelector(ctx, "hostmem-int8", max_bytes=1 << 10)
+    assert small.pick(x).name == "nccl"  # larger than its buffer: the fallback
+    small.close()
     lanes = AllReduceSelector(ctx, "hostmem", max_bytes=1 << 20)  # 64 KB: the ll lane's limit
     big = torch.ones(40, 1000)  # 160 KB
     assert [lanes.pick(t).protocol for t in (x, big)] == ["ll", "flag"]
@@ -362,7 +363,8 @@ def _check_exact_sum(rank: int, ctx) -> None:
     want = xs[0] + xs[1]
     with mock.patch.object(selector, "COPY_MIN_BYTES", 0):  # the copy path takes x
         sels = [AllReduceSelector(ctx, c, max_bytes=1 << 16)
-                for c in ("hostmem-int8", "int8", "hostmem-copy-int8")]  # fmt: skip
+                for c in ("hostmem-int8", "hostmem-copy-int8")]  # fmt: skip
+    sels.insert(1, _create("int8", ctx))  # (experimental: built directly)
     with beside_compute():
         assert sels[2].pick(xs[rank]).name == "hostmem-copy-int8"
         with exact_sum():
@@ -371,7 +373,10 @@ def _check_exact_sum(rank: int, ctx) -> None:
         lossy = sel.all_reduce(xs[rank].clone())
         assert not torch.equal(lossy, want) and (lossy - want).abs().max() < 0.1, choice
         with exact_sum(), beside_compute():
-            assert torch.equal(sel.all_reduce(xs[rank].clone()), want), choice
+            if choice == "int8":  # (a strategy alone: it leaves exact sums to the selector)
+                assert not sel.supports(xs[rank])
+            else:
+                assert torch.equal(sel.all_reduce(xs[rank].clone()), want), choice
         assert torch.equal(sel.all_reduce(xs[rank].clone()), lossy), choice
         sel.close()
     table = torch.randn(100, 256, generator=g)
@@ -389,27 +394,28 @@ def _check_setup_failures(rank: int, ctx) -> None:
     segment that does not fit /dev/shm fails on every rank, before anything is mapped."""
     from unittest import mock
 
-    from lightwell.distributed.comm import host
+    from lightwell.distributed.comm import hostmem, shm
     from lightwell.distributed.comm.selector import _build_on_every_rank
 
-    ok = _build_on_every_rank("host", ctx, {"max_bytes": 1 << 10})
+    options = {"max_bytes": 1 << 10}
+    ok = _build_on_every_rank("hostmem", ctx, options)
     assert ok is not None
     ok.close()
-    built = host.HostAllReduce.__init__
+    built = hostmem.HostMemAllReduce.__init__
 
     def fails_after_mapping(self, *args, **kwargs):  # like a refused cudaHostRegister
         built(self, *args, **kwargs)
         raise RuntimeError("pinning refused")
 
-    with mock.patch.object(host.HostAllReduce, "__init__", fails_after_mapping):
+    with mock.patch.object(hostmem.HostMemAllReduce, "__init__", fails_after_mapping):
         if rank == 0:
-            assert _build_on_every_rank("host", ctx, {"max_bytes": 1 << 10}) is None
+            assert _build_on_every_rank("hostmem", ctx, options) is None
     if rank == 1:  # built here, then closed: rank 0 failed
-        assert _build_on_every_rank("host", ctx, {"max_bytes": 1 << 10}) is None
+        assert _build_on_every_rank("hostmem", ctx, options) is None
     full = mock.Mock(f_bavail=1, f_frsize=4096)
-    with mock.patch.object(host.os, "statvfs", return_value=full):
+    with mock.patch.object(shm.os, "statvfs", return_value=full):
         try:
-            host.map_shared(ctx, 1 << 20)
+            shm.map_shared(ctx, 1 << 20)
         except RuntimeError as e:
             assert "free" in str(e)
         else:
@@ -447,18 +453,16 @@ def micro_batch_steps():
 
 def _check_micro_batches(rank: int, ctx, folder: str) -> None:
     from lightwell.attention.metadata import forward_context
-    from lightwell.attention.micro_batch import can_split, split_batch
     from lightwell.distributed.comm import selector
     from lightwell.distributed.comm.selector import AllReduceSelector
-    from lightwell.distributed.overlap import CommStream
-    from lightwell.models.micro_batch_forward import micro_batch_forward, supports_micro_batches
+    from lightwell.dual_stream.comm import CommStream
+    from lightwell.dual_stream.forward import micro_batch_forward, supports_micro_batches
+    from lightwell.dual_stream.split import can_split, split_batch
 
     hostmem = AllReduceSelector(ctx, "hostmem", max_bytes=1 << 16)
     with mock.patch.object(selector, "COPY_MIN_BYTES", 0):  # every message through the copy path
         copy = AllReduceSelector(ctx, "hostmem-copy", max_bytes=1 << 16, phases=2)
         copy_int8 = AllReduceSelector(ctx, "hostmem-copy-int8", max_bytes=1 << 16, phases=2)
-    assert not copy_int8.preferred[0].fuse_norm  # by default the sum, then the norm
-    copy_int8.preferred[0].fuse_norm = True  # (LIGHTWELL_HOSTMEM_COPY_FUSE_NORM=1)
     plain, split = plain_and_split(folder)
     assert supports_micro_batches(split)
     for step, ids, pos, meta in micro_batch_steps():
@@ -506,26 +510,13 @@ def _check_micro_batches(rank: int, ctx, folder: str) -> None:
         assert copied.calls - before == 4 * layers
         assert not any(copied.in_use)  # every stage set given back
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        # hostmem-copy-int8 with its fused form on: the peers' int8 copies summed inside the
-        # norm that consumes them (CommStream.wait_add_rmsnorm: every layer all-reduce, 2 a
-        # micro-batch a layer), the same as the sum, then the norm; within the int8 bound of
-        # the exact forward
-        outs = {}
-        for fuse in (True, False):
-            comm, fused = CommStream(None), []
-
-            def wait_add_rmsnorm(*args, comm=comm, fused=fused, fuse=fuse):
-                fused.append(CommStream.wait_add_rmsnorm(comm, *args) if fuse else None)
-                return fused[-1]
-
-            comm.wait_add_rmsnorm = wait_add_rmsnorm
-            with torch.no_grad(), _through(copy_int8) as calls:
-                outs[fuse] = micro_batch_forward(split, split_batch(ids, pos, meta), comm)
-            assert calls["phased"] == 4 * layers, calls
-            assert sum(f is not None for f in fused) == (4 * layers if fuse else 0), fused
+        # hostmem-copy-int8 in phases: every layer all-reduce (2 a micro-batch a layer)
+        # through the int8 copy path, within the int8 bound of the exact forward
+        with torch.no_grad(), _through(copy_int8) as calls:
+            lossy = micro_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
+        assert calls["phased"] == 4 * layers, calls
         assert not any(copy_int8.preferred[0].in_use)
-        torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
-        assert 0 < (outs[True] - want).norm() < 0.05 * want.norm()
+        assert 0 < (lossy - want).norm() < 0.05 * want.norm()
         with torch.no_grad():  # this step's K/V exact again, for the next steps
             micro_batch_forward(split, split_batch(ids, pos, meta), CommStream(None))
     hostmem.close()
@@ -598,7 +589,7 @@ def test_all_reduce_strategies_and_micro_batches_tp2(tmp_path):
 
     from tests.models.tiny import hf_tiny_model, save_hf, tiny_config
 
-    # hidden 128: a row of whole int8 groups (hostmem-copy-int8's sum fused into the norm)
+    # hidden 128: a row of whole int8 groups (hostmem-copy-int8's rows)
     cfg = tiny_config(
         "base", num_key_value_heads=2, attention_bias=True, mlp_bias=True, hidden_size=128
     )
@@ -628,7 +619,6 @@ def test_auto_rule_on_gpus(monkeypatch):
     host-memory kernel for every message; never a lossy strategy."""
     from lightwell.distributed.comm import CommContext, selector
 
-    monkeypatch.delenv("LIGHTWELL_HOSTMEM_LL_MAX_BYTES", raising=False)
     ctx = CommContext(0, 2, None, None, torch.device("cuda", 0))
     # the low-latency lane for messages up to 64 KB, then the flag protocol
     hostmem = [
@@ -650,18 +640,9 @@ def test_auto_rule_on_gpus(monkeypatch):
     assert selector._preferred(four, "auto", True, 16 << 20) == [
         ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})
     ]
-    # (on more than two GPUs peermem has no lane: one-shot, with a warning)
-    assert selector._preferred(four, "peermem", True, 16 << 20) == [
-        ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES})
-    ]
-    # peermem: auto's rule with the peer-memory low-latency kernel in the host lane's place
-    assert selector._preferred(ctx, "peermem", True, 16 << 20) == [
-        ("peermem", {"max_bytes": 64 << 10}),
-        ("oneshot", {"max_bytes": selector.AUTO_PEER_MAX_BYTES}),
-    ]
     monkeypatch.setenv("NCCL_P2P_DISABLE", "1")  # the operator says: no peer-to-peer
     assert not selector.peer_access(ctx)
-    assert selector._preferred(ctx, "peermem", True, 16 << 20) == hostmem  # (with a warning)
+    assert selector._preferred(ctx, "auto", True, 16 << 20) == hostmem
     cpu = CommContext(0, 2, None, None, torch.device("cpu"))
     assert selector._preferred(cpu, "auto", False, 16 << 20) == []  # gloo
     assert selector._preferred(cpu, "hostmem-int8", False, 16 << 20) == [
@@ -807,7 +788,7 @@ def test_peermem_gpu_buffers_are_symmetric_memory(monkeypatch):
     import sys
     import types
 
-    from lightwell.distributed.comm import peermem
+    from lightwell.experimental.comm import peermem
 
     calls = []
     own = torch.full((64,), 7, dtype=torch.uint8)

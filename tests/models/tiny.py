@@ -6,9 +6,9 @@ import os
 
 import torch
 
+from lightwell.model_files import resolve_model
 from lightwell.models.hf_config import load_hf_config
 from lightwell.models.loader import load_model
-from lightwell.models.paths import resolve_model
 
 BASE = dict(
     vocab_size=300,

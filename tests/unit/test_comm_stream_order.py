@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from lightwell.distributed import overlap
+from lightwell.dual_stream import comm as overlap
 
 
 class _Stream:

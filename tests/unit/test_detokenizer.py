@@ -4,7 +4,7 @@ import pytest
 
 from lightwell.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from lightwell.engine.tokenizer import Tokenizer
-from lightwell.models.paths import resolve_model
+from lightwell.model_files import resolve_model
 from lightwell.types import SamplingParams
 
 TEXTS = [

@@ -208,9 +208,8 @@ def test_lanes_progress_in_any_serial_order(lanes, chunks, phased):
         _run([s.ops for s in strategies], random.Random(seed))
 
 
-def test_lanes_option_is_checked(monkeypatch):
-    from lightwell.distributed.comm import hostmem_copy
-
-    monkeypatch.setenv(hostmem_copy.LANES_ENV, "5")
+def test_lanes_and_chunks_options_are_checked():
     with pytest.raises(ValueError, match="lanes must be 1..4"):
-        HostMemCopyAllReduce(None)  # type: ignore[arg-type]  (checked before any set-up)
+        HostMemCopyAllReduce(None, lanes=5)  # type: ignore[arg-type]  (checked before set-up)
+    with pytest.raises(ValueError, match="chunks must be 1..16"):
+        HostMemCopyAllReduce(None, chunks=17)  # type: ignore[arg-type]

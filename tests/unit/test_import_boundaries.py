@@ -1,4 +1,11 @@
-"""ARCHITECTURE.md's import boundaries, checked on the source (static imports, any depth)."""
+"""ARCHITECTURE.md's import boundaries, checked on the source (static imports, any depth).
+
+Every package and top-level module of ``lightwell`` has a rule: the layers it must never
+import. The control plane (server -> engine -> scheduler -> kvcache) has no torch; the data
+plane goes executor -> worker -> models -> layers / attention / quant -> kernels; the leaves
+(config, types, envs, model_files, storage) import nothing of Lightwell's but themselves
+(model_files and storage: each other, pure Python).
+"""
 
 from __future__ import annotations
 
@@ -9,19 +16,65 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2] / "lightwell"
 
+# the data plane, bottom up: a package never imports one above it
+_ABOVE_KERNELS = [
+    "lightwell.attention", "lightwell.layers", "lightwell.quant", "lightwell.models",
+    "lightwell.dual_stream", "lightwell.distributed", "lightwell.worker", "lightwell.executor",
+]  # fmt: skip
+_CONTROL = ["lightwell.engine", "lightwell.scheduler", "lightwell.server", "lightwell.cli"]
+_RUNTIME = ["lightwell.worker", "lightwell.executor", *_CONTROL]
+
 # package -> module prefixes it must never import (directly, at any nesting level)
 FORBIDDEN = {
     "kvcache": ["torch", "lightwell.scheduler", "lightwell.engine", "lightwell.worker"],
     "scheduler": ["torch", "lightwell.engine", "lightwell.worker", "lightwell.models"],
-    "engine": ["torch", "lightwell.worker", "lightwell.layers", "lightwell.server"],
+    "engine": [
+        "torch",
+        "lightwell.worker",
+        "lightwell.layers",
+        "lightwell.server",
+        "lightwell.models",
+        "lightwell.distributed",
+        "lightwell.kernels",
+        "lightwell.attention",
+    ],  # fmt: skip
+    "executor": [
+        "lightwell.engine",
+        "lightwell.server",
+        "lightwell.models",
+        "lightwell.layers",
+        "lightwell.distributed",
+        "lightwell.kernels",
+        "lightwell.attention",
+    ],  # fmt: skip
+    "worker": ["lightwell.engine", "lightwell.scheduler.scheduler", "lightwell.server"],
+    "dual_stream": ["lightwell.worker", "lightwell.executor", *_CONTROL],
+    "models": ["lightwell.dual_stream", *_RUNTIME],
+    "layers": ["lightwell.models", "lightwell.dual_stream", *_RUNTIME],
+    "attention": ["lightwell.models", "lightwell.layers", "lightwell.dual_stream", *_RUNTIME],
+    "quant": ["lightwell.models", "lightwell.dual_stream", *_RUNTIME],
+    "kernels": _ABOVE_KERNELS + _CONTROL,
+    "distributed": ["lightwell.models", "lightwell.layers", "lightwell.dual_stream", *_RUNTIME],
+    "experimental": ["lightwell.worker", "lightwell.executor", *_CONTROL],
+    "server": ["lightwell.worker", "lightwell.models", "lightwell.layers", "lightwell.kernels"],
+    "bench": ["lightwell.worker", "lightwell.models", "lightwell.layers", "lightwell.kernels"],
     "types": ["torch", "lightwell"],
     "config": ["torch", "lightwell"],
-    "layers": ["lightwell.engine", "lightwell.scheduler", "lightwell.server", "lightwell.worker"],
-    "kernels": ["lightwell.engine", "lightwell.scheduler", "lightwell.server", "lightwell.models"],
-    "models": ["lightwell.engine", "lightwell.scheduler", "lightwell.server", "lightwell.worker"],
-    "server": ["lightwell.worker", "lightwell.models.loader", "lightwell.layers"],
+    "envs": ["torch", "lightwell"],
+    "model_files": ["torch", "lightwell"],
+    "storage": ["torch", "lightwell"],
+    "cli": ["lightwell.worker", "lightwell.models", "lightwell.layers", "lightwell.kernels"],
+    "cli_args": ["torch", "lightwell.worker", "lightwell.models", "lightwell.engine"],
 }
-ALLOWED = {"types": ["lightwell.types"], "config": ["lightwell.config"]}
+ALLOWED = {
+    "types": ["lightwell.types"],
+    "config": ["lightwell.config"],
+    "envs": ["lightwell.envs"],
+    "model_files": ["lightwell.model_files", "lightwell.storage"],
+    "storage": ["lightwell.storage", "lightwell.model_files"],
+}
+# nothing of the product imports the experimental package
+PRODUCT = [p for p in FORBIDDEN if p != "experimental"]
 
 
 def _imports(path: pathlib.Path) -> list[str]:
@@ -47,14 +100,21 @@ def _files(package: str) -> list[pathlib.Path]:
     return [single] if single.exists() else sorted((ROOT / package).rglob("*.py"))
 
 
+def test_every_package_has_a_rule():
+    here = {p.stem for p in ROOT.glob("*.py") if p.stem != "__init__"}
+    here |= {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert here == set(FORBIDDEN), f"packages without a rule: {sorted(here - set(FORBIDDEN))}"
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_package_respects_import_boundaries(package):
     bad = []
+    forbidden = FORBIDDEN[package] + (["lightwell.experimental"] if package in PRODUCT else [])
     for path in _files(package):
         for name in _imports(path):
             if any(name == a or name.startswith(a + ".") for a in ALLOWED.get(package, [])):
                 continue
-            for prefix in FORBIDDEN[package]:
+            for prefix in forbidden:
                 if name == prefix or name.startswith(prefix + "."):
                     bad.append(f"{path.relative_to(ROOT.parent)} imports {name}")
     assert not bad, "\n".join(bad)

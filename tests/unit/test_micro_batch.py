@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from lightwell.attention.micro_batch import can_split, split_batch
+from lightwell.dual_stream.split import can_split, split_batch
 from tests.models.paged import build_metadata
 
 CPU = torch.device("cpu")

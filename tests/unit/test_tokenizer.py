@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from lightwell.engine.tokenizer import Tokenizer
-from lightwell.models.paths import ModelFiles, resolve_model
+from lightwell.model_files import ModelFiles, resolve_model
 
 TEXTS = [
     "Hello, world!",

@@ -1,7 +1,7 @@
 """All-reduce strategies for tensor parallelism: a Protocol, a registry and lazy imports.
 
-One module per strategy (``nccl``, ``oneshot``, ``int8``, ``host``, ``hostmem``,
-``hostmem_copy``, ``peermem``); ``selector`` picks one per call by message size and backend.
+One module per strategy (``nccl``, ``oneshot``, ``hostmem``, ``hostmem_copy``); ``shm`` holds
+the shared host memory they map; ``selector`` picks one per call by message size and backend.
 A strategy's module is imported only when it is built, so optional machinery (symmetric
 memory, pinned shared memory) loads only when chosen.
 """
@@ -20,13 +20,10 @@ STRATEGIES: dict[str, tuple[str, str]] = {
     "nccl": ("lightwell.distributed.comm.nccl", "ProcessGroupAllReduce"),
     "gloo": ("lightwell.distributed.comm.nccl", "GlooAllReduce"),
     "oneshot": ("lightwell.distributed.comm.oneshot", "SymmMemAllReduce"),
-    "int8": ("lightwell.distributed.comm.int8", "Int8AllReduce"),
-    "host": ("lightwell.distributed.comm.host", "HostAllReduce"),
     "hostmem": ("lightwell.distributed.comm.hostmem", "HostMemAllReduce"),
     "hostmem-int8": ("lightwell.distributed.comm.hostmem", "HostMemInt8AllReduce"),
     "hostmem-copy": ("lightwell.distributed.comm.hostmem_copy", "HostMemCopyAllReduce"),
     "hostmem-copy-int8": ("lightwell.distributed.comm.hostmem_copy", "HostMemCopyInt8AllReduce"),
-    "peermem": ("lightwell.distributed.comm.peermem", "PeerMemAllReduce"),
 }
 
 

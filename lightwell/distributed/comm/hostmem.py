@@ -23,14 +23,14 @@ Segment layout: int32 flags [world, max_blocks] (padded to 4 KB), then the data 
 from __future__ import annotations
 
 import ctypes
-import os
 import weakref
 from typing import Any
 
 import torch
 
+from lightwell import envs
 from lightwell.distributed.comm.base import CommContext, is_exact_sum, message_bytes
-from lightwell.distributed.comm.host import map_shared, pin
+from lightwell.distributed.comm.shm import map_shared, pin
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -39,40 +39,26 @@ _HOST_REGISTER_PORTABLE_MAPPED = 3
 # gives up and traps: minutes, so only a peer that stopped trips it
 _GPU_MAX_SPIN = 1 << 28
 _CPU_MAX_SPIN = 1 << 22
-# Tuning knobs read from the environment: every rank must see the same values (worker processes
-# inherit the engine's environment), or the ranks would launch different grids and lanes.
-MAX_PROGRAMS_ENV = "LIGHTWELL_HOSTMEM_MAX_PROGRAMS"
-
 DEFAULT_MAX_PROGRAMS = 1 << 30  # one program per block
-LL_MAX_BYTES_ENV = "LIGHTWELL_HOSTMEM_LL_MAX_BYTES"
-# ``hostmem`` messages up to this use the ll protocol: 8 tokens x 4096 bf16. Measured on the
-# H200 pair (tp_run4 call 7, in a CUDA graph): 6.5 vs 7.7 us at 1 token, 11.2 vs 14.5 at 8,
-# but 52.5 vs 33.7 at 64 (twice the bytes wins nothing once a message is bandwidth-bound).
-# hostmem-int8 has no ll lane: its ll form was slower at every size but 8 tokens.
+# ``hostmem`` messages up to this use the ll protocol (the epoch in every word: lower latency,
+# twice the bytes): 8 tokens x 4096 bf16, where the latency counts more than the bytes.
+# hostmem-int8 has no ll lane: its ll form is slower at every size but 8 tokens.
 LL_MAX_BYTES = 64 * 1024
 # Fusing the residual add + RMSNorm into the kernel (all_reduce_add_rmsnorm) pays for small
-# messages and costs for large ones. Measured on the H200 pair (benchmarks/results/tp_run5):
-# decode step at batch 64 (64 tokens, 512 KB) 5.40 vs 5.54 ms for hostmem, 5.00 vs 5.10 ms for
-# hostmem-int8; but from 512 tokens the fused kernel is slower (int8 at 2,048 tokens: 545 vs
-# 383 us for the all-reduce then the norm kernel: its epilogue needs more registers a thread,
-# which halves the programs resident on an SM), so prefills keep the two kernels.
+# messages (decode) and costs for large ones (its epilogue's registers halve the programs
+# resident on an SM), so prefills keep the all-reduce and the norm kernels apart.
 FUSE_NORM_MAX_BYTES = 1 << 20
-# the rule above (auto, the default), or 1: fuse whatever can be, 0: never (for comparisons)
-FUSE_NORM_ENV = "LIGHTWELL_HOSTMEM_FUSE_NORM"
 
 
 # hostmem-int8 messages above this (prefill sizes) go to an instance with blocks of 2,048
-# elements (four warps a program): measured on the H200 pair (tp_run4 call 5, eager), 2,048
-# tokens x 4096: 320.5 vs 366.5 us; 8,192 tokens: 1,167 vs 1,361 us; the same at 512 tokens
-# (108.4 vs 108.6 us in a graph) and slower at decode sizes (64 tokens: 39-49 vs 27.7 us).
+# elements (four warps a program: faster from 1 MiB up, slower at decode sizes).
 INT8_LARGE_MIN_BYTES = 1 << 20
 INT8_LARGE_BLOCK = 2048
 
 
 def ll_max_bytes(max_bytes: int) -> int:
-    """The largest message of the low-latency lane (``LIGHTWELL_HOSTMEM_LL_MAX_BYTES`` or
-    ``LL_MAX_BYTES``), at most ``max_bytes``; 0: no lane."""
-    return min(int(os.environ.get(LL_MAX_BYTES_ENV, LL_MAX_BYTES)), max_bytes)
+    """The largest message of the low-latency lane: ``LL_MAX_BYTES``, at most ``max_bytes``."""
+    return min(LL_MAX_BYTES, max_bytes)
 
 
 def lanes(choice: str, max_bytes: int) -> list[tuple[str, dict]]:
@@ -99,18 +85,18 @@ class HostMemAllReduce:
         ctx: CommContext,
         max_bytes: int = DEFAULT_MAX_BYTES,
         int8: bool = False,
-        max_programs: int | None = None,
+        max_programs: int = DEFAULT_MAX_PROGRAMS,
         block: int | None = None,
         protocol: str = "flag",
-        fuse_norm: str | None = None,
+        fuse_norm: str = "auto",
     ) -> None:
-        """``max_programs``: how many kernel programs share a message's blocks (default
-        ``LIGHTWELL_HOSTMEM_MAX_PROGRAMS`` or ``DEFAULT_MAX_PROGRAMS``); ``block``: elements
+        """``max_programs``: how many kernel programs share a message's blocks (every rank
+        must pass the same); ``block``: elements
         per program and flag (a multiple of 128; default the kernel's ``BLOCK``); ``protocol``:
         ``flag`` (a release flag per block after the payload) or ``ll`` (the epoch in every
         8-byte word: lower latency, twice the bytes; the selector's small-message lane);
         ``fuse_norm``: when ``all_reduce_add_rmsnorm`` fuses (``auto``: the measured rule,
-        ``1``: always, ``0``: never; default ``LIGHTWELL_HOSTMEM_FUSE_NORM`` or auto)."""
+        ``1``: always, ``0``: never)."""
         if protocol not in ("flag", "ll"):
             raise ValueError(f"hostmem protocol must be flag or ll, got {protocol!r}")
         self.protocol = protocol
@@ -133,8 +119,6 @@ class HostMemAllReduce:
         segment, dst = self._segments(ctx, total)
         if dst is not None and protocol != "ll":  # (the flag kernel reads and writes one place)
             raise ValueError("a separate write segment needs the ll protocol")
-        if max_programs is None:
-            max_programs = int(os.environ.get(MAX_PROGRAMS_ENV, DEFAULT_MAX_PROGRAMS))
         self.bufs = kernel.HostMemBuffers(
             data=segment[flag_bytes:],
             dst=None if dst is None else dst[flag_bytes:],
@@ -150,9 +134,9 @@ class HostMemAllReduce:
         )
         self._run = kernel.hostmem_ll_all_reduce if protocol == "ll" else kernel.hostmem_all_reduce
         self._kernel = kernel
-        fuse = fuse_norm or os.environ.get(FUSE_NORM_ENV, "auto")
+        fuse = fuse_norm
         if fuse not in ("auto", "0", "1"):
-            raise ValueError(f"{FUSE_NORM_ENV} must be auto, 0 or 1, got {fuse!r}")
+            raise ValueError(f"hostmem fuse_norm must be auto, 0 or 1, got {fuse!r}")
         # the largest message whose norm is fused
         self.fuse_norm_max_bytes = {
             "auto": FUSE_NORM_MAX_BYTES,
@@ -174,7 +158,7 @@ class HostMemAllReduce:
             return False
         if ctx.device.type == "cuda":
             return torch.cuda.is_available()
-        return os.environ.get("TRITON_INTERPRET") == "1"
+        return envs.triton_interpret()
 
     def supports(self, x: torch.Tensor) -> bool:
         return (

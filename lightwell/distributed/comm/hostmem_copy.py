@@ -47,15 +47,15 @@ In phases (``start`` / ``transfer`` / ``finish``, the dual-stream overlap's call
 ``CommStream``): the int8 quantize runs on the stream that produced x, the copies and flags on
 the comm stream, the sum on the stream that consumes the result, so the comm stream runs no
 kernel. A kernel there waits for the SMs, and the GEMM beside it holds every SM until it ends
-(benchmarks/gpu_copy_ops.py on the H200: a 13 us quantize took 164 us ready-to-done beside a
-153 us GEMM, at either stream priority). Calls in flight in phases each own one of the
-stage sets (``phases``: this rank's packed message, the peers' copies, each sized for a
-micro-batch's share of a step's message), taken at ``start`` and given back at ``finish``;
-with none free (or a message too large), ``start`` declines and the call runs whole on the
-comm stream. Every call also waits, on its own up stream, for this rank's flag writes of the
-previous call in phases of its parity in the same forward (``end_forward`` forgets them), so
-a graph whose branches run one after the other still progresses, also when a whole call
-follows calls in phases: the comm stream does not wait for the down stream otherwise.
+(a short quantize beside a GEMM finishes only after the GEMM, at either stream priority). Calls
+in flight in phases each own one of the stage sets (``phases``: this rank's packed message, the
+peers' copies, each sized for a micro-batch's share of a step's message), taken at ``start``
+and given back at ``finish``; with none free (or a message too large), ``start`` declines and
+the call runs whole on the comm stream. Every call also waits, on its own up stream, for this
+rank's flag writes of the previous call in phases of its parity in the same forward
+(``end_forward`` forgets them), so a graph whose branches run one after the other still
+progresses, also when a whole call follows calls in phases: the comm stream does not wait for
+the down stream otherwise.
 
 On CPU (tests) the same protocol runs on CPU tensors: the copies are memcpys, the flag writes
 stores, the waits bounded spins; the int8 kernels run under the Triton interpreter.
@@ -76,7 +76,6 @@ from lightwell.distributed.comm.base import (
     is_exact_sum,
     message_bytes,
 )
-from lightwell.distributed.comm.host import rank_order_sum
 from lightwell.distributed.comm.hostmem import (
     _DTYPES,
     DEFAULT_MAX_BYTES,
@@ -84,26 +83,22 @@ from lightwell.distributed.comm.hostmem import (
     _device_pointer,
     map_pinned,
 )
+from lightwell.distributed.comm.shm import rank_order_sum
 
 # Pieces a message is cut into so that its D2H and H2D copies overlap; messages below
-# ``MIN_CHUNK_BYTES`` a piece use fewer. Environment override for experiments (every rank
-# inherits the engine's environment, so every rank cuts alike).
+# ``MIN_CHUNK_BYTES`` a piece use fewer. Every rank must cut alike.
 CHUNKS = 4
-CHUNKS_ENV = "LIGHTWELL_HOSTMEM_COPY_CHUNKS"
 MAX_CHUNKS = 16
-# Streams a direction's copies take turns on, chunk by chunk (``LANES_ENV`` overrides): on one
-# stream each copy waits for the flag operation after the previous one; on two, a chunk's copy
-# runs while the other stream raises (or waits for) the previous chunk's flag.
+# Streams a direction's copies take turns on, chunk by chunk: on one stream each copy waits for
+# the flag operation after the previous one; on two, a chunk's copy runs while the other stream
+# raises (or waits for) the previous chunk's flag.
 LANES = 1
-LANES_ENV = "LIGHTWELL_HOSTMEM_COPY_LANES"
 MAX_LANES = 4
 MIN_CHUNK_BYTES = 256 * 1024
 WAIT_TIMEOUT_S = 120.0  # CPU emulation only
 # A stage set for a call in phases holds a micro-batch's message: at most the step's over the
 # micro-batch count (the split is at equal token counts), plus a token row's worth of rounding.
 PHASE_MARGIN_BYTES = 64 * 1024
-# "1": int8 calls in phases sum inside the norm that consumes them (measured slower; default 0)
-FUSE_NORM_ENV = "LIGHTWELL_HOSTMEM_COPY_FUSE_NORM"
 _FLAG_ROW = 4 * (MAX_CHUNKS + 1)  # bytes per (slot, writer, reader): chunk flags, busy word
 _CU_STREAM_WAIT_VALUE_EQ = 1
 
@@ -146,39 +141,27 @@ class HostMemCopyAllReduce:
         ctx: CommContext,
         max_bytes: int = DEFAULT_MAX_BYTES,
         min_bytes: int = 0,
-        chunks: int | None = None,
+        chunks: int = CHUNKS,
         int8: bool = False,
         beside_compute_only: bool = False,
         phases: int = 0,
-        lanes: int | None = None,
+        lanes: int = LANES,
     ) -> None:
         """``min_bytes``: smaller messages are left to other strategies (``supports``);
-        ``chunks``: pieces per message (default ``LIGHTWELL_HOSTMEM_COPY_CHUNKS`` or
-        ``CHUNKS``); ``int8``: the int8 payload; ``beside_compute_only``: take only the
-        all-reduces issued beside compute (``comm.base.beside_compute``: the dual-stream
-        overlap), leaving the rest to other strategies (the selector's rule: back to back,
-        hostmem's kernel is faster); ``phases``: calls in phases in flight at once (the
-        dual-stream overlap's micro-batches; 0: ``start`` always declines); ``lanes``:
-        streams a direction's chunks take turns on (default ``LIGHTWELL_HOSTMEM_COPY_LANES``
-        or ``LANES``)."""
-        if chunks is None:
-            chunks = int(os.environ.get(CHUNKS_ENV, CHUNKS))
+        ``chunks``: pieces per message (every rank must pass the same); ``int8``: the int8
+        payload; ``beside_compute_only``: take only the all-reduces issued beside compute
+        (``comm.base.beside_compute``: the dual-stream overlap), leaving the rest to other
+        strategies (the selector's rule: back to back, hostmem's kernel is faster);
+        ``phases``: calls in phases in flight at once (the dual-stream overlap's
+        micro-batches; 0: ``start`` always declines); ``lanes``: streams a direction's chunks
+        take turns on."""
         if not 1 <= chunks <= MAX_CHUNKS:
             raise ValueError(f"hostmem-copy chunks must be 1..{MAX_CHUNKS}, got {chunks}")
         self.chunks = chunks
-        if lanes is None:
-            lanes = int(os.environ.get(LANES_ENV, LANES))
         if not 1 <= lanes <= MAX_LANES:
             raise ValueError(f"hostmem-copy lanes must be 1..{MAX_LANES}, got {lanes}")
         self.lanes = lanes
         self.beside_compute_only = beside_compute_only
-        # int8 calls in phases sum inside the consuming norm (``_Phased.finish_add_rmsnorm``)
-        # only when asked: measured, the fused kernel lost (40 vs 25 us for 1,024 x 4,096
-        # against the sum, then the norm; TTFT(2,048) 37.1 vs 34.8 ms: tp_run7 call 5)
-        fuse = os.environ.get(FUSE_NORM_ENV, "0")
-        if fuse not in ("0", "1"):
-            raise ValueError(f"{FUSE_NORM_ENV} must be 0 or 1, got {fuse!r}")
-        self.fuse_norm = fuse == "1"
         self.int8 = int8
         if int8:  # (imported here: no Triton on the exact path's CPU tests)
             from lightwell.kernels import int8_pack
@@ -452,7 +435,7 @@ class _Phased:
 
     def claim(self) -> None:
         """The slot handshake, on the current stream (the comm stream, before it waits for
-        the stream that quantizes: measured run 8, ``to_first_d2h``). Once a call."""
+        the stream that quantizes, so its round trips overlap the quantize). Once a call."""
         if self.parity is not None:
             raise RuntimeError("this call has claimed its slot already")
         self.parity = self.owner._claim()
@@ -468,37 +451,10 @@ class _Phased:
     def finish(self) -> torch.Tensor:
         """The sum, on the current stream (the consumer's, after it waited for the current
         stream of ``transfer``), once the peers' copies have landed; gives the set back. The
-        flags' lowering after the copies is left to ``join`` (waiting for it here held the
-        consumer ~10 us a call: run 7 call 3)."""
+        flags' lowering after the copies is left to ``join`` (waiting for it here would hold
+        the consumer for a round trip a call)."""
         try:
             return self.owner._sum_after(self.x, self.layout, self.stage, self.marks, join=False)
-        finally:
-            self.release()
-
-    def can_finish_add_rmsnorm(self, residual: torch.Tensor) -> bool:
-        """``finish_add_rmsnorm`` applies (when enabled): the int8 payload, x of residual's
-        [T, H] shape, rows of whole int8 groups."""
-        return (
-            self.owner.fuse_norm
-            and self.layout is not None
-            and residual.dim() == 2
-            and residual.shape[1] % self.owner._int8.GROUP == 0
-            and residual.shape == self.x.shape
-            and residual.dtype == self.x.dtype
-            and residual.is_contiguous()
-        )
-
-    def finish_add_rmsnorm(
-        self, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] normed, [T, H] new residual)
-        """``finish`` fused with the residual add + RMSNorm that consumes the sum (one pass,
-        the same values; needs ``can_finish_add_rmsnorm``): x is left unsummed."""
-        owner = self.owner
-        try:
-            owner.ops.after(self.marks[0], owner._here())
-            rows, cols = self.layout
-            stage = owner.stages[self.stage]
-            return owner._int8.dequant_sum_add_rmsnorm(stage, cols, rows, residual, weight, eps)
         finally:
             self.release()
 

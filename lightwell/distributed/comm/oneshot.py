@@ -20,7 +20,7 @@ import torch
 
 from lightwell.distributed.comm.base import CommContext, message_bytes
 
-# At or below this many bytes one-shot, above it two-shot (tune from benchmarks/gpu_tp.py).
+# At or below this many bytes one-shot, above it two-shot (tune with the all-reduce benchmark).
 ONE_SHOT_MAX_BYTES = 256 * 1024
 DEFAULT_BUFFER_BYTES = 8 * 1024 * 1024
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -3,28 +3,19 @@
 The rule (``--all-reduce``):
 - auto, GPUs with peer access (every pair can map the other, and NCCL_P2P_DISABLE is not
   set): with ``--custom-all-reduce`` (default), on two GPUs messages up to ``hostmem``'s
-  low-latency lane's limit (64 KB, ``LIGHTWELL_HOSTMEM_LL_MAX_BYTES``: batch-1 to 8 decode)
-  go to that lane (through pinned host memory, with the residual add + RMSNorm in its
-  kernel; measured in the comment below ``AUTO_PEER_MAX_BYTES``), messages of at most
-  ``AUTO_PEER_MAX_BYTES`` to the peer-memory strategy (``oneshot``: one-shot up to 256 KB,
-  two-shot above) when it is available; everything else (and everything with
+  low-latency lane's limit (``hostmem.LL_MAX_BYTES``: batch-1 to 8 decode) go to that lane
+  (through pinned host memory, with the residual add + RMSNorm in its kernel), messages of at
+  most ``AUTO_PEER_MAX_BYTES`` to the peer-memory strategy (``oneshot``: one-shot up to
+  256 KB, two-shot above) when it is available; everything else (and everything with
   ``--no-custom-all-reduce``) to NCCL.
 - auto, GPUs without peer access (a PCIe box without P2P, or NCCL_P2P_DISABLE=1): ``hostmem``
   (exact, through pinned host memory) for every message that fits its buffer, NCCL above.
   If it cannot be set up on every rank, NCCL for everything, with a warning.
-  The lossy ones (int8, hostmem-int8) are never chosen by auto.
+  The lossy one (hostmem-int8) is never chosen by auto.
 - auto, CPU: the gloo process group's all-reduce.
 - nccl / gloo: always that one.
 - oneshot: peer memory for every message that fits its buffer (sized to the largest step),
   NCCL for the rest.
-- peermem (two GPUs with peer access): auto's rule with ``peermem`` (hostmem's low-latency
-  kernel, its words pushed into the peer GPU's memory) in place of hostmem's lane for the
-  messages up to 64 KB (``LIGHTWELL_HOSTMEM_LL_MAX_BYTES``), whatever
-  ``--custom-all-reduce`` says; without peer access, hostmem's rule with a warning; not yet
-  auto's pick (unmeasured).
-- int8: always int8.
-- host: always host, except inside a CUDA-graph capture (it synchronises with the host), where
-  NCCL is used: decode steps replayed from graphs then run NCCL.
 - hostmem / hostmem-int8: the GPU-summed all-reduce through pinned host memory (exact / int8
   payload) for every message that fits its buffer, NCCL for the rest; graph-safe.
 - hostmem-copy / hostmem-copy-int8: the all-reduces issued beside compute (the dual-stream
@@ -38,32 +29,24 @@ sees the same shape, dtype and capture state, so every rank picks the same strat
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from lightwell import envs
 from lightwell.distributed.comm import create_strategy, is_available
 from lightwell.distributed.comm.base import AllReduceStrategy, CommContext
-from lightwell.distributed.comm.hostmem import lanes, ll_max_bytes
+from lightwell.distributed.comm.hostmem import lanes
 
 logger = logging.getLogger(__name__)
 
-# 512 tokens x 4096 bf16: the largest step a CUDA graph holds. Measured over NVLink in a graph
-# (tp_run3/tp_run4 tables): two-shot 26.0 vs NCCL 34.6 us at 512 tokens, 13.5 vs 15.7 at 128;
-# at 2,048 tokens (eager) NCCL wins or ties (84-112 vs 92-97 us), so larger messages stay on it.
+# 512 tokens x 4096 bf16, the largest step a CUDA graph holds: up to it two-shot beats NCCL
+# over NVLink; from 2,048 tokens NCCL wins or ties, so larger messages stay on it.
 AUTO_PEER_MAX_BYTES = 4 << 20
-# Two GPUs with peer access still send the smallest messages through hostmem's low-latency
-# lane (up to its limit, 8 tokens x 4096 bf16): its kernel reduces and norms in one launch.
-# Measured over NVLink (tp_run8 call 5, W1 = batch-1 decode, hidden 4096 so the norm fuses):
-# hostmem 296.8 tok/s against 275.1 for auto with oneshot (8 KB messages); at batch 64 (512
-# KB) oneshot stays ahead (4.06 vs 5.30 ms a step). Hidden sizes whose norm does not fuse
-# (5120, 8192) take the lane too, unmeasured. (``LIGHTWELL_HOSTMEM_LL_MAX_BYTES=0``: no lane.)
 # hostmem-copy's smallest message (128 tokens x 4096 bf16); smaller ones take hostmem's lanes.
-# Back to back in a graph hostmem's kernel wins at every size to 512 tokens (tp_run6: 52 vs 82
-# us at 128 tokens, 154 vs 166 at 512), so the copy engines only take the dual-stream
-# overlap's all-reduces, which run beside compute that needs the SMs.
+# Back to back hostmem's kernel is faster at every size, so the copy engines only take the
+# dual-stream overlap's all-reduces, which run beside compute that needs the SMs.
 COPY_MIN_BYTES = 1 << 20
 
 
@@ -155,25 +138,15 @@ def _preferred(
             return []
         if not peer_access(ctx):
             # through pinned host memory beats NCCL's own host path at every size, exactly
-            # (benchmarks/results/tp_run4)
             return lanes("hostmem", max_bytes)
         if not custom:
             return []
         small = []
-        if ctx.size == 2:  # (measured on two GPUs only)
+        if ctx.size == 2:  # (the low-latency lane's kernel pays on two GPUs)
             small = [lane for lane in lanes("hostmem", max_bytes) if lane[1].get("protocol")]
         return [*small, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice == "oneshot":
         return [("oneshot", {"max_bytes": max_bytes})]
-    if choice == "peermem":
-        if ctx.device.type == "cuda" and not peer_access(ctx):
-            logger.warning("all-reduce 'peermem' needs peer access between the GPUs: hostmem")
-            return lanes("hostmem", max_bytes)
-        if ctx.size != 2:
-            logger.warning("all-reduce 'peermem' is for two GPUs: oneshot, then NCCL")
-        small = ll_max_bytes(max_bytes)
-        lane = [("peermem", {"max_bytes": small})] if small > 0 and ctx.size == 2 else []
-        return [*lane, ("oneshot", {"max_bytes": min(AUTO_PEER_MAX_BYTES, max_bytes)})]
     if choice in ("hostmem", "hostmem-int8"):
         return lanes(choice, max_bytes)
     if choice in ("hostmem-copy", "hostmem-copy-int8"):
@@ -184,10 +157,6 @@ def _preferred(
             "phases": phases,
         }
         return [(choice, copy), *lanes(choice.replace("-copy", ""), max_bytes)]
-    if choice == "host":
-        return [(choice, {"max_bytes": max_bytes})]
-    if choice == "int8":
-        return [("int8", {})]
     return []  # nccl, gloo: the fallback itself
 
 
@@ -195,7 +164,7 @@ def peer_access(ctx: CommContext) -> bool:
     """Whether every rank's GPU can map every other's memory (ranks are GPUs 0..size-1), and
     NCCL is allowed to use it (``NCCL_P2P_DISABLE`` unset or 0). A collective over the CPU
     group, so that all ranks answer the same on a box where only some pairs have peer access."""
-    if os.environ.get("NCCL_P2P_DISABLE", "0") not in ("", "0"):
+    if envs.nccl_p2p_disabled():
         return False
     me = ctx.device.index if ctx.device.index is not None else ctx.rank
     mine = all(torch.cuda.can_device_access_peer(me, j) for j in range(ctx.size) if j != me)

@@ -1,0 +1,93 @@
+"""The fused MoE Triton kernel (lightwell/kernels/fused_moe.py) against the loop over experts
+(lightwell/layers/moe.py's ``moe_loop``: per expert with tokens, two cuBLAS matmuls), bf16, at
+1, 64 and 2048 tokens, on Mixtral-8x7B's expert shapes (8 experts, top-2, H 4096, I 14336) and
+DeepSeek-V2-Lite's (64 experts, top-6, H 2048, I 1408). One device call of a minute or two:
+
+    run(command="python3 -m benchmarks.kernels.fused_moe --out $OUT/fused_moe.json")
+
+Each kernel result is checked against the loop first (largest error relative to the output's
+largest value). Times: CUDA events, median of 20 runs after 3 warm-up ones; the kernel both
+eagerly (its sort and padding are a few small torch launches) and replayed from a CUDA graph (it
+has no host sync); the loop eagerly only (it reads the per-expert counts on the host). Also the
+weight bytes the kernel must read (the chosen experts' only) over its graph time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from lightwell.bench.results import make_record, provenance, script_command, write_json
+from lightwell.kernels.fused_moe import fused_moe
+from lightwell.layers.moe import moe_loop
+
+# name: (experts, top_k, hidden, intermediate)
+SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v2-lite": (64, 6, 2048, 1408)}
+TOKENS = (1, 64, 2048)
+
+
+def _time_us(fn, reps: int = 20, warm: int = 3) -> float:
+    times = []
+    for _ in range(warm + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end))
+    return statistics.median(times[warm:])
+
+
+def _graph_us(fn) -> float:
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # compile, settle allocations
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    return _time_us(graph.replay)
+
+
+def bench(name: str, tokens: int, common: dict) -> list[dict]:
+    experts, top_k, hidden, inter = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dt, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=dt, generator=gen) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=dt, generator=gen) * 0.02
+    logits = torch.randn(tokens, experts, device="cuda", generator=gen)
+    weights, ids = logits.softmax(-1).topk(top_k, dim=-1)
+    loop = moe_loop(x, w13, w2, weights, ids).float()
+    got = fused_moe(x, w13, w2, weights, ids).float()
+    err = ((got - loop).abs().max() / loop.abs().max()).item()
+    used = ids.unique().numel()
+    weight_bytes = used * 3 * hidden * inter * 2
+    graph = _graph_us(lambda: fused_moe(x, w13, w2, weights, ids))
+    row = dict(shape=name, tokens=tokens, experts_used=used, rel_err_vs_loop=round(err, 6),
+               fused_eager_us=round(_time_us(lambda: fused_moe(x, w13, w2, weights, ids)), 1),
+               fused_graph_us=round(graph, 1),
+               loop_us=round(_time_us(lambda: moe_loop(x, w13, w2, weights, ids)), 1),
+               fused_weight_gbps=round(weight_bytes / graph / 1e3, 1))  # fmt: skip
+    print(row, flush=True)
+    return [make_record("fused_moe_graph_us", graph, common, **row)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write the results here (JSON)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
+    args = parser.parse_args()
+    common = {**provenance("cuda"), "command": script_command()}
+    rows = []
+    for name in args.shapes.split(","):
+        for tokens in TOKENS:
+            rows += bench(name, tokens, common)
+    if args.out:
+        write_json(args.out, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,32 @@
+"""Shared timing of the one-GPU probes (kernels/blas.py, kernels/gemv.py, kernels/int8_pack.py,
+comm/copy_ops.py): a CUDA graph's replays, timed with CUDA events. A helper, not a benchmark."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def graph_replay_us(build, calls: int = 1, reps: int = 20, warm: int = 2) -> float:
+    """Median µs per call of what ``build`` launches, captured once into a CUDA graph:
+    ``calls`` is how many calls one ``build`` makes (a replay's time is divided by it), over
+    ``reps`` replays after ``warm`` untimed ones. ``build`` runs once eagerly first (Triton
+    compiles, allocations settle); side streams it forks must be joined back."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        build()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        build()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(warm + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / calls)
+    return statistics.median(times[warm:])

@@ -1,0 +1,192 @@
+"""MLA decode: one absorbed query per request over its paged latent cache, split-KV.
+
+    out[r, h] = softmax_j(scale * q[r, h] . c_j) @ c_j[:L]      (c_j: the latent entry of key j)
+
+Every head of a request reads the same entries (MQA over the latent), so a program takes
+``BLOCK_H`` heads of one request and one split of its keys: each ``BLOCK_S`` keys' entries are
+loaded once for all those heads and go through two dots (scores against the latent and the RoPE
+part, then probabilities times the latent). Each split writes its partial output with its
+log-sum-exp; ``_combine`` rescales and sums the splits. Entry width ``L + P`` (512 + 64 for
+DeepSeek) need not be a power of two: the latent and RoPE parts are loaded apart.
+``store_latent`` writes a step's entries into the cache, skipping slots < 0 (CUDA-graph padding).
+Nothing here reads host-side metadata per step, so decode steps can replay from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mla_decode_kernel(
+    q_ptr,  # [R, H, L + P]
+    cache_ptr,  # [num_slots, L + P]
+    block_table_ptr,  # [R, max_blocks]
+    seq_lens_ptr,  # [R]
+    part_ptr,  # [R, S, H, L] float32 partial outputs
+    lse_ptr,  # [R, S, H] float32 log-sum-exp of each split
+    scale,
+    num_heads,
+    stride_bt,
+    keys_per_split,
+    BLOCK_SIZE: tl.constexpr,  # the cache's tokens per block
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    DOT_PREC: tl.constexpr,  # "ieee" for fp32 (exact), else "tf32" (ignored by 16-bit dots)
+):
+    req, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    width = LATENT + ROPE
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    lat, pe = tl.arange(0, BLOCK_L), tl.arange(0, BLOCK_P)
+    lat_ok, pe_ok = lat < LATENT, pe < ROPE
+    q_row = q_ptr + (req * num_heads + heads)[:, None] * width
+    q_lat = tl.load(q_row + lat[None, :], mask=head_ok[:, None] & lat_ok[None, :], other=0.0)
+    q_pe = tl.load(q_row + LATENT + pe[None, :], mask=head_ok[:, None] & pe_ok[None, :],
+                   other=0.0)  # fmt: skip
+    seq_len = tl.load(seq_lens_ptr + req)
+    start = split * keys_per_split
+    end = tl.minimum(start + keys_per_split, seq_len)
+    m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    denom = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
+    for s0 in range(start, end, BLOCK_S):
+        pos = s0 + tl.arange(0, BLOCK_S)
+        pos_ok = pos < end
+        block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        c = tl.load(cache_ptr + slot[:, None] * width + lat[None, :],
+                    mask=pos_ok[:, None] & lat_ok[None, :], other=0.0)  # fmt: skip
+        k_pe = tl.load(cache_ptr + slot[:, None] * width + LATENT + pe[None, :],
+                       mask=pos_ok[:, None] & pe_ok[None, :], other=0.0)  # fmt: skip
+        scores = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC) + tl.dot(
+            q_pe, tl.trans(k_pe), input_precision=DOT_PREC
+        )  # [BLOCK_H, BLOCK_S]
+        scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        denom = denom * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
+        m = m_new
+    safe = denom > 0  # an empty split (past the sequence's end) contributes nothing
+    out = acc / tl.where(safe, denom, 1.0)[:, None]
+    lse = tl.where(safe, m + tl.log(tl.where(safe, denom, 1.0)), float("-inf"))
+    base = (req * num_splits + split) * num_heads + heads
+    tl.store(part_ptr + base[:, None] * LATENT + lat[None, :], out,
+             mask=head_ok[:, None] & lat_ok[None, :])  # fmt: skip
+    tl.store(lse_ptr + base, lse, mask=head_ok)
+
+
+@triton.jit
+def _store_latent_kernel(
+    entry_ptr,  # [T, D]
+    cache_ptr,  # [num_slots, D]
+    slot_ptr,  # [T] int64; < 0: padding, skipped
+    stride_entry,
+    WIDTH: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK)
+    mask = offs < WIDTH
+    row = tl.load(entry_ptr + token * stride_entry + offs, mask=mask)
+    tl.store(cache_ptr + slot * WIDTH + offs, row.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_latent(
+    entry: torch.Tensor,  # [T, D]
+    kv_cache: torch.Tensor,  # [1, N, B, 1, D]
+    slot_mapping: torch.Tensor,  # [T] int64; < 0 (CUDA-graph padding): not stored
+) -> None:
+    width = kv_cache.shape[-1]
+    if entry.dim() != 2 or entry.shape[1] != width or entry.stride(1) != 1:
+        raise ValueError(f"entries {tuple(entry.shape)} do not fit the cache's width {width}")
+    if entry.shape[0]:
+        _store_latent_kernel[(entry.shape[0],)](
+            entry, kv_cache.view(-1, width), slot_mapping, entry.stride(0), WIDTH=width,
+            BLOCK=triton.next_power_of_2(width),
+        )  # fmt: skip
+
+
+def store_latent_ref(entry: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    keep = slot_mapping >= 0
+    kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(kv_cache.dtype)
+
+
+def _combine(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """[R, S, H, L] partials and [R, S, H] log-sum-exps -> [R, H, L] (device ops only)."""
+    weights = torch.softmax(lse, dim=1)  # an empty split's -inf gets weight 0
+    return (part * weights[..., None]).sum(dim=1)
+
+
+def pick_num_splits(num_reqs: int, num_heads: int, max_seq_len: int, sms: int = 132) -> int:
+    """Key splits per request: enough programs to fill ``sms`` SMs, each split at least 256
+    keys long, at most 16."""
+    programs = num_reqs * triton.cdiv(num_heads, 16)
+    return max(1, min(16, sms // max(programs, 1), triton.cdiv(max_seq_len, 256)))
+
+
+def mla_decode(
+    q: torch.Tensor,  # [R, H, L + P]: one absorbed query per request
+    kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
+    block_table: torch.Tensor,  # [R, max_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int = 1,  # key splits per request (more for long contexts and few requests)
+    max_seq_len: int | None = None,  # for the split size; default: the table's capacity
+) -> torch.Tensor:  # [R, H, L]
+    num_reqs, num_heads, width = q.shape
+    block_size = kv_cache.shape[2]
+    if kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1 or kv_cache.shape[-1] != width:
+        raise ValueError(f"latent cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
+    if not q.is_contiguous() or block_table.shape[0] != num_reqs or num_splits < 1:
+        raise ValueError("mla_decode wants a contiguous q, a block table row per request")
+    rope = width - kv_lora_rank
+    max_len = max_seq_len or block_table.shape[1] * block_size
+    per_split = triton.cdiv(triton.cdiv(max_len, num_splits), 16) * 16
+    part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
+    lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
+    block_h = 16  # tl.dot's smallest tile; the [16, L] fp32 accumulator stays in registers
+    grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
+    _mla_decode_kernel[grid](
+        q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, scale, num_heads,
+        block_table.stride(0), per_split, BLOCK_SIZE=block_size, LATENT=kv_lora_rank, ROPE=rope,
+        # (tl.dot needs K >= 16: small test shapes pad the latent and RoPE tiles, masked)
+        BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_H=block_h, BLOCK_S=16, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+    )  # fmt: skip
+    return _combine(part, lse).to(q.dtype)
+
+
+def mla_decode_ref(
+    q: torch.Tensor,  # [R, H, L + P]
+    kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
+    block_table: torch.Tensor,  # [R, max_blocks]
+    seq_lens: torch.Tensor,  # [R]
+    scale: float,
+    kv_lora_rank: int,
+) -> torch.Tensor:  # [R, H, L]
+    """Each request's one query over its ``seq_lens[r]`` entries, in fp32 torch ops."""
+    _, num_blocks, block_size, _, dim = kv_cache.shape
+    flat = kv_cache.view(num_blocks, block_size * dim)
+    out = []
+    for r in range(q.shape[0]):
+        length = int(seq_lens[r])
+        blocks = block_table[r, : -(-length // block_size)].long()
+        keys = flat.index_select(0, blocks).view(-1, dim)[:length].float()  # [L, L + P]
+        scores = (q[r].float() @ keys.t()) * scale  # [H, L]
+        out.append((scores.softmax(-1) @ keys[:, :kv_lora_rank]).to(q.dtype))
+    return torch.stack(out)

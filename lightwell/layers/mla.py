@@ -1,0 +1,161 @@
+"""DeepSeek's multi-head latent attention layer (MLA): projections, RoPE, latent cache.
+
+Per token, ``kv_a_proj_with_mqa`` makes the latent ``c`` (kv_lora_rank, then RMSNorm) and one
+RoPE key ``k_pe`` shared by every head; ``kv_b_proj`` would expand ``c`` into per-head keys
+(``W_UK``) and values (``W_UV``). The cache stores only ``[c | rotated k_pe]`` (576 values a
+token and layer for DeepSeek-V2/V3), and attention runs on it with the up-projections absorbed:
+the query's no-RoPE part goes through ``W_UK`` into latent space, the latent output through
+``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``).
+
+Tensor parallelism splits the heads (q / kv_b / o projections); the latent and its
+projections are replicated. The query is plain (``q_proj``) or low-rank (``q_a_proj`` ->
+RMSNorm -> ``q_b_proj``, when ``q_lora_rank`` is set).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightwell.attention.backend import get_attention_backend
+from lightwell.attention.metadata import get_attention_metadata
+from lightwell.attention.mla_torch import attend_latent
+from lightwell.layers.attention import Attention
+from lightwell.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from lightwell.layers.norm import RMSNorm
+from lightwell.layers.rotary import RotaryEmbedding
+from lightwell.quant.base import QuantMethod
+
+
+class LatentAttention(Attention):
+    """Owns one layer's latent cache ``[1, N, B, 1, kv_lora_rank + rope_dim]``; attends
+    absorbed queries over it: the step's decodes through the split-KV Triton kernel
+    (``decode_kernel``: on CUDA by default), prefill chunks in torch (eager only: the torch
+    path plans per request on the host)."""
+
+    decode_kernel: bool | None = None  # None: on CUDA
+    # Decode-only steps through the kernel read no host metadata: CUDA graphs may capture
+    # them; steps with prefill chunks must run eagerly (the torch path plans on the host).
+    cuda_graph_mode = "decode"
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
+        super().__init__(num_heads, kv_lora_rank + rope_dim, scale, num_kv_heads=1)
+        self.kv_lora_rank = kv_lora_rank
+
+    @property
+    def backend(self) -> Any:  # the model runner's backend choice does not apply
+        return get_attention_backend("torch")
+
+    @backend.setter
+    def backend(self, value: Any) -> None:
+        pass
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (1, num_blocks, block_size, 1, self.head_dim)
+
+    def forward(  # type: ignore[override]
+        self,
+        q: torch.Tensor,  # [T, H, kv_lora_rank + rope_dim]
+        entry: torch.Tensor,  # [T, kv_lora_rank + rope_dim]
+    ) -> torch.Tensor:  # [T, H, kv_lora_rank]
+        meta = get_attention_metadata()
+        kernel = q.is_cuda if self.decode_kernel is None else self.decode_kernel
+        n = meta.num_decodes  # the first n requests, one token each
+        if not kernel or self.kv_cache is None or n == 0:
+            return attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank)
+        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits, store_latent
+
+        store_latent(entry, self.kv_cache, meta.slot_mapping)
+        out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
+        splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
+        out[:n] = mla_decode(
+            q[:n].contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
+            self.scale, self.kv_lora_rank, splits, meta.max_seq_len,
+        )  # fmt: skip
+        if n < meta.num_reqs:
+            attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank, n, out)
+        return out
+
+
+def mla_softmax_scale(config: Any, qk_head_dim: int) -> float:
+    """``qk_head_dim ** -0.5``, times YaRN's ``mscale(factor, mscale_all_dim) ** 2``."""
+    scale = qk_head_dim**-0.5
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    m_all, factor = rope.get("mscale_all_dim"), rope.get("factor") or 1.0
+    if kind != "default" and m_all and factor > 1:
+        mscale = 0.1 * m_all * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_method: QuantMethod | None,
+    ):
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        self.nope, self.rope = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_dim, self.rank = config.v_head_dim, config.kv_lora_rank
+        qk_dim = self.nope + self.rope
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, quant_method)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
+            self.q_b_proj = ColumnParallelLinear(
+                self.q_lora_rank, heads * qk_dim, False, quant_method=quant_method
+            )
+        else:
+            self.q_proj = ColumnParallelLinear(
+                hidden, heads * qk_dim, False, quant_method=quant_method
+            )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, self.rank + self.rope, bias, quant_method
+        )
+        self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
+        self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), False)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, quant_method=quant_method)
+        self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
+        self.rotary_emb = rotary_emb
+        scale = mla_softmax_scale(config, qk_dim)
+        self.attn = LatentAttention(self.num_heads, self.rank, self.rope, scale)
+
+    def _query(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, heads * qk_dim]
+        if self.q_lora_rank:
+            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        return self.q_proj(hidden)
+
+    def attend(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+    ) -> torch.Tensor:  # [T, heads * v_dim / tp]
+        num_tokens, heads = hidden.shape[0], self.num_heads
+        q = self._query(hidden).view(num_tokens, heads, self.nope + self.rope)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], dim=-1)
+        c = self.kv_a_layernorm(c.contiguous())  # [T, rank]
+        q_pe, k_pe = self.rotary_emb(
+            positions, q_pe.reshape(num_tokens, heads * self.rope), k_pe.contiguous()
+        )
+        w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
+        w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [h, nope, rank], [h, v, rank]
+        q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, h, rank]
+        q_full = torch.cat([q_latent, q_pe.view(num_tokens, heads, self.rope)], dim=-1)
+        out = self.attn(q_full, torch.cat([c, k_pe], dim=-1))  # [T, h, rank]
+        return torch.einsum("thr,hvr->thv", out, w_uv).reshape(num_tokens, heads * self.v_dim)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
+        return self.o_proj(self.attend(positions, hidden))
+
+    def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H]: this rank's o_proj partial sum, not all-reduced."""
+        return self.o_proj.partial(self.attend(positions, hidden))

@@ -1,0 +1,130 @@
+"""DeepSeek-V2 / V2-Lite (``DeepseekV2ForCausalLM``) and DeepSeek-V3 / R1
+(``DeepseekV3ForCausalLM``): multi-head latent attention (``lightwell/layers/mla.py``) and
+mixture-of-experts MLPs with shared experts.
+
+The first ``first_k_dense_replace`` layers have a dense MLP of ``intermediate_size``; the
+others (every ``moe_layer_freq``-th) route to ``num_experts_per_tok`` of ``n_routed_experts``
+experts of ``moe_intermediate_size`` plus ``n_shared_experts`` always-on ones (one MLP of
+``n_shared_experts * moe_intermediate_size``), weights times ``routed_scaling_factor``.
+Routing: V2 softmax, ``topk_method`` "greedy" or "group_limited_greedy" (the ``topk_group``
+best of ``n_group`` groups by their best expert); V3 ("noaux_tc") sigmoid scores plus
+``e_score_correction_bias`` for the choice, groups ranked by their two best, weights
+renormalised when ``norm_topk_prob``. RoPE on interleaved pairs (V3's ``rope_interleave``
+False: on halves), YaRN with DeepSeek's mscale. V3's multi-token-prediction layers (stored
+after the last layer) are skipped at load.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightwell.layers.embedding import VocabParallelEmbedding
+from lightwell.layers.mla import MLAttention
+from lightwell.layers.moe import RouterConfig
+from lightwell.layers.rotary import get_rope
+from lightwell.models.hf_config import get_rope_config
+from lightwell.models.llama import LlamaForCausalLM, LlamaModel
+from lightwell.models.moe_blocks import (
+    MoEBlock,
+    MoEDecoderLayer,
+    gated_mlp,
+    hf_skip,
+    load_moe_weights,
+)
+from lightwell.quant.base import QuantMethod
+
+logger = logging.getLogger(__name__)
+EXPERT_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def router_of(config: Any) -> RouterConfig:
+    v3 = getattr(config, "model_type", "") == "deepseek_v3"  # V3's config class has no field
+    method = getattr(config, "topk_method", None) or ("noaux_tc" if v3 else "greedy")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"DeepSeek topk_method {method!r} is not supported")
+    grouped = method != "greedy"
+    return RouterConfig(
+        config.num_experts_per_tok,
+        renormalize=bool(getattr(config, "norm_topk_prob", False))
+        and config.num_experts_per_tok > 1,
+        scoring="sigmoid" if method == "noaux_tc" else "softmax",
+        num_groups=(getattr(config, "n_group", None) or 1) if grouped else 1,
+        topk_groups=(getattr(config, "topk_group", None) or 1) if grouped else 1,
+        group_score="top2" if method == "noaux_tc" else "max",
+        scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
+    )
+
+
+class DeepseekV2DecoderLayer(MoEDecoderLayer):
+    def make_mlp(self, config: Any, layer_idx: int, quant_method: QuantMethod | None) -> nn.Module:
+        freq = getattr(config, "moe_layer_freq", 1) or 1
+        if layer_idx < config.first_k_dense_replace or layer_idx % freq:
+            return gated_mlp(config, config.intermediate_size, quant_method)
+        shared = getattr(config, "n_shared_experts", 0) or 0
+        return MoEBlock(
+            config,
+            router_of(config),
+            config.moe_intermediate_size,
+            quant_method,
+            shared=("shared_experts", shared * config.moe_intermediate_size) if shared else None,
+            correction_bias=router_of(config).scoring == "sigmoid",
+            router_fp32=True,
+        )
+
+
+class DeepseekV2Model(LlamaModel):
+    def __init__(self, config: Any, quant_method: QuantMethod | None):
+        nn.Module.__init__(self)  # LlamaModel's layout, with RoPE over qk_rope_head_dim only
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        rope = get_rope_config(config)
+        dim = config.qk_rope_head_dim
+        neox = not getattr(config, "rope_interleave", True)
+        rotary = get_rope(dim, dim, config.max_position_embeddings, rope.theta, rope.scaling, neox)
+        self.layers = nn.ModuleList(
+            DeepseekV2DecoderLayer(config, i, rotary, quant_method, MLAttention)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = self.make_norm(config)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    def build_model(self, hf_config: Any, quant_method: QuantMethod | None) -> nn.Module:
+        return DeepseekV2Model(hf_config, quant_method)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_moe_weights(
+            self,
+            self._without_mtp(weights),
+            {"gate_up_proj": ["gate_proj", "up_proj"]},
+            EXPERT_NAMES,
+            hf_skip(self),
+        )
+
+    def _without_mtp(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Drop the multi-token-prediction layers (numbered from ``num_hidden_layers``)."""
+        num_layers, skipped = self.config.num_hidden_layers, 0
+        for name, tensor in weights:
+            match = _LAYER.match(name)
+            if match is not None and int(match.group(1)) >= num_layers:
+                skipped += 1
+                continue
+            yield name, tensor
+        if skipped:
+            logger.info(
+                "skipped %d tensors of the multi-token-prediction layer(s) (for speculative "
+                "decoding, not loaded)",
+                skipped,
+            )
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    pass

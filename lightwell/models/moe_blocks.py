@@ -1,0 +1,195 @@
+"""The parts the MoE families share: the sparse MLP block, its decoder layer, and the routing
+of HF's per-expert checkpoint tensors to the stacked expert weights.
+
+``MoEBlock``: router (``gate``, a replicated [E, H] weight), routed experts (``FusedMoE``), and
+optionally a shared expert (DeepSeek's ``shared_experts``; Qwen2-MoE's ``shared_expert`` scaled
+per token by ``sigmoid(shared_expert_gate(x))``). Its ``partial`` is this rank's partial sum of
+all of them: one all-reduce for the whole block, consumed by the next norm like a dense MLP's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightwell.distributed.parallel_state import tp_all_reduce
+from lightwell.layers.linear import ReplicatedLinear
+from lightwell.layers.moe import FusedMoE, RouterConfig, select_experts
+from lightwell.layers.norm import RMSNorm, pre_norm, reduce_norm
+from lightwell.layers.rotary import RotaryEmbedding
+from lightwell.models.llama import LlamaMLP
+from lightwell.models.weight_utils import load_packed_weights
+from lightwell.quant.base import QuantMethod
+
+
+def num_experts_of(config: Any) -> int:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    raise ValueError("the MoE config gives no number of experts")
+
+
+def gated_mlp(config: Any, intermediate_size: int, quant_method: QuantMethod | None) -> LlamaMLP:
+    """A dense silu-gated MLP of ``intermediate_size`` (shared experts, dense layers)."""
+    shape = SimpleNamespace(
+        hidden_size=config.hidden_size,
+        intermediate_size=intermediate_size,
+        hidden_act=getattr(config, "hidden_act", "silu"),
+        mlp_bias=False,
+    )
+    return LlamaMLP(shape, quant_method)
+
+
+class Router(nn.Module):
+    """The router's [E, H] weight (replicated), optionally kept and applied in fp32 (DeepSeek:
+    HF's reference routes in fp32, so bf16 logits could pick other experts), and DeepSeek-V3's
+    ``e_score_correction_bias`` [E] (fp32)."""
+
+    def __init__(self, hidden: int, experts: int, fp32: bool, correction_bias: bool):
+        super().__init__()
+        dtype = torch.float32 if fp32 else torch.get_default_dtype()
+        self.weight = nn.Parameter(torch.empty(experts, hidden, dtype=dtype), False)
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(experts, dtype=torch.float32), False)
+            if correction_bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+class MoEBlock(nn.Module):
+    def __init__(
+        self,
+        config: Any,
+        router: RouterConfig,
+        intermediate_size: int,
+        quant_method: QuantMethod | None,
+        *,
+        shared: tuple[str, int] | None = None,  # (attribute name, intermediate size)
+        shared_gate: bool = False,  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) per token
+        correction_bias: bool = False,  # DeepSeek-V3: gate.e_score_correction_bias
+        router_fp32: bool = False,  # the router's weight and logits in fp32 (DeepSeek)
+    ):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"MoE experts support hidden_act 'silu' only, not {config.hidden_act}")
+        num_experts = num_experts_of(config)
+        self.router = router
+        self.gate = Router(config.hidden_size, num_experts, router_fp32, correction_bias)
+        self.experts = FusedMoE(num_experts, config.hidden_size, intermediate_size)
+        self.shared_name = shared[0] if shared else None
+        if shared:
+            setattr(self, shared[0], gated_mlp(config, shared[1], quant_method))
+        self.shared_expert_gate = (
+            ReplicatedLinear(config.hidden_size, 1, bias=False) if shared_gate else None
+        )
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
+        bias = self.gate.e_score_correction_bias
+        weights, ids = select_experts(self.gate(x), self.router, bias)  # [T, k] each
+        out = self.experts(x, weights, ids)
+        if self.shared_name is not None:
+            shared = getattr(self, self.shared_name).partial(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return tp_all_reduce(self.partial(x))
+
+
+class MoEDecoderLayer(nn.Module):
+    """A pre-norm decoder layer whose MLP ``make_mlp`` picks per layer (sparse or dense);
+    ``forward`` returns the MLP's partial sum, as ``LlamaDecoderLayer`` does."""
+
+    partial_output = True
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        quant_method: QuantMethod | None,
+        attention_cls: type[nn.Module],
+    ):
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = attention_cls(config, layer_idx, rotary_emb, quant_method)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.mlp = self.make_mlp(config, layer_idx, quant_method)
+
+    def make_mlp(self, config: Any, layer_idx: int, quant_method: QuantMethod | None) -> nn.Module:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]: the embedding, or the previous layer's partial sum
+        residual: torch.Tensor | None,  # [T, H]; None before the first layer
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] MLP partial sum, [T, H] residual)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual, partial=True)
+        hidden = self.self_attn.partial(positions, hidden)
+        hidden, residual = reduce_norm(self.post_attention_layernorm, hidden, residual)
+        return self.mlp.partial(hidden), residual
+
+
+def hf_skip(model: nn.Module) -> Callable[[str], bool]:
+    """Checkpoint names a model leaves alone: RoPE buffers, and a tied LM head."""
+    tied = bool(getattr(model, "tie_word_embeddings", False))
+
+    def skip(name: str) -> bool:
+        if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
+            return True
+        return tied and name.startswith("lm_head.")
+
+    return skip
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def load_moe_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed_modules_mapping: dict[str, list[str]],
+    expert_names: dict[str, str],  # checkpoint projection name -> "gate" / "up" / "down"
+    skip: Callable[[str], bool] = lambda name: False,
+) -> set[str]:
+    """``load_packed_weights`` with per-expert tensors (``...experts.{e}.{proj}.weight``) routed
+    to the stacked ``w13_weight`` / ``w2_weight`` loaders; a stacked parameter counts as loaded
+    once every expert's shards arrived."""
+    params = dict(model.named_parameters())
+    seen: dict[str, set[tuple[str, int]]] = {}
+
+    def others() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            match = _EXPERT.match(name)
+            if match is None or match.group(3) not in expert_names or skip(name):
+                yield name, tensor
+                continue
+            prefix, expert, shard = match.group(1), int(match.group(2)), expert_names[match[3]]
+            target = f"{prefix}.{'w2_weight' if shard == 'down' else 'w13_weight'}"
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected tensor {name!r}: no parameter {target!r}")
+            param.weight_loader(param, tensor, shard, expert)
+            seen.setdefault(target, set()).add((shard, expert))
+
+    loaded = load_packed_weights(model, others(), packed_modules_mapping, skip)
+    for target, shards in seen.items():
+        module = model.get_submodule(target.rsplit(".", 1)[0])
+        per_expert = 1 if target.endswith("w2_weight") else 2
+        if len(shards) == per_expert * module.num_experts:
+            loaded.add(target)
+    return loaded

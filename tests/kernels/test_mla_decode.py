@@ -1,0 +1,144 @@
+"""The MLA decode kernel (split-KV over the paged latent cache) vs its torch reference: on CPU
+under TRITON_INTERPRET=1, compiled on CUDA. Entry width not a power of two (32 + 8), heads fewer
+than a tile, scattered blocks, uneven lengths, 1 and 3 splits (one split past a short request's
+end), a poisoned cache outside the requests' blocks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref  # noqa: E402
+
+# (these build the model on the CPU and force the kernel path: the Triton interpreter's)
+CPU_MODEL = pytest.mark.skipif(DEVICE == "cuda", reason="a CPU model through the interpreter")
+TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 3e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_mla_decode_matches_reference(dtype, splits):
+    gen = torch.Generator().manual_seed(splits)
+    rank, rope, heads, block, num_blocks = 32, 8, 3, 4, 24
+    seq_lens = torch.tensor([5, 37, 1], dtype=torch.int32)
+    cache = torch.full((1, num_blocks, block, 1, rank + rope), float("nan"))
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables, used = [], 0
+    for length in seq_lens.tolist():
+        n = -(-length // block)
+        tables.append(perm[used : used + n].tolist() + [0] * (10 - n))
+        for b in perm[used : used + n].tolist():
+            cache[0, b] = torch.randn(block, 1, rank + rope, generator=gen)
+        used += n
+    q = torch.randn(3, heads, rank + rope, generator=gen)
+    table = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
+    args = (q.to(dtype).to(DEVICE), cache.to(dtype).to(DEVICE), table, seq_lens.to(DEVICE))
+    got = mla_decode(*args, 0.2, rank, num_splits=splits, max_seq_len=37)
+    want = mla_decode_ref(*args, 0.2, rank)
+    assert got.shape == (3, heads, rank) and not got.isnan().any()
+    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+    assert err < TOL[dtype]
+
+
+@CPU_MODEL
+def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path):
+    """A tiny DeepSeek-V3 with its decodes through the kernel (mixed with a prefill chunk in
+    the same steps) gives the torch path's logits."""
+    from lightwell.layers.mla import LatentAttention
+    from tests.models.families import deepseek_v3
+    from tests.models.paged import PagedRunner
+    from tests.models.tiny import load_ours, rel_err
+
+    torch.set_num_threads(1)
+    deepseek_v3(str(tmp_path), 2)
+    logits = {}
+    for kernel in (False, True):
+        model = load_ours(str(tmp_path))
+        for layer in model.modules():
+            if isinstance(layer, LatentAttention):
+                layer.decode_kernel = kernel
+        runner = PagedRunner(model, block_size=4, num_blocks=32, seed=1)
+        prompts = [list(range(3, 12)), list(range(20, 26))]
+        out = runner.step([(f"r{i}", p, 0) for i, p in enumerate(prompts)])
+        steps, late = [], list(range(40, 50))
+        for n in range(4):  # two decodes, then a chunk of a third request
+            batch = [
+                (f"r{i}", [int(o[-1].argmax())], len(p) + n)
+                for i, (o, p) in enumerate(zip(out, prompts))
+            ]
+            batch.append(("late", late[3 * n : 3 * n + 3], 3 * n))
+            got = runner.step(batch)
+            out = [torch.cat([o, g]) for o, g in zip(out, got[:2])]
+            steps.append(torch.cat(got))
+        logits[kernel] = torch.cat(steps)
+    assert rel_err(logits[True], logits[False]) < 1e-4
+
+
+def test_store_latent_skips_padding_slots():
+    from lightwell.kernels.mla_decode import store_latent, store_latent_ref
+
+    gen = torch.Generator().manual_seed(4)
+    entry = torch.randn(5, 40, generator=gen).to(DEVICE)
+    cache = torch.randn(1, 6, 4, 1, 40, generator=gen).to(DEVICE)
+    slots = torch.tensor([3, -1, 17, 0, -1], device=DEVICE)
+    want = cache.clone()
+    store_latent_ref(entry, want, slots)
+    store_latent(entry, cache, slots)
+    assert torch.equal(cache, want) and torch.equal(cache.view(-1, 40)[17], entry[2])
+
+
+@CPU_MODEL
+def test_deepseek_decode_graph_padding_equals_eager(tmp_path):
+    """What a decode graph's replay computes for a tiny DeepSeek-V3 (the forward over the padded
+    static inputs with the capture-time metadata: 3 requests padded to 4, padding slots -1)
+    equals the eager forward; no graphs for steps with prefill tokens."""
+    from lightwell.layers.mla import LatentAttention
+    from lightwell.scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from lightwell.types import SamplingParams
+    from lightwell.worker.model_runner import ModelRunner
+    from tests.models.families import deepseek_v3
+    from tests.models.tiny import load_ours
+
+    torch.set_num_threads(1)
+    deepseek_v3(str(tmp_path), 5)
+    model = load_ours(str(tmp_path))
+    for layer in model.modules():
+        if isinstance(layer, LatentAttention):
+            layer.decode_kernel = True
+    runner = ModelRunner(model, block_size=4, vocab_size=300, device=torch.device("cpu"),
+                         dtype=torch.float32)  # fmt: skip
+    runner.init_kv_cache(32)
+    runner.capture_cuda_graphs(max_batch=4, max_model_len=64, prefill_tokens=0, capture=False)
+    sp = SamplingParams(max_tokens=8)
+    prompts = {"a": list(range(3, 10)), "b": list(range(40, 45)), "c": list(range(60, 73))}
+    blocks = {"a": [5, 9], "b": [3, 11], "c": [20, 2, 7, 14]}
+    new = [NewRequestData(r, p, len(p), sp, blocks[r], 0) for r, p in prompts.items()]
+    sched = SchedulerOutput(new, [], {r: len(p) for r, p in prompts.items()}, 25)
+    runner.batch.apply(sched)
+    inp = runner.batch.prepare(sched)
+    assert not runner.graphs.can_run(inp.meta)  # prefill: eager
+    runner.forward(inp.input_ids, inp.positions, inp.meta)
+    cached = [CachedRequestData(r, [7], [], len(p)) for r, p in prompts.items()]
+    sched = SchedulerOutput([], cached, {r: 1 for r in prompts}, 3)
+    runner.batch.apply(sched)
+    inp = runner.batch.prepare(sched)
+    assert runner.graphs.can_run(inp.meta)
+    eager = runner.forward(inp.input_ids, inp.positions, inp.meta).clone()
+    padded = runner.graphs.run(inp.input_ids, inp.positions, inp.meta)
+    assert padded.abs().max() > 0.1
+    torch.testing.assert_close(padded, eager, rtol=1e-5, atol=1e-5)
+    assert runner.graphs.outputs[("decode", 4)].shape[0] == 4
