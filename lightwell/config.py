@@ -124,6 +124,11 @@ class SchedulerConfig:
         "throughput). A request that stops on EOS or a stop string computes one "
         "extra token, which is dropped.",
     )
+    grammar_cache_size: int = _opt(
+        256,
+        "Compiled grammars of structured output (JSON schemas, regexes, choices, EBNF) kept "
+        "in the engine's LRU cache.",
+    )
 
 
 @dataclass(frozen=True)
@@ -248,6 +253,7 @@ class EngineConfig:
             "max_num_batched_tokens must be > 0",
         )
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
+        _check(s.grammar_cache_size >= 1, "grammar_cache_size must be >= 1")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         for f, opts in ((m.dtype, DTYPES), (m.load_format, LOAD_FORMATS)):

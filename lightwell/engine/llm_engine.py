@@ -20,6 +20,7 @@ from lightwell.models.paths import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.scheduler.request import Request
 from lightwell.scheduler.scheduler import Scheduler
+from lightwell.structured.manager import StructuredOutputManager
 from lightwell.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,10 @@ class LLMEngine:
         extra = self._eos_in_vocab(self.generation_defaults.pop("eos_token_ids", []))
         self._extra_eos = [t for t in dict.fromkeys(extra) if t != self.eos_token_id]
         self._ids = itertools.count()
+        stops = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_info.vocab_size, stops, s.grammar_cache_size
+        )
 
     def _start_executor(self, config: EngineConfig) -> None:
         """Load the model, size the KV cache from what it left, then allocate the cache."""
@@ -178,6 +183,7 @@ class LLMEngine:
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this engine has none")
         params = self._with_engine_stops(params)
+        self.structured.validate(params)  # an uncompilable grammar is refused here
         arrival = time.time() if arrival_time is None else arrival_time
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -190,8 +196,10 @@ class LLMEngine:
                 req = Request(cid, token_ids, child_params, self.eos_token_id, arrival, share)
                 self.scheduler.add_request(req)
                 added.append(cid)
+                self.structured.add(cid, child_params)
         except Exception:
             self.scheduler.abort_requests(added)  # all or nothing
+            self.structured.remove(added)
             raise
         self.output_processor.add_request(
             request_id, child_ids, text, token_ids, params, arrival, final_only
@@ -208,7 +216,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its n sequences) in any state; its KV blocks are freed now."""
-        self.scheduler.abort_requests(self.output_processor.child_ids(request_id))
+        child_ids = self.output_processor.child_ids(request_id)
+        self.scheduler.abort_requests(child_ids)
+        self.structured.remove(child_ids)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -229,6 +239,8 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         """The next step's batch; its new requests' queue time ends now."""
         sched = self.scheduler.schedule()
+        if self.structured.active:
+            sched.grammar = self.structured.bitmask(sched, self.scheduler.requests)
         if sched.new_reqs:
             self.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
         return sched
@@ -240,9 +252,12 @@ class LLMEngine:
         if self._trace is not None:
             self._trace.record(sched, runner_out, self.scheduler)
         core_outputs = self.scheduler.update(sched, runner_out)
+        if self.structured.active:
+            self.structured.accept(core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.abort_requests(stopped, reason=FinishReason.STOP)
+            self.structured.remove(stopped)
         return outputs
 
     def stats(self) -> EngineStats:

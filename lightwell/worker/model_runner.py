@@ -14,13 +14,14 @@ from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
 from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
-from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
 from lightwell.worker.overlap import MicroBatchOverlap
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
+from lightwell.worker.structured_output import grammar_mask
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class ModelRunner:
             path = "eager split" if split else "eager"
         pending = PendingStep(ModelRunnerOutput(path=path))
         if inp.sample_req_ids:
-            self._sample(inp, hidden, pending)
+            self._sample(inp, hidden, pending, sched.grammar)
         if inp.prompt_logprob_rows:
             self._prompt_logprobs(inp, hidden, pending.out)
         return pending
@@ -211,7 +212,13 @@ class ModelRunner:
         """The step runs as micro-batches (--dual-stream)."""
         return self.overlap is not None and self.overlap.applies(meta)
 
-    def _sample(self, inp: ModelInput, hidden: torch.Tensor, pending: PendingStep) -> None:
+    def _sample(
+        self,
+        inp: ModelInput,
+        hidden: torch.Tensor,
+        pending: PendingStep,
+        grammar: GrammarBitmask | None = None,
+    ) -> None:
         if self._sharded_greedy(inp):
             tokens = self.model.greedy_tokens(hidden[inp.logits_indices])  # [S], every rank
             self._last_sampled = (inp.sample_req_ids, tokens)
@@ -225,7 +232,7 @@ class ModelRunner:
                 self._last_sampled = (inp.sample_req_ids, tp_broadcast(tokens))
             return
         try:
-            result = self._run_sampler(inp, logits)
+            result = self._run_sampler(inp, logits, grammar)
         except BaseException:
             if self.share_sampled_tokens:  # keep the ranks' collectives paired: the step
                 # fails here, and its requests are aborted, so these tokens are never used
@@ -255,7 +262,9 @@ class ModelRunner:
             for r, n_out in zip(inp.sample_req_ids, inp.num_outputs)
         )
 
-    def _run_sampler(self, inp: ModelInput, logits: torch.Tensor) -> SamplerOutput:
+    def _run_sampler(
+        self, inp: ModelInput, logits: torch.Tensor, grammar: GrammarBitmask | None = None
+    ) -> SamplerOutput:
         # logits: [S, V]
         states = [self.batch.requests[r] for r in inp.sample_req_ids]
         params = [s.sampling_params for s in states]
@@ -274,6 +283,8 @@ class ModelRunner:
             self.device,
             self.generator,
         )
+        if grammar is not None:
+            meta.grammar = grammar_mask(grammar, inp.sample_req_ids, self.device)
         return self.sampler(logits, meta)
 
     def _output_histories(self, inp: ModelInput, states: list) -> list[list[int]]:
