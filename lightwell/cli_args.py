@@ -33,6 +33,9 @@ SAMPLING_HELP = {
     "skip_special_tokens": "Leave special tokens out of the text.",
     "spaces_between_special_tokens": "Put spaces between special tokens in the text.",
     "detokenize": "Produce text (off: token ids only).",
+    "structured_outputs": "Constrain the output: a JSON object with one of json (a JSON schema), "
+    "regex, choice (a list), grammar (EBNF) or json_object, e.g. "
+    '\'{"choice": ["yes", "no"]}\'.',
 }
 # SamplingParams fields whose CLI name differs from the field name.
 SAMPLING_RENAME = {"seed": "sample_seed"}
@@ -123,6 +126,11 @@ def sampling_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             kwargs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         except (ValueError, AttributeError) as e:
             raise ValueError(f"--logit-bias must be a JSON object of id -> bias: {e}") from None
+    if isinstance(kwargs.get("structured_outputs"), str):
+        try:
+            kwargs["structured_outputs"] = dict(json.loads(kwargs["structured_outputs"]))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--structured-outputs must be a JSON object: {e}") from None
     if isinstance(kwargs.get("stop_token_ids"), str):
         try:
             kwargs["stop_token_ids"] = [int(t) for t in kwargs["stop_token_ids"].split(",") if t]

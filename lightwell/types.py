@@ -19,7 +19,7 @@ class FinishReason(enum.StrEnum):
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on a request's output: exactly one of a JSON schema (``json``: a dict or its
-    JSON text), any JSON object (``json_object``), a regular expression (``regex``), one of a
+    JSON text), any JSON object (``json_object``: an object, not any JSON value), a regular expression (``regex``), one of a
     list of strings (``choice``) or an EBNF grammar (``grammar``, xgrammar's GBNF dialect).
     Constrained sampling masks every token the constraint cannot continue with; EOS is allowed
     only once the output is complete. Shapes are checked here; whether the spec compiles is

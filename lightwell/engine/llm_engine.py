@@ -36,6 +36,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    grammar_compiles: int = 0  # structured output: grammars compiled
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_queries: int = 0
+    grammar_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -261,7 +265,7 @@ class LLMEngine:
         return outputs
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, g = self.scheduler, self.structured.stats
         return EngineStats(
             s.num_running,
             s.num_waiting,
@@ -269,6 +273,10 @@ class LLMEngine:
             s.prefix_cache_queries,
             s.prefix_cache_hits,
             s.num_preemptions,
+            g.compiles,
+            g.compile_seconds,
+            g.cache_queries,
+            g.cache_hits,
         )
 
     def default_sampling_params(self, **overrides: object) -> SamplingParams:

@@ -3,7 +3,7 @@
 Requests are strict (no type coercion: ``"0.5"`` is not a number) and closed: an unknown field
 is a 400 naming it, never silently ignored. OpenAI fields that Lightwell does not implement are
 declared only so that they can be refused with a precise message unless they hold their
-harmless default (``tools: []``, ``response_format: {"type": "text"}`` ...). A few fields that
+harmless default (``tools: []``, ``audio: null`` ...). A few fields that
 cannot change the generated tokens are accepted and ignored: ``user``, ``metadata``,
 ``service_tier``, ``safety_identifier``, ``prompt_cache_key``, ``parallel_tool_calls``,
 ``stream_options.include_obfuscation``. docs/serving.md lists every field.
@@ -41,6 +41,49 @@ class StreamOptions(_Request):
     include_obfuscation: bool | None = None  # accepted, ignored: padding only, no effect on text
 
 
+class JsonSchemaSpec(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # accepted: the schema is always enforced
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or not self.json_schema.schema_
+        ):
+            raise ParamError(
+                "response_format", "response_format json_schema needs json_schema.schema"
+            )
+        return self
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's ``structured_outputs`` field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+# Fields that constrain the output (docs/serving.md: structured output); at most one is used.
+STRUCTURED_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
 class SamplingRequest(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -63,6 +106,13 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Structured output: OpenAI's response_format, and vLLM's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted and ignored: none of these can change the generated tokens.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -82,11 +132,38 @@ class SamplingRequest(_Request):
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        self.structured_spec()  # at most one constraining field
         return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
+        """(the field used, StructuredOutputs keyword arguments), or None when the output is
+        free. More than one constraining field is a 400."""
+        given = [f for f in STRUCTURED_FIELDS if _constrains(f, getattr(self, f))]
+        if len(given) > 1:
+            raise ParamError(given[1], f"give at most one of {', '.join(given)}")
+        if not given:
+            return None
+        name, v = given[0], getattr(self, given[0])
+        if name == "response_format":
+            if v.type == "json_object":
+                return name, {"json_object": True}
+            return name, {"json": v.json_schema.schema_}
+        if name == "structured_outputs":
+            kw = v.model_dump(by_alias=True, exclude_none=True)
+            if kw.get("json_object") is False:
+                kw.pop("json_object")
+            return name, kw
+        return name, {name.removeprefix("guided_"): v}
+
+
+def _constrains(name: str, value: Any) -> bool:
+    if name == "response_format":
+        return value is not None and value.type != "text"
+    return value is not None
 
 
 class CompletionRequest(SamplingRequest):
@@ -152,7 +229,6 @@ _CHAT_HARMLESS: dict[str, Any] = {
     "functions": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -174,7 +250,6 @@ class ChatCompletionRequest(SamplingRequest):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None

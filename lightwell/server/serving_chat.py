@@ -33,6 +33,7 @@ from lightwell.server.serving_common import (
     bad_request,
     check_prompt_fits,
     collect,
+    compile_grammar,
     engine_dead,
     finish_reason,
     merged,
@@ -70,6 +71,7 @@ async def create_chat_completion(
         max_tokens=req.max_output_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
     )
+    await compile_grammar(ctx, req, params)
     request_id = new_id("chatcmpl")
     streams = await submit(ctx, request_id, [prompt_ids], params, stream=bool(req.stream))
     if req.stream:

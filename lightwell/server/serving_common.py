@@ -17,7 +17,13 @@ from starlette.types import Receive, Scope, Send
 
 from lightwell.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from lightwell.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
-from lightwell.types import FinishReason, Logprob, RequestOutput, SamplingParams
+from lightwell.types import (
+    FinishReason,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 T = TypeVar("T")
 
@@ -122,10 +128,32 @@ def sampling_params(ctx: ServingContext, req: SamplingRequest, **overrides: Any)
     if req.logit_bias:
         kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     kw.update({k: v for k, v in overrides.items() if v is not None or k == "max_tokens"})
+    structured = req.structured_spec()
+    if structured is not None:
+        field, spec = structured
+        try:
+            kw["structured_outputs"] = StructuredOutputs(**spec)
+        except ValueError as e:
+            raise bad_request(f"{field}: {e}", param=field) from None
     try:
         return ctx.engine.engine.default_sampling_params(**kw)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param=param_in(str(e))) from None
+
+
+async def compile_grammar(
+    ctx: ServingContext, req: SamplingRequest, params: SamplingParams
+) -> None:
+    """Compile the request's grammar (structured output) off the event loop, before queueing:
+    one the engine cannot compile is a 400 that says why; the engine then finds it cached."""
+    if params.structured_outputs is None:
+        return
+    ctx.require_text()
+    try:
+        await asyncio.to_thread(ctx.engine.engine.structured.validate, params)
+    except ValueError as e:
+        field = structured[0] if (structured := req.structured_spec()) else "structured_outputs"
+        raise bad_request(f"{field}: {e}", param=field) from None
 
 
 _PARAMS = {*_SAMPLING_FIELDS, "logit_bias", "max_tokens", "logprobs", "prompt_logprobs", "prompt"}

@@ -24,6 +24,7 @@ from lightwell.server.serving_common import (
     bad_request,
     check_prompt_fits,
     collect,
+    compile_grammar,
     engine_dead,
     finish_reason,
     merged,
@@ -63,6 +64,7 @@ async def create_completion(
         logprobs=req.logprobs,
         prompt_logprobs=echo_logprobs,
     )
+    await compile_grammar(ctx, req, params)
     request_id = new_id("cmpl")
     token_ids = [p.token_ids for p in prompts]
     streams = await submit(ctx, request_id, token_ids, params, stream=bool(req.stream))

@@ -71,8 +71,8 @@ class GrammarCache:
         try:
             if kind == "json":
                 return c.compile_json_schema(spec.json)
-            if kind == "json_object":
-                return c.compile_builtin_json_grammar()
+            if kind == "json_object":  # any JSON object (OpenAI's json_object), not any value
+                return c.compile_json_schema('{"type": "object"}')
             if kind == "regex":
                 return c.compile_regex(spec.regex)
             if kind == "choice":

@@ -12,6 +12,7 @@ loop waits for the step in flight before it schedules while any constrained requ
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,16 +36,19 @@ class StructuredOutputManager:
         self._stop_token_ids = list(stop_token_ids)
         self._cache_size = cache_size
         self._cache: GrammarCache | None = None
+        self._lock = threading.Lock()
         self.matchers: dict[str, Any] = {}  # req_id -> xgrammar.GrammarMatcher
 
     @property
     def cache(self) -> GrammarCache:
-        if self._cache is None:
-            if self._tokenizer is None:
-                raise ValueError("structured output needs a tokenizer; this engine has none")
-            info = tokenizer_info(self._tokenizer.hf, self._vocab_size, self._stop_token_ids)
-            self._cache = GrammarCache(info, self._cache_size)
-        return self._cache
+        """Built on first use (the server's compile thread or the engine's, whichever first)."""
+        with self._lock:
+            if self._cache is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured output needs a tokenizer; this engine has none")
+                info = tokenizer_info(self._tokenizer.hf, self._vocab_size, self._stop_token_ids)
+                self._cache = GrammarCache(info, self._cache_size)
+            return self._cache
 
     @property
     def stats(self) -> CompileStats:

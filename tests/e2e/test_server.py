@@ -290,10 +290,18 @@ _LONG = "hello " * (MAX_MODEL_LEN + 10)
         ("/v1/chat/completions", {**_CHAT_OK, "tools": [{"type": "function"}]}, 400, "tools"),
         (
             "/v1/chat/completions",
-            {**_CHAT_OK, "response_format": {"type": "json_object"}},
+            {**_CHAT_OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             400,
             "response_format",
         ),
+        (
+            "/v1/chat/completions",
+            {**_CHAT_OK, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+            400,
+            "guided_regex",
+        ),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "([a-"}, 400, "guided_regex"),
+        ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
         ("/v1/chat/completions", {**_CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         (
@@ -359,6 +367,62 @@ def test_sdk_error_types(server):
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
         )
     assert _complete(good, max_tokens=2).choices[0].text  # still serving
+
+
+# ---- structured output ---------------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_stream_and_nonstream(server, client):
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    compiles = server.metric("grammar_compiles_total")
+    kw = dict(content="A person as JSON.", max_tokens=40, response_format=fmt)
+    whole = _chat(client, **kw)
+    text = whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert whole.choices[0].finish_reason == "stop"
+    chunks = list(_chat(client, stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert server.metric("grammar_compiles_total") - compiles <= 1  # the second one hit
+    assert server.metric("grammar_cache_hits_total") >= 1
+
+
+def test_guided_fields_on_completions_with_n2(client):
+    import re
+
+    r = _complete(
+        client,
+        prompt="Phone:",
+        n=2,
+        temperature=1.0,
+        seed=4,
+        max_tokens=12,
+        extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+    )
+    assert len(r.choices) == 2
+    for c in r.choices:
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", c.text) and c.finish_reason == "stop"
+    choice = _chat(client, max_tokens=5, extra_body={"guided_choice": ["cat", "dog"]})
+    assert choice.choices[0].message.content in ("cat", "dog")
+    obj = _chat(client, max_tokens=30, extra_body={"structured_outputs": {"json_object": True}})
+    assert obj.choices[0].message.content.startswith("{")
+
+
+def test_bad_schema_is_a_400_with_the_reason(client):
+    with pytest.raises(openai.BadRequestError, match="invalid JSON schema: Unsupported type"):
+        _chat(client, extra_body={"guided_json": {"type": "objectx"}})
+    with pytest.raises(openai.BadRequestError, match="invalid grammar: EBNF parser error"):
+        _complete(client, extra_body={"guided_grammar": "root ::= nothing"})
+    assert _complete(client, max_tokens=2).choices[0].text  # still serving
 
 
 # ---- disconnects, concurrency, metrics ----------------------------------------------------------
