@@ -58,9 +58,10 @@ def build_app(
     metrics: ServerMetrics,
     api_key: str | None = None,
     stats_interval: float = 10.0,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``metrics`` must be attached to it."""
-    ctx = ServingContext(engine, model_name)
+    ctx = ServingContext(engine, model_name, tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from lightwell.cli_args import add_engine_args, engine_config_from_args
+from lightwell.server.tool_parsers import PARSER_CHOICES
 
 logger = logging.getLogger("lightwell.server")
 
@@ -35,6 +36,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--served-model-name",
         default=None,
         help="The model name clients send and see (default: the model's own name).",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=PARSER_CHOICES,
+        help="How the model's tool calls are read from its text under tool_choice 'auto': "
+        "hermes (Hermes, Qwen2.5, Qwen3 <tool_call> JSON), llama3_json (Llama 3.1+), mistral "
+        "([TOOL_CALLS]); auto: the format the chat template writes, if it names one; none: "
+        "never parsed. tool_choice 'required' and named functions need no parser.",
     )
     p.add_argument(
         "--log-level",
@@ -69,7 +79,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
     metrics.attach(lambda: async_engine.stats)
-    app = build_app(async_engine, name, metrics, args.api_key, args.stats_interval)
+    app = build_app(
+        async_engine, name, metrics, args.api_key, args.stats_interval, args.tool_call_parser
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

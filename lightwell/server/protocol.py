@@ -14,74 +14,35 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from lightwell.server.protocol_tools import (
+    STRUCTURED_FIELDS,
+    DeltaToolCall,
+    ParamError,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolCallIn,
+    ToolChoice,
+    ToolDef,
+    _Request,
+    check_tools,
+    structured_spec,
+    template_tool_call,
+    tool_mode,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-class ParamError(ValueError):
-    """A request field with an invalid or unsupported value; ``param`` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
 
 
 def _refuse(name: str, why: str = "") -> ParamError:
     return ParamError(name, f"'{name}' is not supported by this server{why}")
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 class StreamOptions(_Request):
     include_usage: bool | None = False
     include_obfuscation: bool | None = None  # accepted, ignored: padding only, no effect on text
-
-
-class JsonSchemaSpec(_Request):
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None  # accepted: the schema is always enforced
-
-
-class ResponseFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaSpec | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and (
-            self.json_schema is None or not self.json_schema.schema_
-        ):
-            raise ParamError(
-                "response_format", "response_format json_schema needs json_schema.schema"
-            )
-        return self
-
-
-class StructuredOutputsRequest(_Request):
-    """vLLM's ``structured_outputs`` field: exactly one constraint."""
-
-    json_: dict[str, Any] | str | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-
-
-# Fields that constrain the output (docs/serving.md: structured output); at most one is used.
-STRUCTURED_FIELDS = (
-    "response_format",
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-)
 
 
 class SamplingRequest(_Request):
@@ -142,28 +103,7 @@ class SamplingRequest(_Request):
     def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
         """(the field used, StructuredOutputs keyword arguments), or None when the output is
         free. More than one constraining field is a 400."""
-        given = [f for f in STRUCTURED_FIELDS if _constrains(f, getattr(self, f))]
-        if len(given) > 1:
-            raise ParamError(given[1], f"give at most one of {', '.join(given)}")
-        if not given:
-            return None
-        name, v = given[0], getattr(self, given[0])
-        if name == "response_format":
-            if v.type == "json_object":
-                return name, {"json_object": True}
-            return name, {"json": v.json_schema.schema_}
-        if name == "structured_outputs":
-            kw = v.model_dump(by_alias=True, exclude_none=True)
-            if kw.get("json_object") is False:
-                kw.pop("json_object")
-            return name, kw
-        return name, {name.removeprefix("guided_"): v}
-
-
-def _constrains(name: str, value: Any) -> bool:
-    if name == "response_format":
-        return value is not None and value.type != "text"
-    return value is not None
+        return structured_spec({f: getattr(self, f) for f in STRUCTURED_FIELDS})
 
 
 class CompletionRequest(SamplingRequest):
@@ -205,9 +145,19 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ParamError("messages", "only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ParamError("messages", "a tool message needs tool_call_id")
+        return self
 
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template sees it (developer is the system role)."""
@@ -220,14 +170,16 @@ class ChatMessage(_Request):
         }
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # templates read the arguments as an object (as vLLM passes them)
+            msg["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
         return msg
 
 
 # Chat fields that Lightwell refuses unless they hold a value that changes nothing.
 _CHAT_HARMLESS: dict[str, Any] = {
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
     "modalities": lambda v: v is None or v == ["text"],
     "audio": lambda v: v is None,
@@ -245,10 +197,10 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    parallel_tool_calls: bool | None = None  # accepted, ignored: tools are refused anyway
-    tools: Any = None
+    parallel_tool_calls: bool | None = None  # False: at most one tool call
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
     functions: Any = None
-    tool_choice: Any = None
     function_call: Any = None
     modalities: Any = None
     audio: Any = None
@@ -265,7 +217,13 @@ class ChatCompletionRequest(SamplingRequest):
                 raise _refuse(name)
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
+        check_tools(self.tools, self.tool_choice, self.tool_mode, self.structured_spec())
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools), auto, required or named (a function's name in tool_choice)."""
+        return tool_mode(self.tools, self.tool_choice)
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -352,6 +310,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -374,6 +333,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

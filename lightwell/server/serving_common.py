@@ -80,6 +80,7 @@ class ServingContext:
 
     engine: AsyncEngine
     model_name: str
+    tool_call_parser: str = "auto"  # --tool-call-parser
 
     @property
     def tokenizer(self) -> Any:
@@ -142,7 +143,7 @@ def sampling_params(ctx: ServingContext, req: SamplingRequest, **overrides: Any)
 
 
 async def compile_grammar(
-    ctx: ServingContext, req: SamplingRequest, params: SamplingParams
+    ctx: ServingContext, req: SamplingRequest, params: SamplingParams, field: str | None = None
 ) -> None:
     """Compile the request's grammar (structured output) off the event loop, before queueing:
     one the engine cannot compile is a 400 that says why; the engine then finds it cached."""
@@ -152,7 +153,9 @@ async def compile_grammar(
     try:
         await asyncio.to_thread(ctx.engine.engine.structured.validate, params)
     except ValueError as e:
-        field = structured[0] if (structured := req.structured_spec()) else "structured_outputs"
+        if field is None:
+            structured = req.structured_spec()
+            field = structured[0] if structured else "structured_outputs"
         raise bad_request(f"{field}: {e}", param=field) from None
 
 

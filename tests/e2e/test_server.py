@@ -287,7 +287,12 @@ _LONG = "hello " * (MAX_MODEL_LEN + 10)
         ("/v1/completions", {"prompt": _LONG}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
-        ("/v1/chat/completions", {**_CHAT_OK, "tools": [{"type": "function"}]}, 400, "tools"),
+        (
+            "/v1/chat/completions",
+            {**_CHAT_OK, "tools": [{"type": "function"}]},
+            400,
+            "tools.0.function",
+        ),
         (
             "/v1/chat/completions",
             {**_CHAT_OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
@@ -360,11 +365,12 @@ def test_sdk_error_types(server):
     good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         good.completions.create(model="gpt-4", prompt="x", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
         good.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
     assert _complete(good, max_tokens=2).choices[0].text  # still serving
 
@@ -423,6 +429,77 @@ def test_bad_schema_is_a_400_with_the_reason(client):
     with pytest.raises(openai.BadRequestError, match="invalid grammar: EBNF parser error"):
         _complete(client, extra_body={"guided_grammar": "root ::= nothing"})
     assert _complete(client, max_tokens=2).choices[0].text  # still serving
+
+
+# ---- tool calling --------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def _tool_chat(client, **kw):
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        temperature=0.0,
+        max_tokens=40,
+        **kw,
+    )
+
+
+def test_named_tool_choice_arguments_parse_whole_and_streamed(client):
+    import json
+
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = _tool_chat(client, tool_choice=choice)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "stop"
+    chunks = [c for c in _tool_chat(client, tool_choice=choice, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_required_tool_choice_and_history_with_tool_messages(client):
+    import json
+
+    r = _tool_chat(client, tool_choice="required", parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    json.loads(call.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
+    ]
+    follow = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
+    assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
+    streamed = [c for c in _tool_chat(client, tool_choice="required", stream=True) if c.choices]
+    calls = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
+    assert calls and all(d.id and d.function.name for d in calls)
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_without_a_parser_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="needs a tool-call parser"):
+        _tool_chat(client)
 
 
 # ---- disconnects, concurrency, metrics ----------------------------------------------------------
