@@ -23,6 +23,8 @@ def is_preset_dummy(m: ModelConfig) -> bool:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
+TASKS = ("auto", "generate", "embed")
+POOLINGS = ("last", "mean")
 ALL_REDUCE = (
     "auto", "nccl", "oneshot", "int8", "host", "hostmem", "hostmem-int8", "hostmem-copy",
     "hostmem-copy-int8", "peermem", "gloo",
@@ -71,6 +73,19 @@ class ModelConfig:
         "With --load-format dummy: a JSON string of HF config overrides (e.g. the shapes of a "
         "model you have no weights for), or a preset name: " + "llama-3-8b, qwen2.5-7b, "
         "llama-3-70b.",
+    )
+    task: str = _opt(
+        "auto",
+        "generate (text) or embed (/v1/embeddings, LLM.embed: pooled, normalised hidden "
+        "states of the prompt; any generative checkpoint can be served this way). auto: embed "
+        "for embedding architectures (Qwen3Model), else generate.",
+        TASKS,
+    )
+    pooling: str = _opt(
+        "last",
+        "How --task embed pools a prompt's final hidden states: last (the last token's, as "
+        "Qwen3-Embedding) or mean (over every token).",
+        POOLINGS,
     )
 
 
@@ -256,7 +271,12 @@ class EngineConfig:
         _check(s.grammar_cache_size >= 1, "grammar_cache_size must be >= 1")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
-        for f, opts in ((m.dtype, DTYPES), (m.load_format, LOAD_FORMATS)):
+        for f, opts in (
+            (m.dtype, DTYPES),
+            (m.load_format, LOAD_FORMATS),
+            (m.task, TASKS),
+            (m.pooling, POOLINGS),
+        ):
             _check(f in opts, f"{f!r} is not one of {', '.join(opts)}")
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")
         _check(p.all_reduce in ALL_REDUCE, f"all_reduce must be one of {', '.join(ALL_REDUCE)}")

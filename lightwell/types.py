@@ -19,11 +19,12 @@ class FinishReason(enum.StrEnum):
 @dataclass(frozen=True)
 class StructuredOutputs:
     """A constraint on a request's output: exactly one of a JSON schema (``json``: a dict or its
-    JSON text), any JSON object (``json_object``: an object, not any JSON value), a regular expression (``regex``), one of a
-    list of strings (``choice``) or an EBNF grammar (``grammar``, xgrammar's GBNF dialect).
-    Constrained sampling masks every token the constraint cannot continue with; EOS is allowed
-    only once the output is complete. Shapes are checked here; whether the spec compiles is
-    checked by the engine when the request is added (a ``ValueError`` naming the reason)."""
+    JSON text), any JSON object (``json_object``: an object, not any JSON value), a regular
+    expression (``regex``), one of a list of strings (``choice``) or an EBNF grammar
+    (``grammar``, xgrammar's GBNF dialect). Constrained sampling masks every token the
+    constraint cannot continue with; EOS is allowed only once the output is complete. Shapes
+    are checked here; whether the spec compiles is checked by the engine when the request is
+    added (a ``ValueError`` naming the reason)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -78,6 +79,26 @@ class StructuredOutputs:
         return kind, "" if kind == "json_object" else getattr(self, kind)
 
 
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: the prompt's hidden states pooled into one vector (no tokens are
+    generated). ``pooling``: ``last`` (the last token's state, as Qwen3-Embedding) or ``mean``
+    (over every prompt token); None: the engine's ``--pooling``. ``normalize``: unit L2 norm.
+    ``dimensions``: keep the first d components (Matryoshka embeddings), before normalizing."""
+
+    pooling: str | None = None
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.pooling in (None, "last", "mean"), "pooling must be last or mean", self.pooling)
+        _need(
+            self.dimensions is None or (isinstance(self.dimensions, int) and self.dimensions >= 1),
+            "dimensions must be an integer >= 1",
+            self.dimensions,
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ``ValueError`` at construction."""
@@ -105,6 +126,8 @@ class SamplingParams:
     detokenize: bool = True
     # Constrained output (JSON schema, regex, choice, grammar); a dict is read as its fields.
     structured_outputs: StructuredOutputs | None = None
+    # An embedding request (the engine sets max_tokens=1 and samples nothing).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -324,6 +347,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # an embedding request's vector
 
 
 @dataclass

@@ -83,6 +83,7 @@ class LLMEngine:
         extra = self._eos_in_vocab(self.generation_defaults.pop("eos_token_ids", []))
         self._extra_eos = [t for t in dict.fromkeys(extra) if t != self.eos_token_id]
         self._ids = itertools.count()
+        self.task = resolve_task(self.config.model.task, self.model_info.architecture)
         stops = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_info.vocab_size, stops, s.grammar_cache_size
@@ -186,6 +187,7 @@ class LLMEngine:
         params.check_vocab(self.model_info.vocab_size)
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        params = self._for_task(params)
         params = self._with_engine_stops(params)
         self.structured.validate(params)  # an uncompilable grammar is refused here
         arrival = time.time() if arrival_time is None else arrival_time
@@ -209,6 +211,24 @@ class LLMEngine:
             request_id, child_ids, text, token_ids, params, arrival, final_only
         )
         return request_id
+
+    def _for_task(self, params: SamplingParams) -> SamplingParams:
+        """An embedding engine takes only embedding requests (made to compute the prompt and
+        stop), a generating engine only generation requests."""
+        import dataclasses
+
+        if self.task != "embed":
+            if params.pooling is not None:
+                raise ValueError("embeddings need an engine started with task='embed' (--task)")
+            return params
+        if params.pooling is None:
+            raise ValueError("this engine embeds (task='embed'): it does not generate text")
+        if params.n != 1:
+            raise ValueError("an embedding request has n=1")
+        pooling = params.pooling
+        if pooling.pooling is None:
+            pooling = dataclasses.replace(pooling, pooling=self.config.model.pooling)
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, pooling=pooling)
 
     def _with_engine_stops(self, params: SamplingParams) -> SamplingParams:
         if not self._extra_eos or params.ignore_eos:
@@ -289,6 +309,14 @@ class LLMEngine:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+
+def resolve_task(task: str, architecture: str) -> str:
+    """auto: embed for a bare transformer (``Qwen3Model``: an embedding checkpoint), else
+    generate."""
+    if task != "auto":
+        return task
+    return "embed" if architecture.endswith("Model") else "generate"
 
 
 _GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

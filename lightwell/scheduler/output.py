@@ -77,6 +77,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Prompt logprobs for the prompt positions computed this step (chunked: in pieces).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Embedding requests whose prompt finished this step: their pooled hidden state.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
     # How the step ran on the driving rank: "graph decode B" / "graph mixed T" (a CUDA graph
     # of that size), "eager", "eager split" (micro-batches), "" (no forward); --step-trace
     path: str = ""
@@ -93,6 +95,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # an embedding request's vector
 
     @property
     def finished(self) -> bool:

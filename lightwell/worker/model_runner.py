@@ -19,6 +19,7 @@ from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
 from lightwell.worker.overlap import MicroBatchOverlap
+from lightwell.worker.pooling import Pooler, take_pooled
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
 from lightwell.worker.structured_output import grammar_mask
@@ -90,6 +91,7 @@ class ModelRunner:
         self.dtype = dtype
         self.batch = InputBatch(block_size, device, max_positions=rope_table_length(model))
         self.sampler = Sampler()
+        self.pooler = Pooler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -159,6 +161,7 @@ class ModelRunner:
         step N is still sampling are taken from its token tensor on the device.
         """
         self.batch.apply(sched)
+        self.pooler.forget(sched.finished_req_ids)
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep(ModelRunnerOutput())
         inp = self.batch.prepare(sched)
@@ -173,6 +176,9 @@ class ModelRunner:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta, split)  # [T, H]
             path = "eager split" if split else "eager"
         pending = PendingStep(ModelRunnerOutput(path=path))
+        if any(self.batch.requests[r].sampling_params.pooling for r in inp.req_ids):
+            pooled = self.pooler.step(inp, hidden, self.batch.requests)
+            take_pooled(inp, pooled, pending.out if self.is_driver else None, self.batch.requests)
         if inp.sample_req_ids:
             self._sample(inp, hidden, pending, sched.grammar)
         if inp.prompt_logprob_rows:
