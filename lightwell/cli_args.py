@@ -37,6 +37,8 @@ SAMPLING_HELP = {
     "regex, choice (a list), grammar (EBNF) or json_object, e.g. "
     '\'{"choice": ["yes", "no"]}\'.',
 }
+# SamplingParams fields with no CLI option (pooling: set by the engine for embedding requests).
+SAMPLING_SKIP = {"pooling"}
 # SamplingParams fields whose CLI name differs from the field name.
 SAMPLING_RENAME = {"seed": "sample_seed"}
 
@@ -96,6 +98,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) ->
     group = parser.add_argument_group("sampling options")
     hints = typing.get_type_hints(SamplingParams)
     for f in dataclasses.fields(SamplingParams):
+        if f.name in SAMPLING_SKIP:
+            continue
         flag = "--" + SAMPLING_RENAME.get(f.name, f.name).replace("_", "-")
         typ = _base_type(hints[f.name])
         default = max_tokens if f.name == "max_tokens" else None
@@ -117,6 +121,8 @@ def sampling_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling options the user set, as SamplingParams keyword arguments."""
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(SamplingParams):
+        if f.name in SAMPLING_SKIP:
+            continue
         value = getattr(args, SAMPLING_RENAME.get(f.name, f.name))
         if value is not None:
             kwargs[f.name] = value

@@ -225,7 +225,9 @@ class LLMEngine:
             raise ValueError("this engine embeds (task='embed'): it does not generate text")
         if params.n != 1:
             raise ValueError("an embedding request has n=1")
-        pooling = params.pooling
+        pooling, width = params.pooling, self.model_info.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > width:
+            raise ValueError(f"dimensions={pooling.dimensions} is more than the model's {width}")
         if pooling.pooling is None:
             pooling = dataclasses.replace(pooling, pooling=self.config.model.pooling)
         return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, pooling=pooling)

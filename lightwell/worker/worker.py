@@ -37,6 +37,7 @@ class ModelInfo:
     num_params: int
     load_seconds: float
     extra: dict = field(default_factory=dict)
+    hidden_size: int = 0  # the width of an embedding (--task embed)
 
 
 def pick_device(choice: str, index: int | None = None) -> torch.device:
@@ -141,6 +142,7 @@ class Worker:
             device=str(self.device),
             num_params=sum(p.numel() for p in model.parameters()),
             load_seconds=time.perf_counter() - t0,
+            hidden_size=int(getattr(hf, "hidden_size", 0) or 0),
         )
 
     def init_all_reduce(self, resolved: EngineConfig) -> None:

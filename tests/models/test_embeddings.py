@@ -92,3 +92,48 @@ def test_generative_checkpoint_served_with_task_embed(tmp_path):
         want = _unit(_hf_states(hf.model, ids).mean(0))
         torch.testing.assert_close(torch.tensor(out.embedding), want, atol=2e-5, rtol=0)
     llm.engine.shutdown()
+
+
+def test_v1_embeddings_with_the_openai_sdk(qwen3):
+    """/v1/embeddings in process (ASGI): token-id inputs, a batch, float and base64 (the SDK's
+    default, decoded by it), dimensions, and a generation request refused by an embed server."""
+    import asyncio
+
+    import httpx
+    import openai
+
+    from lightwell.engine.async_engine import AsyncEngine
+    from lightwell.server.api_server import build_app
+    from lightwell.server.metrics import ServerMetrics
+
+    hf, llm = qwen3
+    metrics = ServerMetrics("emb")
+    engine = AsyncEngine(llm.engine, on_finished=metrics.observe_finished)
+    metrics.attach(lambda: engine.stats)
+    app = build_app(engine, "emb", metrics)
+
+    async def run():
+        http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+        client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="-", http_client=http)
+        batch = await client.embeddings.create(model="emb", input=PROMPTS[:2])  # base64
+        floats = await client.embeddings.create(
+            model="emb", input=PROMPTS[0], encoding_format="float", dimensions=8
+        )
+        with pytest.raises(openai.BadRequestError, match="does not generate"):
+            await client.completions.create(model="emb", prompt=[1, 2], max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="dimensions=999"):
+            await client.embeddings.create(model="emb", input=[1, 2], dimensions=999)
+        await http.aclose()
+        return batch, floats
+
+    try:
+        batch, floats = asyncio.run(run())
+    finally:
+        engine.shutdown(timeout=5)
+    assert [d.index for d in batch.data] == [0, 1]
+    assert batch.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+    for ids, d in zip(PROMPTS, batch.data):
+        want = _unit(_hf_states(hf, ids)[-1])
+        torch.testing.assert_close(torch.tensor(d.embedding), want, atol=2e-5, rtol=0)
+    want = _unit(_hf_states(hf, PROMPTS[0])[-1, :8])
+    torch.testing.assert_close(torch.tensor(floats.data[0].embedding), want, atol=2e-5, rtol=0)
