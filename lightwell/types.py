@@ -126,6 +126,8 @@ class SamplingParams:
     detokenize: bool = True
     # Constrained output (JSON schema, regex, choice, grammar); a dict is read as its fields.
     structured_outputs: StructuredOutputs | None = None
+    # Prefix-cache isolation: KV blocks are shared only between requests with the same salt.
+    cache_salt: str | None = None
     # An embedding request (the engine sets max_tokens=1 and samples nothing).
     pooling: PoolingParams | None = None
 
@@ -211,6 +213,11 @@ class SamplingParams:
             )
         if self.seed is not None:
             _need(isinstance(self.seed, int), "seed must be an integer", self.seed)
+        _need(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+            "cache_salt must be a non-empty string",
+            self.cache_salt,
+        )
         if self.structured_outputs is not None:
             self._validate_structured()
 

@@ -61,9 +61,11 @@ def build_app(
     api_key: str | None = None,
     stats_interval: float = 10.0,
     tool_call_parser: str = "auto",
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
-    """The app serving ``engine`` as ``model_name``; ``metrics`` must be attached to it."""
-    ctx = ServingContext(engine, model_name, tool_call_parser)
+    """The app serving ``engine`` as ``model_name`` (and ``aliases``, also accepted and
+    listed); ``metrics`` must be attached to it."""
+    ctx = ServingContext(engine, model_name, tool_call_parser, tuple(aliases))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -108,12 +110,12 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
 
     @router.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[_card(ctx)])
+        return ModelList(data=[_card(ctx, name) for name in (ctx.model_name, *ctx.aliases)])
 
     @router.get("/models/{model:path}", response_model=ModelCard)
     async def model(model: str) -> ModelCard:
         ctx.check_model(model)
-        return _card(ctx)
+        return _card(ctx, model)
 
     return router
 
@@ -174,10 +176,10 @@ class BannerServer(uvicorn.Server):
             print(self.banner, flush=True)
 
 
-def _card(ctx: ServingContext) -> ModelCard:
+def _card(ctx: ServingContext, name: str) -> ModelCard:
     files = ctx.engine.engine.files
     root = files.path if files is not None else None
-    return ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
+    return ModelCard(id=name, root=root, max_model_len=ctx.max_model_len)
 
 
 def _respond(result: BaseModel | Response) -> Response:

@@ -34,8 +34,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="The model name clients send and see (default: the model's own name).",
+        help="The model name clients send and see (default: the model's own name); several "
+        "names are aliases of one model, all accepted and listed by /v1/models, the first is "
+        "the one responses and metrics carry.",
     )
     p.add_argument(
         "--tool-call-parser",
@@ -75,12 +78,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config_from_args(args).replace(serving=True))
-    name = args.served_model_name or (engine.files.name if engine.files else engine.model_info.name)
+    names = args.served_model_name or [
+        engine.files.name if engine.files else engine.model_info.name
+    ]
+    name, aliases = names[0], tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(engine, on_finished=metrics.observe_finished)
     metrics.attach(lambda: async_engine.stats)
     app = build_app(
-        async_engine, name, metrics, args.api_key, args.stats_interval, args.tool_call_parser
+        async_engine,
+        name,
+        metrics,
+        args.api_key,
+        args.stats_interval,
+        args.tool_call_parser,
+        aliases,
     )
     config = uvicorn.Config(
         app,

@@ -80,6 +80,7 @@ class SamplingRequest(_Request):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM)
 
     @field_validator("logit_bias")
     @classmethod
@@ -123,8 +124,12 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise _refuse("best_of", " unless it equals n")
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise ParamError("best_of", "best_of must be >= n")
+        if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
+            raise ParamError("best_of", "best_of > n cannot be streamed")
+        if self.best_of is not None and self.best_of > 128:
+            raise ParamError("best_of", "best_of must be <= 128")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ParamError("prompt", "prompt must not be an empty list")
         return self

@@ -44,6 +44,7 @@ _SAMPLING_FIELDS = (
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "cache_salt",
 )
 
 
@@ -81,6 +82,7 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     tool_call_parser: str = "auto"  # --tool-call-parser
+    aliases: tuple[str, ...] = ()  # further names of --served-model-name, accepted in `model`
 
     @property
     def tokenizer(self) -> Any:
@@ -110,7 +112,7 @@ class ServingContext:
         return self.engine.engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.aliases:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'",

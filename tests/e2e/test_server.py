@@ -24,6 +24,7 @@ import pytest
 
 KEY = "sk-lightwell-test"
 MODEL = "SmolLM2-135M-Instruct"
+ALIAS = "smol"
 MAX_MODEL_LEN = 1024
 
 
@@ -41,6 +42,7 @@ class Server:
         cmd = [sys.executable, "-m", "lightwell.cli", "serve", "--port", str(self.port)]
         cmd += ["--api-key", KEY, "--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN)]
         cmd += ["--stats-interval", "1", "--shutdown-timeout", "20", *extra]
+        cmd += ["--served-model-name", MODEL, ALIAS]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.http = httpx.Client(base_url=self.url, timeout=60)
@@ -121,7 +123,10 @@ def _chat(client, content="Name a colour.", **kw):
 def test_startup_banner_models_health_version(server, client):
     out = server.output()
     assert f"{server.url}/v1" in out and MODEL in out and "KV cache:" in out
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    r = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1)
+    assert r.model == MODEL and r.choices[0].text
     assert server.http.get("/health").status_code == 200
     assert server.http.get("/version").json()["version"]
     assert server.http.get("/openapi.json").json()["paths"]["/v1/completions"]
@@ -239,6 +244,29 @@ def test_cached_tokens_on_repeat(client):
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_cache_salt_isolates_prefixes(client):
+    prompt = "A salted prompt for tenant isolation, unique test number 4471, " * 6
+    salted = [
+        _complete(client, prompt=prompt, max_tokens=1, extra_body={"cache_salt": s})
+        for s in ("tenant-a", "tenant-b", "tenant-a")
+    ]
+    plain = _complete(client, prompt=prompt, max_tokens=1)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (*salted, plain)]
+    assert cached[0] == cached[1] == cached[3] == 0  # no sharing across salts or with none
+    assert cached[2] >= 16  # the same salt shares its blocks
+
+
+def test_best_of_keeps_the_most_likely_samples(client):
+    kw = dict(prompt="My favourite animal is", max_tokens=6, temperature=1.0, seed=21)
+    samples = _complete(client, n=3, logprobs=0, **kw).choices
+    total = {c.text: sum(c.logprobs.token_logprobs) for c in samples}
+    best = _complete(client, best_of=3, **kw)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == max(total, key=total.get)
+    two = _complete(client, n=2, best_of=3, **kw).choices
+    assert [c.text for c in two] == sorted(total, key=total.get, reverse=True)[:2]
+
+
 def test_token_id_prompts_and_tokenize_roundtrip(server, client):
     ids = server.http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     back = server.http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
@@ -277,7 +305,8 @@ _LONG = "hello " * (MAX_MODEL_LEN + 10)
         ("/v1/completions", {"prompt": []}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
-        ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
         (
             "/v1/completions",
             {"prompt": "x", "stream_options": {"include_usage": True}},

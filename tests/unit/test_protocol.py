@@ -66,7 +66,9 @@ def test_unsupported_chat_fields_are_named(field, value):
     [
         ({"prompt": "x", "bogus": 1}, "bogus"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "best_of": 2}, "best_of"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+        ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+        ({"prompt": "x", "cache_salt": 3}, "cache_salt"),
         ({"prompt": "x", "temperature": "0.5"}, "temperature"),
         ({"prompt": "x", "echo": 1}, "echo"),
         ({"prompt": "x", "seed": 2**70}, "seed"),
