@@ -283,7 +283,8 @@ class LLMEngine:
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.abort_requests(stopped, reason=FinishReason.STOP)
-            self.structured.remove(stopped)
+        if self.structured.active:
+            self.structured.prune(self.scheduler.requests)
         return outputs
 
     def stats(self) -> EngineStats:

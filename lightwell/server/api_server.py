@@ -40,10 +40,12 @@ from lightwell.server.protocol import (
     TokenizeResponse,
 )
 from lightwell.server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
+from lightwell.server.protocol_responses import ResponseObject, ResponsesRequest
 from lightwell.server.serving_chat import chat_prompt_ids, create_chat_completion
 from lightwell.server.serving_common import APIError, ServingContext, bad_request, engine_dead
 from lightwell.server.serving_completions import create_completion
 from lightwell.server.serving_embeddings import create_embedding
+from lightwell.server.serving_responses import create_response
 
 logger = logging.getLogger("lightwell.server")
 
@@ -103,6 +105,10 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     @router.post("/chat/completions", responses={200: {"model": ChatCompletionResponse}})
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return _respond(await create_chat_completion(ctx, req, raw))
+
+    @router.post("/responses", response_model=ResponseObject)
+    async def responses(req: ResponsesRequest, raw: Request) -> ResponseObject:
+        return await create_response(ctx, req, raw)
 
     @router.post("/embeddings", response_model=EmbeddingResponse)
     async def embeddings(req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:

@@ -75,6 +75,11 @@ class StructuredOutputManager:
         for req_id in req_ids:
             self.matchers.pop(req_id, None)
 
+    def prune(self, live: dict[str, Request]) -> None:
+        """Forget matchers of sequences the scheduler no longer holds (however they ended)."""
+        gone = [r for r in self.matchers if r not in live]
+        self.remove(gone)
+
     def bitmask(
         self, sched: SchedulerOutput, requests: dict[str, Request]
     ) -> GrammarBitmask | None:

@@ -531,6 +531,32 @@ def test_auto_tool_choice_without_a_parser_is_a_400(client):
         _tool_chat(client)
 
 
+# ---- /v1/responses -------------------------------------------------------------------------------
+def test_responses_basic_text_matches_chat(client):
+    r = client.responses.create(
+        model=MODEL,
+        instructions="Answer briefly.",
+        input="Name a colour.",
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        max_tokens=6,
+        temperature=0.0,
+    )
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.responses.create(model=MODEL, input="x", stream=True)
+
+
 # ---- disconnects, concurrency, metrics ----------------------------------------------------------
 def test_disconnect_mid_stream_frees_blocks(server):
     aborted = server.metric("request_success_total", 'finished_reason="abort"')
