@@ -36,6 +36,7 @@ class ToolSetup:
     mode: str  # none, auto, required, named
     parser: Any | None = None  # auto: the tool-call parser
     function: str | None = None  # named: the function's name
+    single: bool = False  # parallel_tool_calls false: auto keeps only the first call
 
 
 def tool_setup(
@@ -48,13 +49,14 @@ def tool_setup(
     if mode != "auto":
         return ToolSetup(mode)
     parser = choose_parser(parser_option, chat_template)
+    single = req.parallel_tool_calls is False
     if parser is None:
         raise ValueError(
             "tool_choice 'auto' needs a tool-call parser, and this model's chat template names "
             "no known tool-call format: start the server with --tool-call-parser, or use "
             "tool_choice 'required' or a named function"
         )
-    return ToolSetup(mode, parser)
+    return ToolSetup(mode, parser, single=single)
 
 
 def template_tools(req: ChatCompletionRequest) -> list[dict] | None:
@@ -101,7 +103,10 @@ def parse_output(setup: ToolSetup, text: str) -> ParsedOutput:
             return ParsedOutput(text)
         return ParsedOutput(None, calls)
     if setup.mode == "auto" and setup.parser is not None:
-        return setup.parser.parse(text)
+        parsed = setup.parser.parse(text)
+        if setup.single:
+            parsed.tool_calls = parsed.tool_calls[:1]
+        return parsed
     return ParsedOutput(text)
 
 

@@ -145,6 +145,16 @@ def test_parsers(parser, text, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == calls
 
 
+def test_auto_with_parallel_tool_calls_false_keeps_the_first_call():
+    text = (
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b"}</tool_call>'
+    )
+    setup = tool_setup(_req(parallel_tool_calls=False), "hermes", None)
+    assert [c.name for c in parse_output(setup, text).tool_calls] == ["a"]
+    both = tool_setup(_req(), "hermes", None)
+    assert [c.name for c in parse_output(both, text).tool_calls] == ["a", "b"]
+
+
 def test_auto_parser_reads_the_template():
     assert choose_parser("auto", "{% if tools %}<tool_call>{% endif %}").name == "hermes"
     assert choose_parser("auto", "[TOOL_CALLS]").name == "mistral"
