@@ -118,7 +118,8 @@ def test_constrained_requests_under_preemption_in_both_loops(engines):
     before = [llm.engine.stats().num_preemptions for llm in engines]
     want = plain.chat(_chats(prompts), params, use_tqdm=False)
     got = piped.chat(_chats(prompts), params, use_tqdm=False)
-    assert _summary(got) == _summary(want)
+    # request ids differ: the engines served different requests before this test
+    assert [r[1:] for r in _summary(got)] == [r[1:] for r in _summary(want)]
     assert all(llm.engine.stats().num_preemptions > n for llm, n in zip(engines, before))
     for o in got[:2]:
         for c in o.outputs:

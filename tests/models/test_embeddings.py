@@ -83,10 +83,18 @@ def test_dimensions_and_unnormalised(qwen3):
         llm.generate([{"prompt_token_ids": [1, 2]}], SamplingParams(), use_tqdm=False)
 
 
-def test_generative_checkpoint_served_with_task_embed(tmp_path):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["plain", "async"])
+def test_generative_checkpoint_served_with_task_embed(tmp_path, async_scheduling):
     hf = hf_tiny_model(tiny_config())
     save_hf(hf, str(tmp_path))
-    llm = LLM(str(tmp_path), skip_tokenizer_init=True, task="embed", pooling="mean", **ENGINE)
+    llm = LLM(
+        str(tmp_path),
+        skip_tokenizer_init=True,
+        task="embed",
+        pooling="mean",
+        async_scheduling=async_scheduling,
+        **ENGINE,
+    )
     outs = llm.embed([{"prompt_token_ids": p} for p in PROMPTS[:2]], use_tqdm=False)
     for ids, out in zip(PROMPTS, outs):
         want = _unit(_hf_states(hf.model, ids).mean(0))
