@@ -33,7 +33,12 @@ SAMPLING_HELP = {
     "skip_special_tokens": "Leave special tokens out of the text.",
     "spaces_between_special_tokens": "Put spaces between special tokens in the text.",
     "detokenize": "Produce text (off: token ids only).",
+    "structured_outputs": "Constrain the output: a JSON object with one of json (a JSON schema), "
+    "regex, choice (a list), grammar (EBNF) or json_object, e.g. "
+    '\'{"choice": ["yes", "no"]}\'.',
 }
+# SamplingParams fields with no CLI option (pooling: set by the engine for embedding requests).
+SAMPLING_SKIP = {"pooling"}
 # SamplingParams fields whose CLI name differs from the field name.
 SAMPLING_RENAME = {"seed": "sample_seed"}
 
@@ -101,6 +106,8 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) ->
     group = parser.add_argument_group("sampling options")
     hints = typing.get_type_hints(SamplingParams)
     for f in dataclasses.fields(SamplingParams):
+        if f.name in SAMPLING_SKIP:
+            continue
         flag = "--" + SAMPLING_RENAME.get(f.name, f.name).replace("_", "-")
         typ = _base_type(hints[f.name])
         default = max_tokens if f.name == "max_tokens" else None
@@ -122,6 +129,8 @@ def sampling_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The sampling options the user set, as SamplingParams keyword arguments."""
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(SamplingParams):
+        if f.name in SAMPLING_SKIP:
+            continue
         value = getattr(args, SAMPLING_RENAME.get(f.name, f.name))
         if value is not None:
             kwargs[f.name] = value
@@ -131,6 +140,11 @@ def sampling_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             kwargs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         except (ValueError, AttributeError) as e:
             raise ValueError(f"--logit-bias must be a JSON object of id -> bias: {e}") from None
+    if isinstance(kwargs.get("structured_outputs"), str):
+        try:
+            kwargs["structured_outputs"] = dict(json.loads(kwargs["structured_outputs"]))
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--structured-outputs must be a JSON object: {e}") from None
     if isinstance(kwargs.get("stop_token_ids"), str):
         try:
             kwargs["stop_token_ids"] = [int(t) for t in kwargs["stop_token_ids"].split(",") if t]

@@ -25,6 +25,8 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DEVICES = ("auto", "cpu", "cuda")
 QUANTIZATIONS = ("auto", "none", "int8", "fp8", "gptq", "awq", "compressed-tensors", "gguf")
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+TASKS = ("auto", "generate", "embed")
+POOLINGS = ("last", "mean")
 ALL_REDUCE = (
     "auto", "nccl", "oneshot", "hostmem", "hostmem-int8", "hostmem-copy", "hostmem-copy-int8",
     "gloo",
@@ -102,6 +104,19 @@ class ModelConfig:
         "(reused while the objects' ETags and sizes match; interrupted downloads resume). "
         "Default: the weights go to host memory only, nothing is written to disk.",
     )
+    task: str = _opt(
+        "auto",
+        "generate (text) or embed (/v1/embeddings, LLM.embed: pooled, normalised hidden "
+        "states of the prompt; any generative checkpoint can be served this way). auto: embed "
+        "for embedding architectures (Qwen3Model), else generate.",
+        TASKS,
+    )
+    pooling: str = _opt(
+        "last",
+        "How --task embed pools a prompt's final hidden states: last (the last token's, as "
+        "Qwen3-Embedding) or mean (over every token).",
+        POOLINGS,
+    )
 
 
 @dataclass(frozen=True)
@@ -160,6 +175,11 @@ class SchedulerConfig:
         "host's per-step work on a GPU (faster batch-1 decode and offline throughput; "
         "docs/performance.md). A request that stops on EOS or a stop string computes one "
         "extra token, which is dropped.",
+    )
+    grammar_cache_size: int = _opt(
+        256,
+        "Compiled grammars of structured output (JSON schemas, regexes, choices, EBNF) kept "
+        "in the engine's LRU cache.",
     )
 
 
@@ -296,6 +316,7 @@ class EngineConfig:
             "max_num_batched_tokens must be > 0",
         )
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
+        _check(s.grammar_cache_size >= 1, "grammar_cache_size must be >= 1")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
@@ -304,6 +325,8 @@ class EngineConfig:
             (m.load_format, LOAD_FORMATS),
             (m.quantization, QUANTIZATIONS),
             (c.kv_cache_dtype, KV_CACHE_DTYPES),
+            (m.task, TASKS),
+            (m.pooling, POOLINGS),
         ):
             _check(f in opts, f"{f!r} is not one of {', '.join(opts)}")
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")

@@ -16,6 +16,89 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # aborted by the caller (or the client went away)
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on a request's output: exactly one of a JSON schema (``json``: a dict or its
+    JSON text), any JSON object (``json_object``: an object, not any JSON value), a regular
+    expression (``regex``), one of a list of strings (``choice``) or an EBNF grammar
+    (``grammar``, xgrammar's GBNF dialect). Constrained sampling masks every token the
+    constraint cannot continue with; EOS is allowed only once the output is complete. Shapes
+    are checked here; whether the spec compiles is checked by the engine when the request is
+    added (a ``ValueError`` naming the reason)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        import json as _json
+
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        _need(
+            len(kinds) == 1,
+            "structured_outputs needs exactly one of json, regex, choice, grammar, json_object",
+            kinds,
+        )
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", _json.dumps(self.json))
+        _need(
+            self.json is None or isinstance(self.json, str),
+            "json must be a JSON schema (a dict or a string)",
+            type(self.json).__name__,
+        )
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            _need(v is None or (isinstance(v, str) and v), f"{name} must be a non-empty string", v)
+        if self.choice is not None:
+            _need(
+                isinstance(self.choice, (list, tuple))
+                and bool(self.choice)
+                and all(isinstance(c, str) and c for c in self.choice),
+                "choice must be a non-empty list of non-empty strings",
+                self.choice,
+            )
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        for k in ("json", "regex", "choice", "grammar"):
+            if getattr(self, k) is not None:
+                return k
+        return "json_object"
+
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what a compiled grammar is cached under."""
+        import json as _json
+
+        kind = self.kind
+        if kind == "choice":
+            return kind, _json.dumps(self.choice)
+        return kind, "" if kind == "json_object" else getattr(self, kind)
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request: the prompt's hidden states pooled into one vector (no tokens are
+    generated). ``pooling``: ``last`` (the last token's state, as Qwen3-Embedding) or ``mean``
+    (over every prompt token); None: the engine's ``--pooling``. ``normalize``: unit L2 norm.
+    ``dimensions``: keep the first d components (Matryoshka embeddings), before normalizing."""
+
+    pooling: str | None = None
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def __post_init__(self) -> None:
+        _need(self.pooling in (None, "last", "mean"), "pooling must be last or mean", self.pooling)
+        _need(
+            self.dimensions is None or (isinstance(self.dimensions, int) and self.dimensions >= 1),
+            "dimensions must be an integer >= 1",
+            self.dimensions,
+        )
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Invalid values raise ``ValueError`` at construction."""
@@ -41,8 +124,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Constrained output (JSON schema, regex, choice, grammar); a dict is read as its fields.
+    structured_outputs: StructuredOutputs | None = None
+    # Prefix-cache isolation: KV blocks are shared only between requests with the same salt.
+    cache_salt: str | None = None
+    # An embedding request (the engine sets max_tokens=1 and samples nothing).
+    pooling: PoolingParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs(**self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -122,6 +213,27 @@ class SamplingParams:
             )
         if self.seed is not None:
             _need(isinstance(self.seed, int), "seed must be an integer", self.seed)
+        _need(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+            "cache_salt must be a non-empty string",
+            self.cache_salt,
+        )
+        if self.structured_outputs is not None:
+            self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        _need(
+            isinstance(self.structured_outputs, StructuredOutputs),
+            "structured_outputs must be a StructuredOutputs",
+            type(self.structured_outputs).__name__,
+        )
+        # The grammar ends the output with EOS: neither may hold EOS back.
+        _need(not self.ignore_eos, "ignore_eos cannot be combined with structured_outputs", True)
+        _need(
+            self.min_tokens == 0,
+            "min_tokens cannot be combined with structured_outputs",
+            self.min_tokens,
+        )
 
     @property
     def greedy(self) -> bool:
@@ -242,6 +354,7 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    embedding: list[float] | None = None  # an embedding request's vector
 
 
 @dataclass

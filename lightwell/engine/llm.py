@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 
 from lightwell.config import EngineConfig
 from lightwell.engine.llm_engine import LLMEngine, PromptInput
-from lightwell.types import RequestOutput, SamplingParams
+from lightwell.types import PoolingParams, RequestOutput, SamplingParams
 
 Messages = list[dict[str, Any]]
 
@@ -62,6 +62,18 @@ class LLM:
         ]
         params = self._params_list(sampling_params, len(prompts))
         return self._run(prompts, params, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """The prompts' embeddings (``RequestOutput.embedding``), in input order; the engine
+        must have been made with ``task="embed"`` (or load an embedding architecture)."""
+        prompts = _as_prompt_list(prompts)
+        params = SamplingParams(pooling=pooling_params or PoolingParams())
+        return self._run(prompts, [params] * len(prompts), use_tqdm)
 
     def _params_list(
         self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int

@@ -21,6 +21,7 @@ from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.scheduler.request import Request
 from lightwell.scheduler.scheduler import Scheduler
 from lightwell.storage.object_store import store_options
+from lightwell.structured.manager import StructuredOutputManager
 from lightwell.types import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,10 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    grammar_compiles: int = 0  # structured output: grammars compiled
+    grammar_compile_seconds: float = 0.0
+    grammar_cache_queries: int = 0
+    grammar_cache_hits: int = 0
 
 
 class LLMEngine:
@@ -79,6 +84,11 @@ class LLMEngine:
         extra = self._eos_in_vocab(self.generation_defaults.pop("eos_token_ids", []))
         self._extra_eos = [t for t in dict.fromkeys(extra) if t != self.eos_token_id]
         self._ids = itertools.count()
+        self.task = resolve_task(self.config.model.task, self.model_info.architecture)
+        stops = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.model_info.vocab_size, stops, s.grammar_cache_size
+        )
 
     def _start_executor(self, config: EngineConfig) -> None:
         """Load the model, size the KV cache from what it left, then allocate the cache."""
@@ -178,7 +188,9 @@ class LLMEngine:
         params.check_vocab(self.model_info.vocab_size)
         if self.tokenizer is None and params.stop:
             raise ValueError("stop strings need a tokenizer; this engine has none")
+        params = self._for_task(params)
         params = self._with_engine_stops(params)
+        self.structured.validate(params)  # an uncompilable grammar is refused here
         arrival = time.time() if arrival_time is None else arrival_time
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -191,13 +203,35 @@ class LLMEngine:
                 req = Request(cid, token_ids, child_params, self.eos_token_id, arrival, share)
                 self.scheduler.add_request(req)
                 added.append(cid)
+                self.structured.add(cid, child_params)
         except Exception:
             self.scheduler.abort_requests(added)  # all or nothing
+            self.structured.remove(added)
             raise
         self.output_processor.add_request(
             request_id, child_ids, text, token_ids, params, arrival, final_only
         )
         return request_id
+
+    def _for_task(self, params: SamplingParams) -> SamplingParams:
+        """An embedding engine takes only embedding requests (made to compute the prompt and
+        stop), a generating engine only generation requests."""
+        import dataclasses
+
+        if self.task != "embed":
+            if params.pooling is not None:
+                raise ValueError("embeddings need an engine started with task='embed' (--task)")
+            return params
+        if params.pooling is None:
+            raise ValueError("this engine embeds (task='embed'): it does not generate text")
+        if params.n != 1:
+            raise ValueError("an embedding request has n=1")
+        pooling, width = params.pooling, self.model_info.hidden_size
+        if pooling.dimensions is not None and pooling.dimensions > width:
+            raise ValueError(f"dimensions={pooling.dimensions} is more than the model's {width}")
+        if pooling.pooling is None:
+            pooling = dataclasses.replace(pooling, pooling=self.config.model.pooling)
+        return SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, pooling=pooling)
 
     def _with_engine_stops(self, params: SamplingParams) -> SamplingParams:
         if not self._extra_eos or params.ignore_eos:
@@ -209,7 +243,9 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a request (all its n sequences) in any state; its KV blocks are freed now."""
-        self.scheduler.abort_requests(self.output_processor.child_ids(request_id))
+        child_ids = self.output_processor.child_ids(request_id)
+        self.scheduler.abort_requests(child_ids)
+        self.structured.remove(child_ids)
         return self.output_processor.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
@@ -230,6 +266,8 @@ class LLMEngine:
     def schedule(self) -> SchedulerOutput:
         """The next step's batch; its new requests' queue time ends now."""
         sched = self.scheduler.schedule()
+        if self.structured.active:
+            sched.grammar = self.structured.bitmask(sched, self.scheduler.requests)
         if sched.new_reqs:
             self.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
         return sched
@@ -241,13 +279,17 @@ class LLMEngine:
         if self._trace is not None:
             self._trace.record(sched, runner_out, self.scheduler)
         core_outputs = self.scheduler.update(sched, runner_out)
+        if self.structured.active:
+            self.structured.accept(core_outputs)
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.abort_requests(stopped, reason=FinishReason.STOP)
+        if self.structured.active:
+            self.structured.prune(self.scheduler.requests)
         return outputs
 
     def stats(self) -> EngineStats:
-        s = self.scheduler
+        s, g = self.scheduler, self.structured.stats
         return EngineStats(
             s.num_running,
             s.num_waiting,
@@ -255,6 +297,10 @@ class LLMEngine:
             s.prefix_cache_queries,
             s.prefix_cache_hits,
             s.num_preemptions,
+            g.compiles,
+            g.compile_seconds,
+            g.cache_queries,
+            g.cache_hits,
         )
 
     def default_sampling_params(self, **overrides: object) -> SamplingParams:
@@ -267,6 +313,14 @@ class LLMEngine:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+
+def resolve_task(task: str, architecture: str) -> str:
+    """auto: embed for a bare transformer (``Qwen3Model``: an embedding checkpoint), else
+    generate."""
+    if task != "auto":
+        return task
+    return "embed" if architecture.endswith("Model") else "generate"
 
 
 _GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -31,6 +31,7 @@ class _Parent:
     children: list[_Child] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -105,6 +106,8 @@ class OutputProcessor:
             parent = child.parent
             touched[parent.request_id] = parent
             parent.num_cached_tokens = max(parent.num_cached_tokens, co.num_cached_tokens)
+            if co.pooled is not None:
+                parent.embedding = co.pooled
             first_child = child is parent.children[0]
             if co.new_prompt_logprobs and parent.prompt_logprobs is not None and first_child:
                 parent.prompt_logprobs.extend(self._convert(co.new_prompt_logprobs))
@@ -168,6 +171,7 @@ class OutputProcessor:
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
             metrics=parent.metrics,
+            embedding=parent.embedding,
         )
 
 

@@ -9,7 +9,10 @@ At most two steps are in flight. The scheduler counts a token being sampled as a
 greedy and per-request-seeded tokens are those of the plain loop in ``LLMEngine.step``
 (unseeded rows draw from one shared random stream, which depends on the batch in either loop);
 a request that stops on EOS or a stop string computes one extra token, which
-``Scheduler.update`` drops (the request is gone by then, even if its id is reused). The control
+``Scheduler.update`` drops (the request is gone by then, even if its id is reused).
+While a structured-output request is alive the loop runs one step at a time: each step is
+scheduled after the previous one's tokens are applied, since a grammar's token mask depends on
+the token before. The control
 plane stays torch-free: a launched step is an opaque handle with ``result()``.
 """
 
@@ -35,6 +38,10 @@ class OverlapLoop:
 
     def step(self) -> list[RequestOutput]:
         e = self.engine
+        if self.in_flight and e.structured.active:
+            # A grammar's mask needs the previous token: no step is scheduled past one in flight.
+            done, handle = self.in_flight.popleft()
+            return e.finish_step(done, handle.result())
         sched = e.schedule()
         launched = bool(sched.total_num_scheduled_tokens)
         if launched or sched.finished_req_ids:

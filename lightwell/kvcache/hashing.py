@@ -5,6 +5,10 @@ root in place of the parent for block 0. A block hash therefore names the whole 
 including that block, not just its own tokens: two sequences share block ``i``'s hash only if they
 share every token of blocks ``0..i``. Only full blocks are hashed; a partial last block never is.
 
+Isolation: a request's ``cache_salt`` (a tenant's secret, say) replaces the root by a hash of
+the root and the salt, so every block hash of a salted prefix differs from the unsalted one's and
+from any other salt's: blocks are shared only between requests with the same salt (or none).
+
 Determinism: Python randomizes the hashes of ``str`` and ``bytes`` per process
 (``PYTHONHASHSEED``), but not of ``int`` or of tuples of ints, so these hashes are stable within
 one process and across processes of one Python build. The prefix cache lives in one process (the
@@ -21,10 +25,20 @@ over the token bytes).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 # Parent "hash" of the first block: any fixed int works; this one is an arbitrary 61-bit constant.
 ROOT_HASH = 0x1B873593_5C4BB2A1 & ((1 << 61) - 1)
+
+
+def root_hash(cache_salt: str | None = None) -> int:
+    """The parent of the first block: ``ROOT_HASH``, or one derived from a cache salt (blake2b,
+    so the salt's hash does not depend on the process)."""
+    if cache_salt is None:
+        return ROOT_HASH
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"lw-salt").digest()
+    return hash((ROOT_HASH, int.from_bytes(digest, "little")))
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
@@ -34,7 +48,10 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 def extend_block_hashes(
-    block_hashes: list[int], token_ids: Sequence[int], block_size: int
+    block_hashes: list[int],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
 ) -> list[int]:
     """Append to ``block_hashes`` the hashes of the full blocks of ``token_ids`` it lacks.
 
@@ -42,13 +59,15 @@ def extend_block_hashes(
     ``token_ids``; the work done is proportional to the newly full blocks only. Returns the list.
     """
     num_full = len(token_ids) // block_size
-    parent = block_hashes[-1] if block_hashes else None
+    parent = block_hashes[-1] if block_hashes else root_hash(cache_salt)
     for i in range(len(block_hashes), num_full):
         parent = hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size])
         block_hashes.append(parent)
     return block_hashes
 
 
-def compute_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def compute_block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[int]:
     """Hashes of every full block of ``token_ids``, in order."""
-    return extend_block_hashes([], token_ids, block_size)
+    return extend_block_hashes([], token_ids, block_size, cache_salt)

@@ -137,5 +137,6 @@ class KVCacheManager:
 
     def _sync_hashes(self, request: Request) -> list[int]:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
-            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+            salt = request.sampling_params.cache_salt
+            extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, salt)
         return request.block_hashes

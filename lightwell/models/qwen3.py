@@ -8,6 +8,7 @@ parallelism leaves them whole); ``head_dim`` is explicit in the config and usual
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -45,3 +46,17 @@ class Qwen3Attention(LlamaAttention):
 class Qwen3ForCausalLM(LlamaForCausalLM):
     def build_model(self, hf_config: Any, quant_method: QuantMethod | None) -> nn.Module:
         return LlamaModel(hf_config, quant_method, attention_cls=Qwen3Attention)
+
+
+class Qwen3Model(Qwen3ForCausalLM):
+    """The bare Qwen3 transformer (Qwen3-Embedding's architecture): no LM head in the
+    checkpoint, tensor names without the ``model.`` prefix. Served with --task embed; the head
+    is tied to the embedding so that the class stays a Qwen3ForCausalLM (never sampled from)."""
+
+    def __init__(self, hf_config: Any, quant_method: QuantMethod | None = None):
+        hf_config.tie_word_embeddings = True
+        super().__init__(hf_config, quant_method)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        prefixed = ((n if n.startswith("model.") else f"model.{n}", w) for n, w in weights)
+        return super().load_weights(prefixed)

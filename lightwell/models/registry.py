@@ -13,6 +13,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("lightwell.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("lightwell.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("lightwell.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3Model": ("lightwell.models.qwen3", "Qwen3Model"),  # embeddings (Qwen3-Embedding)
     "MiniCPMForCausalLM": ("lightwell.models.minicpm", "MiniCPMForCausalLM"),
     "CohereForCausalLM": ("lightwell.models.cohere", "CohereForCausalLM"),
     "MixtralForCausalLM": ("lightwell.models.mixtral", "MixtralForCausalLM"),

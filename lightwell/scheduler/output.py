@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lightwell.types import FinishReason, SamplingParams
 
@@ -31,6 +32,16 @@ class CachedRequestData:
 
 
 @dataclass
+class GrammarBitmask:
+    """Structured output: the tokens each constrained row of a step may sample (bit ``t % 32``
+    of word ``t // 32`` of row g set = token t allowed); filled by the engine, applied by the
+    sampler. The one array in these messages (numpy on the host, not a torch tensor)."""
+
+    req_ids: list[str]  # row g's request
+    bitmask: Any  # [G, ceil(V / 32)] int32 numpy array
+
+
+@dataclass
 class SchedulerOutput:
     new_reqs: list[NewRequestData]
     cached_reqs: list[CachedRequestData]
@@ -42,6 +53,8 @@ class SchedulerOutput:
     # The scheduler's serial number of this step (async scheduling: ties update() to the
     # requests that were scheduled, not to whatever request holds the same id by then).
     step_id: int = -1
+    # Structured output: the allowed tokens of the constrained rows that sample this step.
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -64,6 +77,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Prompt logprobs for the prompt positions computed this step (chunked: in pieces).
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Embedding requests whose prompt finished this step: their pooled hidden state.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
     # How the step ran on the driving rank: "graph decode B" / "graph mixed T" (a CUDA graph
     # of that size), "eager", "eager split" (micro-batches), "" (no forward); --step-trace
     path: str = ""
@@ -80,6 +95,7 @@ class EngineCoreOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    pooled: list[float] | None = None  # an embedding request's vector
 
     @property
     def finished(self) -> bool:

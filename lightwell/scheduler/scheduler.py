@@ -232,7 +232,8 @@ class Scheduler:
         """Try to schedule the head of the waiting queue; False leaves everything unchanged."""
         hits: list[KVBlock] = []
         num_hit_tokens = 0
-        if request.sampling_params.prompt_logprobs is None:
+        params = request.sampling_params
+        if params.prompt_logprobs is None and params.pooling is None:  # both need every state
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
         n = request.num_tokens - num_hit_tokens
         if not self.enable_chunked_prefill and n > batch.budget:
@@ -293,6 +294,7 @@ class Scheduler:
                 0, request.num_output_placeholders - len(token_ids)
             )
             output = self._append_tokens(request, token_ids, runner_output.logprobs.get(req_id))
+            output.pooled = runner_output.pooled.get(req_id)
             output.new_prompt_logprobs = self._take_prompt_logprobs(
                 request, starts.get(req_id), runner_output.prompt_logprobs.get(req_id)
             )

@@ -40,9 +40,13 @@ from lightwell.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from lightwell.server.protocol_embeddings import EmbeddingRequest, EmbeddingResponse
+from lightwell.server.protocol_responses import ResponseObject, ResponsesRequest
 from lightwell.server.serving_chat import chat_prompt_ids, create_chat_completion
 from lightwell.server.serving_common import APIError, ServingContext, bad_request, engine_dead
 from lightwell.server.serving_completions import create_completion
+from lightwell.server.serving_embeddings import create_embedding
+from lightwell.server.serving_responses import create_response
 
 logger = logging.getLogger("lightwell.server")
 
@@ -59,9 +63,12 @@ def build_app(
     metrics: ServerMetrics,
     api_key: str | None = None,
     stats_interval: float = 10.0,
+    tool_call_parser: str = "auto",
+    aliases: tuple[str, ...] = (),
 ) -> FastAPI:
-    """The app serving ``engine`` as ``model_name``; ``metrics`` must be attached to it."""
-    ctx = ServingContext(engine, model_name)
+    """The app serving ``engine`` as ``model_name`` (and ``aliases``, also accepted and
+    listed); ``metrics`` must be attached to it."""
+    ctx = ServingContext(engine, model_name, tool_call_parser, tuple(aliases))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -101,14 +108,22 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return _respond(await create_chat_completion(ctx, req, raw))
 
+    @router.post("/responses", response_model=ResponseObject)
+    async def responses(req: ResponsesRequest, raw: Request) -> ResponseObject:
+        return await create_response(ctx, req, raw)
+
+    @router.post("/embeddings", response_model=EmbeddingResponse)
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> EmbeddingResponse:
+        return await create_embedding(ctx, req, raw)
+
     @router.get("/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[_card(ctx)])
+        return ModelList(data=[_card(ctx, name) for name in (ctx.model_name, *ctx.aliases)])
 
     @router.get("/models/{model:path}", response_model=ModelCard)
     async def model(model: str) -> ModelCard:
         ctx.check_model(model)
-        return _card(ctx)
+        return _card(ctx, model)
 
     return router
 
@@ -169,10 +184,10 @@ class BannerServer(uvicorn.Server):
             print(self.banner, flush=True)
 
 
-def _card(ctx: ServingContext) -> ModelCard:
+def _card(ctx: ServingContext, name: str) -> ModelCard:
     files = ctx.engine.engine.files
     root = files.path if files is not None else None
-    return ModelCard(id=ctx.model_name, root=root, max_model_len=ctx.max_model_len)
+    return ModelCard(id=name, root=root, max_model_len=ctx.max_model_len)
 
 
 def _respond(result: BaseModel | Response) -> Response:

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from lightwell.cli_args import add_engine_args, engine_config_from_args
+from lightwell.server.tool_parsers import PARSER_CHOICES
 
 logger = logging.getLogger("lightwell.server")
 
@@ -33,8 +34,20 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="The model name clients send and see (default: the model's own name).",
+        help="The model name clients send and see (default: the model's own name); several "
+        "names are aliases of one model, all accepted and listed by /v1/models, the first is "
+        "the one responses and metrics carry.",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=PARSER_CHOICES,
+        help="How the model's tool calls are read from its text under tool_choice 'auto': "
+        "hermes (Hermes, Qwen2.5, Qwen3 <tool_call> JSON), llama3_json (Llama 3.1+), mistral "
+        "([TOOL_CALLS]); auto: the format the chat template writes, if it names one; none: "
+        "never parsed. tool_choice 'required' and named functions need no parser.",
     )
     p.add_argument(
         "--log-level",
@@ -76,13 +89,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         use_json_logs()
     t0 = time.perf_counter()
     engine = LLMEngine(engine_config_from_args(args).replace(serving=True))
-    name = args.served_model_name or (engine.files.name if engine.files else engine.model_info.name)
+    names = args.served_model_name or [
+        engine.files.name if engine.files else engine.model_info.name
+    ]
+    name, aliases = names[0], tuple(dict.fromkeys(n for n in names[1:] if n != names[0]))
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(
         engine, on_finished=metrics.observe_finished, on_step=metrics.observe_step
     )
     metrics.attach(lambda: async_engine.stats)
-    app = build_app(async_engine, name, metrics, args.api_key, args.stats_interval)
+    app = build_app(
+        async_engine,
+        name,
+        metrics,
+        args.api_key,
+        args.stats_interval,
+        args.tool_call_parser,
+        aliases,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,

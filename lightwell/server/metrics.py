@@ -206,6 +206,31 @@ class _EngineCollector(Collector):
                 s.num_preemptions,
                 CounterMetricFamily,
             ),
+            (
+                "grammar_compiles",
+                "Structured-output grammars compiled (cache misses).",
+                s.grammar_compiles,
+                CounterMetricFamily,
+            ),
+            (
+                "grammar_compile_seconds",
+                "Seconds spent compiling structured-output grammars.",
+                s.grammar_compile_seconds,
+                CounterMetricFamily,
+            ),
+            (
+                "grammar_cache_queries",
+                "Structured-output grammar lookups (one per constrained sequence, plus one "
+                "per request at validation).",
+                s.grammar_cache_queries,
+                CounterMetricFamily,
+            ),
+            (
+                "grammar_cache_hits",
+                "Structured-output grammar lookups served by the compiled-grammar cache.",
+                s.grammar_cache_hits,
+                CounterMetricFamily,
+            ),
         ):
             metric = family(P + name, doc, labels=["model_name"])
             metric.add_metric(labels, float(value))

@@ -3,7 +3,7 @@
 Requests are strict (no type coercion: ``"0.5"`` is not a number) and closed: an unknown field
 is a 400 naming it, never silently ignored. OpenAI fields that Lightwell does not implement are
 declared only so that they can be refused with a precise message unless they hold their
-harmless default (``tools: []``, ``response_format: {"type": "text"}`` ...). A few fields that
+harmless default (``tools: []``, ``audio: null`` ...). A few fields that
 cannot change the generated tokens are accepted and ignored: ``user``, ``metadata``,
 ``service_tier``, ``safety_identifier``, ``prompt_cache_key``, ``parallel_tool_calls``,
 ``stream_options.include_obfuscation``. docs/serving.md lists every field.
@@ -14,26 +14,30 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+
+from lightwell.server.protocol_tools import (
+    STRUCTURED_FIELDS,
+    DeltaToolCall,
+    ParamError,
+    ResponseFormat,
+    StructuredOutputsRequest,
+    ToolCall,
+    ToolCallIn,
+    ToolChoice,
+    ToolDef,
+    _Request,
+    check_tools,
+    structured_spec,
+    template_tool_call,
+    tool_mode,
+)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-class ParamError(ValueError):
-    """A request field with an invalid or unsupported value; ``param`` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
-        self.message = message
-
-
 def _refuse(name: str, why: str = "") -> ParamError:
     return ParamError(name, f"'{name}' is not supported by this server{why}")
-
-
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Request):
@@ -63,12 +67,20 @@ class SamplingRequest(_Request):
     skip_special_tokens: bool | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Structured output: OpenAI's response_format, and vLLM's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # Accepted and ignored: none of these can change the generated tokens.
     user: str | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    cache_salt: str | None = None  # prefix-cache isolation (vLLM)
 
     @field_validator("logit_bias")
     @classmethod
@@ -82,11 +94,17 @@ class SamplingRequest(_Request):
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        self.structured_spec()  # at most one constraining field
         return self
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def structured_spec(self) -> tuple[str, dict[str, Any]] | None:
+        """(the field used, StructuredOutputs keyword arguments), or None when the output is
+        free. More than one constraining field is a 400."""
+        return structured_spec({f: getattr(self, f) for f in STRUCTURED_FIELDS})
 
 
 class CompletionRequest(SamplingRequest):
@@ -106,8 +124,12 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != (self.n or 1):
-            raise _refuse("best_of", " unless it equals n")
+        if self.best_of is not None and self.best_of < (self.n or 1):
+            raise ParamError("best_of", "best_of must be >= n")
+        if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
+            raise ParamError("best_of", "best_of > n cannot be streamed")
+        if self.best_of is not None and self.best_of > 128:
+            raise ParamError("best_of", "best_of must be <= 128")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ParamError("prompt", "prompt must not be an empty list")
         return self
@@ -128,9 +150,19 @@ class TextContentPart(_Request):
 
 
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ParamError("messages", "only assistant messages carry tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ParamError("messages", "a tool message needs tool_call_id")
+        return self
 
     def to_template(self) -> dict[str, Any]:
         """The message as the chat template sees it (developer is the system role)."""
@@ -143,16 +175,17 @@ class ChatMessage(_Request):
         }
         if self.name is not None:
             msg["name"] = self.name
+        if self.tool_call_id is not None:
+            msg["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:  # templates read the arguments as an object (as vLLM passes them)
+            msg["tool_calls"] = [template_tool_call(c) for c in self.tool_calls]
         return msg
 
 
 # Chat fields that Lightwell refuses unless they hold a value that changes nothing.
 _CHAT_HARMLESS: dict[str, Any] = {
-    "tools": lambda v: not v,
     "functions": lambda v: not v,
-    "tool_choice": lambda v: v in (None, "none"),
     "function_call": lambda v: v in (None, "none"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "modalities": lambda v: v is None or v == ["text"],
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -169,12 +202,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    parallel_tool_calls: bool | None = None  # accepted, ignored: tools are refused anyway
-    tools: Any = None
+    parallel_tool_calls: bool | None = None  # False: at most one tool call
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
     functions: Any = None
-    tool_choice: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -190,7 +222,13 @@ class ChatCompletionRequest(SamplingRequest):
                 raise _refuse(name)
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
+        check_tools(self.tools, self.tool_choice, self.tool_mode, self.structured_spec())
         return self
+
+    @property
+    def tool_mode(self) -> str:
+        """none (no tools), auto, required or named (a function's name in tool_choice)."""
+        return tool_mode(self.tools, self.tool_choice)
 
     @property
     def max_output_tokens(self) -> int | None:
@@ -277,6 +315,7 @@ class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -299,6 +338,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lightwell.engine.async_engine import EngineDeadError
+from lightwell.server import serving_tools as tools
 from lightwell.server.protocol import (
     ChatChoice,
     ChatChoiceLogprobs,
@@ -33,6 +34,7 @@ from lightwell.server.serving_common import (
     bad_request,
     check_prompt_fits,
     collect,
+    compile_grammar,
     engine_dead,
     finish_reason,
     merged,
@@ -48,12 +50,15 @@ from lightwell.server.serving_common import (
 from lightwell.types import CompletionOutput, PositionLogprobs, RequestOutput
 
 
-def chat_prompt_ids(ctx: ServingContext, messages: list[ChatMessage], add_gen: bool) -> list[int]:
-    """The model's chat template applied to the messages; template errors are 400s."""
+def chat_prompt_ids(
+    ctx: ServingContext, messages: list[ChatMessage], add_gen: bool, tools: list | None = None
+) -> list[int]:
+    """The model's chat template applied to the messages (and tools); template errors are 400s."""
     rendered = [m.to_template() for m in messages]
     tokenizer = ctx.tokenizer
+    kw = {} if tools is None else {"tools": tools}
     try:
-        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_gen)
+        return tokenizer.apply_chat_template(rendered, add_generation_prompt=add_gen, **kw)
     except Exception as e:  # noqa: BLE001 - Jinja raises its own types; all are the client's
         raise bad_request(f"could not apply the chat template: {e}", param="messages") from None
 
@@ -62,30 +67,49 @@ async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw: Request
 ) -> ChatCompletionResponse | Response:
     ctx.check_model(req.model)
-    prompt_ids = chat_prompt_ids(ctx, req.messages, add_gen=True)
+    setup = _tool_setup(ctx, req)
+    prompt_ids = chat_prompt_ids(ctx, req.messages, True, tools.template_tools(req))
     check_prompt_fits(ctx, len(prompt_ids), req.max_output_tokens, "messages")
+    keep_special = setup.parser is not None and setup.parser.needs_special_tokens
     params = sampling_params(
         ctx,
         req,
         max_tokens=req.max_output_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        structured_outputs=tools.tool_constraint(req, setup),
+        skip_special_tokens=False if keep_special and req.skip_special_tokens is None else None,
+    )
+    await compile_grammar(
+        ctx, req, params, "tools" if setup.mode in ("required", "named") else None
     )
     request_id = new_id("chatcmpl")
     streams = await submit(ctx, request_id, [prompt_ids], params, stream=bool(req.stream))
     if req.stream:
-        return SSEResponse(_stream(ctx, req, request_id, streams))
+        return SSEResponse(_stream(ctx, req, request_id, streams, setup))
     (final,) = await until_disconnect(raw, collect(ctx, streams))
-    choices = [
-        ChatChoice(
-            index=c.index,
-            message=ChatResponseMessage(content=c.text),
-            logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs) if req.logprobs else None,
-            finish_reason=finish_reason(c.finish_reason),
-        )
-        for c in final.outputs
-    ]
+    choices = [_choice(ctx, req, setup, c) for c in final.outputs]
     return ChatCompletionResponse(
         id=request_id, model=ctx.model_name, choices=choices, usage=usage([final])
+    )
+
+
+def _tool_setup(ctx: ServingContext, req: ChatCompletionRequest) -> tools.ToolSetup:
+    template = ctx.tokenizer.chat_template if req.tool_mode == "auto" else None
+    try:
+        return tools.tool_setup(req, ctx.tool_call_parser, template)
+    except ValueError as e:
+        raise bad_request(str(e), param="tool_choice") from None
+
+
+def _choice(
+    ctx: ServingContext, req: ChatCompletionRequest, setup: tools.ToolSetup, c: CompletionOutput
+) -> ChatChoice:
+    parsed = tools.parse_output(setup, c.text)
+    return ChatChoice(
+        index=c.index,
+        message=ChatResponseMessage(content=parsed.content, tool_calls=tools.tool_calls(parsed)),
+        logprobs=_logprobs(ctx, req, c.token_ids, c.logprobs) if req.logprobs else None,
+        finish_reason=tools.finish_reason(setup, parsed, finish_reason(c.finish_reason)),
     )
 
 
@@ -123,20 +147,26 @@ class _ChoiceState:
     tokens: int = 0
     started: bool = False  # the role was sent (with the first text)
     done: bool = False
+    tools: tools.ToolStream | None = None  # tool calling: the text goes through it
 
 
 @dataclass
 class _StreamState:
     request_id: str
     include_usage: bool
+    setup: tools.ToolSetup
     choices: dict[int, _ChoiceState] = field(default_factory=dict)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
 async def _stream(
-    ctx: ServingContext, req: ChatCompletionRequest, request_id: str, streams: list
+    ctx: ServingContext,
+    req: ChatCompletionRequest,
+    request_id: str,
+    streams: list,
+    setup: tools.ToolSetup,
 ) -> AsyncIterator[bytes]:
-    state = _StreamState(request_id, req.include_usage)
+    state = _StreamState(request_id, req.include_usage, setup)
     final: RequestOutput | None = None
     try:
         async with contextlib.aclosing(merged(ctx, streams)) as outputs:
@@ -156,22 +186,31 @@ async def _stream(
 def _delta_choice(
     ctx: ServingContext, req: ChatCompletionRequest, c: CompletionOutput, state: _StreamState
 ) -> ChatStreamChoice | None:
-    st = state.choices.setdefault(c.index, _ChoiceState())
-    delta_text = c.text[st.chars :]
+    st = state.choices.get(c.index)
+    if st is None:
+        st = state.choices[c.index] = _ChoiceState()
+        if state.setup.mode != "none":
+            st.tools = tools.ToolStream(state.setup)
+    delta_text, calls = c.text[st.chars :], None
     if st.done or (not delta_text and not c.finished):
         return None  # nothing new, or text held back (partial character / possible stop)
-    if st.started:
-        delta = DeltaMessage(content=delta_text) if delta_text else DeltaMessage()
-    else:  # the first chunk of a choice carries the role and the first text together
-        delta = DeltaMessage(role="assistant", content=delta_text)
+    if st.tools is not None:
+        delta_text, calls = st.tools.delta(c.text, c.finished)
+        if not delta_text and not calls and not c.finished:
+            return None  # held back: maybe the start of a tool call
+    delta = DeltaMessage(content=delta_text or None, tool_calls=calls)
+    if not st.started:  # the first chunk of a choice carries the role and the first text
+        delta.role = "assistant"
+        delta.content = delta_text or ("" if calls is None else None)
     logprobs = None
     if req.logprobs:
         new_lps = (c.logprobs or [])[st.tokens :]
         logprobs = _logprobs(ctx, req, c.token_ids[st.tokens :], new_lps)
     st.chars, st.tokens, st.started, st.done = len(c.text), len(c.token_ids), True, c.finished
-    return ChatStreamChoice(
-        index=c.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason(c.finish_reason)
-    )
+    reason = finish_reason(c.finish_reason)
+    if st.tools is not None and st.tools.parsed is not None:
+        reason = tools.finish_reason(state.setup, st.tools.parsed, reason)
+    return ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs, finish_reason=reason)
 
 
 def _chunk(ctx: ServingContext, state: _StreamState, choices: list, use: Any) -> bytes:

@@ -18,7 +18,13 @@ from starlette.types import Receive, Scope, Send
 from lightwell.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from lightwell.server.observability import DISCONNECTED, current_request_id, note_stream_error
 from lightwell.server.protocol import PromptTokensDetails, SamplingRequest, UsageInfo
-from lightwell.types import FinishReason, Logprob, RequestOutput, SamplingParams
+from lightwell.types import (
+    FinishReason,
+    Logprob,
+    RequestOutput,
+    SamplingParams,
+    StructuredOutputs,
+)
 
 T = TypeVar("T")
 
@@ -39,6 +45,7 @@ _SAMPLING_FIELDS = (
     "ignore_eos",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "cache_salt",
 )
 
 
@@ -75,6 +82,8 @@ class ServingContext:
 
     engine: AsyncEngine
     model_name: str
+    tool_call_parser: str = "auto"  # --tool-call-parser
+    aliases: tuple[str, ...] = ()  # further names of --served-model-name, accepted in `model`
 
     @property
     def tokenizer(self) -> Any:
@@ -104,7 +113,7 @@ class ServingContext:
         return self.engine.engine.max_model_len
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.aliases:
             raise APIError(
                 404,
                 f"The model '{model}' does not exist; this server serves '{self.model_name}'",
@@ -124,10 +133,34 @@ def sampling_params(ctx: ServingContext, req: SamplingRequest, **overrides: Any)
     if req.logit_bias:
         kw["logit_bias"] = {int(k): v for k, v in req.logit_bias.items()}
     kw.update({k: v for k, v in overrides.items() if v is not None or k == "max_tokens"})
+    structured = req.structured_spec()
+    if structured is not None:
+        field, spec = structured
+        try:
+            kw["structured_outputs"] = StructuredOutputs(**spec)
+        except ValueError as e:
+            raise bad_request(f"{field}: {e}", param=field) from None
     try:
         return ctx.engine.engine.default_sampling_params(**kw)
     except (ValueError, TypeError) as e:
         raise bad_request(str(e), param=param_in(str(e))) from None
+
+
+async def compile_grammar(
+    ctx: ServingContext, req: SamplingRequest, params: SamplingParams, field: str | None = None
+) -> None:
+    """Compile the request's grammar (structured output) off the event loop, before queueing:
+    one the engine cannot compile is a 400 that says why; the engine then finds it cached."""
+    if params.structured_outputs is None:
+        return
+    ctx.require_text()
+    try:
+        await asyncio.to_thread(ctx.engine.engine.structured.validate, params)
+    except ValueError as e:
+        if field is None:
+            structured = req.structured_spec()
+            field = structured[0] if structured else "structured_outputs"
+        raise bad_request(f"{field}: {e}", param=field) from None
 
 
 _PARAMS = {*_SAMPLING_FIELDS, "logit_bias", "max_tokens", "logprobs", "prompt_logprobs", "prompt"}

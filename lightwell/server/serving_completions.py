@@ -24,6 +24,7 @@ from lightwell.server.serving_common import (
     bad_request,
     check_prompt_fits,
     collect,
+    compile_grammar,
     engine_dead,
     finish_reason,
     merged,
@@ -56,24 +57,27 @@ async def create_completion(
     for p in prompts:
         check_prompt_fits(ctx, len(p.token_ids), explicit_max, "prompt")
     echo_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    best_of = req.best_of if req.best_of is not None and req.best_of > (req.n or 1) else None
     params = sampling_params(
         ctx,
         req,
         max_tokens=req.max_tokens,
-        logprobs=req.logprobs,
+        logprobs=req.logprobs if best_of is None else (req.logprobs or 0),  # ranks best_of
         prompt_logprobs=echo_logprobs,
+        n=best_of,
     )
+    await compile_grammar(ctx, req, params)
     request_id = new_id("cmpl")
     token_ids = [p.token_ids for p in prompts]
     streams = await submit(ctx, request_id, token_ids, params, stream=bool(req.stream))
     if req.stream:
         return SSEResponse(_stream(ctx, req, request_id, prompts, streams))
     finals = await until_disconnect(raw, collect(ctx, streams))
-    n = params.n
+    n = req.n or 1
     choices = [
-        _choice(ctx, req, prompts[i], out, c, i * n + c.index)
+        _choice(ctx, req, prompts[i], out, c, i * n + j)
         for i, out in enumerate(finals)
-        for c in out.outputs
+        for j, c in enumerate(_best(out.outputs, n))
     ]
     return CompletionResponse(
         id=request_id, model=ctx.model_name, choices=choices, usage=usage(finals)
@@ -94,6 +98,13 @@ def _prompt_text(ctx: ServingContext, p: _Prompt) -> str:
     if p.text is not None:
         return p.text
     return ctx.tokenizer.decode(p.token_ids, skip_special_tokens=False)
+
+
+def _best(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """best_of > n: the n samples of highest cumulative logprob, best first."""
+    if len(outputs) <= n:
+        return outputs
+    return sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
 
 
 def _choice(

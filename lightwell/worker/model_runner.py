@@ -17,12 +17,14 @@ from lightwell.dual_stream import DualStream
 from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
 from lightwell.quant.kv_cache import cache_dtype, stored_head_size
-from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
+from lightwell.worker.pooling import Pooler, take_pooled
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
+from lightwell.worker.structured_output import grammar_mask
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,7 @@ class ModelRunner:
         self.kv_dtype = cache_dtype(kv_cache_dtype, dtype)
         self.batch = InputBatch(block_size, device, max_positions=rope_table_length(model))
         self.sampler = Sampler()
+        self.pooler = Pooler()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
@@ -183,6 +186,7 @@ class ModelRunner:
         step N is still sampling are taken from its token tensor on the device.
         """
         self.batch.apply(sched)
+        self.pooler.forget(sched.finished_req_ids)
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep(ModelRunnerOutput())
         inp = self.batch.prepare(sched)
@@ -197,8 +201,11 @@ class ModelRunner:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta, split)  # [T, H]
             path = "eager split" if split else "eager"
         pending = PendingStep(ModelRunnerOutput(path=path))
+        if any(self.batch.requests[r].sampling_params.pooling for r in inp.req_ids):
+            pooled = self.pooler.step(inp, hidden, self.batch.requests)
+            take_pooled(inp, pooled, pending.out if self.is_driver else None, self.batch.requests)
         if inp.sample_req_ids:
-            self._sample(inp, hidden, pending)
+            self._sample(inp, hidden, pending, sched.grammar)
         if inp.prompt_logprob_rows:
             self._prompt_logprobs(inp, hidden, pending.out)
         return pending
@@ -236,7 +243,13 @@ class ModelRunner:
         """The step runs as micro-batches (--dual-stream)."""
         return self.overlap is not None and self.overlap.applies(meta)
 
-    def _sample(self, inp: ModelInput, hidden: torch.Tensor, pending: PendingStep) -> None:
+    def _sample(
+        self,
+        inp: ModelInput,
+        hidden: torch.Tensor,
+        pending: PendingStep,
+        grammar: GrammarBitmask | None = None,
+    ) -> None:
         if self._sharded_greedy(inp):
             tokens = self.model.greedy_tokens(hidden[inp.logits_indices])  # [S], every rank
             self._last_sampled = (inp.sample_req_ids, tokens)
@@ -250,7 +263,7 @@ class ModelRunner:
                 self._last_sampled = (inp.sample_req_ids, tp_broadcast(tokens))
             return
         try:
-            result = self._run_sampler(inp, logits)
+            result = self._run_sampler(inp, logits, grammar)
         except BaseException:
             if self.share_sampled_tokens:  # keep the ranks' collectives paired: the step
                 # fails here, and its requests are aborted, so these tokens are never used
@@ -280,7 +293,9 @@ class ModelRunner:
             for r, n_out in zip(inp.sample_req_ids, inp.num_outputs)
         )
 
-    def _run_sampler(self, inp: ModelInput, logits: torch.Tensor) -> SamplerOutput:
+    def _run_sampler(
+        self, inp: ModelInput, logits: torch.Tensor, grammar: GrammarBitmask | None = None
+    ) -> SamplerOutput:
         # logits: [S, V]
         states = [self.batch.requests[r] for r in inp.sample_req_ids]
         params = [s.sampling_params for s in states]
@@ -299,6 +314,8 @@ class ModelRunner:
             self.device,
             self.generator,
         )
+        if grammar is not None:
+            meta.grammar = grammar_mask(grammar, inp.sample_req_ids, self.device)
         return self.sampler(logits, meta)
 
     def _output_histories(self, inp: ModelInput, states: list) -> list[list[int]]:

@@ -16,6 +16,7 @@ from lightwell.scheduler.output import TokenLogprobs
 from lightwell.worker import logits_processors as lp
 from lightwell.worker.logprobs import prompt_logprobs, sampled_logprobs, to_token_logprobs
 from lightwell.worker.sampling_metadata import SamplingMetadata
+from lightwell.worker.structured_output import apply_grammar_mask
 
 
 @dataclass
@@ -50,6 +51,8 @@ class Sampler:
         raw_logprobs = None
         if meta.max_num_logprobs is not None:
             raw_logprobs = logits.log_softmax(dim=-1)  # [R, V], before any processing
+        if meta.grammar is not None:  # structured output: disallowed tokens to -inf first
+            logits = apply_grammar_mask(logits, meta.grammar)
         logits = lp.apply_min_tokens(logits, meta)
         logits = lp.apply_logit_bias(logits, meta)
         if meta.any_penalties:

@@ -13,6 +13,7 @@ import torch
 
 from lightwell.types import SamplingParams
 from lightwell.worker.input_batch import to_device
+from lightwell.worker.structured_output import GrammarMask
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -51,6 +52,8 @@ class SamplingMetadata:
     generator: torch.Generator | None  # for unseeded rows; None = the global RNG
     num_logprobs: list[int | None]  # per row: top alternatives wanted (None = no logprobs)
     max_num_logprobs: int | None  # None when no row wants logprobs
+    # Structured output: the constrained rows' allowed tokens (set by the model runner).
+    grammar: GrammarMask | None = None
 
 
 def build_sampling_metadata(
@@ -99,13 +102,15 @@ def build_sampling_metadata(
 def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
     """Whether the sampler's token for this row is the argmax of the raw logits: greedy, and
     none of what ``Sampler`` applies to a greedy row's logits (min_tokens still in force, logit
-    bias, penalties) nor wants from them (logprobs). Keep in step with ``Sampler.__call__``:
-    tensor-parallel steps of such rows skip it (``ModelRunner._sharded_greedy``)."""
+    bias, penalties, a grammar) nor wants from them (logprobs). Keep in step with
+    ``Sampler.__call__``: tensor-parallel steps of such rows skip it
+    (``ModelRunner._sharded_greedy``)."""
     return (
         params.greedy
         and params.logprobs is None
         and not params.logit_bias
         and not params.uses_penalties
+        and params.structured_outputs is None
         and num_outputs >= params.min_tokens
     )
 

@@ -40,6 +40,7 @@ class ModelInfo:
     hidden_size: int = 0
     tie_word_embeddings: bool = False
     extra: dict = field(default_factory=dict)
+    hidden_size: int = 0  # the width of an embedding (--task embed)
 
 
 def pick_device(choice: str, index: int | None = None) -> torch.device:

@@ -89,3 +89,42 @@ def test_abort_with_steps_in_flight(engines):
                 finished = out
     assert finished is not None and len(finished.outputs[0].token_ids) == 50
     assert engine.scheduler.num_free_blocks == engine.num_kv_blocks
+
+
+def test_constrained_requests_under_preemption_in_both_loops(engines):
+    """JSON-schema requests (greedy, seeded n=2) beside free ones, in a cache that preempts:
+    each matcher follows its request through recomputation, the overlapped loop runs them one
+    step at a time and gives the plain loop's tokens, and every constrained output validates."""
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}, "rank": {"enum": [1, 2, 3]}},
+        "required": ["city", "rank"],
+        "additionalProperties": False,
+    }
+    so = {"json": schema}
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=so),
+        SamplingParams(temperature=1.0, seed=9, n=2, max_tokens=24, structured_outputs=so),
+        SamplingParams(temperature=0, max_tokens=8),
+        SamplingParams(temperature=0, max_tokens=4, structured_outputs={"choice": ["A", "B"]}),
+    ]
+    # ~55-token prompts: 5 sequences cannot all keep their blocks in 12 x 16 slots
+    prompts = [f"{p} {' '.join(CHAT_PROMPTS[:3])} JSON." for p in ("One", "Two", "3", "4")]
+    plain, piped = engines
+    before = [llm.engine.stats().num_preemptions for llm in engines]
+    want = plain.chat(_chats(prompts), params, use_tqdm=False)
+    got = piped.chat(_chats(prompts), params, use_tqdm=False)
+    # request ids differ: the engines served different requests before this test
+    assert [r[1:] for r in _summary(got)] == [r[1:] for r in _summary(want)]
+    assert all(llm.engine.stats().num_preemptions > n for llm, n in zip(engines, before))
+    for o in got[:2]:
+        for c in o.outputs:
+            jsonschema.validate(json.loads(c.text), schema)
+    assert got[3].outputs[0].text in ("A", "B")
+    for llm in engines:
+        assert not llm.engine.structured.matchers and not llm.engine.has_unfinished_requests()
+        assert llm.engine.scheduler.num_free_blocks == llm.engine.num_kv_blocks

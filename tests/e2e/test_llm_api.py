@@ -244,3 +244,65 @@ def test_eos_ids_outside_the_vocabulary_are_dropped(tmp_path, caplog):
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], sp, use_tqdm=False)[0].outputs[0]
     assert 3 <= len(out.token_ids) <= 5
     engine.shutdown()
+
+
+# ---- structured output -------------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+
+
+def test_json_schema_output_validates_greedy_and_n2(llm):
+    import jsonschema
+
+    so = {"json": PERSON}
+    outs = llm.chat(
+        [ASK, ASK],
+        [
+            SamplingParams(temperature=0, max_tokens=48, structured_outputs=so),
+            SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=48, structured_outputs=so),
+        ],
+        use_tqdm=False,
+    )
+    texts = [c.text for o in outs for c in o.outputs]
+    assert len(texts) == 3 and len(set(texts[1:])) == 2  # the two samples differ
+    for o in outs:
+        for c in o.outputs:
+            assert c.finish_reason == FinishReason.STOP, c.text
+            jsonschema.validate(json.loads(c.text), PERSON)
+    assert not llm.engine.structured.matchers  # every matcher is released with its request
+
+
+@pytest.mark.parametrize(
+    "so,check",
+    [
+        ({"regex": r"[0-9]{3}-[a-z]{2,5}"}, r"[0-9]{3}-[a-z]{2,5}"),
+        ({"choice": ["red", "green", "blue"]}, r"red|green|blue"),
+        ({"grammar": 'root ::= "(" [a-z]+ ("," [a-z]+)? ")"'}, r"\([a-z]+(,[a-z]+)?\)"),
+    ],
+)
+def test_regex_choice_and_grammar_outputs_match(llm, so, check):
+    import re
+
+    sp = SamplingParams(temperature=0.7, seed=1, max_tokens=16, structured_outputs=so)
+    c = llm.chat(CHAT, sp, use_tqdm=False)[0].outputs[0]
+    assert c.finish_reason == FinishReason.STOP and re.fullmatch(check, c.text), c.text
+
+
+def test_uncompilable_schema_is_refused_before_queueing(llm):
+    free = llm.engine.scheduler.num_free_blocks
+    sp = SamplingParams(structured_outputs={"json": {"type": "objectx"}})
+    with pytest.raises(ValueError, match='invalid JSON schema: Unsupported type "objectx"'):
+        llm.chat(CHAT, sp, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.num_free_blocks == free
+    stats = llm.engine.structured.stats
+    assert stats.compiles >= 4 and stats.cache_hits >= 2  # n=2 and greedy share one grammar
+    _ok(llm)

@@ -24,6 +24,7 @@ import pytest
 
 KEY = "sk-lightwell-test"
 MODEL = "SmolLM2-135M-Instruct"
+ALIAS = "smol"
 MAX_MODEL_LEN = 1024
 
 
@@ -41,6 +42,7 @@ class Server:
         cmd = [sys.executable, "-m", "lightwell.cli", "serve", "--port", str(self.port)]
         cmd += ["--api-key", KEY, "--num-threads", "1", "--max-model-len", str(MAX_MODEL_LEN)]
         cmd += ["--stats-interval", "1", "--shutdown-timeout", "20", *extra]
+        cmd += ["--served-model-name", MODEL, ALIAS]
         env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self.http = httpx.Client(base_url=self.url, timeout=60)
@@ -121,7 +123,10 @@ def _chat(client, content="Name a colour.", **kw):
 def test_startup_banner_models_health_version(server, client):
     out = server.output()
     assert f"{server.url}/v1" in out and MODEL in out and "KV cache:" in out
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    r = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1)
+    assert r.model == MODEL and r.choices[0].text
     assert server.http.get("/health").status_code == 200
     assert server.http.get("/version").json()["version"]
     assert server.http.get("/openapi.json").json()["paths"]["/v1/completions"]
@@ -239,6 +244,29 @@ def test_cached_tokens_on_repeat(client):
     assert second.choices[0].text == first.choices[0].text
 
 
+def test_cache_salt_isolates_prefixes(client):
+    prompt = "A salted prompt for tenant isolation, unique test number 4471, " * 6
+    salted = [
+        _complete(client, prompt=prompt, max_tokens=1, extra_body={"cache_salt": s})
+        for s in ("tenant-a", "tenant-b", "tenant-a")
+    ]
+    plain = _complete(client, prompt=prompt, max_tokens=1)
+    cached = [r.usage.prompt_tokens_details.cached_tokens for r in (*salted, plain)]
+    assert cached[0] == cached[1] == cached[3] == 0  # no sharing across salts or with none
+    assert cached[2] >= 16  # the same salt shares its blocks
+
+
+def test_best_of_keeps_the_most_likely_samples(client):
+    kw = dict(prompt="My favourite animal is", max_tokens=6, temperature=1.0, seed=21)
+    samples = _complete(client, n=3, logprobs=0, **kw).choices
+    total = {c.text: sum(c.logprobs.token_logprobs) for c in samples}
+    best = _complete(client, best_of=3, **kw)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.choices[0].text == max(total, key=total.get)
+    two = _complete(client, n=2, best_of=3, **kw).choices
+    assert [c.text for c in two] == sorted(total, key=total.get, reverse=True)[:2]
+
+
 def test_token_id_prompts_and_tokenize_roundtrip(server, client):
     ids = server.http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
     back = server.http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
@@ -277,7 +305,8 @@ _LONG = "hello " * (MAX_MODEL_LEN + 10)
         ("/v1/completions", {"prompt": []}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
         ("/v1/completions", {"prompt": "x", "suffix": "end"}, 400, "suffix"),
-        ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, 400, "best_of"),
+        ("/v1/completions", {"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
         (
             "/v1/completions",
             {"prompt": "x", "stream_options": {"include_usage": True}},
@@ -287,13 +316,26 @@ _LONG = "hello " * (MAX_MODEL_LEN + 10)
         ("/v1/completions", {"prompt": _LONG}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model"),
-        ("/v1/chat/completions", {**_CHAT_OK, "tools": [{"type": "function"}]}, 400, "tools"),
         (
             "/v1/chat/completions",
-            {**_CHAT_OK, "response_format": {"type": "json_object"}},
+            {**_CHAT_OK, "tools": [{"type": "function"}]},
+            400,
+            "tools.0.function",
+        ),
+        (
+            "/v1/chat/completions",
+            {**_CHAT_OK, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
             400,
             "response_format",
         ),
+        (
+            "/v1/chat/completions",
+            {**_CHAT_OK, "response_format": {"type": "json_object"}, "guided_regex": "a"},
+            400,
+            "guided_regex",
+        ),
+        ("/v1/completions", {"prompt": "x", "guided_regex": "([a-"}, 400, "guided_regex"),
+        ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice"),
         ("/v1/chat/completions", {**_CHAT_OK, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         (
@@ -352,13 +394,167 @@ def test_sdk_error_types(server):
     good = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     with pytest.raises(openai.NotFoundError):
         good.completions.create(model="gpt-4", prompt="x", max_tokens=1)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
         good.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "x"}],
             tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
         )
     assert _complete(good, max_tokens=2).choices[0].text  # still serving
+
+
+# ---- structured output ---------------------------------------------------------------------------
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_json_schema_stream_and_nonstream(server, client):
+    import json
+
+    import jsonschema
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    compiles = server.metric("grammar_compiles_total")
+    kw = dict(content="A person as JSON.", max_tokens=40, response_format=fmt)
+    whole = _chat(client, **kw)
+    text = whole.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert whole.choices[0].finish_reason == "stop"
+    chunks = list(_chat(client, stream=True, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert server.metric("grammar_compiles_total") - compiles <= 1  # the second one hit
+    assert server.metric("grammar_cache_hits_total") >= 1
+
+
+def test_guided_fields_on_completions_with_n2(client):
+    import re
+
+    r = _complete(
+        client,
+        prompt="Phone:",
+        n=2,
+        temperature=1.0,
+        seed=4,
+        max_tokens=12,
+        extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+    )
+    assert len(r.choices) == 2
+    for c in r.choices:
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", c.text) and c.finish_reason == "stop"
+    choice = _chat(client, max_tokens=5, extra_body={"guided_choice": ["cat", "dog"]})
+    assert choice.choices[0].message.content in ("cat", "dog")
+    obj = _chat(client, max_tokens=30, extra_body={"structured_outputs": {"json_object": True}})
+    assert obj.choices[0].message.content.startswith("{")
+
+
+def test_bad_schema_is_a_400_with_the_reason(client):
+    with pytest.raises(openai.BadRequestError, match="invalid JSON schema: Unsupported type"):
+        _chat(client, extra_body={"guided_json": {"type": "objectx"}})
+    with pytest.raises(openai.BadRequestError, match="invalid grammar: EBNF parser error"):
+        _complete(client, extra_body={"guided_grammar": "root ::= nothing"})
+    assert _complete(client, max_tokens=2).choices[0].text  # still serving
+
+
+# ---- tool calling --------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 12}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def _tool_chat(client, **kw):
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=[WEATHER, TIME],
+        temperature=0.0,
+        max_tokens=40,
+        **kw,
+    )
+
+
+def test_named_tool_choice_arguments_parse_whole_and_streamed(client):
+    import json
+
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    r = _tool_chat(client, tool_choice=choice)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    assert set(json.loads(call.function.arguments)) == {"city"}
+    assert r.choices[0].message.content is None and r.choices[0].finish_reason == "stop"
+    chunks = [c for c in _tool_chat(client, tool_choice=choice, stream=True) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+
+
+def test_required_tool_choice_and_history_with_tool_messages(client):
+    import json
+
+    r = _tool_chat(client, tool_choice="required", parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name in ("get_weather", "get_time")
+    json.loads(call.function.arguments)
+    assert r.choices[0].finish_reason == "tool_calls"
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"},
+    ]
+    follow = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
+    )
+    assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
+    streamed = [c for c in _tool_chat(client, tool_choice="required", stream=True) if c.choices]
+    calls = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
+    assert calls and all(d.id and d.function.name for d in calls)
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_auto_tool_choice_without_a_parser_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="needs a tool-call parser"):
+        _tool_chat(client)
+
+
+# ---- /v1/responses -------------------------------------------------------------------------------
+def test_responses_basic_text_matches_chat(client):
+    r = client.responses.create(
+        model=MODEL,
+        instructions="Answer briefly.",
+        input="Name a colour.",
+        max_output_tokens=6,
+        temperature=0.0,
+    )
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name a colour."},
+        ],
+        max_tokens=6,
+        temperature=0.0,
+    )
+    assert r.output_text == chat.choices[0].message.content
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        client.responses.create(model=MODEL, input="x", stream=True)
 
 
 # ---- disconnects, concurrency, metrics ----------------------------------------------------------

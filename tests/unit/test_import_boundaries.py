@@ -63,6 +63,13 @@ FORBIDDEN = {
     "envs": ["torch", "lightwell"],
     "model_files": ["torch", "lightwell"],
     "storage": ["torch", "lightwell"],
+    "structured": [
+        "torch",
+        "lightwell.worker",
+        "lightwell.models",
+        "lightwell.engine",
+        "lightwell.server",
+    ],
     "cli": ["lightwell.worker", "lightwell.models", "lightwell.layers", "lightwell.kernels"],
     "cli_args": ["torch", "lightwell.worker", "lightwell.models", "lightwell.engine"],
 }

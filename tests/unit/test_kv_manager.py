@@ -173,3 +173,18 @@ def test_hits_for_a_request_that_owns_blocks_are_refused(make_request) -> None:
     manager.allocate_slots(b, 1, hits)
     with pytest.raises(RuntimeError):
         manager.allocate_slots(b, 1, hits)
+
+
+def test_cache_salt_isolates_prefixes(make_request) -> None:
+    from lightwell.kvcache.hashing import compute_block_hashes
+
+    tokens = list(range(12))
+    plain = compute_block_hashes(tokens, BS)
+    a, b = (compute_block_hashes(tokens, BS, salt) for salt in ("a", "b"))
+    assert len({*plain, *a, *b}) == 9  # every block hash differs across salts
+    assert compute_block_hashes(tokens, BS, "a") == a
+    manager = KVCacheManager(num_blocks=16, block_size=BS)
+    run_prefill(manager, make_request("x", tokens + [99], cache_salt="a"))
+    assert manager.get_computed_blocks(make_request("y", tokens + [98]))[1] == 0
+    assert manager.get_computed_blocks(make_request("z", tokens + [98], cache_salt="b"))[1] == 0
+    assert manager.get_computed_blocks(make_request("w", tokens + [98], cache_salt="a"))[1] == 12

@@ -48,10 +48,7 @@ def test_harmless_fields_are_accepted():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("tools", [{"type": "function"}]),
         ("functions", [{"name": "f"}]),
-        ("tool_choice", "auto"),
-        ("response_format", {"type": "json_object"}),
         ("audio", {"voice": "x"}),
         ("modalities", ["text", "audio"]),
         ("prediction", {"type": "content"}),
@@ -69,7 +66,9 @@ def test_unsupported_chat_fields_are_named(field, value):
     [
         ({"prompt": "x", "bogus": 1}, "bogus"),
         ({"prompt": "x", "suffix": "y"}, "suffix"),
-        ({"prompt": "x", "best_of": 2}, "best_of"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
+        ({"prompt": "x", "best_of": 3, "stream": True}, "best_of"),
+        ({"prompt": "x", "cache_salt": 3}, "cache_salt"),
         ({"prompt": "x", "temperature": "0.5"}, "temperature"),
         ({"prompt": "x", "echo": 1}, "echo"),
         ({"prompt": "x", "seed": 2**70}, "seed"),
@@ -108,3 +107,43 @@ def test_chat_message_to_template():
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
     )
     assert err.param is not None and err.param.startswith("messages.0.content")
+
+
+@pytest.mark.parametrize(
+    "extra, spec",
+    [
+        ({}, None),
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, ("response_format", {"json_object": True})),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"type": "object"}, "strict": True},
+                }
+            },
+            ("response_format", {"json": {"type": "object"}}),
+        ),
+        ({"guided_json": '{"type": "object"}'}, ("guided_json", {"json": '{"type": "object"}'})),
+        ({"guided_regex": "a+"}, ("guided_regex", {"regex": "a+"})),
+        ({"guided_choice": ["a", "b"]}, ("guided_choice", {"choice": ["a", "b"]})),
+        ({"guided_grammar": 'root ::= "a"'}, ("guided_grammar", {"grammar": 'root ::= "a"'})),
+        (
+            {"structured_outputs": {"json": {"type": "string"}}},
+            ("structured_outputs", {"json": {"type": "string"}}),
+        ),
+        ({"structured_outputs": {"choice": ["x"]}}, ("structured_outputs", {"choice": ["x"]})),
+    ],
+)
+def test_structured_output_fields(extra, spec):
+    for cls, base in ((ChatCompletionRequest, CHAT), (CompletionRequest, {"prompt": "x"})):
+        assert cls.model_validate({**base, **extra}).structured_spec() == spec
+
+
+def test_two_structured_fields_are_refused():
+    err = _error(CompletionRequest, {"prompt": "x", "guided_regex": "a", "guided_choice": ["b"]})
+    assert (
+        err.param == "guided_choice" and "at most one of guided_regex, guided_choice" in err.message
+    )
+    err = _error(ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_schema"}})
+    assert err.param == "response_format" and "json_schema.schema" in err.message
