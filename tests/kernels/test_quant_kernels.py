@@ -87,7 +87,12 @@ def test_fp8_block_matmul_matches_reference(m, n, k, block):
     b = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(fp8).to(DEVICE)
     sa = (torch.rand(m, -(-k // bk), generator=gen) * 0.01 + 1e-3).to(DEVICE)
     sb = (torch.rand(-(-n // bn), -(-k // bk), generator=gen) * 0.01 + 1e-3).to(DEVICE)
+    if DEVICE == "cuda" and bk < 32:  # a GPU's fp8 dot needs K >= 32: refused, clearly
+        with pytest.raises(ValueError, match=">= 32"):
+            fp8_block.fp8_block_matmul(a, sa, b, sb, block, torch.float32)
+        return
     out = fp8_block.fp8_block_matmul(a, sa, b, sb, block, torch.float32)
     ref = fp8_block.fp8_block_matmul_ref(a, sa, b, sb, block, torch.float32)
     assert ref.abs().max() > 0.01
-    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    tol = 1e-5 if DEVICE == "cpu" else 1e-3  # (tensor cores sum the fp8 products their way)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < tol
