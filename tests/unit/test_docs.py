@@ -44,3 +44,19 @@ def test_every_cli_option_is_documented():
 )
 def test_module_listed_in_structure_doc(module):
     assert module in (ROOT / "docs" / "structure.md").read_text(), f"{module} not in structure.md"
+
+
+def test_every_environment_variable_is_documented():
+    """lightwell/envs.py is the one module that reads the environment; docs/structure.md lists
+    every variable it declares, and no other module of the package names a LIGHTWELL_ one."""
+    from lightwell import envs
+
+    text = (ROOT / "docs" / "structure.md").read_text()
+    assert [v for v in envs.VARIABLES if f"`{v}`" not in text] == []
+    others = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "lightwell").rglob("*.py")
+        if p.name != "envs.py"
+        and ("LIGHTWELL_" in p.read_text() or "os.environ.get" in p.read_text())
+    ]
+    assert others == []
