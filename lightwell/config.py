@@ -145,6 +145,31 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks (one process each).")
+    pipeline_parallel_size: int = _opt(
+        1,
+        "Number of pipeline stages: the layers are split into this many contiguous stages "
+        "(as evenly as possible, the earlier stages taking any extra layer), each on its own "
+        "tensor-parallel group; activations pass between stages point to point. Ranks: "
+        "tensor x pipeline, rank = stage * tensor_parallel_size + tensor rank. One batch is in "
+        "flight at a time; async scheduling, --dual-stream and CUDA graphs are off with more "
+        "than one stage (docs/parallelism.md).",
+    )
+    nnodes: int = _opt(
+        1,
+        "Hosts the ranks are spread over (tensor x pipeline ranks, an equal number a node, "
+        "node n holding the ranks after node n - 1's). Start `lightwell serve` with the same "
+        "options on every node, each with its own --node-rank: node 0 schedules and serves "
+        "HTTP, the others run worker processes only and exit when node 0 goes away.",
+    )
+    node_rank: int = _opt(0, "This host's index among --nnodes (0: the serving node).")
+    dist_init_addr: str | None = _opt(
+        None,
+        "HOST:PORT of node 0 for the nodes' rendezvous (torch.distributed's TCP store): "
+        "PORT holds the store that checks every node runs the same model, version and "
+        "options, PORT + 1 the process group's rendezvous, PORT + 2 node 0's command "
+        "channel to the other nodes' workers. Needed with --nnodes > 1; default: a free "
+        "port on 127.0.0.1.",
+    )
     all_reduce: str = _opt(
         "auto",
         "All-reduce strategy for tensor parallelism. auto: on GPUs with peer access, "
@@ -276,6 +301,16 @@ class EngineConfig:
         )
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(p.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
+        _check_nodes(p)
+        if p.pipeline_parallel_size > 1:
+            _check(
+                not p.dual_stream, "dual_stream does not combine with pipeline_parallel_size > 1"
+            )
+            _check(
+                not s.async_scheduling,
+                "async_scheduling does not combine with pipeline_parallel_size > 1",
+            )
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
         for f, opts in ((m.dtype, DTYPES), (m.load_format, LOAD_FORMATS)):
@@ -308,6 +343,24 @@ def option_names() -> set[str]:
     return {f.name for sub in CONFIG_CLASSES for f in dataclasses.fields(sub)}
 
 
+def _check_nodes(p: ParallelConfig) -> None:
+    ranks = p.tensor_parallel_size * p.pipeline_parallel_size
+    _check(p.nnodes >= 1, "nnodes must be >= 1")
+    _check(0 <= p.node_rank < p.nnodes, f"node_rank must be in [0, {p.nnodes})")
+    _check(
+        ranks % p.nnodes == 0,
+        f"tensor_parallel_size x pipeline_parallel_size ({ranks}) must divide evenly over "
+        f"nnodes ({p.nnodes})",
+    )
+    _check(p.nnodes == 1 or p.dist_init_addr is not None, "nnodes > 1 needs dist_init_addr")
+    if p.dist_init_addr is not None:
+        host, _, port = p.dist_init_addr.rpartition(":")
+        _check(
+            bool(host) and port.isdigit() and 0 < int(port) < 65533,
+            f"dist_init_addr must be HOST:PORT, not {p.dist_init_addr!r}",
+        )
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -318,6 +371,13 @@ SERVE_BATCHED_TOKENS = 2048  # on GPU, under `lightwell serve`
 CPU_BATCHED_TOKENS = 512
 PREFILL_GRAPH_TOKENS = 512
 SERVE_PREFILL_GRAPH_TOKENS = 2048
+
+
+def _async_default(cfg: EngineConfig, on_gpu: bool) -> bool:
+    """On for GPU, off on CPU and with pipeline stages (one batch in flight)."""
+    if cfg.scheduler.async_scheduling is not None:
+        return cfg.scheduler.async_scheduling
+    return on_gpu and cfg.parallel.pipeline_parallel_size == 1
 
 
 def resolve_config(
@@ -354,7 +414,7 @@ def resolve_config(
             s,
             max_num_batched_tokens=batched,
             max_num_seqs=min(seqs, batched),
-            async_scheduling=on_gpu if s.async_scheduling is None else s.async_scheduling,
+            async_scheduling=_async_default(cfg, on_gpu),
         ),
         device=dataclasses.replace(
             cfg.device,

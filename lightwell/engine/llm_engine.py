@@ -261,6 +261,11 @@ class LLMEngine:
         """SamplingParams with the model's generation_config.json defaults, then overrides."""
         return SamplingParams(**{**self.generation_defaults, **overrides})
 
+    def executor_failure(self) -> str | None:
+        """Why the workers can no longer run steps (a worker process or node went away),
+        noticed between steps too; None while they can."""
+        return getattr(self.executor, "failure", None)
+
     def shutdown(self) -> None:
         self._overlap = None  # steps in flight are dropped with the executor
         self.executor.shutdown()

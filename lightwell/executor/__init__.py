@@ -20,7 +20,8 @@ class Executor(Protocol):
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel.tensor_parallel_size == 1:
+    p = config.parallel
+    if p.tensor_parallel_size * p.pipeline_parallel_size == 1:
         from lightwell.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)

@@ -61,8 +61,8 @@ def _serve(worker: object, rank: int, conn: Connection) -> None:
             conn.send(Result(rank, None))
             return
         value = _handle(worker, msg)
-        if not isinstance(msg, ExecuteModel):
-            conn.send(Result(rank, value))
+        if not isinstance(msg, ExecuteModel) or worker.returns_output:
+            conn.send(Result(rank, value))  # a step's: the last pipeline stage's output
 
 
 def _handle(worker: object, msg: Command) -> object:

@@ -12,6 +12,7 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, forward_context
+from lightwell.distributed import pipeline as pp
 from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
 from lightwell.dual_stream import DualStream
 from lightwell.layers.attention import Attention
@@ -76,6 +77,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int = 0,
         is_driver: bool = True,
+        pipeline: bool = False,
     ) -> None:
         """``is_driver``: this rank samples. Under tensor parallelism only rank 0 does; the
         others compute the same logits (their share of the LM head's all-gather) and drop them
@@ -84,6 +86,7 @@ class ModelRunner:
         SchedulerOutput, so there is nothing for ranks to disagree on."""
         self.model = model
         self.is_driver = is_driver
+        self.pipeline = pipeline  # one of several stages: activations come and go by p2p
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
@@ -176,6 +179,8 @@ class ModelRunner:
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta, split)  # [T, H]
             path = "eager split" if split else "eager"
         pending = PendingStep(ModelRunnerOutput(path=path))
+        if hidden is None:  # an earlier pipeline stage: its activations went to the next
+            return pending
         if inp.sample_req_ids:
             self._sample(inp, hidden, pending)
         if inp.prompt_logprob_rows:
@@ -203,13 +208,32 @@ class ModelRunner:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         split: bool | None = None,  # the step runs as micro-batches (None: _splits decides)
-    ) -> torch.Tensor:  # [T, H]
+    ) -> torch.Tensor | None:  # [T, H]; None on a pipeline stage before the last
         if split is None:
             split = self._splits(meta)
         if split:
             return self.overlap.forward(input_ids, positions, meta)
         with forward_context(meta):
+            return self._run_model(input_ids, positions)
+
+    def _run_model(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+    ) -> torch.Tensor | None:  # [T, H]; None on a pipeline stage before the last
+        """The model's forward; a pipeline stage receives the previous stage's (hidden,
+        residual) first and sends its own on, except the last, which returns the hidden."""
+        if not self.pipeline:
             return self.model(input_ids, positions)
+        inter = None
+        if not pp.is_first_stage():
+            hidden_size = self.model.config.hidden_size
+            inter = pp.recv_activations(len(input_ids), hidden_size, self.dtype, self.device)
+        out = self.model(input_ids, positions, inter)
+        if pp.is_last_stage():
+            return out
+        pp.send_activations(*out)
+        return None
 
     def _splits(self, meta: AttentionMetadata) -> bool:
         """The step runs as micro-batches (--dual-stream)."""
@@ -330,7 +354,9 @@ class ModelRunner:
             seq_lens_cpu=[num_tokens],
         )
         with forward_context(meta):
-            hidden = self.model(ids, pos)  # [T, H]
+            hidden = self._run_model(ids, pos)  # [T, H]
+        if hidden is None:  # an earlier pipeline stage
+            return
         logits = self.model.compute_logits(hidden[: min(num_tokens, num_logit_rows)])
         torch.softmax(logits, dim=-1)
         del hidden, logits

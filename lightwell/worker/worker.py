@@ -94,14 +94,18 @@ class Worker:
         self.config = config
         self.rank = rank
         self.tp_size = tp = config.parallel.tensor_parallel_size
+        self.pp_size = pp = config.parallel.pipeline_parallel_size
+        self.world_size = world = tp * pp
+        self.tp_rank, self.stage = rank % tp, rank // tp
         m = config.model
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
         )
         # Under TP rank r owns cuda:r (decided before any CUDA call, so no context on cuda:0).
-        self.device = pick_device(config.device.device, rank if tp > 1 else None)
+        local = rank % (world // config.parallel.nnodes)  # this rank's GPU on its host
+        self.device = pick_device(config.device.device, local if world > 1 else None)
         threads = config.device.num_threads
-        if threads is None and tp > 1 and self.device.type == "cpu":
+        if threads is None and world > 1 and self.device.type == "cpu":
             threads = 1  # ranks share the cores: OpenMP spin-waits would collapse throughput
         if threads:
             torch.set_num_threads(threads)
@@ -109,12 +113,12 @@ class Worker:
             from lightwell.kernels import pdl
 
             pdl.set_enabled(config.device.pdl)
-        if tp > 1:
+        if world > 1:
             if init_method is None:
-                raise ValueError("tensor_parallel_size > 1 needs an init_method for the group")
+                raise ValueError("more than one rank needs an init_method for the group")
             from lightwell.distributed.launch import init_distributed
 
-            init_distributed(rank, tp, init_method, self.device)
+            init_distributed(rank, world, init_method, self.device, pp)
         self.runner = None
         self.hf_config = None
         self.compile_watch = None
@@ -149,8 +153,13 @@ class Worker:
             device=self.device,
             dtype=dtype,
             seed=m.seed,
-            is_driver=self.rank == 0,
+            is_driver=self.tp_rank == 0 and self.stage == self.pp_size - 1,
+            pipeline=self.pp_size > 1,
         )
+        if self.pp_size > 1 and self.rank == 0:
+            from lightwell.distributed.pipeline import describe_split
+
+            logger.info(describe_split(hf.num_hidden_layers, self.pp_size))
         self.runner.set_attention_backend(self.config.device.attention_backend)
         from lightwell.dual_stream import DualStream
 
@@ -219,7 +228,9 @@ class Worker:
         )
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
-        if self.device.type == "cuda" and not self.config.device.enforce_eager:
+        if self.device.type == "cuda" and self.pp_size > 1:
+            logger.info("pipeline parallel: every step runs eagerly (no CUDA graphs)")
+        elif self.device.type == "cuda" and not self.config.device.enforce_eager:
             blockers = _graph_blockers(self.runner)
             if not blockers:
                 s = resolved.scheduler
@@ -237,6 +248,12 @@ class Worker:
                 logger.warning("%s cannot be captured: every step runs eagerly", blockers)
         if self.compile_watch is not None:
             self.compile_watch.arm()  # start-up is over: later compiles stall serving
+
+    @property
+    def returns_output(self) -> bool:
+        """This rank's step output is the engine's, sent back over its pipe: the last
+        pipeline stage's tensor rank 0 (rank 0 itself without pipeline stages)."""
+        return self.pp_size > 1 and self.rank == (self.pp_size - 1) * self.tp_size
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
@@ -266,7 +283,7 @@ class Worker:
         self.runner = None
         if self.compile_watch is not None:
             self.compile_watch.uninstall()
-        if self.tp_size > 1:
+        if self.world_size > 1:
             from lightwell.distributed.launch import shutdown_distributed
 
             shutdown_distributed()
