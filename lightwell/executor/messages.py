@@ -38,11 +38,16 @@ class ExecuteModel:
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """Reply with the rank's step time counters (``ModelRunner.stage_time``)."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
 
-Command = LoadModel | DetermineNumBlocks | InitKVCache | ExecuteModel | Shutdown
+Command = LoadModel | DetermineNumBlocks | InitKVCache | ExecuteModel | StageTimes | Shutdown
 
 
 # ---- workers -> rank 0 --------------------------------------------------------------------

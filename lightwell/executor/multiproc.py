@@ -34,6 +34,7 @@ from lightwell.executor.messages import (
     Ready,
     Result,
     Shutdown,
+    StageTimes,
     Started,
     WorkerError,
 )
@@ -136,6 +137,11 @@ class MultiprocExecutor:
             raise ValueError("async scheduling does not combine with pipeline parallelism")
         self._send_all(ExecuteModel(sched))
         return _LocalPending(self, self._run_local(lambda: self.worker.launch(sched)))
+
+    def stage_times(self) -> list[dict]:
+        """Every rank's step time counters, in rank order (benchmarks: stage utilisation)."""
+        mine, theirs = self._call(StageTimes(), lambda: dict(self.worker.runner.stage_time))
+        return [mine, *theirs]
 
     def shutdown(self) -> None:
         if self.closing:

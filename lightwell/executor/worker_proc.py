@@ -25,6 +25,7 @@ from lightwell.executor.messages import (
     Ready,
     Result,
     Shutdown,
+    StageTimes,
     Started,
 )
 
@@ -72,6 +73,8 @@ def _handle(worker: object, msg: Command) -> object:
         return worker.load_model()
     if isinstance(msg, DetermineNumBlocks):
         return worker.determine_num_blocks(msg.resolved)
+    if isinstance(msg, StageTimes):
+        return dict(worker.runner.stage_time)
     if isinstance(msg, InitKVCache):
         return worker.init_kv_cache(msg.num_blocks, msg.resolved)
     raise TypeError(f"unknown command {type(msg).__name__}")

@@ -87,6 +87,9 @@ class ModelRunner:
         self.model = model
         self.is_driver = is_driver
         self.pipeline = pipeline  # one of several stages: activations come and go by p2p
+        # seconds in steps (less the wait for the previous stage's activations), seconds
+        # waited for them, and steps run: a stage's utilisation is busy_s over wall time
+        self.stage_time = {"busy_s": 0.0, "recv_wait_s": 0.0, "steps": 0}
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
@@ -155,7 +158,13 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(sched).result()
+        t0, waited = time.perf_counter(), self.stage_time["recv_wait_s"]
+        out = self.launch(sched).result()
+        if sched.total_num_scheduled_tokens:
+            spent = time.perf_counter() - t0
+            self.stage_time["busy_s"] += spent - (self.stage_time["recv_wait_s"] - waited)
+            self.stage_time["steps"] += 1
+        return out
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
@@ -228,7 +237,9 @@ class ModelRunner:
         inter = None
         if not pp.is_first_stage():
             hidden_size = self.model.config.hidden_size
+            t0 = time.perf_counter()
             inter = pp.recv_activations(len(input_ids), hidden_size, self.dtype, self.device)
+            self.stage_time["recv_wait_s"] += time.perf_counter() - t0
         out = self.model(input_ids, positions, inter)
         if pp.is_last_stage():
             return out

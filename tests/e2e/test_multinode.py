@@ -45,7 +45,16 @@ def _free(port: int) -> bool:
 class Node:
     def __init__(self, folder: str, rank: int, addr: str, *extra: str, http_port: int = 0):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "lightwell.cli", "serve", folder, "--num-threads", "1"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "lightwell.cli",
+            "serve",
+            "--model",
+            folder,
+            "--num-threads",
+            "1",
+        ]
         cmd += ["--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr]
         cmd += ["--pipeline-parallel-size", "2", "--num-kv-blocks", "32", "--device", "cpu"]
         cmd += ["--port", str(http_port), *extra]
@@ -103,7 +112,7 @@ def test_two_nodes_serve_tp1_tokens_and_fail_when_node1_dies(folder):
     url = f"http://127.0.0.1:{http}"
     try:
         _wait_ready(url, node0)
-        body = {"model": folder, "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+        body = {"model": "qwen2", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
         body["ignore_eos"] = True
         r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
