@@ -150,9 +150,15 @@ class ParallelConfig:
         "Number of pipeline stages: the layers are split into this many contiguous stages "
         "(as evenly as possible, the earlier stages taking any extra layer), each on its own "
         "tensor-parallel group; activations pass between stages point to point. Ranks: "
-        "tensor x pipeline, rank = stage * tensor_parallel_size + tensor rank. One batch is in "
-        "flight at a time; async scheduling, --dual-stream and CUDA graphs are off with more "
-        "than one stage (docs/parallelism.md).",
+        "tensor x pipeline, rank = stage * tensor_parallel_size + tensor rank. Up to one batch "
+        "in flight a stage (--pipeline-in-flight); async scheduling, --dual-stream and CUDA "
+        "graphs are off with more than one stage (docs/parallelism.md).",
+    )
+    pipeline_in_flight: int | None = _opt(
+        None,
+        "Pipeline parallelism: batches in flight at once, so that stages work on different "
+        "batches instead of waiting for one another (each batch holds requests whose next "
+        "token is known). Default: the number of stages; 1: one batch at a time.",
     )
     nnodes: int = _opt(
         1,
@@ -303,6 +309,10 @@ class EngineConfig:
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(p.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
         _check_nodes(p)
+        _check(
+            p.pipeline_in_flight is None or p.pipeline_in_flight >= 1,
+            "pipeline_in_flight must be >= 1",
+        )
         if p.pipeline_parallel_size > 1:
             _check(
                 not p.dual_stream, "dual_stream does not combine with pipeline_parallel_size > 1"

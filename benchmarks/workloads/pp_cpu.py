@@ -5,8 +5,9 @@ a few cores: PP=2 (one thread a stage) against PP=1 (one thread), greedy.
     python3 -m benchmarks.workloads.pp_cpu --out benchmarks/results/pp_cpu.json
 
 Busy time is a rank's time in steps less its wait for the previous stage's activations
-(``ModelRunner.stage_time``). One batch is in flight at a time (the pipeline has no in-flight
-micro-batches yet), so a stage waits for the other's part of every step.
+(``PipelineStage.times``); PP=1 has one stage, busy throughout, and is the throughput
+reference. PP=2 runs twice: one batch in flight (``--pipeline-in-flight 1``: a stage waits for
+the other's part of every step) and two (the default: the stages work on different batches).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[dict]:
     ]
 
 
-def run(pp: int, args: argparse.Namespace) -> dict:
+def run(pp: int, in_flight: int | None, args: argparse.Namespace) -> dict:
     from lightwell import LLM, SamplingParams
 
     llm = LLM(
         pipeline_parallel_size=pp,
+        pipeline_in_flight=in_flight,
         num_threads=1,
         max_num_seqs=args.requests,
         max_num_batched_tokens=args.step_tokens,
@@ -45,7 +47,7 @@ def run(pp: int, args: argparse.Namespace) -> dict:
     finally:
         llm.engine.shutdown()
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
-    busy = [a["busy_s"] - b["busy_s"] for a, b in zip(after, before)]
+    busy = [a["busy_s"] - b["busy_s"] for a, b in zip(after, before)] or [wall]
     return {"wall_s": wall, "total_tok_s": tokens / wall, "stage_busy_s": busy,
             "stage_utilisation": [b / wall for b in busy]}  # fmt: skip
 
@@ -53,8 +55,8 @@ def run(pp: int, args: argparse.Namespace) -> dict:
 def _times(llm: object) -> list[dict]:
     executor = llm.engine.executor
     if hasattr(executor, "stage_times"):
-        return executor.stage_times()
-    return [dict(executor.worker.runner.stage_time)]
+        return [t for t in executor.stage_times() if t is not None]
+    return []
 
 
 def main() -> None:
@@ -68,13 +70,13 @@ def main() -> None:
     shape = {"requests": args.requests, "prompt_len": args.prompt_len,
              "output_len": args.output_len, "step_tokens": args.step_tokens}  # fmt: skip
     rows = []
-    for pp in (1, 2):
-        r = run(pp, args)
-        print(f"PP={pp}: {r}")
+    for pp, in_flight in ((1, None), (2, 1), (2, 2)):
+        r = run(pp, in_flight, args)
+        print(f"PP={pp}, in flight {in_flight}: {r}", flush=True)
+        batches = {"pp": pp, "in_flight": in_flight or 1, **shape}
         for stage, util in enumerate(r["stage_utilisation"]):
-            rows.append(record("stage_utilisation", util, pp=pp, stage=stage,
-                               micro_batches=False, **shape))  # fmt: skip
-        rows.append(record("total_tok_s", r["total_tok_s"], pp=pp, wall_s=r["wall_s"], **shape))
+            rows.append(record("stage_utilisation", util, stage=stage, **batches))
+        rows.append(record("total_tok_s", r["total_tok_s"], wall_s=r["wall_s"], **batches))
     write_json(args.out, rows)
 
 

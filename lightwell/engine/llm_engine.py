@@ -70,6 +70,10 @@ class LLMEngine:
             async_scheduling=s.async_scheduling,
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
+        p = self.config.parallel
+        depth = p.pipeline_in_flight or p.pipeline_parallel_size
+        if p.pipeline_parallel_size > 1 and depth > 1:  # stages on different batches
+            self._overlap = OverlapLoop(self, depth)
         self.output_processor = OutputProcessor(self.tokenizer)
         # the tokenizer's EOS, else config.json's; generation_config's ids stop too
         own = [self.tokenizer.eos_token_id if self.tokenizer else None]
@@ -218,7 +222,7 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._overlap is not None:  # --async-scheduling: the overlapped loop
+        if self._overlap is not None:  # --async-scheduling, or pipeline batches in flight
             return self._overlap.step()
         sched = self.schedule()
         if sched.total_num_scheduled_tokens or sched.finished_req_ids:

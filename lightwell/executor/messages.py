@@ -39,7 +39,7 @@ class ExecuteModel:
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Reply with the rank's step time counters (``ModelRunner.stage_time``)."""
+    """Reply with the rank's pipeline-stage time counters (``PipelineStage.times``), or None."""
 
 
 @dataclass(frozen=True)

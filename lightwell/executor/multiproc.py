@@ -58,6 +58,17 @@ class _LocalPending:
         return self.executor._run_local(self.pending.result)
 
 
+class _StageOutput:
+    """A step launched into the pipeline: ``result()`` waits for the last stage's output
+    (steps come back in launch order)."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self.executor = executor
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._recv_output()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -133,14 +144,18 @@ class MultiprocExecutor:
 
     def execute_model_async(self, sched: SchedulerOutput) -> _LocalPending:
         """Launch the step on every rank; ``.result()`` waits for rank 0's tokens."""
-        if self.output_conn is not None:
-            raise ValueError("async scheduling does not combine with pipeline parallelism")
         self._send_all(ExecuteModel(sched))
+        if self.output_conn is not None:  # stage 0 runs here now; the output comes later
+            self._run_local(lambda: self.worker.execute_model(sched))
+            return _StageOutput(self)
         return _LocalPending(self, self._run_local(lambda: self.worker.launch(sched)))
 
     def stage_times(self) -> list[dict]:
         """Every rank's step time counters, in rank order (benchmarks: stage utilisation)."""
-        mine, theirs = self._call(StageTimes(), lambda: dict(self.worker.runner.stage_time))
+        mine, theirs = self._call(
+            StageTimes(),
+            lambda: dict(self.worker.runner.stage.times) if self.worker.runner.stage else None,
+        )
         return [mine, *theirs]
 
     def shutdown(self) -> None:

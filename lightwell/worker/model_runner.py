@@ -12,7 +12,6 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, forward_context
-from lightwell.distributed import pipeline as pp
 from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
 from lightwell.dual_stream import DualStream
 from lightwell.layers.attention import Attention
@@ -21,6 +20,7 @@ from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
+from lightwell.worker.pipeline_stage import PipelineStage
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
 
@@ -86,10 +86,7 @@ class ModelRunner:
         SchedulerOutput, so there is nothing for ranks to disagree on."""
         self.model = model
         self.is_driver = is_driver
-        self.pipeline = pipeline  # one of several stages: activations come and go by p2p
-        # seconds in steps (less the wait for the previous stage's activations), seconds
-        # waited for them, and steps run: a stage's utilisation is busy_s over wall time
-        self.stage_time = {"busy_s": 0.0, "recv_wait_s": 0.0, "steps": 0}
+        self.stage = PipelineStage(model, dtype, device) if pipeline else None
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
@@ -158,12 +155,12 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        t0, waited = time.perf_counter(), self.stage_time["recv_wait_s"]
+        if self.stage is None:
+            return self.launch(sched).result()
+        t0, waited = time.perf_counter(), self.stage.times["recv_wait_s"]
         out = self.launch(sched).result()
         if sched.total_num_scheduled_tokens:
-            spent = time.perf_counter() - t0
-            self.stage_time["busy_s"] += spent - (self.stage_time["recv_wait_s"] - waited)
-            self.stage_time["steps"] += 1
+            self.stage.count_step(time.perf_counter() - t0, waited)
         return out
 
     @torch.inference_mode()
@@ -230,21 +227,9 @@ class ModelRunner:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
     ) -> torch.Tensor | None:  # [T, H]; None on a pipeline stage before the last
-        """The model's forward; a pipeline stage receives the previous stage's (hidden,
-        residual) first and sends its own on, except the last, which returns the hidden."""
-        if not self.pipeline:
+        if self.stage is None:
             return self.model(input_ids, positions)
-        inter = None
-        if not pp.is_first_stage():
-            hidden_size = self.model.config.hidden_size
-            t0 = time.perf_counter()
-            inter = pp.recv_activations(len(input_ids), hidden_size, self.dtype, self.device)
-            self.stage_time["recv_wait_s"] += time.perf_counter() - t0
-        out = self.model(input_ids, positions, inter)
-        if pp.is_last_stage():
-            return out
-        pp.send_activations(*out)
-        return None
+        return self.stage.forward(input_ids, positions)
 
     def _splits(self, meta: AttentionMetadata) -> bool:
         """The step runs as micro-batches (--dual-stream)."""

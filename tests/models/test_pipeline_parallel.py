@@ -1,7 +1,8 @@
-"""Pipeline parallelism on CPU (gloo, 1 thread a process): PP=2 and TP=2 x PP=2 (four
-processes) give TP=1's greedy tokens on SmolLM2 with chunked prefill and prefix hits, and on
-a tiny dense (Qwen2: tied LM head, 3 layers split 2 + 1) and a tiny MoE family (Qwen2-MoE)
-under preemption; killing a stage's worker mid-run raises a WorkerError, not a hang."""
+"""Pipeline parallelism on CPU (gloo, 1 thread a process): PP=2 and TP=2 x PP=2 (four processes)
+give TP=1's greedy tokens on SmolLM2 with chunked prefill and prefix hits, and on a tiny dense
+(Qwen2: tied LM head, 3 layers split 2 + 1) and a tiny MoE family (Qwen2-MoE) under preemption,
+one batch in flight and two (the default: one a stage); killing a stage's worker mid-run raises
+a WorkerError, not a hang."""
 
 from __future__ import annotations
 
@@ -73,16 +74,34 @@ def test_pp2_families_equal_tp1_under_preemption(tmp_path, family):
     prompts = [{"prompt_token_ids": p} for p in FAMILY_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     results = []
-    for pp in (1, 2):
-        llm = LLM(folder, pipeline_parallel_size=pp, **opts)
+    for pp, in_flight in ((1, None), (2, 1), (2, None)):
+        llm = LLM(folder, pipeline_parallel_size=pp, pipeline_in_flight=in_flight, **opts)
         try:
+            depths = _record_in_flight(llm)
             outs = llm.generate(prompts, params, use_tqdm=False)
             results.append([o.outputs[0].token_ids for o in outs])
             preempted = llm.engine.scheduler.num_preemptions
         finally:
             llm.engine.shutdown()
-    assert results[1] == results[0]
+    assert results[1] == results[0] and results[2] == results[0]
     assert preempted > 0
+    assert max(depths) == 1  # the default: a second batch launched behind the first
+
+
+def _record_in_flight(llm: LLM) -> list[int]:
+    """Before each step of the pipeline's loop, the batches already in flight (1: the step
+    launches a second batch while the first is still in the pipeline)."""
+    loop, before = llm.engine._overlap, [0]
+    if loop is None:
+        return before
+    step = loop.step
+
+    def recorded() -> list:
+        before.append(len(loop.in_flight))
+        return step()
+
+    loop.step = recorded
+    return before
 
 
 def test_killed_stage_worker_raises(tmp_path):
