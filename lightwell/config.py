@@ -154,6 +154,13 @@ class ParallelConfig:
         "in flight a stage (--pipeline-in-flight); async scheduling, --dual-stream and CUDA "
         "graphs are off with more than one stage (docs/parallelism.md).",
     )
+    context_parallel_size: int = _opt(
+        1,
+        "Ranks that split a step's tokens (one long prompt's prefill) into contiguous chunks, "
+        "one a rank: each runs its chunk through every layer, gathering every chunk's keys and "
+        "values (all-gather of K/V) before attending. Steps under 16 tokens a rank (decodes) "
+        "run whole on every rank. Needs tensor and pipeline parallel size 1 (docs/parallelism.md).",
+    )
     pipeline_in_flight: int | None = _opt(
         None,
         "Pipeline parallelism: batches in flight at once, so that stages work on different "
@@ -227,6 +234,11 @@ class ParallelConfig:
         "hides under the stages of all the others, at smaller matmuls and more launches "
         "(docs/parallelism.md).",
     )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor x pipeline x context parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
 
 @dataclass(frozen=True)
@@ -309,6 +321,17 @@ class EngineConfig:
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(p.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
         _check_nodes(p)
+        _check(p.context_parallel_size >= 1, "context_parallel_size must be >= 1")
+        if p.context_parallel_size > 1:
+            _check(
+                p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1,
+                "context_parallel_size > 1 needs tensor and pipeline parallel size 1",
+            )
+            _check(not p.dual_stream, "dual_stream needs context_parallel_size 1")
+            _check(
+                not s.async_scheduling,
+                "async_scheduling does not combine with context_parallel_size > 1",
+            )
         _check(
             p.pipeline_in_flight is None or p.pipeline_in_flight >= 1,
             "pipeline_in_flight must be >= 1",
@@ -354,12 +377,12 @@ def option_names() -> set[str]:
 
 
 def _check_nodes(p: ParallelConfig) -> None:
-    ranks = p.tensor_parallel_size * p.pipeline_parallel_size
+    ranks = p.world_size
     _check(p.nnodes >= 1, "nnodes must be >= 1")
     _check(0 <= p.node_rank < p.nnodes, f"node_rank must be in [0, {p.nnodes})")
     _check(
         ranks % p.nnodes == 0,
-        f"tensor_parallel_size x pipeline_parallel_size ({ranks}) must divide evenly over "
+        f"the ranks (tensor x pipeline x context parallel: {ranks}) must divide evenly over "
         f"nnodes ({p.nnodes})",
     )
     _check(p.nnodes == 1 or p.dist_init_addr is not None, "nnodes > 1 needs dist_init_addr")
@@ -384,10 +407,10 @@ SERVE_PREFILL_GRAPH_TOKENS = 2048
 
 
 def _async_default(cfg: EngineConfig, on_gpu: bool) -> bool:
-    """On for GPU, off on CPU and with pipeline stages (one batch in flight)."""
+    """On for GPU, off on CPU and with pipeline stages or context parallelism."""
     if cfg.scheduler.async_scheduling is not None:
         return cfg.scheduler.async_scheduling
-    return on_gpu and cfg.parallel.pipeline_parallel_size == 1
+    return on_gpu and cfg.parallel.world_size == cfg.parallel.tensor_parallel_size
 
 
 def resolve_config(

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from lightwell.distributed import context_parallel, pipeline
 from lightwell.distributed import parallel_state as ps
-from lightwell.distributed import pipeline
 
 # Set before the process group exists: never NVLink SHARP / multicast (NCCL's NVLS and torch
 # symmetric memory's multimem), which the lent machines cannot use.
@@ -22,7 +22,12 @@ TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def init_distributed(
-    rank: int, size: int, init_method: str, device: torch.device, pp_size: int = 1
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    pp_size: int = 1,
+    cp_size: int = 1,
 ) -> None:
     """``init_process_group`` for global rank ``rank`` of ``size`` (= tp x pp) and record this
     rank's tensor-parallel group (its stage's ranks) and pipeline stage."""
@@ -35,6 +40,10 @@ def init_distributed(
         dist.init_process_group("nccl", device_id=device, **kw)
     else:
         dist.init_process_group("gloo", **kw)
+    if cp_size > 1:  # every rank is a whole model (tp = pp = 1); the world splits tokens
+        ps.init_tp_group(0, 1)
+        context_parallel.init_cp(rank, cp_size)
+        return
     tp = size // pp_size
     if pp_size == 1:
         cpu_group = dist.group.WORLD
@@ -91,6 +100,7 @@ def shutdown_distributed() -> None:
         strategy.close()
     ps.reset_tp_group()
     pipeline.reset_pp()
+    context_parallel.reset_cp()
     # collect cycles that may still hold the group: a process group that outlives
     # destroy_process_group is torn down during interpreter exit, where gloo can abort
     gc.collect()

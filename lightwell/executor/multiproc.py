@@ -87,7 +87,7 @@ class MultiprocExecutor:
         self.closing = False
         self.failure: str | None = None  # set by the monitor when a worker or node goes away
         par = config.parallel
-        world = par.tensor_parallel_size * par.pipeline_parallel_size
+        world = par.world_size
         init_method, self.store, self.remote = _rendezvous(config)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
@@ -308,11 +308,11 @@ def _check_devices(config: EngineConfig) -> None:
     import torch
 
     p, device = config.parallel, config.device.device
-    ranks = p.tensor_parallel_size * p.pipeline_parallel_size // p.nnodes  # this node's
+    ranks = p.world_size // p.nnodes  # this node's
     if device == "cpu" or not torch.cuda.is_available():
         return
     if ranks > torch.cuda.device_count():
         raise ValueError(
-            f"this node's {ranks} ranks (tp x pp / nnodes) need {ranks} GPUs, "
+            f"this node's {ranks} ranks (world / nnodes) need {ranks} GPUs, "
             f"{torch.cuda.device_count()} visible"
         )

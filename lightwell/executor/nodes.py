@@ -48,8 +48,7 @@ def addresses(config: EngineConfig) -> tuple[str, int]:
 
 
 def ranks_per_node(config: EngineConfig) -> int:
-    p = config.parallel
-    return p.tensor_parallel_size * p.pipeline_parallel_size // p.nnodes
+    return config.parallel.world_size // config.parallel.nnodes
 
 
 def fingerprint(config: EngineConfig) -> str:

@@ -17,6 +17,7 @@ from lightwell.dual_stream import DualStream
 from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.worker import context_parallel
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
@@ -81,9 +82,8 @@ class ModelRunner:
     ) -> None:
         """``is_driver``: this rank samples. Under tensor parallelism only rank 0 does; the
         others compute the same logits (their share of the LM head's all-gather) and drop them
-        (in all-greedy steps every rank computes the tokens: ``_sharded_greedy``): the engine
-        uses rank 0's tokens, and every rank learns them from the next step's
-        SchedulerOutput, so there is nothing for ranks to disagree on."""
+        (all-greedy steps: every rank computes the tokens, ``_sharded_greedy``); every rank
+        learns rank 0's tokens from the next step's SchedulerOutput. ``pipeline``: a stage."""
         self.model = model
         self.is_driver = is_driver
         self.stage = PipelineStage(model, dtype, device) if pipeline else None
@@ -165,11 +165,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
-        """Queue the step's work on the device; ``result()`` waits for its sampled tokens.
-
-        Async scheduling calls this for step N+1 before step N's ``result()``: input tokens that
-        step N is still sampling are taken from its token tensor on the device.
-        """
+        """Queue the step's work on the device; ``result()`` waits for its sampled tokens (async
+        scheduling: step N+1's tokens still being sampled by step N are taken on the device)."""
         self.batch.apply(sched)
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep(ModelRunnerOutput())
@@ -180,6 +177,9 @@ class ModelRunner:
         if key is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, key)  # [T, H]
             path = f"graph {key[0]} {key[1]}"
+        elif context_parallel.applies(inp.meta):  # this rank's chunk, then all of them
+            hidden = context_parallel.forward(self, inp.input_ids, inp.positions, inp.meta)
+            path = "eager context-parallel"
         else:
             split = self._splits(inp.meta)
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta, split)  # [T, H]

@@ -95,8 +95,9 @@ class Worker:
         self.rank = rank
         self.tp_size = tp = config.parallel.tensor_parallel_size
         self.pp_size = pp = config.parallel.pipeline_parallel_size
-        self.world_size = world = tp * pp
-        self.tp_rank, self.stage = rank % tp, rank // tp
+        self.world_size = world = config.parallel.world_size
+        self.tp_rank, self.stage = rank % tp, (rank // tp) % pp
+        self.cp_rank = rank // (tp * pp)  # context parallel: only rank 0 samples
         m = config.model
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
@@ -118,7 +119,9 @@ class Worker:
                 raise ValueError("more than one rank needs an init_method for the group")
             from lightwell.distributed.launch import init_distributed
 
-            init_distributed(rank, world, init_method, self.device, pp)
+            init_distributed(
+                rank, world, init_method, self.device, pp, config.parallel.context_parallel_size
+            )
         self.runner = None
         self.hf_config = None
         self.compile_watch = None
@@ -153,7 +156,7 @@ class Worker:
             device=self.device,
             dtype=dtype,
             seed=m.seed,
-            is_driver=self.tp_rank == 0 and self.stage == self.pp_size - 1,
+            is_driver=self.tp_rank == 0 and self.stage == self.pp_size - 1 and self.cp_rank == 0,
             pipeline=self.pp_size > 1,
         )
         if self.pp_size > 1 and self.rank == 0:
