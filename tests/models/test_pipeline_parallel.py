@@ -1,8 +1,8 @@
 """Pipeline parallelism on CPU (gloo, 1 thread a process): PP=2 and TP=2 x PP=2 (four processes)
 give TP=1's greedy tokens on SmolLM2 with chunked prefill and prefix hits, and on a tiny dense
 (Qwen2: tied LM head, 3 layers split 2 + 1) and a tiny MoE family (Qwen2-MoE) under preemption,
-one batch in flight and two (the default: one a stage); killing a stage's worker mid-run raises
-a WorkerError, not a hang."""
+PP=2 with one batch in flight and TP=2 x PP=2 with two (the default: one a stage); killing a
+stage's worker mid-run raises a WorkerError, not a hang."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ FAMILY_PROMPTS = [list(range(3, 40)), list(range(50, 61)), [7, 8, 9, 10, 11] * 5
 
 
 @pytest.mark.parametrize("family", ["qwen2_yarn_window", "qwen2_moe_shared"])
-def test_pp2_families_equal_tp1_under_preemption(tmp_path, family):
+def test_pp_families_equal_tp1_under_preemption(tmp_path, family):
     from tests.models.families import FAMILIES
 
     folder = str(tmp_path / family)
@@ -74,8 +74,14 @@ def test_pp2_families_equal_tp1_under_preemption(tmp_path, family):
     prompts = [{"prompt_token_ids": p} for p in FAMILY_PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     results = []
-    for pp, in_flight in ((1, None), (2, 1), (2, None)):
-        llm = LLM(folder, pipeline_parallel_size=pp, pipeline_in_flight=in_flight, **opts)
+    for tp, pp, in_flight in ((1, 1, None), (1, 2, 1), (2, 2, None)):
+        llm = LLM(
+            folder,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            pipeline_in_flight=in_flight,
+            **opts,
+        )
         try:
             depths = _record_in_flight(llm)
             outs = llm.generate(prompts, params, use_tqdm=False)
