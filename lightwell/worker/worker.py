@@ -87,6 +87,18 @@ def _graph_blockers(runner: object) -> str:
     return ", ".join(sorted(names))
 
 
+def _check_context_parallel(runner: object) -> None:
+    """Context parallelism stores every chunk's K/V in ``Attention.forward``: layers with a
+    forward of their own (the latent cache of MLA) are refused."""
+    from lightwell.layers.attention import Attention
+
+    own = {type(a).__name__ for a in runner.attn_layers if type(a).forward is not Attention.forward}
+    if own:
+        raise ValueError(
+            f"context_parallel_size > 1 does not support {', '.join(sorted(own))} layers"
+        )
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
         """``init_method`` (``tcp://host:port``): join the tensor-parallel group as ``rank``
@@ -159,6 +171,8 @@ class Worker:
             is_driver=self.tp_rank == 0 and self.stage == self.pp_size - 1 and self.cp_rank == 0,
             pipeline=self.pp_size > 1,
         )
+        if self.config.parallel.context_parallel_size > 1:
+            _check_context_parallel(self.runner)
         if self.pp_size > 1 and self.rank == 0:
             from lightwell.distributed.pipeline import describe_split
 

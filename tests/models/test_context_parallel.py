@@ -46,3 +46,14 @@ def test_cp2_greedy_equals_cp1_on_2048_tokens(folder):
         tokens, paths = _run(folder, 2, budget)
         assert tokens == expected, budget
         assert "eager context-parallel" in paths and "eager" in paths  # prefill split; decodes
+
+
+def test_cp_refuses_latent_attention(tmp_path):
+    """MLA's latent cache is stored by its own layer, not the K/V all-gather: refused."""
+    from lightwell.executor.messages import WorkerError
+    from tests.models.families import FAMILIES
+
+    folder = str(tmp_path / "deepseek")
+    FAMILIES["deepseek_v2_yarn"].build(folder, 3)
+    with pytest.raises((ValueError, WorkerError), match="does not support LatentAttention"):
+        LLM(folder, context_parallel_size=2, num_threads=1, num_kv_blocks=32)
