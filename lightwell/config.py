@@ -186,6 +186,44 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = _opt(1, "Number of tensor-parallel ranks (one process each).")
+    pipeline_parallel_size: int = _opt(
+        1,
+        "Number of pipeline stages: the layers are split into this many contiguous stages "
+        "(as evenly as possible, the earlier stages taking any extra layer), each on its own "
+        "tensor-parallel group; activations pass between stages point to point. Ranks: "
+        "tensor x pipeline, rank = stage * tensor_parallel_size + tensor rank. Up to one batch "
+        "in flight a stage (--pipeline-in-flight); async scheduling, --dual-stream and CUDA "
+        "graphs are off with more than one stage (docs/parallelism.md).",
+    )
+    context_parallel_size: int = _opt(
+        1,
+        "Ranks that split a step's tokens (one long prompt's prefill) into contiguous chunks, "
+        "one a rank: each runs its chunk through every layer, gathering every chunk's keys and "
+        "values (all-gather of K/V) before attending. Steps under 16 tokens a rank (decodes) "
+        "run whole on every rank. Needs tensor and pipeline parallel size 1 (docs/parallelism.md).",
+    )
+    pipeline_in_flight: int | None = _opt(
+        None,
+        "Pipeline parallelism: batches in flight at once, so that stages work on different "
+        "batches instead of waiting for one another (each batch holds requests whose next "
+        "token is known). Default: the number of stages; 1: one batch at a time.",
+    )
+    nnodes: int = _opt(
+        1,
+        "Hosts the ranks are spread over (tensor x pipeline ranks, an equal number a node, "
+        "node n holding the ranks after node n - 1's). Start `lightwell serve` with the same "
+        "options on every node, each with its own --node-rank: node 0 schedules and serves "
+        "HTTP, the others run worker processes only and exit when node 0 goes away.",
+    )
+    node_rank: int = _opt(0, "This host's index among --nnodes (0: the serving node).")
+    dist_init_addr: str | None = _opt(
+        None,
+        "HOST:PORT of node 0 for the nodes' rendezvous (torch.distributed's TCP store): "
+        "PORT holds the store that checks every node runs the same model, version and "
+        "options, PORT + 1 the process group's rendezvous, PORT + 2 node 0's command "
+        "channel to the other nodes' workers. Needed with --nnodes > 1; default: a free "
+        "port on 127.0.0.1.",
+    )
     all_reduce: str = _opt(
         "auto",
         "All-reduce strategy for tensor parallelism. auto: on GPUs with peer access, "
@@ -237,6 +275,11 @@ class ParallelConfig:
         "hides under the stages of all the others, at smaller matmuls and more launches "
         "(docs/parallelism.md).",
     )
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor x pipeline x context parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
 
 @dataclass(frozen=True)
@@ -318,6 +361,31 @@ class EngineConfig:
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(s.grammar_cache_size >= 1, "grammar_cache_size must be >= 1")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
+        _check(p.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
+        _check_nodes(p)
+        _check(p.context_parallel_size >= 1, "context_parallel_size must be >= 1")
+        if p.context_parallel_size > 1:
+            _check(
+                p.tensor_parallel_size == 1 and p.pipeline_parallel_size == 1,
+                "context_parallel_size > 1 needs tensor and pipeline parallel size 1",
+            )
+            _check(not p.dual_stream, "dual_stream needs context_parallel_size 1")
+            _check(
+                not s.async_scheduling,
+                "async_scheduling does not combine with context_parallel_size > 1",
+            )
+        _check(
+            p.pipeline_in_flight is None or p.pipeline_in_flight >= 1,
+            "pipeline_in_flight must be >= 1",
+        )
+        if p.pipeline_parallel_size > 1:
+            _check(
+                not p.dual_stream, "dual_stream does not combine with pipeline_parallel_size > 1"
+            )
+            _check(
+                not s.async_scheduling,
+                "async_scheduling does not combine with pipeline_parallel_size > 1",
+            )
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
         for f, opts in (
@@ -357,6 +425,24 @@ def option_names() -> set[str]:
     return {f.name for sub in CONFIG_CLASSES for f in dataclasses.fields(sub)}
 
 
+def _check_nodes(p: ParallelConfig) -> None:
+    ranks = p.world_size
+    _check(p.nnodes >= 1, "nnodes must be >= 1")
+    _check(0 <= p.node_rank < p.nnodes, f"node_rank must be in [0, {p.nnodes})")
+    _check(
+        ranks % p.nnodes == 0,
+        f"the ranks (tensor x pipeline x context parallel: {ranks}) must divide evenly over "
+        f"nnodes ({p.nnodes})",
+    )
+    _check(p.nnodes == 1 or p.dist_init_addr is not None, "nnodes > 1 needs dist_init_addr")
+    if p.dist_init_addr is not None:
+        host, _, port = p.dist_init_addr.rpartition(":")
+        _check(
+            bool(host) and port.isdigit() and 0 < int(port) < 65533,
+            f"dist_init_addr must be HOST:PORT, not {p.dist_init_addr!r}",
+        )
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
@@ -367,6 +453,13 @@ SERVE_BATCHED_TOKENS = 2048  # on GPU, under `lightwell serve`
 CPU_BATCHED_TOKENS = 512
 PREFILL_GRAPH_TOKENS = 512
 SERVE_PREFILL_GRAPH_TOKENS = 2048
+
+
+def _async_default(cfg: EngineConfig, on_gpu: bool) -> bool:
+    """On for GPU, off on CPU and with pipeline stages or context parallelism."""
+    if cfg.scheduler.async_scheduling is not None:
+        return cfg.scheduler.async_scheduling
+    return on_gpu and cfg.parallel.world_size == cfg.parallel.tensor_parallel_size
 
 
 def resolve_config(
@@ -403,7 +496,7 @@ def resolve_config(
             s,
             max_num_batched_tokens=batched,
             max_num_seqs=min(seqs, batched),
-            async_scheduling=on_gpu if s.async_scheduling is None else s.async_scheduling,
+            async_scheduling=_async_default(cfg, on_gpu),
         ),
         device=dataclasses.replace(
             cfg.device,

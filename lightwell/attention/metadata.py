@@ -37,6 +37,10 @@ class AttentionMetadata:
     # Per-step scratch for backends: what the first layer derives from this metadata (a plan,
     # masks, gather indices) is kept here and reused by every other layer of the step.
     backend_cache: dict = field(default_factory=dict)
+    # Context parallelism: this metadata describes this rank's chunk of the step; the whole
+    # step's slot mapping [T_all] and token count, for storing every rank's keys and values.
+    cp_slot_mapping: torch.Tensor | None = None
+    cp_num_tokens: int = 0
 
     @property
     def num_reqs(self) -> int:

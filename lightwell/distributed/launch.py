@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 import torch
 
+from lightwell.distributed import context_parallel, pipeline
 from lightwell.distributed import parallel_state as ps
 
 # Set before the process group exists: never NVLink SHARP / multicast (NCCL's NVLS and torch
@@ -19,28 +21,56 @@ COMM_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def init_distributed(rank: int, size: int, init_method: str, device: torch.device) -> None:
-    """``init_process_group`` for rank ``rank`` of ``size`` and record the TP groups."""
+def init_distributed(
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    pp_size: int = 1,
+    cp_size: int = 1,
+) -> None:
+    """``init_process_group`` for global rank ``rank`` of ``size`` (= tp x pp) and record this
+    rank's tensor-parallel group (its stage's ranks) and pipeline stage."""
     import torch.distributed as dist
 
     os.environ.update(COMM_ENV)
+    kw = dict(init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        dist.init_process_group(
-            "nccl",
-            init_method=init_method,
-            rank=rank,
-            world_size=size,
-            timeout=TIMEOUT,
-            device_id=device,
-        )
-        cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        dist.init_process_group("nccl", device_id=device, **kw)
     else:
-        dist.init_process_group(
-            "gloo", init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT
-        )
+        dist.init_process_group("gloo", **kw)
+    if cp_size > 1:  # every rank is a whole model (tp = pp = 1); the world splits tokens
+        ps.init_tp_group(0, 1)
+        context_parallel.init_cp(rank, cp_size)
+        return
+    tp = size // pp_size
+    if pp_size == 1:
         cpu_group = dist.group.WORLD
-    ps.init_tp_group(rank, size, dist.group.WORLD, cpu_group)
+        if device.type == "cuda":
+            cpu_group = dist.new_group(backend="gloo", timeout=TIMEOUT)
+        ps.init_tp_group(rank, size, dist.group.WORLD, cpu_group)
+        return
+    group, cpu_group = _stage_groups(rank, tp, pp_size, device)
+    ps.init_tp_group(rank % tp, tp, group, cpu_group)
+    pipeline.init_pp(rank // tp, pp_size, rank, tp)
+
+
+def _stage_groups(rank: int, tp: int, pp: int, device: torch.device) -> tuple[Any, Any]:
+    """Every stage's tensor-parallel groups (each rank creates all of them, in the same
+    order, as ``new_group`` requires); returns this rank's (device group, gloo group)."""
+    import torch.distributed as dist
+
+    mine: tuple[Any, Any] = (None, None)
+    for stage in range(pp):
+        ranks = list(range(stage * tp, (stage + 1) * tp))
+        group = dist.new_group(ranks, timeout=TIMEOUT)
+        cpu = group
+        if device.type == "cuda":
+            cpu = dist.new_group(ranks, backend="gloo", timeout=TIMEOUT)
+        if rank in ranks:
+            mine = (group, cpu)
+    return mine
 
 
 def init_all_reduce(
@@ -69,6 +99,8 @@ def shutdown_distributed() -> None:
     if strategy is not None:
         strategy.close()
     ps.reset_tp_group()
+    pipeline.reset_pp()
+    context_parallel.reset_cp()
     # collect cycles that may still hold the group: a process group that outlives
     # destroy_process_group is torn down during interpreter exit, where gloo can abort
     gc.collect()

@@ -109,7 +109,8 @@ class AsyncEngine:
     # ---- event-loop side ------------------------------------------------------------------
     @property
     def is_alive(self) -> bool:
-        return self._thread.is_alive() and self._error is None and not self._closing
+        alive = self._thread.is_alive() and self._error is None and not self._closing
+        return alive and self.engine.executor_failure() is None
 
     @property
     def stats(self) -> EngineStats:

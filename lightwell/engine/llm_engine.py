@@ -75,6 +75,10 @@ class LLMEngine:
             async_scheduling=s.async_scheduling,
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
+        p = self.config.parallel
+        depth = p.pipeline_in_flight or p.pipeline_parallel_size
+        if p.pipeline_parallel_size > 1 and depth > 1:  # stages on different batches
+            self._overlap = OverlapLoop(self, depth)
         self.output_processor = OutputProcessor(self.tokenizer)
         # the tokenizer's EOS, else config.json's; generation_config's ids stop too
         own = [self.tokenizer.eos_token_id if self.tokenizer else None]
@@ -254,7 +258,7 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self._overlap is not None:  # --async-scheduling: the overlapped loop
+        if self._overlap is not None:  # --async-scheduling, or pipeline batches in flight
             return self._overlap.step()
         sched = self.schedule()
         if sched.total_num_scheduled_tokens or sched.finished_req_ids:
@@ -306,6 +310,11 @@ class LLMEngine:
     def default_sampling_params(self, **overrides: object) -> SamplingParams:
         """SamplingParams with the model's generation_config.json defaults, then overrides."""
         return SamplingParams(**{**self.generation_defaults, **overrides})
+
+    def executor_failure(self) -> str | None:
+        """Why the workers can no longer run steps (a worker process or node went away),
+        noticed between steps too; None while they can."""
+        return getattr(self.executor, "failure", None)
 
     def shutdown(self) -> None:
         self._overlap = None  # steps in flight are dropped with the executor

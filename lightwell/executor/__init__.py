@@ -20,7 +20,7 @@ class Executor(Protocol):
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.parallel.tensor_parallel_size == 1:
+    if config.parallel.world_size == 1:
         from lightwell.executor.uniproc import UniProcExecutor
 
         return UniProcExecutor(config)

@@ -38,11 +38,16 @@ class ExecuteModel:
 
 
 @dataclass(frozen=True)
+class StageTimes:
+    """Reply with the rank's pipeline-stage time counters (``PipelineStage.times``), or None."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     pass
 
 
-Command = LoadModel | DetermineNumBlocks | InitKVCache | ExecuteModel | Shutdown
+Command = LoadModel | DetermineNumBlocks | InitKVCache | ExecuteModel | StageTimes | Shutdown
 
 
 # ---- workers -> rank 0 --------------------------------------------------------------------

@@ -34,6 +34,7 @@ from lightwell.executor.messages import (
     Ready,
     Result,
     Shutdown,
+    StageTimes,
     Started,
     WorkerError,
 )
@@ -57,6 +58,17 @@ class _LocalPending:
         return self.executor._run_local(self.pending.result)
 
 
+class _StageOutput:
+    """A step launched into the pipeline: ``result()`` waits for the last stage's output
+    (steps come back in launch order)."""
+
+    def __init__(self, executor: MultiprocExecutor) -> None:
+        self.executor = executor
+
+    def result(self) -> ModelRunnerOutput:
+        return self.executor._recv_output()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,10 +85,13 @@ class MultiprocExecutor:
         self.config = config
         self.worker = None
         self.closing = False
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self.failure: str | None = None  # set by the monitor when a worker or node goes away
+        par = config.parallel
+        world = par.world_size
+        init_method, self.store, self.remote = _rendezvous(config)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
-        for rank in range(1, config.parallel.tensor_parallel_size):
+        for rank in range(1, world // par.nnodes):  # this node's; the others' connect
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
@@ -88,9 +103,15 @@ class MultiprocExecutor:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        threading.Thread(target=self._watch, name="lightwell-tp-monitor", daemon=True).start()
         try:
             self._wait_started()
+            if self.remote is not None:
+                self.remote.accept_all()
+                self.conns += [self.remote.conns[r] for r in sorted(self.remote.conns)]
+            # pipeline stages: the last stage's tensor rank 0 samples and returns the output
+            out_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
+            self.output_conn = self.conns[out_rank - 1] if out_rank > 0 else None
+            threading.Thread(target=self._watch, name="lightwell-monitor", daemon=True).start()
             self.worker = self._run_local(lambda: _make_worker(config, init_method))
             for conn in self.conns:
                 self._recv(conn, Ready)
@@ -118,12 +139,24 @@ class MultiprocExecutor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._send_all(ExecuteModel(sched))
-        return self._run_local(lambda: self.worker.execute_model(sched))
+        out = self._run_local(lambda: self.worker.execute_model(sched))
+        return out if self.output_conn is None else self._recv_output()
 
     def execute_model_async(self, sched: SchedulerOutput) -> _LocalPending:
         """Launch the step on every rank; ``.result()`` waits for rank 0's tokens."""
         self._send_all(ExecuteModel(sched))
+        if self.output_conn is not None:  # stage 0 runs here now; the output comes later
+            self._run_local(lambda: self.worker.execute_model(sched))
+            return _StageOutput(self)
         return _LocalPending(self, self._run_local(lambda: self.worker.launch(sched)))
+
+    def stage_times(self) -> list[dict]:
+        """Every rank's step time counters, in rank order (benchmarks: stage utilisation)."""
+        mine, theirs = self._call(
+            StageTimes(),
+            lambda: dict(self.worker.runner.stage.times) if self.worker.runner.stage else None,
+        )
+        return [mine, *theirs]
 
     def shutdown(self) -> None:
         if self.closing:
@@ -151,6 +184,8 @@ class MultiprocExecutor:
                 proc.terminate()
                 proc.join(2.0)
             conn.close()
+        if self.remote is not None:
+            self.remote.close()
 
     # ---- plumbing -----------------------------------------------------------------------------
     def _wait_started(self) -> None:
@@ -197,14 +232,21 @@ class MultiprocExecutor:
             raise WorkerError(f"expected {kind.__name__} from a worker, got {reply!r}")
         return reply
 
+    def _recv_output(self) -> ModelRunnerOutput:
+        """The last pipeline stage's output; any worker ending first raises instead."""
+        ready = wait([self.output_conn, *self._watched()])
+        if self.output_conn not in ready:
+            raise self._worker_failure() or WorkerError("a worker process ended mid-step")
+        return self._recv(self.output_conn, Result).value
+
     def _worker_failure(self) -> WorkerError | None:
         """The first failed worker's error, waiting briefly for it to arrive; None if every
         worker stays alive and silent (the failure was rank 0's own)."""
-        sentinels = [p.sentinel for p in self.procs]
-        if not wait([*self.conns, *sentinels], timeout=FAILURE_GRACE_S):
+        if not wait([*self.conns, *self._watched()], timeout=FAILURE_GRACE_S):
             return None
-        for conn, proc in zip(self.conns, self.procs):
-            gone = not proc.is_alive()
+        for i, conn in enumerate(self.conns):
+            proc = self.procs[i] if i < len(self.procs) else None  # None: another node's
+            gone = proc is not None and not proc.is_alive()
             try:
                 if conn.poll(FAILURE_WAIT_S if gone else 0.0):
                     msg = conn.recv()
@@ -212,19 +254,46 @@ class MultiprocExecutor:
                         return msg.error()
             except (EOFError, OSError):
                 gone = True  # its end of the pipe closed: it is exiting
+            if gone and proc is None:
+                return WorkerError(f"rank {i + 1} (on another node) is gone")
             if gone:
                 proc.join(FAILURE_WAIT_S)
                 return WorkerError(f"worker {proc.name} exited with code {proc.exitcode}")
+        if self.failure is not None:
+            return WorkerError(self.failure)
         return None
+
+    def _watched(self) -> list[Any]:
+        """What ends when a worker or node goes away: local process sentinels and the other
+        nodes' idle connections."""
+        nodes = self.remote.nodes if self.remote is not None else []
+        return [*(p.sentinel for p in self.procs), *nodes]
 
     def _watch(self) -> None:
         """Monitor thread: when a worker process ends unexpectedly, unblock rank 0."""
-        wait([p.sentinel for p in self.procs])
+        watched = self._watched()
+        if not watched:
+            return
+        wait(watched)
         if self.closing:
             return
-        logger.error("a tensor-parallel worker process ended unexpectedly")
+        self.failure = "a worker process or node ended unexpectedly"
+        logger.error(self.failure)
         if self.worker is not None and self.worker.device.type == "cuda":
             self.worker.abort_collectives()
+
+
+def _rendezvous(config: EngineConfig) -> tuple[str, Any, Any]:
+    """(the process group's init method, node 0's fingerprint store, the other nodes'
+    connections): a free port on 127.0.0.1 without --dist-init-addr."""
+    from lightwell.executor import nodes
+
+    if config.parallel.dist_init_addr is None:
+        return f"tcp://127.0.0.1:{free_port()}", None, None
+    host, port = nodes.addresses(config)
+    if config.parallel.nnodes == 1:
+        return f"tcp://{host}:{port + 1}", None, None
+    return f"tcp://{host}:{port + 1}", nodes.publish_fingerprint(config), nodes.RemoteRanks(config)
 
 
 def _make_worker(config: EngineConfig, init_method: str) -> Any:
@@ -238,10 +307,12 @@ def _check_devices(config: EngineConfig) -> None:
     rank 0 waits in the group's rendezvous)."""
     import torch
 
-    tp, device = config.parallel.tensor_parallel_size, config.device.device
+    p, device = config.parallel, config.device.device
+    ranks = p.world_size // p.nnodes  # this node's
     if device == "cpu" or not torch.cuda.is_available():
         return
-    if tp > torch.cuda.device_count():
+    if ranks > torch.cuda.device_count():
         raise ValueError(
-            f"tensor_parallel_size {tp} needs {tp} GPUs, {torch.cuda.device_count()} visible"
+            f"this node's {ranks} ranks (world / nnodes) need {ranks} GPUs, "
+            f"{torch.cuda.device_count()} visible"
         )

@@ -8,7 +8,9 @@ sockets close and the collectives that rank 0 is blocked in fail instead of hang
 from __future__ import annotations
 
 import os
+import queue
 import sys
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -25,27 +27,33 @@ from lightwell.executor.messages import (
     Ready,
     Result,
     Shutdown,
+    StageTimes,
     Started,
 )
+
+CLOSE_WAIT_S = 10.0  # for the replies still queued at exit
 
 
 def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connection) -> None:
     """Process entry point (spawned)."""
     from lightwell.worker.worker import Worker
 
+    replies = _Replies(conn)
     try:
         conn.send(Started(rank))
         with torch.inference_mode():
             worker = Worker(config, rank, init_method)
             conn.send(Ready(rank))
-            _serve(worker, rank, conn)
+            _serve(worker, rank, conn, replies)
     except (EOFError, KeyboardInterrupt):
         os._exit(0)  # rank 0 is gone: nothing to report to
     except BaseException:
         try:
+            replies.close()  # what was replied before goes first
             conn.send(Failure(rank, traceback.format_exc()))
         finally:
             os._exit(1)
+    replies.close()
     # Shut down cleanly: skip the interpreter's teardown, where the C++ side of a destroyed
     # process group can still abort the process ("terminate called without an active exception")
     sys.stdout.flush()
@@ -53,16 +61,41 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
     os._exit(0)
 
 
-def _serve(worker: object, rank: int, conn: Connection) -> None:
+class _Replies:
+    """Replies sent from a thread of their own, in order: the last pipeline stage goes on to
+    its next step while rank 0, busy sending that step's activations, has not read the last
+    output yet (a large one would otherwise block both in a full pipe)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn, self.queue = conn, queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="lightwell-replies", daemon=True)
+        self.thread.start()
+
+    def send(self, msg: object) -> None:
+        self.queue.put(msg)
+
+    def _run(self) -> None:
+        while (msg := self.queue.get()) is not None:
+            try:
+                self.conn.send(msg)
+            except OSError:
+                return  # rank 0 is gone
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join(CLOSE_WAIT_S)
+
+
+def _serve(worker: object, rank: int, conn: Connection, replies: _Replies) -> None:
     while True:
         msg: Command = conn.recv()
         if isinstance(msg, Shutdown):
             worker.shutdown()
-            conn.send(Result(rank, None))
+            replies.send(Result(rank, None))
             return
         value = _handle(worker, msg)
-        if not isinstance(msg, ExecuteModel):
-            conn.send(Result(rank, value))
+        if not isinstance(msg, ExecuteModel) or worker.returns_output:
+            replies.send(Result(rank, value))  # a step's: the last pipeline stage's output
 
 
 def _handle(worker: object, msg: Command) -> object:
@@ -72,6 +105,8 @@ def _handle(worker: object, msg: Command) -> object:
         return worker.load_model()
     if isinstance(msg, DetermineNumBlocks):
         return worker.determine_num_blocks(msg.resolved)
+    if isinstance(msg, StageTimes):
+        return dict(worker.runner.stage.times) if worker.runner.stage else None
     if isinstance(msg, InitKVCache):
         return worker.init_kv_cache(msg.num_blocks, msg.resolved)
     raise TypeError(f"unknown command {type(msg).__name__}")

@@ -63,6 +63,9 @@ class Attention(nn.Module):
         are one kernel launch."""
         meta = get_attention_metadata()
         num_tokens = q.shape[0]
+        if meta.cp_slot_mapping is not None and self.kv_cache is not None:
+            q, k = self._store_all_chunks(meta, q, k, v, rope)
+            rope = None  # rotated; the backend stores this chunk again and attends
         if rope is not None:
             rotary, positions = rope
             if self.kv_cache is not None and getattr(self.backend, "stores_with_rope", False):
@@ -86,6 +89,29 @@ class Attention(nn.Module):
             sliding_window=self.sliding_window,
         )
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
+
+    def _store_all_chunks(
+        self,
+        meta: Any,
+        q: torch.Tensor,  # [T, Hq * D], this rank's chunk
+        k: torch.Tensor,  # [T, Hkv * D]
+        v: torch.Tensor,  # [T, Hkv * D]
+        rope: tuple[Any, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallelism: rotate this chunk's q/k, gather every rank's keys and values
+        and store them all, so this chunk's queries see the whole step (all-gather of K/V)."""
+        from lightwell.attention.torch_backend import write_kv_cache
+        from lightwell.distributed.context_parallel import all_gather_tokens
+
+        if rope is not None:
+            rotary, positions = rope
+            q, k = rotary(positions, q, k)
+        kv = all_gather_tokens(torch.stack([k, v], dim=1), meta.cp_num_tokens)  # [T_all, 2, .]
+        shape = (meta.cp_num_tokens, self.num_kv_heads, self.head_dim)
+        write_kv_cache(
+            self.kv_cache, kv[:, 0].view(shape), kv[:, 1].view(shape), meta.cp_slot_mapping
+        )
+        return q, k
 
     def extra_repr(self) -> str:
         return (

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightwell.layers.embedding import VocabParallelEmbedding
+from lightwell.distributed.pipeline import is_last_stage
 from lightwell.layers.mla import MLAttention
 from lightwell.layers.moe import RouterConfig
 from lightwell.layers.rotary import get_rope
@@ -37,6 +37,7 @@ from lightwell.models.moe_blocks import (
     hf_skip,
     load_moe_weights,
 )
+from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
 from lightwell.quant.base import QuantMethod
 
 logger = logging.getLogger(__name__)
@@ -82,16 +83,16 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
 class DeepseekV2Model(LlamaModel):
     def __init__(self, config: Any, quant_method: QuantMethod | None):
         nn.Module.__init__(self)  # LlamaModel's layout, with RoPE over qk_rope_head_dim only
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = stage_embedding(config)
         rope = get_rope_config(config)
         dim = config.qk_rope_head_dim
         neox = not getattr(config, "rope_interleave", True)
         rotary = get_rope(dim, dim, config.max_position_embeddings, rope.theta, rope.scaling, neox)
-        self.layers = nn.ModuleList(
-            DeepseekV2DecoderLayer(config, i, rotary, quant_method, MLAttention)
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: DeepseekV2DecoderLayer(config, i, rotary, quant_method, MLAttention),
         )
-        self.norm = self.make_norm(config)
+        self.norm = on_stage(is_last_stage(), lambda: self.make_norm(config))
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):

@@ -15,9 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightwell.distributed.pipeline import is_last_stage
 from lightwell.layers.activation import SiluAndMul
 from lightwell.layers.attention import Attention
-from lightwell.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from lightwell.layers.embedding import ParallelLMHead
 from lightwell.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -26,6 +27,7 @@ from lightwell.layers.linear import (
 from lightwell.layers.norm import RMSNorm, pre_norm, reduce_norm
 from lightwell.layers.rotary import RotaryEmbedding, get_rope
 from lightwell.models.hf_config import get_rope_config
+from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
 from lightwell.models.weight_utils import load_packed_weights
 from lightwell.quant.base import QuantMethod
 
@@ -207,13 +209,13 @@ class LlamaModel(nn.Module):
         layer_cls: type[nn.Module] = LlamaDecoderLayer,
     ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = stage_embedding(config)
         rotary_emb = build_rope(config, self.is_neox_style)
-        self.layers = nn.ModuleList(
-            layer_cls(config, i, rotary_emb, quant_method, attention_cls)
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda i: layer_cls(config, i, rotary_emb, quant_method, attention_cls),
         )
-        self.norm = self.make_norm(config)
+        self.norm = on_stage(is_last_stage(), lambda: self.make_norm(config))
 
     def make_norm(self, config: Any) -> nn.Module:
         """The final norm (families with another norm override this)."""
@@ -226,12 +228,17 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-    ) -> torch.Tensor:  # [T, H]
-        hidden = self.embed(input_ids)
-        residual = None
-        for layer in self.layers:
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,  # the previous stage's
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H]; ([T, H], [T, H]) mid-pipe
+        if intermediate is None:
+            hidden, residual = self.embed(input_ids), None
+        else:  # a later pipeline stage: (hidden, residual) as the previous stage's last layer
+            hidden, residual = intermediate  # left them (hidden possibly a partial sum)
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden, residual = layer(positions, hidden, residual)
-        partial = getattr(self.layers[0], "partial_output", False)
+        if not is_last_stage():
+            return hidden, residual
+        partial = getattr(self.layers[self.start_layer], "partial_output", False)
         return pre_norm(self.norm, hidden, residual, partial)[0]
 
 
@@ -245,9 +252,11 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = hf_config
         self.model = self.build_model(hf_config, quant_method)
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        self.lm_head = on_stage(
+            is_last_stage(), lambda: ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size)
+        )
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and is_last_stage():
             self.lm_head.tie_weights(self.model.embed_tokens)
 
     def build_model(self, hf_config: Any, quant_method: QuantMethod | None) -> nn.Module:
@@ -257,8 +266,9 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-    ) -> torch.Tensor:  # [T, H]
-        return self.model(input_ids, positions)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,  # a later stage's input
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, H], or a stage's activations
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V] fp32
         return self.lm_head.compute_logits(hidden).float()

@@ -24,6 +24,7 @@ from lightwell.layers.moe import FusedMoE, RouterConfig, select_experts
 from lightwell.layers.norm import RMSNorm, pre_norm, reduce_norm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.models.llama import LlamaMLP
+from lightwell.models.pipeline import skip_missing
 from lightwell.models.weight_utils import load_packed_weights
 from lightwell.quant.base import QuantMethod
 
@@ -169,6 +170,7 @@ def load_moe_weights(
     """``load_packed_weights`` with per-expert tensors (``...experts.{e}.{proj}.weight``) routed
     to the stacked ``w13_weight`` / ``w2_weight`` loaders; a stacked parameter counts as loaded
     once every expert's shards arrived."""
+    skip = skip_missing(model, skip)  # tensors of the layers other pipeline stages hold
     params = dict(model.named_parameters())
     seen: dict[str, set[tuple[str, int]]] = {}
 

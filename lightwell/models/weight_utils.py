@@ -43,6 +43,9 @@ def load_packed_weights(
     A fused parameter counts as loaded once every member (q, k and v ...) arrived, or once a
     checkpoint tensor under the fused name itself did. Unknown names raise ``ValueError``.
     """
+    from lightwell.models.pipeline import skip_missing
+
+    skip = skip_missing(model, skip)  # tensors of the layers other pipeline stages hold
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     shards: dict[str, set[int]] = {}

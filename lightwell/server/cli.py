@@ -11,6 +11,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from lightwell.cli_args import add_engine_args, engine_config_from_args
 from lightwell.server.tool_parsers import PARSER_CHOICES
 
 logger = logging.getLogger("lightwell.server")
+WATCH_S = 0.5  # how often serve checks that its engine, workers and nodes are alive
 
 
 def register(commands: dict[str, tuple[str, Any]]) -> None:
@@ -88,7 +90,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.log_format == "json":
         use_json_logs()
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config_from_args(args).replace(serving=True))
+    config = engine_config_from_args(args).replace(serving=True)
+    if config.parallel.node_rank > 0:  # another node: workers only
+        from lightwell.executor.nodes import run_worker_node
+
+        logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
+        return run_worker_node(config)
+    engine = LLMEngine(config)
     names = args.served_model_name or [
         engine.files.name if engine.files else engine.model_info.name
     ]
@@ -120,11 +128,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the signal it shut down on; make that a no-op so the exit code is 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
+    failed = threading.Event()
+    threading.Thread(
+        target=_exit_when_dead, args=(server, async_engine, failed), daemon=True
+    ).start()
     try:
         server.run()
     finally:
         async_engine.shutdown(timeout=min(args.shutdown_timeout, 5.0))
-    return 0 if server.started else 1
+    return 0 if server.started and not failed.is_set() else 1
+
+
+def _exit_when_dead(server: Any, async_engine: Any, failed: threading.Event) -> None:
+    """A dead engine loop, worker or node: /health already answers 503; stop the server so
+    the process exits non-zero (an orchestrator restarts it)."""
+    while not server.should_exit:
+        if server.started and not async_engine.is_alive:
+            why = async_engine.engine.executor_failure() or "the engine loop stopped"
+            logger.error("shutting down: %s", why)
+            failed.set()
+            server.should_exit = True
+            return
+        time.sleep(WATCH_S)
 
 
 def _banner(args: argparse.Namespace, engine: Any, name: str, load_s: float) -> str:

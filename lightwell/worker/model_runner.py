@@ -18,9 +18,11 @@ from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
 from lightwell.quant.kv_cache import cache_dtype, stored_head_size
 from lightwell.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from lightwell.worker import context_parallel
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.logprobs import to_token_logprobs
+from lightwell.worker.pipeline_stage import PipelineStage
 from lightwell.worker.pooling import Pooler, take_pooled
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
@@ -80,15 +82,16 @@ class ModelRunner:
         seed: int = 0,
         is_driver: bool = True,
         kv_cache_dtype: str = "auto",
+        pipeline: bool = False,
     ) -> None:
         """``kv_cache_dtype``: auto, fp8 or int8 (``lightwell/quant/kv_cache.py``).
         ``is_driver``: this rank samples. Under tensor parallelism only rank 0 does; the
         others compute the same logits (their share of the LM head's all-gather) and drop them
-        (in all-greedy steps every rank computes the tokens: ``_sharded_greedy``): the engine
-        uses rank 0's tokens, and every rank learns them from the next step's
-        SchedulerOutput, so there is nothing for ranks to disagree on."""
+        (all-greedy steps: every rank computes the tokens, ``_sharded_greedy``); every rank
+        learns rank 0's tokens from the next step's SchedulerOutput. ``pipeline``: a stage."""
         self.model = model
         self.is_driver = is_driver
+        self.stage = PipelineStage(model, dtype, device) if pipeline else None
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.device = device
@@ -176,15 +179,18 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------------------------
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.launch(sched).result()
+        if self.stage is None:
+            return self.launch(sched).result()
+        t0, waited = time.perf_counter(), self.stage.times["recv_wait_s"]
+        out = self.launch(sched).result()
+        if sched.total_num_scheduled_tokens:
+            self.stage.count_step(time.perf_counter() - t0, waited)
+        return out
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> PendingStep:
-        """Queue the step's work on the device; ``result()`` waits for its sampled tokens.
-
-        Async scheduling calls this for step N+1 before step N's ``result()``: input tokens that
-        step N is still sampling are taken from its token tensor on the device.
-        """
+        """Queue the step's work on the device; ``result()`` waits for its sampled tokens (async
+        scheduling: step N+1's tokens still being sampled by step N are taken on the device)."""
         self.batch.apply(sched)
         self.pooler.forget(sched.finished_req_ids)
         if sched.total_num_scheduled_tokens == 0:
@@ -196,11 +202,16 @@ class ModelRunner:
         if key is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, key)  # [T, H]
             path = f"graph {key[0]} {key[1]}"
+        elif context_parallel.applies(inp.meta):  # this rank's chunk, then all of them
+            hidden = context_parallel.forward(self, inp.input_ids, inp.positions, inp.meta)
+            path = "eager context-parallel"
         else:
             split = self._splits(inp.meta)
             hidden = self.forward(inp.input_ids, inp.positions, inp.meta, split)  # [T, H]
             path = "eager split" if split else "eager"
         pending = PendingStep(ModelRunnerOutput(path=path))
+        if hidden is None:  # an earlier pipeline stage: its activations went to the next
+            return pending
         if any(self.batch.requests[r].sampling_params.pooling for r in inp.req_ids):
             pooled = self.pooler.step(inp, hidden, self.batch.requests)
             take_pooled(inp, pooled, pending.out if self.is_driver else None, self.batch.requests)
@@ -231,13 +242,22 @@ class ModelRunner:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         split: bool | None = None,  # the step runs as micro-batches (None: _splits decides)
-    ) -> torch.Tensor:  # [T, H]
+    ) -> torch.Tensor | None:  # [T, H]; None on a pipeline stage before the last
         if split is None:
             split = self._splits(meta)
         if split:
             return self.overlap.forward(input_ids, positions, meta)
         with forward_context(meta):
+            return self._run_model(input_ids, positions)
+
+    def _run_model(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+    ) -> torch.Tensor | None:  # [T, H]; None on a pipeline stage before the last
+        if self.stage is None:
             return self.model(input_ids, positions)
+        return self.stage.forward(input_ids, positions)
 
     def _splits(self, meta: AttentionMetadata) -> bool:
         """The step runs as micro-batches (--dual-stream)."""
@@ -368,7 +388,9 @@ class ModelRunner:
             seq_lens_cpu=[num_tokens],
         )
         with forward_context(meta):
-            hidden = self.model(ids, pos)  # [T, H]
+            hidden = self._run_model(ids, pos)  # [T, H]
+        if hidden is None:  # an earlier pipeline stage
+            return
         logits = self.model.compute_logits(hidden[: min(num_tokens, num_logit_rows)])
         torch.softmax(logits, dim=-1)
         del hidden, logits

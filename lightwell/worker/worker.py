@@ -88,6 +88,18 @@ def _graph_blockers(runner: object) -> str:
     return ", ".join(sorted(names))
 
 
+def _check_context_parallel(runner: object) -> None:
+    """Context parallelism stores every chunk's K/V in ``Attention.forward``: layers with a
+    forward of their own (the latent cache of MLA) are refused."""
+    from lightwell.layers.attention import Attention
+
+    own = {type(a).__name__ for a in runner.attn_layers if type(a).forward is not Attention.forward}
+    if own:
+        raise ValueError(
+            f"context_parallel_size > 1 does not support {', '.join(sorted(own))} layers"
+        )
+
+
 class Worker:
     def __init__(self, config: EngineConfig, rank: int = 0, init_method: str | None = None):
         """``init_method`` (``tcp://host:port``): join the tensor-parallel group as ``rank``
@@ -95,14 +107,19 @@ class Worker:
         self.config = config
         self.rank = rank
         self.tp_size = tp = config.parallel.tensor_parallel_size
+        self.pp_size = pp = config.parallel.pipeline_parallel_size
+        self.world_size = world = config.parallel.world_size
+        self.tp_rank, self.stage = rank % tp, (rank // tp) % pp
+        self.cp_rank = rank // (tp * pp)  # context parallel: only rank 0 samples
         m = config.model
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
         )
         # Under TP rank r owns cuda:r (decided before any CUDA call, so no context on cuda:0).
-        self.device = pick_device(config.device.device, rank if tp > 1 else None)
+        local = rank % (world // config.parallel.nnodes)  # this rank's GPU on its host
+        self.device = pick_device(config.device.device, local if world > 1 else None)
         threads = config.device.num_threads
-        if threads is None and tp > 1 and self.device.type == "cpu":
+        if threads is None and world > 1 and self.device.type == "cpu":
             threads = 1  # ranks share the cores: OpenMP spin-waits would collapse throughput
         if threads:
             torch.set_num_threads(threads)
@@ -110,12 +127,14 @@ class Worker:
             from lightwell.kernels import pdl
 
             pdl.set_enabled(config.device.pdl)
-        if tp > 1:
+        if world > 1:
             if init_method is None:
-                raise ValueError("tensor_parallel_size > 1 needs an init_method for the group")
+                raise ValueError("more than one rank needs an init_method for the group")
             from lightwell.distributed.launch import init_distributed
 
-            init_distributed(rank, tp, init_method, self.device)
+            init_distributed(
+                rank, world, init_method, self.device, pp, config.parallel.context_parallel_size
+            )
         self.runner = None
         self.hf_config = None
         self.compile_watch = None
@@ -152,9 +171,16 @@ class Worker:
             device=self.device,
             dtype=dtype,
             seed=m.seed,
-            is_driver=self.rank == 0,
+            is_driver=self.tp_rank == 0 and self.stage == self.pp_size - 1 and self.cp_rank == 0,
+            pipeline=self.pp_size > 1,
             kv_cache_dtype=self.config.cache.kv_cache_dtype,
         )
+        if self.config.parallel.context_parallel_size > 1:
+            _check_context_parallel(self.runner)
+        if self.pp_size > 1 and self.rank == 0:
+            from lightwell.distributed.pipeline import describe_split
+
+            logger.info(describe_split(hf.num_hidden_layers, self.pp_size))
         self.runner.set_attention_backend(self.config.device.attention_backend)
         from lightwell.dual_stream import DualStream
 
@@ -223,7 +249,9 @@ class Worker:
         )
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
-        if self.device.type == "cuda" and not self.config.device.enforce_eager:
+        if self.device.type == "cuda" and self.pp_size > 1:
+            logger.info("pipeline parallel: every step runs eagerly (no CUDA graphs)")
+        elif self.device.type == "cuda" and not self.config.device.enforce_eager:
             blockers = _graph_blockers(self.runner)
             if not blockers:
                 s = resolved.scheduler
@@ -241,6 +269,12 @@ class Worker:
                 logger.warning("%s cannot be captured: every step runs eagerly", blockers)
         if self.compile_watch is not None:
             self.compile_watch.arm()  # start-up is over: later compiles stall serving
+
+    @property
+    def returns_output(self) -> bool:
+        """This rank's step output is the engine's, sent back over its pipe: the last
+        pipeline stage's tensor rank 0 (rank 0 itself without pipeline stages)."""
+        return self.pp_size > 1 and self.rank == (self.pp_size - 1) * self.tp_size
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(sched)
@@ -270,7 +304,7 @@ class Worker:
         self.runner = None
         if self.compile_watch is not None:
             self.compile_watch.uninstall()
-        if self.tp_size > 1:
+        if self.world_size > 1:
             from lightwell.distributed.launch import shutdown_distributed
 
             shutdown_distributed()

@@ -31,6 +31,9 @@ class FakeEngine:
     def new_request_id(self) -> str:
         return f"r{len(self.reqs)}-{time.monotonic_ns()}"
 
+    def executor_failure(self) -> str | None:
+        return None  # the workers are alive
+
     def add_request(self, rid, prompt, params, arrival_time=None, final_only=False) -> str:
         if prompt == "bad":
             raise ValueError("the prompt is bad")
