@@ -21,6 +21,9 @@ from lightwell.config import ModelConfig
 
 logger = logging.getLogger("lightwell")
 
+# generate / chat without sampling defaults from the model: greedy (the --temperature help)
+CLI_FALLBACK_SAMPLING = {"temperature": 0.0}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -113,24 +116,32 @@ def stream_request(engine: Any, request_id: str) -> Iterator[Any]:
             return
 
 
-def _make_engine(args: argparse.Namespace) -> Any:
-    from lightwell.engine.llm_engine import LLMEngine
+def _make_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The engine and the sampling options; every option is checked before the model loads."""
+    from lightwell.preflight import check_engine_config, check_sampling
 
     cfg = engine_config_from_args(args)
+    overrides = sampling_overrides_from_args(args)
+    check_sampling({**CLI_FALLBACK_SAMPLING, **overrides})
+    check_engine_config(cfg)
+    from lightwell.engine.llm_engine import LLMEngine
+
+    name = cfg.model.model or "SmolLM2-135M-Instruct (the default model)"
+    print(f"lightwell: loading {name} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
-    info = engine.model_info
-    logger.info(
-        "loaded %s (%s, %s on %s) in %.1fs; KV cache %d blocks x %d tokens",
-        info.name,
-        info.architecture,
-        info.dtype,
-        info.device,
-        time.perf_counter() - t0,
-        engine.num_kv_blocks,
-        cfg.cache.block_size,
+    print(_banner(engine, time.perf_counter() - t0), file=sys.stderr, flush=True)
+    return engine, overrides
+
+
+def _banner(engine: Any, load_s: float) -> str:
+    info, cfg = engine.model_info, engine.config
+    threads = f", {info.num_threads} CPU thread(s)" if info.device == "cpu" else ""
+    return (
+        f"lightwell: {info.name} ({info.architecture}, {info.dtype} on {info.device}{threads}) "
+        f"loaded in {load_s:.1f}s; KV cache {engine.num_kv_blocks * cfg.cache.block_size} "
+        f"tokens, context {engine.max_model_len}"
     )
-    return engine
 
 
 def _prompt_ids(engine: Any, args: argparse.Namespace, messages: list[dict] | None) -> Any:
@@ -140,8 +151,8 @@ def _prompt_ids(engine: Any, args: argparse.Namespace, messages: list[dict] | No
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = _make_engine(args)
-    params = engine.default_sampling_params(**sampling_overrides_from_args(args))
+    engine, overrides = _make_engine(args)
+    params = engine.default_sampling_params(CLI_FALLBACK_SAMPLING, **overrides)
     messages = None
     if not args.raw_prompt and engine.tokenizer.chat_template:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -188,14 +199,14 @@ def _print_stats(out: Any, wall: float) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _make_engine(args)
+    engine, overrides = _make_engine(args)
     if not engine.tokenizer.chat_template:
         print(
             "this model has no chat template; use `lightwell generate --raw-prompt`",
             file=sys.stderr,
         )
         return 2
-    params = engine.default_sampling_params(**sampling_overrides_from_args(args))
+    params = engine.default_sampling_params(CLI_FALLBACK_SAMPLING, **overrides)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     print("Lightwell chat: /reset clears the history, /exit or Ctrl-D quits.")
@@ -219,7 +230,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             history.pop()
             continue
-        final = _print_stream(engine, rid, stream=True)
+        try:
+            final = _print_stream(engine, rid, stream=True)
+        except KeyboardInterrupt:  # stops this answer; the session goes on
+            final = engine.abort_request(rid)
+            print("\n[interrupted]", file=sys.stderr)
         history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
 
 
@@ -261,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ObjectStoreError) as e:
         print(f"lightwell: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: quietly, with the shell's code for SIGINT
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -82,6 +82,13 @@ class ModelConfig:
     s3_max_connections: int = _opt(
         8, "Parallel ranged GETs per object when reading an s3:// model."
     )
+    generation_config: str = _opt(
+        "auto",
+        "Where sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) come "
+        "from: auto: the model's generation_config.json when it has one; vllm: ignore it "
+        "(SamplingParams' own defaults); or a folder holding a generation_config.json. "
+        "Options and request fields always win.",
+    )
     download_dir: str | None = _opt(
         None,
         "For s3:// models: cache the files under DIR/bucket/prefix and load from there "
@@ -224,7 +231,11 @@ class DeviceConfig:
         ("auto", "torch", "triton"),
     )
     num_threads: int | None = _opt(
-        None, "CPU threads for torch (default: torch's own choice, one per core)."
+        None,
+        "CPU threads for torch. Default: 1 (also per rank under tensor parallelism): on a "
+        "machine whose cores are busy with other work, more threads wait on each other and run "
+        "several times slower (docs/performance.md); set it to the number of idle cores on "
+        "a dedicated machine.",
     )
 
 
@@ -278,6 +289,10 @@ class EngineConfig:
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
+        _check(
+            self.device.num_threads is None or self.device.num_threads >= 1,
+            "num_threads must be >= 1",
+        )
         for f, opts in ((m.dtype, DTYPES), (m.load_format, LOAD_FORMATS)):
             _check(f in opts, f"{f!r} is not one of {', '.join(opts)}")
         _check(self.device.device in DEVICES, f"device must be one of {', '.join(DEVICES)}")

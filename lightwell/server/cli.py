@@ -68,14 +68,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from lightwell.engine.async_engine import AsyncEngine
     from lightwell.engine.llm_engine import LLMEngine
+    from lightwell.preflight import check_engine_config, check_port
     from lightwell.server.api_server import BannerServer, build_app
     from lightwell.server.metrics import ServerMetrics
     from lightwell.server.observability import use_json_logs
 
     if args.log_format == "json":
         use_json_logs()
+    cfg = engine_config_from_args(args).replace(serving=True)
+    check_engine_config(cfg)  # before the load: one line, exit code 2
+    check_port(args.host, args.port)
     t0 = time.perf_counter()
-    engine = LLMEngine(engine_config_from_args(args).replace(serving=True))
+    engine = LLMEngine(cfg)
     name = args.served_model_name or (engine.files.name if engine.files else engine.model_info.name)
     metrics = ServerMetrics(name)
     async_engine = AsyncEngine(
@@ -113,6 +117,7 @@ def _banner(args: argparse.Namespace, engine: Any, name: str, load_s: float) -> 
         f"KV cache: {blocks} blocks x {bs} tokens = {blocks * bs} tokens; context length "
         f"{engine.max_model_len}; max {cfg.scheduler.max_num_seqs} sequences, "
         f"{cfg.scheduler.max_num_batched_tokens} tokens per step"
+        + (f"; {engine.model_info.num_threads} CPU threads" if info.device == "cpu" else "")
         + ("; API key required" if args.api_key else "")
     )
 
