@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -152,6 +153,13 @@ def _prompt_ids(engine: Any, args: argparse.Namespace, messages: list[dict] | No
 
 def cmd_generate(args: argparse.Namespace) -> int:
     engine, overrides = _make_engine(args)
+    try:
+        return _generate(engine, overrides, args)
+    finally:
+        engine.shutdown()  # worker processes end before the interpreter does
+
+
+def _generate(engine: Any, overrides: dict[str, Any], args: argparse.Namespace) -> int:
     params = engine.default_sampling_params(CLI_FALLBACK_SAMPLING, **overrides)
     messages = None
     if not args.raw_prompt and engine.tokenizer.chat_template:
@@ -164,6 +172,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for c in final.outputs:
             prefix = f"[{c.index}] " if params.n > 1 else ""
             print(prefix + c.text)
+    if final is not None and params.prompt_logprobs is not None:
+        _print_logprobs(engine, "prompt", final.prompt_token_ids, final.prompt_logprobs or [])
+    if final is not None and params.logprobs is not None:
+        for c in final.outputs:
+            _print_logprobs(engine, f"output [{c.index}]", c.token_ids, c.logprobs or [])
     if args.show_stats and final is not None:
         _print_stats(final, time.perf_counter() - t0)
     return 0
@@ -184,6 +197,26 @@ def _print_stream(engine: Any, rid: str, stream: bool) -> Any:
     return final
 
 
+def _print_logprobs(engine: Any, what: str, ids: Any, positions: Any) -> None:
+    """One line per token: its text, log-probability, rank, and the top alternatives."""
+    print(f"-- {what} logprobs: token, logprob, rank, top alternatives")
+    tok = engine.tokenizer
+    piece = (
+        (lambda t: tok.decode(t, skip_special_tokens=False))
+        if tok
+        else (lambda t: f"token_id:{t[0]}")
+    )
+    for tid, pos in zip(ids, positions):
+        if pos is None:  # the first prompt token has no logprob
+            print(f"{piece([tid])!r}\t-")
+            continue
+        chosen = pos.get(tid)
+        top = sorted(pos.items(), key=lambda kv: kv[1].rank)
+        alts = ", ".join(f"{piece([t])!r} {lp.logprob:.3f}" for t, lp in top if lp.rank)
+        shown = f"{chosen.logprob:.4f}\t{chosen.rank}" if chosen else "?\t?"
+        print(f"{piece([tid])!r}\t{shown}\t[{alts}]")
+
+
 def _print_stats(out: Any, wall: float) -> None:
     m = out.metrics
     n = sum(len(c.token_ids) for c in out.outputs)
@@ -200,6 +233,13 @@ def _print_stats(out: Any, wall: float) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> int:
     engine, overrides = _make_engine(args)
+    try:
+        return _chat(engine, overrides, args)
+    finally:
+        engine.shutdown()
+
+
+def _chat(engine: Any, overrides: dict[str, Any], args: argparse.Namespace) -> int:
     if not engine.tokenizer.chat_template:
         print(
             "this model has no chat template; use `lightwell generate --raw-prompt`",
@@ -238,6 +278,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_download(args: argparse.Namespace) -> int:
     from lightwell.storage.object_store import StoreOptions, is_object_uri
     from lightwell.storage.remote import download_model
@@ -269,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     handlers = {"generate": cmd_generate, "chat": cmd_chat}
     handler = handlers.get(args.command) or args.handler
+    if args.command in handlers:  # SIGTERM stops as Ctrl-C does: workers shut down, exit 0
+        signal.signal(signal.SIGTERM, _interrupt)
     from lightwell.storage.object_store import ObjectStoreError
 
     try:
@@ -276,9 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ObjectStoreError) as e:
         print(f"lightwell: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: quietly, with the shell's code for SIGINT
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a requested stop, quietly (as serve)
         print(file=sys.stderr)
-        return 130
+        return 0
 
 
 if __name__ == "__main__":

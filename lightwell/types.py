@@ -161,7 +161,8 @@ class SamplingParams:
 
 def _need(ok: bool, message: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{message} (got {value!r})")
+        shown = repr(value)  # escaped, and cut: an error never echoes a long value whole
+        raise ValueError(f"{message} (got {shown if len(shown) <= 80 else shown[:77] + '...'})")
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,6 +24,18 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        # worker processes stop when this object goes away, at exit, or on shutdown()
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -8,6 +8,7 @@ sockets close and the collectives that rank 0 is blocked in fail instead of hang
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import traceback
 from multiprocessing.connection import Connection
@@ -33,6 +34,9 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
     """Process entry point (spawned)."""
     from lightwell.worker.worker import Worker
 
+    # Ctrl-C reaches the whole process group: rank 0 alone handles it (and shuts the workers
+    # down), so an interrupted answer in `lightwell chat` leaves the workers serving
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         conn.send(Started(rank))
         with torch.inference_mode():

@@ -8,13 +8,14 @@ exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
 import time
 from typing import Any
 
-from lightwell.cli_args import add_engine_args, engine_config_from_args
+from lightwell.cli_args import add_config_args, add_engine_args, engine_config_from_args
 
 logger = logging.getLogger("lightwell.server")
 
@@ -29,7 +30,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="Require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise).",
+        help="Require 'Authorization: Bearer KEY' on every route but /health (401 otherwise; "
+        "/metrics too unless --public-metrics).",
     )
     p.add_argument(
         "--served-model-name",
@@ -59,6 +61,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stats-interval", type=float, default=10.0, help="Seconds between stats log lines."
     )
+    from lightwell.server.limits import ServerLimits
+
+    limits = p.add_argument_group("server limits (docs/serving.md)")
+    add_config_args(limits, ServerLimits, tuple(f.name for f in dataclasses.fields(ServerLimits)))
     add_engine_args(p)
     p.set_defaults(handler=cmd_serve)
 
@@ -70,12 +76,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from lightwell.engine.llm_engine import LLMEngine
     from lightwell.preflight import check_engine_config, check_port
     from lightwell.server.api_server import BannerServer, build_app
+    from lightwell.server.limits import ServerLimits
     from lightwell.server.metrics import ServerMetrics
     from lightwell.server.observability import use_json_logs
 
     if args.log_format == "json":
         use_json_logs()
     cfg = engine_config_from_args(args).replace(serving=True)
+    limits = ServerLimits(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+    )
+    limits.validate()
     check_engine_config(cfg)  # before the load: one line, exit code 2
     check_port(args.host, args.port)
     t0 = time.perf_counter()
@@ -86,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine, on_finished=metrics.observe_finished, on_step=metrics.observe_step
     )
     metrics.attach(lambda: async_engine.stats)
-    app = build_app(async_engine, name, metrics, args.api_key, args.stats_interval)
+    app = build_app(async_engine, name, metrics, args.api_key, args.stats_interval, limits)
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -62,7 +63,8 @@ async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw: Request
 ) -> ChatCompletionResponse | Response:
     ctx.check_model(req.model)
-    prompt_ids = chat_prompt_ids(ctx, req.messages, add_gen=True)
+    # off the event loop: a long conversation must not stall the other streams
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, ctx, req.messages, True)
     check_prompt_fits(ctx, len(prompt_ids), req.max_output_tokens, "messages")
     params = sampling_params(
         ctx,
