@@ -129,6 +129,13 @@ class SchedulerConfig:
         "Split long prompts across steps to fit the token budget. When off, a prompt is "
         "scheduled whole or not at all (and the budget must hold the longest prompt).",
     )
+    long_prefill_fraction: float = _opt(
+        0.75,
+        "While requests wait to start, a running request's prefill chunk takes at most this "
+        "fraction of a step's token budget; the rest goes to the waiting requests, so a short "
+        "request's first token does not wait for a long prompt's whole prefill (with chunked "
+        "prefill). 1.0: running prefills first, whole budget.",
+    )
     step_trace: str | None = _opt(
         None,
         "Append one JSON line per engine step to this file: the time, step id, tokens, "
@@ -286,6 +293,7 @@ class EngineConfig:
             "max_num_batched_tokens must be > 0",
         )
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
+        _check(0.0 < s.long_prefill_fraction <= 1.0, "long_prefill_fraction must be in (0, 1]")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")

@@ -72,6 +72,7 @@ class LLMEngine:
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
             enable_chunked_prefill=s.enable_chunked_prefill,
             async_scheduling=s.async_scheduling,
+            long_prefill_fraction=s.long_prefill_fraction,
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
         self.output_processor = OutputProcessor(self.tokenizer)
