@@ -19,6 +19,7 @@ from lightwell.cli_args import (
     sampling_overrides_from_args,
 )
 from lightwell.config import ModelConfig
+from lightwell.engine.interrupts import StepGuard
 
 logger = logging.getLogger("lightwell")
 
@@ -106,15 +107,18 @@ def _register_extra() -> None:
 
 
 def stream_request(engine: Any, request_id: str) -> Iterator[Any]:
-    """Step the engine until request_id finishes, yielding each of its RequestOutputs."""
-    while True:
-        for out in engine.step():
-            if out.request_id == request_id:
-                yield out
-                if out.finished:
-                    return
-        if not engine.has_unfinished_requests():
-            return
+    """Step the engine until request_id finishes, yielding each of its RequestOutputs.
+    Ctrl-C / SIGTERM raise KeyboardInterrupt between steps, never inside one."""
+    with StepGuard((signal.SIGINT, signal.SIGTERM)) as guard:
+        while True:
+            for out in engine.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+            guard.check()
+            if not engine.has_unfinished_requests():
+                return
 
 
 def _make_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
@@ -280,6 +284,9 @@ def _chat(engine: Any, overrides: dict[str, Any], args: argparse.Namespace) -> i
 
 def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
+
+
+_interrupt.defers_to_steps = True  # type: ignore[attr-defined]  # StepGuard takes it over
 
 
 def cmd_download(args: argparse.Namespace) -> int:

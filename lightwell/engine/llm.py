@@ -9,6 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from lightwell.config import EngineConfig
+from lightwell.engine.interrupts import StepGuard
 from lightwell.engine.llm_engine import LLMEngine, PromptInput
 from lightwell.types import RequestOutput, SamplingParams
 
@@ -104,11 +105,13 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+            with StepGuard() as guard:  # Ctrl-C between steps (ranks stay in step)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+                    guard.check()
         except BaseException:
             for rid in ids:
                 engine.abort_request(rid)

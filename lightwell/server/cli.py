@@ -89,6 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limits.validate()
     check_engine_config(cfg)  # before the load: one line, exit code 2
     check_port(args.host, args.port)
+    print(f"lightwell: loading {cfg.model.model or 'SmolLM2-135M-Instruct'} ...", flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
     name = args.served_model_name or (engine.files.name if engine.files else engine.model_info.name)
