@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -145,15 +146,53 @@ def test_truncated_files_are_named_in_one_line(truncated, smollm2_gguf, capsys):
         assert err.strip().splitlines()[1:] == [err.strip().splitlines()[-1]], err  # loading, error
 
 
-def test_ctrl_c_during_load_exits_quietly():
+def _reader(stream, sink: list[str]) -> threading.Thread:
+    def run() -> None:
+        for chunk in iter(lambda: stream.read(1), ""):
+            sink.append(chunk)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def _wait_for(sink: list[str], text: str, timeout: float = 180, start: int = 0) -> None:
+    deadline = time.time() + timeout
+    while text not in "".join(sink)[start:]:
+        assert time.time() < deadline, "".join(sink)[-2000:]
+        time.sleep(0.05)
+
+
+def test_chat_ctrl_c_stops_the_answer_and_keeps_the_session():
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "lightwell.cli", "generate", "hi", "--num-threads", "1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    deadline = time.time() + 120
-    line = b""
-    while b"loading" not in line and time.time() < deadline:
-        line = proc.stderr.readline()
+    cmd = [sys.executable, "-m", "lightwell.cli", "chat", "--max-tokens", "400", "--ignore-eos"]
+    proc = subprocess.Popen(
+        cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        text=True,
+    )  # fmt: skip
+    out: list[str] = []
+    err: list[str] = []
+    _reader(proc.stdout, out), _reader(proc.stderr, err)
+    _wait_for(out, "> ")
+    start = len("".join(out))
+    proc.stdin.write("Count from one to one hundred.\n")
+    proc.stdin.flush()
+    _wait_for(out, ",", start=start)  # the answer is streaming
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0
-    assert b"Traceback" not in err and b"KeyboardInterrupt" not in err
+    _wait_for(err, "[interrupted]", 60)
+    before = len("".join(out))
+    proc.stdin.write("What is the capital of France?\n")  # the session goes on
+    proc.stdin.flush()
+    deadline = time.time() + 120
+    while "Paris" not in "".join(out)[before:]:
+        assert time.time() < deadline and proc.poll() is None, "".join(out)[-500:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    deadline = time.time() + 60
+    while "".join(err).count("[interrupted]") < 2:
+        assert time.time() < deadline, "".join(err)[-500:]
+        time.sleep(0.05)
+    proc.stdin.write("/exit\n")
+    proc.stdin.flush()
+    assert proc.wait(60) == 0
+    assert "Traceback" not in "".join(err) and "KeyboardInterrupt" not in "".join(err)

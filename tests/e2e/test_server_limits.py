@@ -84,6 +84,8 @@ def test_request_timeout(server):
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
     assert time.perf_counter() - t0 < 4 * TIMEOUT_S
+    assert server.metric("request_timeouts_total", 'reason="request_timeout"') == 2
+    assert server.metric("request_errors_total", 'reason="too_large"') >= 1
     _ok(server)
 
 
