@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -18,8 +19,12 @@ from lightwell.cli_args import (
     sampling_overrides_from_args,
 )
 from lightwell.config import ModelConfig
+from lightwell.engine.interrupts import StepGuard
 
 logger = logging.getLogger("lightwell")
+
+# generate / chat without sampling defaults from the model: greedy (the --temperature help)
+CLI_FALLBACK_SAMPLING = {"temperature": 0.0}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,35 +107,46 @@ def _register_extra() -> None:
 
 
 def stream_request(engine: Any, request_id: str) -> Iterator[Any]:
-    """Step the engine until request_id finishes, yielding each of its RequestOutputs."""
-    while True:
-        for out in engine.step():
-            if out.request_id == request_id:
-                yield out
-                if out.finished:
-                    return
-        if not engine.has_unfinished_requests():
-            return
+    """Step the engine until request_id finishes, yielding each of its RequestOutputs.
+    Ctrl-C / SIGTERM raise KeyboardInterrupt between steps, never inside one."""
+    with StepGuard((signal.SIGINT, signal.SIGTERM)) as guard:
+        while True:
+            for out in engine.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+            guard.check()
+            if not engine.has_unfinished_requests():
+                return
 
 
-def _make_engine(args: argparse.Namespace) -> Any:
-    from lightwell.engine.llm_engine import LLMEngine
+def _make_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    """The engine and the sampling options; every option is checked before the model loads."""
+    from lightwell.preflight import check_engine_config, check_sampling
 
     cfg = engine_config_from_args(args)
+    overrides = sampling_overrides_from_args(args)
+    check_sampling({**CLI_FALLBACK_SAMPLING, **overrides})
+    check_engine_config(cfg)
+    from lightwell.engine.llm_engine import LLMEngine
+
+    name = cfg.model.model or "SmolLM2-135M-Instruct (the default model)"
+    print(f"lightwell: loading {name} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     engine = LLMEngine(cfg)
-    info = engine.model_info
-    logger.info(
-        "loaded %s (%s, %s on %s) in %.1fs; KV cache %d blocks x %d tokens",
-        info.name,
-        info.architecture,
-        info.dtype,
-        info.device,
-        time.perf_counter() - t0,
-        engine.num_kv_blocks,
-        cfg.cache.block_size,
+    print(_banner(engine, time.perf_counter() - t0), file=sys.stderr, flush=True)
+    return engine, overrides
+
+
+def _banner(engine: Any, load_s: float) -> str:
+    info, cfg = engine.model_info, engine.config
+    threads = f", {info.num_threads} CPU thread(s)" if info.device == "cpu" else ""
+    return (
+        f"lightwell: {info.name} ({info.architecture}, {info.dtype} on {info.device}{threads}) "
+        f"loaded in {load_s:.1f}s; KV cache {engine.num_kv_blocks * cfg.cache.block_size} "
+        f"tokens, context {engine.max_model_len}"
     )
-    return engine
 
 
 def _prompt_ids(engine: Any, args: argparse.Namespace, messages: list[dict] | None) -> Any:
@@ -140,8 +156,15 @@ def _prompt_ids(engine: Any, args: argparse.Namespace, messages: list[dict] | No
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = _make_engine(args)
-    params = engine.default_sampling_params(**sampling_overrides_from_args(args))
+    engine, overrides = _make_engine(args)
+    try:
+        return _generate(engine, overrides, args)
+    finally:
+        engine.shutdown()  # worker processes end before the interpreter does
+
+
+def _generate(engine: Any, overrides: dict[str, Any], args: argparse.Namespace) -> int:
+    params = engine.default_sampling_params(CLI_FALLBACK_SAMPLING, **overrides)
     messages = None
     if not args.raw_prompt and engine.tokenizer.chat_template:
         messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -153,6 +176,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         for c in final.outputs:
             prefix = f"[{c.index}] " if params.n > 1 else ""
             print(prefix + c.text)
+    if final is not None and params.prompt_logprobs is not None:
+        _print_logprobs(engine, "prompt", final.prompt_token_ids, final.prompt_logprobs or [])
+    if final is not None and params.logprobs is not None:
+        for c in final.outputs:
+            _print_logprobs(engine, f"output [{c.index}]", c.token_ids, c.logprobs or [])
     if args.show_stats and final is not None:
         _print_stats(final, time.perf_counter() - t0)
     return 0
@@ -173,6 +201,26 @@ def _print_stream(engine: Any, rid: str, stream: bool) -> Any:
     return final
 
 
+def _print_logprobs(engine: Any, what: str, ids: Any, positions: Any) -> None:
+    """One line per token: its text, log-probability, rank, and the top alternatives."""
+    print(f"-- {what} logprobs: token, logprob, rank, top alternatives")
+    tok = engine.tokenizer
+    piece = (
+        (lambda t: tok.decode(t, skip_special_tokens=False))
+        if tok
+        else (lambda t: f"token_id:{t[0]}")
+    )
+    for tid, pos in zip(ids, positions):
+        if pos is None:  # the first prompt token has no logprob
+            print(f"{piece([tid])!r}\t-")
+            continue
+        chosen = pos.get(tid)
+        top = sorted(pos.items(), key=lambda kv: kv[1].rank)
+        alts = ", ".join(f"{piece([t])!r} {lp.logprob:.3f}" for t, lp in top if lp.rank)
+        shown = f"{chosen.logprob:.4f}\t{chosen.rank}" if chosen else "?\t?"
+        print(f"{piece([tid])!r}\t{shown}\t[{alts}]")
+
+
 def _print_stats(out: Any, wall: float) -> None:
     m = out.metrics
     n = sum(len(c.token_ids) for c in out.outputs)
@@ -188,14 +236,21 @@ def _print_stats(out: Any, wall: float) -> None:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = _make_engine(args)
+    engine, overrides = _make_engine(args)
+    try:
+        return _chat(engine, overrides, args)
+    finally:
+        engine.shutdown()
+
+
+def _chat(engine: Any, overrides: dict[str, Any], args: argparse.Namespace) -> int:
     if not engine.tokenizer.chat_template:
         print(
             "this model has no chat template; use `lightwell generate --raw-prompt`",
             file=sys.stderr,
         )
         return 2
-    params = engine.default_sampling_params(**sampling_overrides_from_args(args))
+    params = engine.default_sampling_params(CLI_FALLBACK_SAMPLING, **overrides)
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     print("Lightwell chat: /reset clears the history, /exit or Ctrl-D quits.")
@@ -219,8 +274,19 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(f"error: {e}", file=sys.stderr)
             history.pop()
             continue
-        final = _print_stream(engine, rid, stream=True)
+        try:
+            final = _print_stream(engine, rid, stream=True)
+        except KeyboardInterrupt:  # stops this answer; the session goes on
+            final = engine.abort_request(rid)
+            print("\n[interrupted]", file=sys.stderr)
         history.append({"role": "assistant", "content": final.outputs[0].text if final else ""})
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+_interrupt.defers_to_steps = True  # type: ignore[attr-defined]  # StepGuard takes it over
 
 
 def cmd_download(args: argparse.Namespace) -> int:
@@ -254,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     handlers = {"generate": cmd_generate, "chat": cmd_chat}
     handler = handlers.get(args.command) or args.handler
+    if args.command in handlers:  # SIGTERM stops as Ctrl-C does: workers shut down, exit 0
+        signal.signal(signal.SIGTERM, _interrupt)
     from lightwell.storage.object_store import ObjectStoreError
 
     try:
@@ -261,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ObjectStoreError) as e:
         print(f"lightwell: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: a requested stop, quietly (as serve)
+        print(file=sys.stderr)
+        return 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ from lightwell.types import SamplingParams
 
 SAMPLING_HELP = {
     "n": "Number of completions per prompt.",
-    "temperature": "Sampling temperature; 0 = greedy.",
+    "temperature": "Sampling temperature; 0 = greedy. Unset: the model's generation_config.json "
+    "value; without one, 0 in `generate` and `chat` (a small model's answers fall apart when "
+    "sampled) and 1.0 through the API and the server (OpenAI's default)",
     "top_p": "Nucleus sampling: keep the smallest token set with this much probability.",
     "top_k": "Keep only the k most likely tokens (0 or -1: off).",
     "min_p": "Keep tokens with probability >= min_p x the top token's.",
@@ -112,7 +114,9 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) ->
         typ = _base_type(hints[f.name])
         default = max_tokens if f.name == "max_tokens" else None
         shown = default if f.name == "max_tokens" else f.default
-        help_text = f"{SAMPLING_HELP.get(f.name, '')} (default: {shown})"
+        help_text = SAMPLING_HELP.get(f.name, "")
+        if f.name != "temperature":
+            help_text += f" (default: {shown})"
         if f.name == "stop":
             group.add_argument(flag, action="append", default=None, help=help_text)
         elif typ is bool:

@@ -98,6 +98,13 @@ class ModelConfig:
     s3_max_connections: int = _opt(
         8, "Parallel ranged GETs per object when reading an s3:// model."
     )
+    generation_config: str = _opt(
+        "auto",
+        "Where sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty) come "
+        "from: auto: the model's generation_config.json when it has one; vllm: ignore it "
+        "(SamplingParams' own defaults); or a folder holding a generation_config.json. "
+        "Options and request fields always win.",
+    )
     download_dir: str | None = _opt(
         None,
         "For s3:// models: cache the files under DIR/bucket/prefix and load from there "
@@ -157,6 +164,13 @@ class SchedulerConfig:
         True,
         "Split long prompts across steps to fit the token budget. When off, a prompt is "
         "scheduled whole or not at all (and the budget must hold the longest prompt).",
+    )
+    long_prefill_fraction: float = _opt(
+        0.75,
+        "While requests wait to start, a running request's prefill chunk takes at most this "
+        "fraction of a step's token budget; the rest goes to the waiting requests, so a short "
+        "request's first token does not wait for a long prompt's whole prefill (with chunked "
+        "prefill). 1.0: running prefills first, whole budget.",
     )
     step_trace: str | None = _opt(
         None,
@@ -308,7 +322,11 @@ class DeviceConfig:
         ("auto", "torch", "triton"),
     )
     num_threads: int | None = _opt(
-        None, "CPU threads for torch (default: torch's own choice, one per core)."
+        None,
+        "CPU threads for torch. Default: 1 (also per rank under tensor parallelism): on a "
+        "machine whose cores are busy with other work, more threads wait on each other and run "
+        "several times slower (docs/performance.md); set it to the number of idle cores on "
+        "a dedicated machine.",
     )
 
 
@@ -360,6 +378,7 @@ class EngineConfig:
         )
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(s.grammar_cache_size >= 1, "grammar_cache_size must be >= 1")
+        _check(0.0 < s.long_prefill_fraction <= 1.0, "long_prefill_fraction must be in (0, 1]")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(p.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")
         _check_nodes(p)
@@ -388,6 +407,10 @@ class EngineConfig:
             )
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
+        _check(
+            self.device.num_threads is None or self.device.num_threads >= 1,
+            "num_threads must be >= 1",
+        )
         for f, opts in (
             (m.dtype, DTYPES),
             (m.load_format, LOAD_FORMATS),

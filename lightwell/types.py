@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 T = TypeVar("T")
+# Upper bounds of the unbounded sampling fields (Infinity / NaN are rejected with them).
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
 
 
 class FinishReason(enum.StrEnum):
@@ -146,7 +149,11 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _need(isinstance(self.n, int) and self.n >= 1, "n must be an integer >= 1", self.n)
-        _need(self.temperature >= 0.0, "temperature must be >= 0", self.temperature)
+        _need(
+            0.0 <= self.temperature <= MAX_TEMPERATURE,
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}]",
+            self.temperature,
+        )
         _need(0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]", self.top_p)
         _need(
             isinstance(self.top_k, int) and self.top_k >= 0,
@@ -165,7 +172,9 @@ class SamplingParams:
             self.frequency_penalty,
         )
         _need(
-            self.repetition_penalty > 0.0, "repetition_penalty must be > 0", self.repetition_penalty
+            0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}]",
+            self.repetition_penalty,
         )
         _need(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
@@ -264,7 +273,8 @@ class SamplingParams:
 
 def _need(ok: bool, message: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{message} (got {value!r})")
+        shown = repr(value)  # escaped, and cut: an error never echoes a long value whole
+        raise ValueError(f"{message} (got {shown if len(shown) <= 80 else shown[:77] + '...'})")
 
 
 @dataclass

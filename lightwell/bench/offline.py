@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,12 @@ def make_llm(args: argparse.Namespace) -> Any:
     from lightwell.engine.llm import LLM
 
     flat = engine_config_from_args(args).flat()
-    return LLM(flat.pop("model"), **flat)
+    name = flat["model"] or "SmolLM2-135M-Instruct (the default model)"
+    print(f"lightwell bench: loading {name} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    llm = LLM(flat.pop("model"), **flat)
+    print(f"lightwell bench: loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return llm
 
 
 def _prompts(reqs: list[SampleRequest]) -> list[dict]:
@@ -151,14 +157,21 @@ def streamed_weight_bytes(llm: Any) -> int:
 
 
 def cmd_latency(args: argparse.Namespace) -> int:
+    from tqdm.auto import tqdm
+
     llm = make_llm(args)
     seed = args.seed
+    total = args.num_iters_warmup + args.num_iters
+    bar = tqdm(total=total, desc="latency (warm-up first)", unit="batch", disable=args.no_progress)
     for i in range(args.num_iters_warmup):
         time_batch(llm, _requests(llm, args, args.batch_size, seed + 10_000 + i), args.temperature)
-    timings = [
-        time_batch(llm, _requests(llm, args, args.batch_size, seed + i), args.temperature)
-        for i in range(args.num_iters)
-    ]
+        bar.update(1)
+    timings = []
+    for i in range(args.num_iters):
+        reqs = _requests(llm, args, args.batch_size, seed + i)
+        timings.append(time_batch(llm, reqs, args.temperature))
+        bar.update(1)
+    bar.close()
     ttft = statistics.median(t.ttft_s for t in timings)
     tpot = statistics.median(t.tpot_s for t in timings)
     e2e = statistics.median(t.e2e_s for t in timings)

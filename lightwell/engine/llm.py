@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from lightwell.config import EngineConfig
+from lightwell.engine.interrupts import StepGuard
 from lightwell.engine.llm_engine import LLMEngine, PromptInput
 from lightwell.types import PoolingParams, RequestOutput, SamplingParams
 
@@ -23,6 +25,18 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_options: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_options))
+        # worker processes stop when this object goes away, at exit, or on shutdown()
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine and its worker processes (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -103,11 +117,13 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished and out.request_id in order:
-                        results[order[out.request_id]] = out
-                        bar.update(1)
+            with StepGuard() as guard:  # Ctrl-C between steps (ranks stay in step)
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+                    guard.check()
         except BaseException:
             for rid in ids:
                 engine.abort_request(rid)

@@ -16,6 +16,7 @@ from lightwell.engine.overlap_loop import OverlapLoop
 from lightwell.engine.step_trace import StepTrace
 from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
+from lightwell.file_checks import check_model_file
 from lightwell.model_files import ModelFiles, resolve_model
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.scheduler.request import Request
@@ -50,8 +51,11 @@ class LLMEngine:
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
         )
+        if self.files is not None and self.files.remote is None:
+            check_model_file(self.files.kind, self.files.path)  # truncated: one line, no load
         skip = m.skip_tokenizer_init or (self.files is None and m.tokenizer is None)
         self.tokenizer = None if skip else Tokenizer.load(self.files, m.tokenizer)
+        self.generation_defaults = load_generation_defaults(self.files, m.generation_config)
         # opened first: a path that cannot be written fails before the model loads
         trace = config.scheduler.step_trace
         self._trace = StepTrace(trace) if trace else None
@@ -73,6 +77,7 @@ class LLMEngine:
             enable_prefix_caching=self.config.cache.enable_prefix_caching,
             enable_chunked_prefill=s.enable_chunked_prefill,
             async_scheduling=s.async_scheduling,
+            long_prefill_fraction=s.long_prefill_fraction,
         )
         self._overlap = OverlapLoop(self) if self.scheduler.async_scheduling else None
         p = self.config.parallel
@@ -84,7 +89,6 @@ class LLMEngine:
         own = [self.tokenizer.eos_token_id if self.tokenizer else None]
         own = self._eos_in_vocab([*own, self.model_info.eos_token_id])
         self.eos_token_id = own[0] if own else None
-        self.generation_defaults = load_generation_defaults(self.files)
         extra = self._eos_in_vocab(self.generation_defaults.pop("eos_token_ids", []))
         self._extra_eos = [t for t in dict.fromkeys(extra) if t != self.eos_token_id]
         self._ids = itertools.count()
@@ -307,9 +311,14 @@ class LLMEngine:
             g.cache_hits,
         )
 
-    def default_sampling_params(self, **overrides: object) -> SamplingParams:
-        """SamplingParams with the model's generation_config.json defaults, then overrides."""
-        return SamplingParams(**{**self.generation_defaults, **overrides})
+    def default_sampling_params(
+        self, fallback: dict | None = None, **overrides: object
+    ) -> SamplingParams:
+        """SamplingParams: ``fallback`` (used only when the model's generation_config.json
+        sets no sampling field), then the model's defaults, then ``overrides``."""
+        model = {k: v for k, v in self.generation_defaults.items() if k in _GEN_KEYS}
+        base = dict(fallback or {}) if not model else {}
+        return SamplingParams(**{**base, **self.generation_defaults, **overrides})
 
     def executor_failure(self) -> str | None:
         """Why the workers can no longer run steps (a worker process or node went away),
@@ -335,15 +344,28 @@ def resolve_task(task: str, architecture: str) -> str:
 _GEN_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def load_generation_defaults(files: ModelFiles | None) -> dict:
-    """Sampling defaults from an HF folder's generation_config.json (eos ids included)."""
-    if files is None:
+def load_generation_defaults(files: ModelFiles | None, source: str = "auto") -> dict:
+    """Sampling defaults from generation_config.json (eos ids included): the HF folder's
+    (``source`` "auto"), none ("vllm"), or the one in the folder ``source`` names."""
+    if source == "vllm":
         return {}
-    path = os.path.join(files.folder, "generation_config.json")
-    if files.kind != "hf" or not os.path.isfile(path):
+    if source != "auto":
+        path = os.path.join(source, "generation_config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--generation-config {source!r}: no generation_config.json there")
+    elif files is None or files.kind != "hf":
         return {}
-    with open(path) as f:
-        gen = json.load(f)
+    else:
+        path = os.path.join(files.folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path) as f:
+            gen = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable JSON file ({e})") from None
+    if not isinstance(gen, dict):
+        raise ValueError(f"{path}: expected a JSON object")
     out = {k: gen[k] for k in _GEN_KEYS if gen.get(k) is not None}
     if gen.get("do_sample") is False:
         out["temperature"] = 0.0  # the checkpoint asks for greedy decoding

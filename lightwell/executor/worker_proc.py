@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import sys
 import threading
 import traceback
@@ -38,6 +39,9 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
     """Process entry point (spawned)."""
     from lightwell.worker.worker import Worker
 
+    # Ctrl-C reaches the whole process group: rank 0 alone handles it (and shuts the workers
+    # down), so an interrupted answer in `lightwell chat` leaves the workers serving
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     replies = _Replies(conn)
     try:
         conn.send(Started(rank))

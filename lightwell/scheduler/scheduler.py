@@ -63,6 +63,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
+        long_prefill_fraction: float = 1.0,
     ) -> None:
         for name, value in (
             ("max_num_batched_tokens", max_num_batched_tokens),
@@ -78,6 +79,8 @@ class Scheduler:
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_scheduling = async_scheduling
+        # while requests wait, running prefills leave this many tokens of a step to them
+        self.prefill_reserve = int(max_num_batched_tokens * (1.0 - long_prefill_fraction))
         # Async scheduling: step_id -> the Request objects it scheduled, until its update().
         self._step_requests: dict[int, dict[str, Request]] = {}
         self._num_steps = 0
@@ -159,6 +162,8 @@ class Scheduler:
         return output
 
     def _schedule_running(self, batch: _Batch) -> None:
+        admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
+        reserve = self.prefill_reserve if admits and self.enable_chunked_prefill else 0
         i = 0
         while i < len(self.running) and batch.budget > 0:
             request = self.running[i]
@@ -168,7 +173,8 @@ class Scheduler:
             ):
                 continue  # the step in flight produces its last token
             n = request.num_tokens + request.num_output_placeholders - request.num_computed_tokens
-            n = min(n, batch.budget)
+            prefilling = request.num_computed_tokens < request.num_prompt_tokens
+            n = min(n, batch.budget - reserve if prefilling and n > 1 else batch.budget)
             if n <= 0:  # scheduled again before update(): nothing new to run yet
                 continue
             new_block_ids = self._allocate_or_preempt(request, n, batch)

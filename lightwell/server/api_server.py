@@ -17,6 +17,7 @@ from typing import Any
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lightwell import __version__
 from lightwell.engine.async_engine import AsyncEngine, EngineDeadError
+from lightwell.server.limits import LimitsMiddleware, ServerLimits, TooBusy, cors_origins, limited
 from lightwell.server.metrics import ServerMetrics
 from lightwell.server.observability import RequestContextMiddleware
 from lightwell.server.protocol import (
@@ -65,10 +67,12 @@ def build_app(
     stats_interval: float = 10.0,
     tool_call_parser: str = "auto",
     aliases: tuple[str, ...] = (),
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name`` (and ``aliases``, also accepted and
     listed); ``metrics`` must be attached to it."""
-    ctx = ServingContext(engine, model_name, tool_call_parser, tuple(aliases))
+    limits = limits or ServerLimits()
+    ctx = ServingContext(engine, model_name, tool_call_parser, tuple(aliases), limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -78,7 +82,13 @@ def build_app(
 
     app = FastAPI(title="Lightwell", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
-    app.add_middleware(RequestContextMiddleware, metrics=metrics)
+    app.add_middleware(LimitsMiddleware, api_key=api_key, limits=limits, metrics_path="/metrics")
+    app.add_middleware(RequestContextMiddleware, metrics=metrics)  # outside: counts the above
+    if cors_origins(limits):
+        app.add_middleware(
+            CORSMiddleware, allow_origins=cors_origins(limits), allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
     _add_error_handlers(app)
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_misc_router(ctx, metrics))
@@ -102,11 +112,11 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
 
     @router.post("/completions", responses={200: {"model": CompletionResponse}})
     async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return _respond(await create_completion(ctx, req, raw))
+        return _respond(await limited(ctx, create_completion(ctx, req, raw)))
 
     @router.post("/chat/completions", responses={200: {"model": ChatCompletionResponse}})
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return _respond(await create_chat_completion(ctx, req, raw))
+        return _respond(await limited(ctx, create_chat_completion(ctx, req, raw)))
 
     @router.post("/responses", response_model=ResponseObject)
     async def responses(req: ResponsesRequest, raw: Request) -> ResponseObject:
@@ -148,13 +158,14 @@ def _misc_router(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
         ctx.check_model(req.model)
-        if req.messages is not None:
-            tokens = chat_prompt_ids(
-                ctx, req.messages, add_gen=req.add_generation_prompt is not False
-            )
+        if req.messages is not None:  # off the event loop, as the completions routes
+            add_gen = req.add_generation_prompt is not False
+            tokens = await asyncio.to_thread(chat_prompt_ids, ctx, req.messages, add_gen)
         else:
             special = req.add_special_tokens is not False
-            tokens = ctx.tokenizer.encode(req.prompt or "", add_special_tokens=special)
+            tokens = await asyncio.to_thread(
+                ctx.tokenizer.encode, req.prompt or "", add_special_tokens=special
+            )
         return TokenizeResponse(count=len(tokens), max_model_len=ctx.max_model_len, tokens=tokens)
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
@@ -164,9 +175,8 @@ def _misc_router(ctx: ServingContext, metrics: ServerMetrics) -> APIRouter:
             ctx.engine.engine.check_token_ids(req.tokens, "token ids")
         except ValueError as e:
             raise bad_request(str(e), param="tokens") from None
-        return DetokenizeResponse(
-            prompt=ctx.tokenizer.decode(req.tokens, skip_special_tokens=False)
-        )
+        text = await asyncio.to_thread(ctx.tokenizer.decode, req.tokens, skip_special_tokens=False)
+        return DetokenizeResponse(prompt=text)
 
     return router
 
@@ -185,9 +195,8 @@ class BannerServer(uvicorn.Server):
 
 
 def _card(ctx: ServingContext, name: str) -> ModelCard:
-    files = ctx.engine.engine.files
-    root = files.path if files is not None else None
-    return ModelCard(id=name, root=root, max_model_len=ctx.max_model_len)
+    # the served name, not the model's path on this machine
+    return ModelCard(id=name, root=name, max_model_len=ctx.max_model_len)
 
 
 def _respond(result: BaseModel | Response) -> Response:
@@ -201,6 +210,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(TooBusy)
+    async def too_busy(request: Request, exc: TooBusy) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(request: Request, exc: EngineDeadError) -> JSONResponse:

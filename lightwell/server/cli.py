@@ -8,6 +8,7 @@ exits 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import sys
@@ -15,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from lightwell.cli_args import add_engine_args, engine_config_from_args
+from lightwell.cli_args import add_config_args, add_engine_args, engine_config_from_args
 from lightwell.server.tool_parsers import PARSER_CHOICES
 
 logger = logging.getLogger("lightwell.server")
@@ -32,7 +33,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--api-key",
         default=None,
-        help="Require 'Authorization: Bearer KEY' on every /v1 route (401 otherwise).",
+        help="Require 'Authorization: Bearer KEY' on every route but /health (401 otherwise; "
+        "/metrics too unless --public-metrics).",
     )
     p.add_argument(
         "--served-model-name",
@@ -74,6 +76,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--stats-interval", type=float, default=10.0, help="Seconds between stats log lines."
     )
+    from lightwell.server.limits import ServerLimits
+
+    limits = p.add_argument_group("server limits (docs/serving.md)")
+    add_config_args(limits, ServerLimits, tuple(f.name for f in dataclasses.fields(ServerLimits)))
     add_engine_args(p)
     p.set_defaults(handler=cmd_serve)
 
@@ -83,20 +89,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from lightwell.engine.async_engine import AsyncEngine
     from lightwell.engine.llm_engine import LLMEngine
+    from lightwell.preflight import check_engine_config, check_port
     from lightwell.server.api_server import BannerServer, build_app
+    from lightwell.server.limits import ServerLimits
     from lightwell.server.metrics import ServerMetrics
     from lightwell.server.observability import use_json_logs
 
     if args.log_format == "json":
         use_json_logs()
+    cfg = engine_config_from_args(args).replace(serving=True)
+    limits = ServerLimits(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+    )
+    limits.validate()
+    check_engine_config(cfg)  # before the load: one line, exit code 2
+    check_port(args.host, args.port)
+    print(f"lightwell: loading {cfg.model.model or 'SmolLM2-135M-Instruct'} ...", flush=True)
     t0 = time.perf_counter()
-    config = engine_config_from_args(args).replace(serving=True)
-    if config.parallel.node_rank > 0:  # another node: workers only
+    if cfg.parallel.node_rank > 0:  # another node: workers only
         from lightwell.executor.nodes import run_worker_node
 
         logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(message)s")
-        return run_worker_node(config)
-    engine = LLMEngine(config)
+        return run_worker_node(cfg)
+    engine = LLMEngine(cfg)
     names = args.served_model_name or [
         engine.files.name if engine.files else engine.model_info.name
     ]
@@ -114,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         args.stats_interval,
         args.tool_call_parser,
         aliases,
+        limits,
     )
     config = uvicorn.Config(
         app,
@@ -162,6 +178,7 @@ def _banner(args: argparse.Namespace, engine: Any, name: str, load_s: float) -> 
         f"KV cache: {blocks} blocks x {bs} tokens = {blocks * bs} tokens; context length "
         f"{engine.max_model_len}; max {cfg.scheduler.max_num_seqs} sequences, "
         f"{cfg.scheduler.max_num_batched_tokens} tokens per step"
+        + (f"; {engine.model_info.num_threads} CPU threads" if info.device == "cpu" else "")
         + ("; API key required" if args.api_key else "")
     )
 

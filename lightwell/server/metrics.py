@@ -296,7 +296,9 @@ class ServerMetrics:
 
     def observe_finished(self, out: RequestOutput) -> None:
         """Account one finished (or aborted) request; runs on the engine thread."""
-        num_prompt = len(out.prompt_token_ids)
+        # prompt tokens count once scheduled: one aborted while waiting was never prefilled
+        scheduled = out.metrics is None or out.metrics.first_scheduled_time is not None
+        num_prompt = len(out.prompt_token_ids) if scheduled else 0
         num_gen = sum(len(c.token_ids) for c in out.outputs)
         self.prompt_tokens.inc(num_prompt)
         self.generation_tokens.inc(num_gen)

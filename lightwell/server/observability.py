@@ -24,10 +24,12 @@ ERROR_REASONS = {
     400: "bad_request",
     401: "unauthorized",
     404: "not_found",
+    413: "too_large",
+    429: "queue_full",
     500: "internal",
     503: "engine_dead",
 }
-TIMEOUT_REASONS = ("client_disconnect",)
+TIMEOUT_REASONS = ("client_disconnect", "request_timeout")
 DISCONNECTED = "lightwell.client_disconnected"  # set in the ASGI scope by streamed responses
 
 
@@ -87,6 +89,8 @@ class RequestContextMiddleware:
     def _account(self, status: int, disconnected: bool) -> None:
         if status == 499 or disconnected:
             self.metrics.observe_timeout("client_disconnect")
+        elif status == 504:  # --request-timeout
+            self.metrics.observe_timeout("request_timeout")
         elif status >= 400:
             self.metrics.observe_error(ERROR_REASONS.get(status, f"http_{status}"))
 

@@ -86,8 +86,10 @@ class SamplingRequest(_Request):
     @classmethod
     def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         for key in v or {}:
-            if not key.strip().lstrip("-").isdigit():
-                raise ParamError("logit_bias", f"logit_bias keys must be token ids (got {key!r})")
+            digits = key.strip().lstrip("-")
+            if not (digits.isascii() and digits.isdigit()):
+                shown = repr(key) if len(repr(key)) <= 40 else repr(key)[:37] + "..."
+                raise ParamError("logit_bias", f"logit_bias keys must be token ids (got {shown})")
         return v
 
     @model_validator(mode="after")

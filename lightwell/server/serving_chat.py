@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -68,7 +69,10 @@ async def create_chat_completion(
 ) -> ChatCompletionResponse | Response:
     ctx.check_model(req.model)
     setup = _tool_setup(ctx, req)
-    prompt_ids = chat_prompt_ids(ctx, req.messages, True, tools.template_tools(req))
+    # off the event loop: a long conversation must not stall the other streams
+    prompt_ids = await asyncio.to_thread(
+        chat_prompt_ids, ctx, req.messages, True, tools.template_tools(req)
+    )
     check_prompt_fits(ctx, len(prompt_ids), req.max_output_tokens, "messages")
     keep_special = setup.parser is not None and setup.parser.needs_special_tokens
     params = sampling_params(

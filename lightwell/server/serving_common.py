@@ -84,6 +84,7 @@ class ServingContext:
     model_name: str
     tool_call_parser: str = "auto"  # --tool-call-parser
     aliases: tuple[str, ...] = ()  # further names of --served-model-name, accepted in `model`
+    limits: Any = None  # a server.limits.ServerLimits (None: its defaults)
 
     @property
     def tokenizer(self) -> Any:
@@ -116,10 +117,16 @@ class ServingContext:
         if model is not None and model != self.model_name and model not in self.aliases:
             raise APIError(
                 404,
-                f"The model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"The model {_clip(model)} does not exist; this server serves '{self.model_name}'",
                 param="model",
                 code="model_not_found",
             )
+
+
+def _clip(value: object, limit: int = 64) -> str:
+    """A request value in an error message: escaped (repr), at most ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def new_id(prefix: str) -> str:
@@ -204,6 +211,9 @@ async def submit(
     """Add one engine request per prompt, all in the same engine iteration; if any is refused,
     abort the others and raise (400 for a ValueError, 503 if the engine is gone). Without
     ``stream`` each request yields only its final output."""
+    from lightwell.server.limits import admit  # (limits builds on this module)
+
+    admit(ctx, len(prompts), params.n)
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
     adds = [
         ctx.engine.add_request(r, {"prompt_token_ids": p}, params, final_only=not stream)
@@ -314,11 +324,26 @@ class SSEResponse(StreamingResponse):
             await asyncio.wait({producer, watcher}, return_when=asyncio.FIRST_COMPLETED)
             if watcher.done() and not producer.done():
                 scope[DISCONNECTED] = True
+        except asyncio.CancelledError:  # the server's shutdown deadline: end the stream properly
+            await self._cut(producer, send)
         finally:
             for task in (producer, watcher):
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, OSError):
                 await producer
+
+    async def _cut(self, producer: asyncio.Task, send: Send) -> None:
+        """Stop the producer (aborting its requests); an error event and [DONE] close the body."""
+        producer.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await producer
+        err = APIError(
+            503, "the server shut down before this request finished", "server_error", None,
+            "shutdown",
+        )  # fmt: skip
+        body = sse_error(err) + SSE_DONE
+        with contextlib.suppress(Exception):
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _produce(self, send: Send) -> None:
         start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -52,7 +53,8 @@ async def create_completion(
     ctx.check_model(req.model)
     if req.echo:
         ctx.require_text()
-    prompts = [_tokenize(ctx, p) for p in req.prompt_list()]
+    # off the event loop: a long prompt must not stall the other streams
+    prompts = await asyncio.to_thread(lambda: [_tokenize(ctx, p) for p in req.prompt_list()])
     explicit_max = req.max_tokens if "max_tokens" in req.model_fields_set else None
     for p in prompts:
         check_prompt_fits(ctx, len(p.token_ids), explicit_max, "prompt")

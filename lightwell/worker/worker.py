@@ -39,6 +39,7 @@ class ModelInfo:
     load_seconds: float
     hidden_size: int = 0
     tie_word_embeddings: bool = False
+    num_threads: int = 0  # torch's CPU threads in this process
     extra: dict = field(default_factory=dict)
     hidden_size: int = 0  # the width of an embedding (--task embed)
 
@@ -119,8 +120,8 @@ class Worker:
         local = rank % (world // config.parallel.nnodes)  # this rank's GPU on its host
         self.device = pick_device(config.device.device, local if world > 1 else None)
         threads = config.device.num_threads
-        if threads is None and world > 1 and self.device.type == "cpu":
-            threads = 1  # ranks share the cores: OpenMP spin-waits would collapse throughput
+        if threads is None and self.device.type == "cpu":
+            threads = 1  # OpenMP threads spin-wait on each other on busy cores (--num-threads)
         if threads:
             torch.set_num_threads(threads)
         if self.device.type == "cuda":
@@ -197,6 +198,7 @@ class Worker:
             load_seconds=time.perf_counter() - t0,
             hidden_size=hf.hidden_size,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            num_threads=torch.get_num_threads(),
         )
 
     def init_all_reduce(self, resolved: EngineConfig) -> None:

@@ -323,4 +323,7 @@ def test_bench_throughput_and_latency(tmp_path, capsys):
     assert rows["decode_tok_s"]["floor"] > 0 and rows["ttft_ms"]["value"] > 0
     assert 0 < rows["bandwidth_floor_pct"]["value"] < 100
     assert rows["ttft_ms"]["workload"] == "W1"
-    assert "time per output token" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "time per output token" in captured.out
+    # the model load and every batch show progress (a tqdm bar: count and ETA)
+    assert "loading" in captured.err and "latency" in captured.err and "1/1" in captured.err

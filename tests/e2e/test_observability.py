@@ -38,7 +38,7 @@ def server():
 
 def exported(server) -> set[str]:
     names = set()
-    for line in server.http.get("/metrics").text.splitlines():
+    for line in server.http.get("/metrics", headers=server.auth).text.splitlines():
         if line.startswith("# TYPE "):
             name, kind = line.split()[2:4]
             suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}

@@ -70,7 +70,7 @@ class Server:
         return self.http.post(path, headers=headers, **kw)
 
     def metric(self, name: str, labels: str = "") -> float:
-        text = self.http.get("/metrics").text
+        text = self.http.get("/metrics", headers=self.auth).text
         pattern = rf"^lightwell:{re.escape(name)}\{{([^}}]*)\}} (\S+)$"
         total = 0.0
         for m in re.finditer(pattern, text, re.M):
@@ -128,8 +128,8 @@ def test_startup_banner_models_health_version(server, client):
     r = client.completions.create(model=ALIAS, prompt="Hi", max_tokens=1)
     assert r.model == MODEL and r.choices[0].text
     assert server.http.get("/health").status_code == 200
-    assert server.http.get("/version").json()["version"]
-    assert server.http.get("/openapi.json").json()["paths"]["/v1/completions"]
+    assert server.http.get("/version", headers=server.auth).json()["version"]
+    assert server.http.get("/openapi.json", headers=server.auth).json()["paths"]["/v1/completions"]
 
 
 def test_completion_nonstream(server, client):
@@ -137,7 +137,7 @@ def test_completion_nonstream(server, client):
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
     (choice,) = r.choices
     assert choice.finish_reason == "length" and choice.text
-    count = server.http.post("/tokenize", json={"prompt": "The capital of France is"}).json()
+    count = server.post("/tokenize", json={"prompt": "The capital of France is"}).json()
     assert r.usage.prompt_tokens == count["count"]
     assert r.usage.completion_tokens == 5
     assert r.usage.total_tokens == r.usage.prompt_tokens + 5
@@ -202,7 +202,7 @@ def test_seed_reproducible(client):
 
 def test_logit_bias_is_honoured(server, client):
     first = _complete(client, max_tokens=1).choices[0].text
-    tid = server.http.post("/tokenize", json={"prompt": first}).json()["tokens"][0]
+    tid = server.post("/tokenize", json={"prompt": first}).json()["tokens"][0]
     biased = _complete(client, max_tokens=1, logit_bias={str(tid): -100}).choices[0].text
     assert biased != first
 
@@ -268,15 +268,15 @@ def test_best_of_keeps_the_most_likely_samples(client):
 
 
 def test_token_id_prompts_and_tokenize_roundtrip(server, client):
-    ids = server.http.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
-    back = server.http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+    ids = server.post("/tokenize", json={"prompt": "Hello there"}).json()["tokens"]
+    back = server.post("/detokenize", json={"tokens": ids}).json()["prompt"]
     assert back == "Hello there"
     by_ids = _complete(client, prompt=ids, max_tokens=4).choices[0].text
     assert by_ids == _complete(client, prompt="Hello there", max_tokens=4).choices[0].text
     multi = _complete(client, prompt=[ids, ids], max_tokens=4)
     assert [c.index for c in multi.choices] == [0, 1] and multi.choices[1].text == by_ids
     msgs = [{"role": "user", "content": "Name a colour."}]
-    n = server.http.post("/tokenize", json={"messages": msgs}).json()["count"]
+    n = server.post("/tokenize", json={"messages": msgs}).json()["count"]
     assert n == _chat(client, max_tokens=1).usage.prompt_tokens
 
 

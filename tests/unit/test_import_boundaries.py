@@ -62,6 +62,8 @@ FORBIDDEN = {
     "config": ["torch", "lightwell"],
     "envs": ["torch", "lightwell"],
     "model_files": ["torch", "lightwell"],
+    "file_checks": ["torch", "lightwell"],
+    "preflight": ["lightwell.worker", "lightwell.models", "lightwell.engine", "lightwell.server"],
     "storage": ["torch", "lightwell"],
     "structured": [
         "torch",
@@ -77,6 +79,7 @@ ALLOWED = {
     "types": ["lightwell.types"],
     "config": ["lightwell.config"],
     "envs": ["lightwell.envs"],
+    "file_checks": ["lightwell.file_checks"],
     "model_files": ["lightwell.model_files", "lightwell.storage"],
     "storage": ["lightwell.storage", "lightwell.model_files"],
 }

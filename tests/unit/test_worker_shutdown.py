@@ -14,7 +14,7 @@ def test_shutdown_synchronizes_the_gpu_before_freeing(monkeypatch):
     events = []
     runner = object()
     w = SimpleNamespace(
-        device=torch.device("cuda", 1), runner=runner, compile_watch=None, tp_size=1
+        device=torch.device("cuda", 1), runner=runner, compile_watch=None, tp_size=1, world_size=1
     )
 
     def sync(device=None):
@@ -27,7 +27,9 @@ def test_shutdown_synchronizes_the_gpu_before_freeing(monkeypatch):
 
 def test_shutdown_on_cpu_does_not_touch_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: (_ for _ in ()).throw(AssertionError))
-    w = SimpleNamespace(device=torch.device("cpu"), runner=object(), compile_watch=None, tp_size=1)
+    w = SimpleNamespace(
+        device=torch.device("cpu"), runner=object(), compile_watch=None, tp_size=1, world_size=1
+    )
     Worker.shutdown(w)
     assert w.runner is None
 
@@ -38,7 +40,7 @@ def test_shutdown_goes_on_when_the_device_is_already_in_error(monkeypatch, caplo
 
     monkeypatch.setattr(torch.cuda, "synchronize", broken)
     w = SimpleNamespace(
-        device=torch.device("cuda", 0), runner=object(), compile_watch=None, tp_size=1
+        device=torch.device("cuda", 0), runner=object(), compile_watch=None, tp_size=1, world_size=1
     )
     Worker.shutdown(w)
     assert w.runner is None and "illegal memory access" in caplog.text
