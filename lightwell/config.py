@@ -207,14 +207,14 @@ class ParallelConfig:
         "tensor-parallel group; activations pass between stages point to point. Ranks: "
         "tensor x pipeline, rank = stage * tensor_parallel_size + tensor rank. Up to one batch "
         "in flight a stage (--pipeline-in-flight); async scheduling, --dual-stream and CUDA "
-        "graphs are off with more than one stage (docs/parallelism.md).",
+        "graphs are off with more than one stage (docs/pipeline.md).",
     )
     context_parallel_size: int = _opt(
         1,
         "Ranks that split a step's tokens (one long prompt's prefill) into contiguous chunks, "
         "one a rank: each runs its chunk through every layer, gathering every chunk's keys and "
         "values (all-gather of K/V) before attending. Steps under 16 tokens a rank (decodes) "
-        "run whole on every rank. Needs tensor and pipeline parallel size 1 (docs/parallelism.md).",
+        "run whole on every rank. Needs tensor and pipeline parallel size 1 (docs/pipeline.md).",
     )
     pipeline_in_flight: int | None = _opt(
         None,
