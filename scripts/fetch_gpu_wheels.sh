@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS=(fastapi starlette pydantic pydantic-core uvicorn annotated-types typing-inspection
-      annotated-doc opentelemetry-api importlib-metadata gguf)
+      annotated-doc opentelemetry-api importlib-metadata gguf xgrammar apache-tvm-ffi)
 . .venv/bin/activate
 for p in "${PKGS[@]}"; do
   v=$(python -c "import importlib.metadata as m; print(m.version('$p'))" 2>/dev/null || true)
