@@ -35,7 +35,7 @@ MAX_PAIRS = 64
 Config = tuple[int, int, int, int]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_k", "num_experts"])  # one compile for every model
 def _moe_gemv_gate_up(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
@@ -76,23 +76,23 @@ def _moe_gemv_gate_up(
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=rn < inter)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["top_k", "num_experts"])
 def _moe_gemv_down(
     a_ptr,  # [T * k, I]
     w_ptr,  # [E, H, I]
     ids_ptr,  # [T * k] expert ids
     weight_ptr,  # [T * k] fp32 router weights
     out_ptr,  # [T, H]
-    num_experts, hidden, inter,
-    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    top_k, num_experts, hidden, inter,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
     rk = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in tl.static_range(TOP_K):
-        pair = token * TOP_K + j
+    for j in range(top_k):
+        pair = token * top_k + j
         expert = tl.load(ids_ptr + pair).to(tl.int64)
         if (expert >= 0) & (expert < num_experts):  # else: another rank's expert
             w_rows = w_ptr + expert * hidden * inter + rows[:, None] * inter  # [BN, 1]
@@ -123,6 +123,44 @@ def pick_config(k: int) -> Config:
     return 2, min(1024, triton.next_power_of_2(k)), 1, 3
 
 
+def moe_gemv_gate_up(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
+    ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped, their rows left unset)
+    config: Config | None = None,  # default: pick_config(H)
+) -> torch.Tensor:  # [T * k, I] silu(gate) * up per pair, in x's dtype
+    num_tokens, top_k = ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config or pick_config(hidden)
+    _moe_gemv_gate_up[(act.shape[0], triton.cdiv(act.shape[1], block_n))](
+        x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, hidden, act.shape[1],
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return act
+
+
+def moe_gemv_down(
+    act: torch.Tensor,  # [T * k, I]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, k] router weights
+    ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
+    config: Config | None = None,  # default: pick_config(I)
+) -> torch.Tensor:  # [T, H] in act's dtype
+    num_tokens, top_k = ids.shape
+    num_experts, hidden, inter = w2.shape
+    out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
+    block_n, block_k, warps, stages = config or pick_config(inter)
+    _moe_gemv_down[(num_tokens, triton.cdiv(hidden, block_n))](
+        act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts, hidden,
+        inter, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
 def moe_gemv(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
@@ -133,24 +171,7 @@ def moe_gemv(
     down_config: Config | None = None,  # default: pick_config(I)
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
-    ``fused_moe``, which checks them and calls this for steps ``use_gemv`` accepts."""
-    num_tokens, top_k = ids.shape
-    num_experts, hidden, inter = w2.shape
-    pairs = num_tokens * top_k
-    flat_ids = ids.reshape(-1).contiguous()  # [T * k]
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = gate_up_config or pick_config(hidden)
-    _moe_gemv_gate_up[(pairs, triton.cdiv(inter, block_n))](
-        x, w13, flat_ids, act, top_k, num_experts, hidden, inter,
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
-    block_n, block_k, warps, stages = down_config or pick_config(inter)
-    _moe_gemv_down[(num_tokens, triton.cdiv(hidden, block_n))](
-        act, w2, flat_ids, flat_weights, out, num_experts, hidden, inter,
-        TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
+    ``fused_moe``, which checks them and calls this for steps ``use_gemv`` accepts (its
+    torch reference is ``fused_moe_ref`` there)."""
+    act = moe_gemv_gate_up(x, w13, ids, gate_up_config)
+    return moe_gemv_down(act, w2, weights, ids, down_config)
