@@ -117,22 +117,24 @@ def use_gemv(num_tokens: int, top_k: int) -> bool:
     return 0 < num_tokens <= MAX_TOKENS and num_tokens * top_k <= MAX_PAIRS
 
 
-def pick_config(k: int) -> Config:
-    """The tile of either kernel for a reduced size ``k`` (H for gate/up, I for down): two
-    rows a program, 1,024-wide K steps (less when k is smaller), gemv.py's batch-1 tile."""
-    return 2, min(1024, triton.next_power_of_2(k)), 1, 3
+def pick_config(k: int, mats: int = 1) -> Config:
+    """The tile of a kernel reducing over ``k`` (H for gate/up, I for down) that streams
+    ``mats`` matrices at once (2 for gate/up): two rows of each a program, 128 bytes of
+    weights a thread per K step on one warp (kernels/gemv.py's batch-1 tile for down; half
+    its K step for gate/up, whose two accumulators would otherwise take every register)."""
+    return 2, min(1024 // mats, triton.next_power_of_2(k)), 1, 3
 
 
 def moe_gemv_gate_up(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped, their rows left unset)
-    config: Config | None = None,  # default: pick_config(H)
+    config: Config | None = None,  # default: pick_config(H, 2)
 ) -> torch.Tensor:  # [T * k, I] silu(gate) * up per pair, in x's dtype
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden = w13.shape
     act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or pick_config(hidden)
+    block_n, block_k, warps, stages = config or pick_config(hidden, 2)
     _moe_gemv_gate_up[(act.shape[0], triton.cdiv(act.shape[1], block_n))](
         x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, hidden, act.shape[1],
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
@@ -167,7 +169,7 @@ def moe_gemv(
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
-    gate_up_config: Config | None = None,  # default: pick_config(H)
+    gate_up_config: Config | None = None,  # default: pick_config(H, 2)
     down_config: Config | None = None,  # default: pick_config(I)
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
