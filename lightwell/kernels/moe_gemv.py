@@ -11,8 +11,8 @@ divides the reduced size (rows past the end re-read the last row and store nothi
 
 - ``_moe_gemv_gate_up``: grid (pairs, cdiv(I, BLOCK_N)): the gate and up rows of the pair's
   expert against the token's x, ``silu(gate) * up`` -> ``act`` [T * k, I] in x's dtype. Pairs
-  are the fastest grid axis, so pairs sharing an expert read the same rows at the same time
-  (the second read comes from L2).
+  are the fastest grid axis, so pairs sharing an expert read the same rows at about the same
+  time, where L2 can serve all but the first read.
 - ``_moe_gemv_down``: grid (T, cdiv(H, BLOCK_N)): one program loops over its token's k pairs,
   each pair's W2 rows against its ``act`` row times its router weight, summed in fp32 in a
   fixed order (no atomics: deterministic) -> [T, H] in x's dtype.
@@ -35,7 +35,7 @@ MAX_PAIRS = 64
 Config = tuple[int, int, int, int]
 
 
-@triton.jit(do_not_specialize=["top_k", "num_experts"])  # one compile for every model
+@triton.jit(do_not_specialize=["top_k", "num_experts"])  # no compile per k or E
 def _moe_gemv_gate_up(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
