@@ -10,6 +10,14 @@ largest value). Times: CUDA events, median of 20 runs after 3 warm-up ones; the 
 eagerly (its sort and padding are a few small torch launches) and replayed from a CUDA graph (it
 has no host sync); the loop eagerly only (it reads the per-expert counts on the host). Also the
 weight bytes the kernel must read (the chosen experts' only) over its graph time.
+
+``--decode``: the few-token GEMV path (lightwell/kernels/moe_gemv.py) against the grouped kernels
+at 1, 2, 4 and 8 tokens on the same two shapes, with a tile sweep of both GEMV kernels. One
+device call of under 4 minutes:
+
+    run(command="python3 -m benchmarks.kernels.fused_moe --decode --out $OUT/moe_decode.json")
+
+Details in benchmarks/kernels/moe_decode.py's docstring.
 """
 
 from __future__ import annotations
@@ -79,10 +87,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results here (JSON)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
+    parser.add_argument("--decode", action="store_true", help="the GEMV path at 1-8 tokens")
+    parser.add_argument("--budget-s", type=float, default=200.0,
+                        help="--decode: stop sweeping tiles after this many seconds")  # fmt: skip
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
     rows = []
-    for name in args.shapes.split(","):
+    if args.decode:
+        from benchmarks.kernels.moe_decode import run_decode
+
+        rows = run_decode(args.shapes.split(","), common, args.budget_s)
+    for name in args.shapes.split(",") if not args.decode else []:
         for tokens in TOKENS:
             rows += bench(name, tokens, common)
     if args.out:

@@ -11,6 +11,8 @@ up products over H for the block's expert, ``silu(gate) * up`` in the epilogue -
 pair's router weight in the epilogue -> [T * k, H], then summed over the k choices. Blocks past
 the experts' runs exit at once, so a batch of one token reads only its chosen experts' weights.
 Expert ids outside ``[0, E)`` (another rank's experts under expert parallelism) are skipped.
+Steps of a few tokens (``moe_gemv.use_gemv``: decode) skip the sort and take the GEMV kernels of
+kernels/moe_gemv.py instead.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from lightwell.kernels.moe_gemv import Config, moe_gemv, use_gemv
 
 
 def align_by_expert(
@@ -153,13 +157,19 @@ def fused_moe(
     block_m: int | None = None,  # default: from the mean tokens per expert (16 to 64)
     block_n: int = 64,
     block_k: int = 64,
+    gemv: bool | None = None,  # the few-token GEMV kernels; default: moe_gemv.use_gemv
+    gemv_configs: tuple[Config, Config] | None = None,  # theirs (gate/up, down); default: picked
 ) -> torch.Tensor:  # [T, H]
+    """The grouped kernels (tiles ``block_m``/``block_n``/``block_k``) or, for a few tokens,
+    kernels/moe_gemv.py's (the choice depends only on the shapes: CUDA-graph safe)."""
     _check(x, w13, w2, weights, ids)
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w2.shape
     pairs = num_tokens * top_k
     if pairs == 0:
         return torch.zeros_like(x)
+    if use_gemv(num_tokens, top_k) if gemv is None else gemv:
+        return moe_gemv(x, w13, w2, weights, ids, *(gemv_configs or (None, None)))
     if block_m is None:
         per_expert = pairs / num_experts
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64

@@ -43,7 +43,7 @@ def _case(tokens: int, top_k: int, experts: int, hidden: int, inter: int, dtype,
 def test_fused_moe_matches_reference(dtype, tokens):
     x, w13, w2, weights, ids = _case(tokens, 2, 5, 48, 40, dtype, seed=tokens)
     tiles = dict(block_m=16, block_n=32, block_k=16) if tokens == 1 else {}  # else: defaults
-    got = fused_moe(x, w13, w2, weights, ids, **tiles)
+    got = fused_moe(x, w13, w2, weights, ids, gemv=False, **tiles)  # grouped, even at 1 token
     want = fused_moe_ref(x, w13, w2, weights, ids)
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
     assert err < TOL[dtype]
@@ -52,9 +52,10 @@ def test_fused_moe_matches_reference(dtype, tokens):
         assert ((loop - want).abs().max() / want.abs().max()).item() < TOL[dtype]
 
 
-def test_other_ranks_experts_are_skipped():
+@pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
+def test_other_ranks_experts_are_skipped(gemv):
     """Expert parallelism: ids shifted by a rank's first expert, out-of-range ones skipped;
-    the two ranks' outputs add up to the whole."""
+    the two ranks' outputs add up to the whole (grouped kernels, and moe_gemv.py's)."""
     x, w13, w2, weights, ids = _case(9, 2, 4, 32, 24, torch.float32, seed=3)
     whole = fused_moe_ref(x, w13, w2, weights, ids)
     parts = [
@@ -67,6 +68,8 @@ def test_other_ranks_experts_are_skipped():
             block_m=16,
             block_n=32,
             block_k=16,
+            gemv=gemv,
+            gemv_configs=((16, 16, 1, 1), (16, 16, 1, 1)),
         )  # fmt: skip
         for s in (0, 2)
     ]

@@ -1,0 +1,179 @@
+"""Mixture-of-experts MLP for a few tokens (decode): one GEMV program per (pair, rows), no sort.
+
+    out[t] = sum_j w[t, j] * W2[e_tj] @ (silu(W1[e_tj] @ x[t]) * W3[e_tj] @ x[t])
+
+With a handful of (token, choice) pairs the grouped GEMM of kernels/fused_moe.py spends its time
+in the sort and padding launches and in ``tl.dot`` over mostly padded rows. Here each program
+reads its pair's expert id straight from ``ids`` and streams that expert's rows on the CUDA
+cores, in the style of kernels/gemv.py: ``BLOCK_K``-wide contiguous loads, an fp32
+``[BLOCK_N, BLOCK_K]`` accumulator reduced once after the loop, loads unmasked when ``BLOCK_K``
+divides the reduced size (rows past the end re-read the last row and store nothing).
+
+- ``_moe_gemv_gate_up``: grid (pairs, cdiv(I, BLOCK_N)): the gate and up rows of the pair's
+  expert against the token's x, ``silu(gate) * up`` -> ``act`` [T * k, I] in x's dtype. Pairs
+  are the fastest grid axis, so pairs sharing an expert read the same rows at about the same
+  time, where L2 can serve all but the first read.
+- ``_moe_gemv_down``: grid (T, cdiv(H, BLOCK_N)): one program loops over its token's k pairs,
+  each pair's W2 rows against its ``act`` row times its router weight, summed in fp32 in a
+  fixed order (no atomics: deterministic) -> [T, H] in x's dtype.
+
+Expert ids outside ``[0, E)`` (another rank's experts under expert parallelism) are skipped:
+their weights are never read. Two launches, no host sync, shapes fixed by T: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# The decode path serves steps of at most this many tokens and (token, choice) pairs.
+MAX_TOKENS = 8
+MAX_PAIRS = 64
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+Config = tuple[int, int, int, int]
+
+
+@triton.jit(do_not_specialize=["top_k", "num_experts"])  # no compile per k or E
+def _moe_gemv_gate_up(
+    x_ptr,  # [T, H]
+    w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
+    ids_ptr,  # [T * k] expert ids
+    out_ptr,  # [T * k, I]
+    top_k, num_experts, hidden, inter,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    pair = tl.program_id(0)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if (expert < 0) | (expert >= num_experts):
+        return  # another rank's expert
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, inter - 1).to(tl.int64)  # past I: re-read the last row
+    rk = tl.arange(0, BLOCK_K)
+    base = w_ptr + expert * 2 * inter * hidden
+    gate_rows = base + rows[:, None] * hidden  # [BN, 1]
+    up_rows = base + (rows + inter)[:, None] * hidden  # [BN, 1]
+    x_row = x_ptr + (pair // top_k).to(tl.int64) * hidden
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            gate = tl.load(gate_rows + k[None, :])
+            up = tl.load(up_rows + k[None, :])
+            x = tl.load(x_row + k)
+        else:
+            gate = tl.load(gate_rows + k[None, :], mask=k[None, :] < hidden, other=0.0)
+            up = tl.load(up_rows + k[None, :], mask=k[None, :] < hidden, other=0.0)
+            x = tl.load(x_row + k, mask=k < hidden, other=0.0)
+        x = x.to(tl.float32)[None, :]
+        acc_gate += gate.to(tl.float32) * x
+        acc_up += up.to(tl.float32) * x
+    g = tl.sum(acc_gate, axis=1)  # [BN]
+    act = g / (1.0 + tl.exp(-g)) * tl.sum(acc_up, axis=1)
+    out = out_ptr + pair.to(tl.int64) * inter + rn
+    tl.store(out, act.to(out_ptr.dtype.element_ty), mask=rn < inter)
+
+
+@triton.jit(do_not_specialize=["top_k", "num_experts"])
+def _moe_gemv_down(
+    a_ptr,  # [T * k, I]
+    w_ptr,  # [E, H, I]
+    ids_ptr,  # [T * k] expert ids
+    weight_ptr,  # [T * k] fp32 router weights
+    out_ptr,  # [T, H]
+    top_k, num_experts, hidden, inter,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
+    rk = tl.arange(0, BLOCK_K)
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in range(top_k):
+        pair = token * top_k + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if (expert >= 0) & (expert < num_experts):  # else: another rank's expert
+            w_rows = w_ptr + expert * hidden * inter + rows[:, None] * inter  # [BN, 1]
+            a_row = a_ptr + pair.to(tl.int64) * inter
+            acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, inter, BLOCK_K):
+                k = k0 + rk
+                if EVEN_K:
+                    w = tl.load(w_rows + k[None, :])
+                    a = tl.load(a_row + k)
+                else:
+                    w = tl.load(w_rows + k[None, :], mask=k[None, :] < inter, other=0.0)
+                    a = tl.load(a_row + k, mask=k < inter, other=0.0)
+                acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+            total += tl.load(weight_ptr + pair) * tl.sum(acc, axis=1)
+    out = out_ptr + token.to(tl.int64) * hidden + rn
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
+
+
+def use_gemv(num_tokens: int, top_k: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens takes this path (fused_moe's default)."""
+    return 0 < num_tokens <= MAX_TOKENS and num_tokens * top_k <= MAX_PAIRS
+
+
+def pick_config(k: int, mats: int = 1) -> Config:
+    """The tile of a kernel reducing over ``k`` (H for gate/up, I for down) that streams
+    ``mats`` matrices at once (2 for gate/up): two rows of each a program, 128 bytes of
+    weights a thread per K step on one warp (kernels/gemv.py's batch-1 tile for down; half
+    its K step for gate/up, whose two accumulators would otherwise take every register)."""
+    return 2, min(1024 // mats, triton.next_power_of_2(k)), 1, 3
+
+
+def moe_gemv_gate_up(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
+    ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped, their rows left unset)
+    config: Config | None = None,  # default: pick_config(H, 2)
+) -> torch.Tensor:  # [T * k, I] silu(gate) * up per pair, in x's dtype
+    num_tokens, top_k = ids.shape
+    num_experts, two_inter, hidden = w13.shape
+    act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
+    block_n, block_k, warps, stages = config or pick_config(hidden, 2)
+    _moe_gemv_gate_up[(act.shape[0], triton.cdiv(act.shape[1], block_n))](
+        x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, hidden, act.shape[1],
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return act
+
+
+def moe_gemv_down(
+    act: torch.Tensor,  # [T * k, I]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, k] router weights
+    ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
+    config: Config | None = None,  # default: pick_config(I)
+) -> torch.Tensor:  # [T, H] in act's dtype
+    num_tokens, top_k = ids.shape
+    num_experts, hidden, inter = w2.shape
+    out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
+    flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
+    block_n, block_k, warps, stages = config or pick_config(inter)
+    _moe_gemv_down[(num_tokens, triton.cdiv(hidden, block_n))](
+        act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts, hidden,
+        inter, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def moe_gemv(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, k] router weights
+    ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
+    gate_up_config: Config | None = None,  # default: pick_config(H, 2)
+    down_config: Config | None = None,  # default: pick_config(I)
+) -> torch.Tensor:  # [T, H] in x's dtype
+    """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
+    ``fused_moe``, which checks them and calls this for steps ``use_gemv`` accepts (its
+    torch reference is ``fused_moe_ref`` there)."""
+    act = moe_gemv_gate_up(x, w13, ids, gate_up_config)
+    return moe_gemv_down(act, w2, weights, ids, down_config)

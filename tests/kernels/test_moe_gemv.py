@@ -1,0 +1,89 @@
+"""The few-token MoE GEMV kernels (lightwell/kernels/moe_gemv.py) vs the fused MoE's per-pair
+torch reference: on CPU under TRITON_INTERPRET=1 (fp32/fp16), compiled on CUDA. 1 to 4 tokens,
+top-1/2/6 of 8 or 64 experts, sizes not multiples of the tiles (masked K and clamped rows),
+ids of other ranks' experts (skipped), and fused_moe's routing to this path."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+from lightwell.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from lightwell.kernels.moe_gemv import moe_gemv, use_gemv  # noqa: E402
+
+TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
+FP16 = torch.float16
+
+
+def _case(tokens: int, top_k: int, experts: int, hidden: int, inter: int, dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    scores = torch.rand(tokens, experts, generator=gen)
+    weights, ids = scores.topk(top_k, dim=-1)
+    return [t.to(DEVICE) for t in (x.to(dtype), w13.to(dtype), w2.to(dtype), weights, ids)]
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+# (tokens, top_k, experts, hidden, inter, dtype, (gate_up config, down config) or None)
+CASES = [
+    (1, 1, 8, 48, 40, torch.float32, ((16, 16, 1, 1), (32, 16, 1, 1))),  # even K, masked K
+    (1, 2, 8, 40, 24, FP16, ((1, 32, 2, 1), (8, 8, 1, 1))),  # masked H, even I
+    (2, 2, 8, 48, 24, torch.float32, None),  # default tiles
+    (3, 6, 64, 24, 20, torch.float32, ((8, 16, 1, 1), (16, 8, 1, 1))),
+    (4, 6, 64, 24, 20, FP16, ((8, 32, 1, 1), (8, 32, 4, 1))),
+    (4, 2, 8, 32, 40, torch.float32, ((16, 32, 1, 1), (4, 64, 1, 1))),  # shared experts
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}k{c[1]}E{c[2]}")
+def test_moe_gemv_matches_reference(case):
+    tokens, top_k, experts, hidden, inter, dtype, configs = case
+    x, w13, w2, weights, ids = _case(tokens, top_k, experts, hidden, inter, dtype, seed=tokens)
+    got = moe_gemv(x, w13, w2, weights, ids, *(configs or (None, None)))
+    assert got.shape == x.shape and got.dtype == dtype
+    assert _rel_err(got, fused_moe_ref(x, w13, w2, weights, ids)) < TOL[dtype]
+
+
+def test_other_ranks_experts_are_skipped_and_weighted():
+    """Ids below 0 or past E contribute nothing (a token with none of its experts here gives
+    zeros); the router weights scale each pair (doubling one pair's weight adds its term)."""
+    x, w13, w2, weights, ids = _case(3, 2, 8, 24, 20, torch.float32, seed=5)
+    ids = torch.tensor([[3, -2], [9, 8], [5, 3]], device=DEVICE)
+    configs = ((8, 16, 1, 1), (16, 16, 1, 1))
+    got = moe_gemv(x, w13, w2, weights, ids, *configs)
+    want = fused_moe_ref(x, w13, w2, weights, ids)
+    assert _rel_err(got, want) < TOL[x.dtype]
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    doubled = weights.clone()
+    doubled[0, 0] *= 2
+    alone = fused_moe_ref(x[:1], w13, w2, weights[:1, :1], ids[:1, :1])  # [1, H]
+    gain = moe_gemv(x, w13, w2, doubled, ids, *configs) - got
+    assert _rel_err(gain[:1], alone) < TOL[x.dtype]
+
+
+def test_fused_moe_routes_few_tokens_to_gemv():
+    x, w13, w2, weights, ids = _case(2, 2, 8, 24, 20, torch.float32, seed=7)
+    assert use_gemv(2, 2) and use_gemv(8, 8) and not use_gemv(9, 1) and not use_gemv(8, 9)
+    routed = fused_moe(x, w13, w2, weights, ids)
+    assert torch.equal(routed, moe_gemv(x, w13, w2, weights, ids))
+    grouped = fused_moe(x, w13, w2, weights, ids, gemv=False, block_m=16, block_n=16, block_k=16)
+    assert _rel_err(routed, grouped) < TOL[x.dtype]
