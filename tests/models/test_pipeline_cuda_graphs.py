@@ -129,6 +129,16 @@ def test_pp2_graph_path_gives_one_ranks_tokens(tmp_path):
     assert [len(t) for t in expected.values()] == [3 + DECODES] * 3 + [1 + DECODES]
 
 
+def test_stages_share_gpu_needs_pipeline_stages_alone():
+    EngineConfig.from_kwargs(pipeline_parallel_size=2, stages_share_gpu=True)
+    for opts in ({}, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}):
+        with pytest.raises(ValueError, match="stages_share_gpu needs pipeline_parallel_size > 1"):
+            EngineConfig.from_kwargs(stages_share_gpu=True, **opts)
+    with pytest.raises(ValueError, match="stages_share_gpu needs nnodes 1"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2, stages_share_gpu=True, nnodes=2,
+                                 dist_init_addr="127.0.0.1:5000")  # fmt: skip
+
+
 @pytest.mark.gpu
 def test_pp2_cuda_graphs_on_one_gpu_equal_pp1(smollm2_gguf, tmp_path):
     from lightwell import LLM
