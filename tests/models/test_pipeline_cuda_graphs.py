@@ -2,15 +2,17 @@
 the graph runner's padded static buffers (the graphs' computation, run eagerly: Triton under
 TRITON_INTERPRET=1), the second stage's graphs reading the received (hidden, residual) from
 their static buffer and the first's returning theirs; the tokens equal one rank's eager ones
-and both stages pick the same graph for every step. On a GPU (``-m gpu``): PP=2 with both
-stages on one GPU (--stages-share-gpu) replays captured graphs and gives PP=1's greedy
-tokens and graph choices on SmolLM2."""
+(torch attention) and both stages pick the same graph for every step. On a GPU (``-m gpu``):
+PP=2 with both stages on one GPU (--stages-share-gpu) replays captured graphs and gives
+PP=1's greedy tokens and graph choices on SmolLM2."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import queue
 import socket
+import time
 
 import pytest
 import torch
@@ -26,7 +28,7 @@ LATE = ("d", [60, 61, 62, 63, 64, 65])
 DECODES = 2
 # a step's graph: mixed 32 (25 tokens), decode 4 (3 rows), mixed 16 (9 tokens), decode 4 ...
 PATHS = ["graph mixed 32", "graph decode 4", "graph mixed 16"] + ["graph decode 4"] * DECODES
-OPTS = dict(device="cpu", num_threads=1, attention_backend="triton", num_kv_blocks=16)
+OPTS = dict(device="cpu", num_threads=1, num_kv_blocks=16)
 
 
 class _Steps:
@@ -82,7 +84,11 @@ def _runner(folder: str, rank: int = 0, init_method: str | None = None, **opts):
 def _stage_main(rank: int, folder: str, init_method: str, results) -> None:
     import torch.distributed as dist
 
-    worker = _runner(folder, rank, init_method, pipeline_parallel_size=2)
+    # Triton attention: graphs read the device metadata only (the torch backend reads the host
+    # copies, which a replay does not update)
+    worker = _runner(
+        folder, rank, init_method, pipeline_parallel_size=2, attention_backend="triton"
+    )
     runner = worker.runner
     runner.capture_cuda_graphs(max_batch=4, max_model_len=64, prefill_tokens=32, capture=False)
 
@@ -103,6 +109,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _collect(results, procs: list, timeout: float = 240.0) -> dict[int, list]:
+    """Each stage's result; a stage process that fails fails the test at once."""
+    got, deadline = {}, time.monotonic() + timeout
+    while len(got) < len(procs):
+        try:
+            rank, *rest = results.get(timeout=1.0)
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not failed, f"a stage process exited with {failed}"
+            assert time.monotonic() < deadline, "the stages did not finish in time"
+            continue
+        got[rank] = rest
+    return got
+
+
 def test_pp2_graph_path_gives_one_ranks_tokens(tmp_path):
     folder = save_hf(hf_tiny_model(tiny_config(), seed=4), str(tmp_path / "llama"))
     ctx = mp.get_context("spawn")
@@ -112,9 +133,10 @@ def test_pp2_graph_path_gives_one_ranks_tokens(tmp_path):
     for p in procs:
         p.start()
     try:
-        with torch.inference_mode():  # one rank, eagerly, while the stages start
-            expected, eager = _generate(_runner(folder).runner, lambda out: out.sampled_token_ids)
-        got = dict((r, rest) for r, *rest in (results.get(timeout=240) for _ in procs))
+        with torch.inference_mode():  # one rank, eagerly (torch attention: the reference)
+            ref = _runner(folder, attention_backend="torch").runner
+            expected, eager = _generate(ref, lambda out: out.sampled_token_ids)
+        got = _collect(results, procs)
     finally:
         for p in procs:
             p.join(30)
