@@ -6,8 +6,8 @@ tensor-parallel group is a contiguous block of ranks and tp rank t of stage s se
 activations to tp rank t of stage s + 1 (each rank sends its own partial sum; the next stage's
 first norm all-reduces it, as it would between two layers of one stage). Set once per process
 by the worker (``init_pp``) before the model is built; without it there is one stage.
-With ``via_host`` (stages sharing one GPU, for testing: ``--stages-share-gpu``) the
-activations travel through host memory over gloo, which cannot send device tensors.
+With ``via_host`` (stages sharing one GPU, for testing: ``--stages-share-gpu``) the group is
+gloo and the activations travel as host copies.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class CudaGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
-        forward_fn: Callable[..., torch.Tensor],
+        forward_fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
         prefill_tokens: int = 0,
         num_kv_heads: int = 0,
         stage_input: tuple[int, torch.dtype] | None = None,
@@ -281,7 +281,7 @@ class CudaGraphRunner:
         """The previous stage's ``[2, T, H]`` activations into the static buffer; padding rows
         zero (finite through the norms; their outputs are discarded)."""
         if received is None:
-            raise ValueError("a later pipeline stage's graph needs the received activations")
+            raise RuntimeError("a later pipeline stage's graph needs the received activations")
         self.stage_input[:, :t].copy_(received)
         if n > t:
             self.stage_input[:, t:n].zero_()
