@@ -206,8 +206,9 @@ class ParallelConfig:
         "(as evenly as possible, the earlier stages taking any extra layer), each on its own "
         "tensor-parallel group; activations pass between stages point to point. Ranks: "
         "tensor x pipeline, rank = stage * tensor_parallel_size + tensor rank. Up to one batch "
-        "in flight a stage (--pipeline-in-flight); async scheduling, --dual-stream and CUDA "
-        "graphs are off with more than one stage (docs/pipeline.md).",
+        "in flight a stage (--pipeline-in-flight). Each stage captures CUDA graphs of its own "
+        "layers (the sends and receives stay outside them); async scheduling and "
+        "--dual-stream are off with more than one stage (docs/pipeline.md).",
     )
     context_parallel_size: int = _opt(
         1,
@@ -221,6 +222,14 @@ class ParallelConfig:
         "Pipeline parallelism: batches in flight at once, so that stages work on different "
         "batches instead of waiting for one another (each batch holds requests whose next "
         "token is known). Default: the number of stages; 1: one batch at a time.",
+    )
+    stages_share_gpu: bool = _opt(
+        False,
+        "For testing pipeline parallelism on a machine with one GPU: every stage's process "
+        "runs on the first GPU (NCCL refuses two ranks on one GPU, so the process group is "
+        "gloo and the activations pass through host memory: slower than NCCL between GPUs), "
+        "each rank sizing its KV cache to its share of --gpu-memory-utilization. Needs "
+        "--pipeline-parallel-size > 1, tensor and context parallel size 1 and one node.",
     )
     nnodes: int = _opt(
         1,
@@ -397,6 +406,13 @@ class EngineConfig:
             p.pipeline_in_flight is None or p.pipeline_in_flight >= 1,
             "pipeline_in_flight must be >= 1",
         )
+        if p.stages_share_gpu:
+            _check(
+                p.pipeline_parallel_size > 1 and p.world_size == p.pipeline_parallel_size,
+                "stages_share_gpu needs pipeline_parallel_size > 1 and tensor and context "
+                "parallel size 1",
+            )
+            _check(p.nnodes == 1, "stages_share_gpu needs nnodes 1")
         if p.pipeline_parallel_size > 1:
             _check(
                 not p.dual_stream, "dual_stream does not combine with pipeline_parallel_size > 1"

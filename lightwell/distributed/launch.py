@@ -28,14 +28,20 @@ def init_distributed(
     device: torch.device,
     pp_size: int = 1,
     cp_size: int = 1,
+    shared_gpu: bool = False,
 ) -> None:
     """``init_process_group`` for global rank ``rank`` of ``size`` (= tp x pp) and record this
-    rank's tensor-parallel group (its stage's ranks) and pipeline stage."""
+    rank's tensor-parallel group (its stage's ranks) and pipeline stage. ``shared_gpu``
+    (--stages-share-gpu, tensor parallel size 1): pipeline ranks on one GPU, which NCCL
+    refuses; the group is gloo and the activations pass through host memory."""
     import torch.distributed as dist
 
     os.environ.update(COMM_ENV)
     kw = dict(init_method=init_method, rank=rank, world_size=size, timeout=TIMEOUT)
-    if device.type == "cuda":
+    if device.type == "cuda" and shared_gpu:
+        torch.cuda.set_device(device)
+        dist.init_process_group("gloo", **kw)
+    elif device.type == "cuda":
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device, **kw)
     else:
@@ -53,7 +59,7 @@ def init_distributed(
         return
     group, cpu_group = _stage_groups(rank, tp, pp_size, device)
     ps.init_tp_group(rank % tp, tp, group, cpu_group)
-    pipeline.init_pp(rank // tp, pp_size, rank, tp)
+    pipeline.init_pp(rank // tp, pp_size, rank, tp, via_host=shared_gpu and device.type == "cuda")
 
 
 def _stage_groups(rank: int, tp: int, pp: int, device: torch.device) -> tuple[Any, Any]:

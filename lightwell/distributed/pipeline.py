@@ -6,6 +6,8 @@ tensor-parallel group is a contiguous block of ranks and tp rank t of stage s se
 activations to tp rank t of stage s + 1 (each rank sends its own partial sum; the next stage's
 first norm all-reduces it, as it would between two layers of one stage). Set once per process
 by the worker (``init_pp``) before the model is built; without it there is one stage.
+With ``via_host`` (stages sharing one GPU, for testing: ``--stages-share-gpu``) the group is
+gloo and the activations travel as host copies.
 """
 
 from __future__ import annotations
@@ -21,19 +23,22 @@ class _PPState:
     size: int = 1  # stages
     prev: int | None = None  # global rank this stage receives from (None on the first stage)
     next: int | None = None  # global rank this stage sends to (None on the last stage)
+    via_host: bool = False  # send and receive host copies (a gloo group on GPU ranks)
 
 
 _STATE = _PPState()
 
 
-def init_pp(stage: int, stages: int, global_rank: int, tp_size: int) -> None:
+def init_pp(
+    stage: int, stages: int, global_rank: int, tp_size: int, via_host: bool = False
+) -> None:
     """Record this process's stage and its neighbours' global ranks."""
     global _STATE
     if stages < 1 or not 0 <= stage < stages:
         raise ValueError(f"invalid pipeline stage {stage} for {stages} stages")
     prev = global_rank - tp_size if stage > 0 else None
     nxt = global_rank + tp_size if stage < stages - 1 else None
-    _STATE = _PPState(stage, stages, prev, nxt)
+    _STATE = _PPState(stage, stages, prev, nxt, via_host)
 
 
 def reset_pp() -> None:
@@ -90,15 +95,17 @@ def send_activations(hidden: torch.Tensor, residual: torch.Tensor) -> None:
     stage, as one ``[2, T, H]`` message."""
     import torch.distributed as dist
 
-    dist.send(torch.stack([hidden, residual]).contiguous(), dst=_STATE.next)
+    buf = torch.stack([hidden, residual])  # [2, T, H]
+    dist.send(buf.cpu() if _STATE.via_host else buf, dst=_STATE.next)
 
 
 def recv_activations(
     num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The previous stage's ``(hidden, residual)``, each ``[T, H]``."""
+) -> torch.Tensor:  # [2, T, H]
+    """The previous stage's ``(hidden, residual)`` as one ``[2, T, H]`` tensor."""
     import torch.distributed as dist
 
-    buf = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=device)
+    where = torch.device("cpu") if _STATE.via_host else device
+    buf = torch.empty((2, num_tokens, hidden_size), dtype=dtype, device=where)
     dist.recv(buf, src=_STATE.prev)
-    return buf[0], buf[1]
+    return buf.to(device)

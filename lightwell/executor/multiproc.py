@@ -304,11 +304,11 @@ def _make_worker(config: EngineConfig, init_method: str) -> Any:
 
 def _check_devices(config: EngineConfig) -> None:
     """Every rank needs its own GPU (checked here: a rank failing later would do so while
-    rank 0 waits in the group's rendezvous)."""
+    rank 0 waits in the group's rendezvous); --stages-share-gpu: the first one."""
     import torch
 
     p, device = config.parallel, config.device.device
-    ranks = p.world_size // p.nnodes  # this node's
+    ranks = 1 if p.stages_share_gpu else p.world_size // p.nnodes  # this node's
     if device == "cpu" or not torch.cuda.is_available():
         return
     if ranks > torch.cuda.device_count():

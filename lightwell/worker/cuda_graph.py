@@ -16,6 +16,13 @@ tiles, the surplus ones exiting at once. Padding: tokens T..P-1 form one extra r
 position 0, slot -1, attending only to itself through block 0), requests after it are empty.
 Eager mixed steps cost ~300 kernel launches of host time each (16 ms for llama-3-8b), several
 times the GPU time of a short prompt; a replay costs one launch.
+
+Pipeline stages (lightwell/worker/pipeline_stage.py) capture the same sizes: a stage after the
+first also copies the received ``(hidden, residual)`` into a static ``[2, T, H]`` buffer
+(padding rows zero), and a stage before the last gets its ``(hidden, residual)`` back from
+the graph's output buffers; the sends and receives stay outside the graphs. Every rank of a
+stage picks a step's graph from the same SchedulerOutput with the same sizes, so they replay
+graphs of one size (and their collectives match).
 """
 
 from __future__ import annotations
@@ -68,14 +75,19 @@ class CudaGraphRunner:
         max_model_len: int,
         block_size: int,
         device: torch.device,
-        forward_fn: Callable[..., torch.Tensor],
+        forward_fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]],
         prefill_tokens: int = 0,
         num_kv_heads: int = 0,
+        stage_input: tuple[int, torch.dtype] | None = None,
     ) -> None:
         """``forward_fn(input_ids, positions, meta) -> hidden``: what to capture (the runner's
         forward, which may split the batch for the dual-stream overlap). ``prefill_tokens``:
-        the largest step with prefill tokens that gets a graph (0: decode graphs only)."""
+        the largest step with prefill tokens that gets a graph (0: decode graphs only).
+        ``stage_input`` ``(hidden_size, dtype)``: a pipeline stage after the first, whose
+        graphs read the previous stage's activations, ``forward_fn(input_ids, positions, meta,
+        (hidden, residual))``; the output may be a tuple (a stage before the last)."""
         self.forward_fn = forward_fn
+        self.replays = 0  # steps run through ``run`` (replayed, or eager without graphs)
         self.num_kv_heads = num_kv_heads  # per rank: sizes the attention grid of decode rows
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -96,9 +108,14 @@ class CudaGraphRunner:
         self.query_start_loc = torch.arange(r + 1, dtype=i32, device=device)  # [R+1]
         # Decode graphs read query_start_loc[:B+1] = 0..B; mixed ones their own copy.
         self.mixed_qsl = torch.zeros(r + 1, dtype=i32, device=device)  # [R+1]
+        self.stage_input: torch.Tensor | None = None  # [2, T, H]: received (hidden, residual)
+        if stage_input is not None:
+            hidden_size, dtype = stage_input
+            self.stage_input = torch.zeros(2, t, hidden_size, dtype=dtype, device=device)
         # key: ("decode", B) or ("mixed", P)
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
+        # a graph's output buffers: [P, H], or ([P, H], [P, H]) on a stage before the last
+        self.outputs: dict[tuple[str, int], torch.Tensor | tuple[torch.Tensor, ...]] = {}
         self.metas: dict[tuple[str, int], AttentionMetadata] = {}
 
     def _mixed_reqs(self, tokens: int) -> int:
@@ -145,7 +162,10 @@ class CudaGraphRunner:
 
     def _args(self, key: tuple[str, int]) -> tuple:
         n = key[1]  # tokens of the graph (a decode graph: one per request)
-        return self.input_ids[:n], self.positions[:n], self.metas[key]
+        args = (self.input_ids[:n], self.positions[:n], self.metas[key])
+        if self.stage_input is None:
+            return args
+        return (*args, (self.stage_input[0, :n], self.stage_input[1, :n]))
 
     def _meta(self, key: tuple[str, int]) -> AttentionMetadata:
         return self._mixed_meta(key[1]) if key[0] == "mixed" else self._decode_meta(key[1])
@@ -231,7 +251,8 @@ class CudaGraphRunner:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         key: tuple[str, int] | None = None,  # graph_for(meta), when the caller has it
-    ) -> torch.Tensor:  # [T, H]
+        stage_input: torch.Tensor | None = None,  # [2, T, H]: the previous stage's, if any
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [T, H]; ([T, H], [T, H]) mid-pipeline
         t = meta.num_tokens
         key = key or self.graph_for(meta)
         if key[0] == "decode":
@@ -246,11 +267,24 @@ class CudaGraphRunner:
             self.input_ids[t:n].zero_()
             self.positions[t:n].zero_()
             self.slot_mapping[t:n].fill_(-1)
+        if self.stage_input is not None:
+            self._fill_stage_input(stage_input, t, n)
+        self.replays += 1
         if key in self.graphs:
             self.graphs[key].replay()
         else:  # prepare_without_graphs(): the same computation, run eagerly
             self.outputs[key] = self.forward_fn(*self._args(key))
-        return self.outputs[key][:t]
+        out = self.outputs[key]
+        return out[:t] if isinstance(out, torch.Tensor) else tuple(o[:t] for o in out)
+
+    def _fill_stage_input(self, received: torch.Tensor | None, t: int, n: int) -> None:
+        """The previous stage's ``[2, T, H]`` activations into the static buffer; padding rows
+        zero (finite through the norms; their outputs are discarded)."""
+        if received is None:
+            raise RuntimeError("a later pipeline stage's graph needs the received activations")
+        self.stage_input[:, :t].copy_(received)
+        if n > t:
+            self.stage_input[:, t:n].zero_()
 
     def _fill_decode(self, meta: AttentionMetadata, size: int) -> None:
         r = meta.num_reqs

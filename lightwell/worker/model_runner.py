@@ -136,16 +136,18 @@ class ModelRunner:
     ) -> float:
         """Decode graphs up to ``max_batch`` requests, mixed-step graphs up to ``prefill_tokens``
         tokens. ``capture=False`` (CPU tests) sets up the padded inputs and replays by running
-        the forward on them."""
+        the forward on them. A pipeline stage captures its layers alone (``PipelineStage``)."""
         kv_heads = self.attn_layers[0].num_kv_heads if self.attn_layers else 0
+        stage = self.stage
         self.graphs = CudaGraphRunner(
             max_batch,
             max_model_len,
             self.block_size,
             self.device,
-            self.forward,
+            self.forward if stage is None else stage.graph_forward,
             prefill_tokens,
             num_kv_heads=kv_heads,
+            stage_input=None if stage is None else stage.graph_input(),
         )
         if not capture:
             self.graphs.prepare_without_graphs()
@@ -199,8 +201,9 @@ class ModelRunner:
         if inp.deferred_tokens:
             self._fill_deferred(inp)
         key = self.graphs.graph_for(inp.meta) if self.graphs is not None else None
-        if key is not None:
-            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.meta, key)  # [T, H]
+        if key is not None:  # [T, H]; None on a pipeline stage before the last
+            args = (inp.input_ids, inp.positions, inp.meta, key)
+            hidden = self.stage.replay(self.graphs, *args) if self.stage else self.graphs.run(*args)
             path = f"graph {key[0]} {key[1]}"
         elif context_parallel.applies(inp.meta):  # this rank's chunk, then all of them
             hidden = context_parallel.forward(self, inp.input_ids, inp.positions, inp.meta)

@@ -1,14 +1,28 @@
 """One pipeline stage's forward: the previous stage's activations in, its own out, and the
-stage's time counters (busy and waiting) for utilisation figures."""
+stage's time counters (busy and waiting) for utilisation figures.
+
+A step runs eagerly (``forward``) or replays the stage's CUDA graph (``replay``): either way
+the point-to-point receive and send happen outside the model's forward, so a graph holds no
+communication between stages. A graph of a stage after the first reads the received
+``(hidden, residual)`` from its static buffer (in place of the input ids' embedding); a graph
+of a stage before the last returns its ``(hidden, residual)`` (in place of the final hidden).
+"""
 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.distributed import pipeline as pp
+
+if TYPE_CHECKING:
+    from lightwell.worker.cuda_graph import CudaGraphRunner
+
+StageOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
 class PipelineStage:
@@ -23,13 +37,53 @@ class PipelineStage:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
     ) -> torch.Tensor | None:  # [T, H] on the last stage; None (sent on) before it
-        inter = None
-        if not pp.is_first_stage():
-            t0 = time.perf_counter()
-            hidden_size = self.model.config.hidden_size
-            inter = pp.recv_activations(len(input_ids), hidden_size, self.dtype, self.device)
-            self.times["recv_wait_s"] += time.perf_counter() - t0
-        out = self.model(input_ids, positions, inter)
+        inter = self.receive(len(input_ids))  # [2, T, H] or None
+        out = self.model(input_ids, positions, None if inter is None else (inter[0], inter[1]))
+        return self.deliver(out)
+
+    def replay(
+        self,
+        graphs: CudaGraphRunner,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        key: tuple[str, int],  # graphs.graph_for(meta)
+    ) -> torch.Tensor | None:  # [T, H] on the last stage; None (sent on) before it
+        """The step from the stage's graph ``key``: the received activations are copied into
+        the graph's static buffer, its output sent on from the graph's output buffers."""
+        inter = self.receive(len(input_ids))  # [2, T, H] or None
+        return self.deliver(graphs.run(input_ids, positions, meta, key, inter))
+
+    def graph_forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        inter: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([T, H], [T, H]) received
+    ) -> StageOutput:  # [T, H] on the last stage; ([T, H], [T, H]) before it
+        """What a stage's CUDA graph captures: the stage's layers, no send or receive."""
+        with forward_context(meta):
+            return self.model(input_ids, positions, inter)
+
+    def graph_input(self) -> tuple[int, torch.dtype] | None:
+        """``(hidden_size, dtype)`` of the activations a graph takes from the previous stage;
+        None on the first stage (its graphs take the input ids)."""
+        if pp.is_first_stage():
+            return None
+        return self.model.config.hidden_size, self.dtype
+
+    def receive(self, num_tokens: int) -> torch.Tensor | None:  # [2, T, H]
+        """The previous stage's ``(hidden, residual)``; None on the first stage."""
+        if pp.is_first_stage():
+            return None
+        t0 = time.perf_counter()
+        hidden_size = self.model.config.hidden_size
+        inter = pp.recv_activations(num_tokens, hidden_size, self.dtype, self.device)
+        self.times["recv_wait_s"] += time.perf_counter() - t0
+        return inter
+
+    def deliver(self, out: StageOutput) -> torch.Tensor | None:  # [T, H] on the last stage
+        """The last stage's hidden states; before it, send ``(hidden, residual)`` on."""
         if pp.is_last_stage():
             return out
         pp.send_activations(*out)

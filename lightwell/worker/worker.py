@@ -116,8 +116,10 @@ class Worker:
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
         )
-        # Under TP rank r owns cuda:r (decided before any CUDA call, so no context on cuda:0).
+        # Under TP rank r owns cuda:r (decided before any CUDA call, so no context on cuda:0);
+        # --stages-share-gpu (testing): every rank on cuda:0.
         local = rank % (world // config.parallel.nnodes)  # this rank's GPU on its host
+        local = 0 if config.parallel.stages_share_gpu else local
         self.device = pick_device(config.device.device, local if world > 1 else None)
         threads = config.device.num_threads
         if threads is None and self.device.type == "cpu":
@@ -133,8 +135,15 @@ class Worker:
                 raise ValueError("more than one rank needs an init_method for the group")
             from lightwell.distributed.launch import init_distributed
 
+            p = config.parallel
             init_distributed(
-                rank, world, init_method, self.device, pp, config.parallel.context_parallel_size
+                rank,
+                world,
+                init_method,
+                self.device,
+                pp,
+                p.context_parallel_size,
+                shared_gpu=p.stages_share_gpu,
             )
         self.runner = None
         self.hf_config = None
@@ -241,7 +250,10 @@ class Worker:
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
-        return total * self.config.cache.gpu_memory_utilization - peak - max(used_by_others, 0)
+        util = self.config.cache.gpu_memory_utilization
+        if self.config.parallel.stages_share_gpu:  # each stage its share; the rest is theirs
+            return total * util / self.world_size - peak
+        return total * util - peak - max(used_by_others, 0)
 
     def init_kv_cache(self, num_blocks: int, resolved: EngineConfig) -> None:
         self.init_all_reduce(resolved)
@@ -251,9 +263,7 @@ class Worker:
         )
         self.runner.init_kv_cache(num_blocks)
         self.runner.warmup()
-        if self.device.type == "cuda" and self.pp_size > 1:
-            logger.info("pipeline parallel: every step runs eagerly (no CUDA graphs)")
-        elif self.device.type == "cuda" and not self.config.device.enforce_eager:
+        if self.device.type == "cuda" and not self.config.device.enforce_eager:
             blockers = _graph_blockers(self.runner)
             if not blockers:
                 s = resolved.scheduler
