@@ -170,6 +170,7 @@ def _gpu_run(model: str, trace, **opts) -> tuple[list[list[int]], list[str]]:
                for i, n in enumerate((5, 17, 30, 41))]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     llm = LLM(model, step_trace=str(trace), max_num_seqs=8, max_num_batched_tokens=64,
+              skip_tokenizer_init=True, dtype="float32",
               cuda_graph_prefill_tokens=64, kv_cache_memory_gb=1.0, async_scheduling=False,
               **opts)  # fmt: skip
     try:
@@ -183,18 +184,36 @@ def _gpu_run(model: str, trace, **opts) -> tuple[list[list[int]], list[str]]:
     return [o.outputs[0].token_ids for o in outs], paths
 
 
+def _save_random_llama(folder) -> str:
+    """A random 4-layer HF Llama (weights ~ N(0, 0.08): greedy tokens well apart), fp32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=4, vocab_size=1024,
+                      max_position_embeddings=512)  # fmt: skip
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for prm in model.parameters():
+            if prm.dim() > 1:
+                prm.normal_(0, 0.08)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return str(folder)
+
+
 @pytest.mark.gpu
-def test_pp2_cuda_graphs_on_one_gpu_equal_pp1(smollm2_gguf, tmp_path):
-    ref, ref_paths = _gpu_run(smollm2_gguf, tmp_path / "pp1.jsonl")
+def test_pp2_cuda_graphs_on_one_gpu_equal_pp1(tmp_path):
+    model = _save_random_llama(tmp_path / "model")  # the GPU machine has no GGUF
+    ref, ref_paths = _gpu_run(model, tmp_path / "pp1.jsonl")
     pp2 = dict(pipeline_parallel_size=2, stages_share_gpu=True)
     # one batch in flight: PP=1's batches, so the same graphs and bit-equal activations
-    tokens, paths = _gpu_run(smollm2_gguf, tmp_path / "pp2.jsonl", pipeline_in_flight=1, **pp2)
+    tokens, paths = _gpu_run(model, tmp_path / "pp2.jsonl", pipeline_in_flight=1, **pp2)
     assert tokens == ref
     assert paths == ref_paths  # the last stage replayed the graphs PP=1 did
     assert "graph decode 4" in paths and any(p.startswith("graph mixed") for p in paths)
     # two in flight (the default): stage 0 replays a batch while stage 1 runs the one before;
     # other batches (other padded sizes, other bf16 roundings) may move a near tie
-    tokens, paths = _gpu_run(smollm2_gguf, tmp_path / "pp2x2.jsonl", **pp2)
+    tokens, paths = _gpu_run(model, tmp_path / "pp2x2.jsonl", **pp2)
     assert [len(t) for t in tokens] == [24] * 4
     assert sum(t == r for t, r in zip(tokens, ref)) >= 3, (tokens, ref)
     assert any(p.startswith("graph decode") for p in paths)
