@@ -168,7 +168,7 @@ def fused_moe(
     pairs = num_tokens * top_k
     if pairs == 0:
         return torch.zeros_like(x)
-    if use_gemv(num_tokens, top_k) if gemv is None else gemv:
+    if use_gemv(num_tokens, top_k, num_experts) if gemv is None else gemv:
         return moe_gemv(x, w13, w2, weights, ids, *(gemv_configs or (None, None)))
     if block_m is None:
         per_expert = pairs / num_experts

@@ -29,7 +29,6 @@ import triton.language as tl
 
 # The decode path serves steps of at most this many tokens and (token, choice) pairs.
 MAX_TOKENS = 8
-MAX_PAIRS = 64
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 Config = tuple[int, int, int, int]
@@ -112,29 +111,41 @@ def _moe_gemv_down(
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
 
 
-def use_gemv(num_tokens: int, top_k: int) -> bool:
-    """Whether a step of ``num_tokens`` tokens takes this path (fused_moe's default)."""
-    return 0 < num_tokens <= MAX_TOKENS and num_tokens * top_k <= MAX_PAIRS
+def use_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """Whether a step of ``num_tokens`` tokens takes this path (fused_moe's default): at most
+    ``MAX_TOKENS`` tokens and no more (token, expert) pairs than experts. Each pair streams its
+    expert's rows, so with more pairs than experts the grouped kernels, which read an expert
+    once for all its tokens, read fewer bytes (on the H200: Mixtral's 8 experts, 8 tokens x 2
+    lose to the grouped path, 4 x 2 win; DeepSeek-V2-Lite's 64, 8 x 6 win)."""
+    return 0 < num_tokens <= MAX_TOKENS and num_tokens * top_k <= num_experts
 
 
-def pick_config(k: int, mats: int = 1) -> Config:
+def pick_config(k: int, mats: int = 1, num_tokens: int = 1) -> Config:
     """The tile of a kernel reducing over ``k`` (H for gate/up, I for down) that streams
-    ``mats`` matrices at once (2 for gate/up): two rows of each a program, 128 bytes of
-    weights a thread per K step on one warp (kernels/gemv.py's batch-1 tile for down; half
-    its K step for gate/up, whose two accumulators would otherwise take every register)."""
-    return 2, min(1024 // mats, triton.next_power_of_2(k)), 1, 3
+    ``mats`` matrices at once (2 for gate/up), for a step of ``num_tokens`` tokens; the best
+    of the decode benchmark's sweep (benchmarks/kernels/moe_decode.py) on Mixtral and
+    DeepSeek-V2-Lite shapes. One token has few programs: one row each, long K steps, more
+    warps. More tokens have programs enough: short K steps, one warp."""
+    kp = triton.next_power_of_2(k)
+    if mats == 2:  # gate/up
+        if num_tokens > 1:
+            return 2, min(256, kp), 1, 3
+        return (1, min(2048, kp), 4, 3) if k >= 4096 else (1, min(1024, kp), 2, 1)
+    if k >= 8192:  # down over a wide intermediate size
+        return 2, min(2048, kp), 2, 3
+    return (4, min(2048, kp), 4, 3) if num_tokens == 1 else (4, min(512, kp), 1, 1)
 
 
 def moe_gemv_gate_up(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped, their rows left unset)
-    config: Config | None = None,  # default: pick_config(H, 2)
+    config: Config | None = None,  # default: pick_config(H, 2, T)
 ) -> torch.Tensor:  # [T * k, I] silu(gate) * up per pair, in x's dtype
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden = w13.shape
     act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = config or pick_config(hidden, 2)
+    block_n, block_k, warps, stages = config or pick_config(hidden, 2, num_tokens)
     _moe_gemv_gate_up[(act.shape[0], triton.cdiv(act.shape[1], block_n))](
         x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, hidden, act.shape[1],
         BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
@@ -148,13 +159,13 @@ def moe_gemv_down(
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
-    config: Config | None = None,  # default: pick_config(I)
+    config: Config | None = None,  # default: pick_config(I, 1, T)
 ) -> torch.Tensor:  # [T, H] in act's dtype
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w2.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
-    block_n, block_k, warps, stages = config or pick_config(inter)
+    block_n, block_k, warps, stages = config or pick_config(inter, 1, num_tokens)
     _moe_gemv_down[(num_tokens, triton.cdiv(hidden, block_n))](
         act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts, hidden,
         inter, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
@@ -169,8 +180,8 @@ def moe_gemv(
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
-    gate_up_config: Config | None = None,  # default: pick_config(H, 2)
-    down_config: Config | None = None,  # default: pick_config(I)
+    gate_up_config: Config | None = None,  # default: pick_config(H, 2, T)
+    down_config: Config | None = None,  # default: pick_config(I, 1, T)
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
     ``fused_moe``, which checks them and calls this for steps ``use_gemv`` accepts (its

@@ -244,7 +244,7 @@ class Scheduler:
         n = request.num_tokens - num_hit_tokens
         if not self.enable_chunked_prefill and n > batch.budget:
             return False
-        n = min(n, batch.budget)
+        n = min(n, self._admit_budget(batch))
         if self.kv.allocate_slots(request, n, hits) is None:
             return False
         self.waiting.popleft()
@@ -267,6 +267,14 @@ class Scheduler:
         request.pending_token_ids = []
         self._commit(request, n, batch)
         return True
+
+    def _admit_budget(self, batch: _Batch) -> int:
+        """Tokens the head of the queue may take: with requests waiting behind it (and room to
+        run them), a prefill chunk leaves them the reserve, as running prefills do."""
+        behind = len(self.waiting) > 1 and len(self.running) + 1 < self.max_num_seqs
+        if self.enable_chunked_prefill and behind and batch.budget > self.prefill_reserve:
+            return batch.budget - self.prefill_reserve
+        return batch.budget
 
     def _commit(self, request: Request, n: int, batch: _Batch) -> None:
         batch.num_scheduled_tokens[request.req_id] = n

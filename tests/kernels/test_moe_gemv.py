@@ -82,7 +82,8 @@ def test_other_ranks_experts_are_skipped_and_weighted():
 
 def test_fused_moe_routes_few_tokens_to_gemv():
     x, w13, w2, weights, ids = _case(2, 2, 8, 24, 20, torch.float32, seed=7)
-    assert use_gemv(2, 2) and use_gemv(8, 8) and not use_gemv(9, 1) and not use_gemv(8, 9)
+    assert use_gemv(1, 2, 8) and use_gemv(4, 2, 8) and not use_gemv(8, 2, 8)
+    assert use_gemv(8, 6, 64) and not use_gemv(9, 1, 64) and not use_gemv(0, 2, 8)
     routed = fused_moe(x, w13, w2, weights, ids)
     assert torch.equal(routed, moe_gemv(x, w13, w2, weights, ids))
     grouped = fused_moe(x, w13, w2, weights, ids, gemv=False, block_m=16, block_n=16, block_k=16)

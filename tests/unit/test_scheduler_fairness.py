@@ -45,3 +45,16 @@ def test_fraction_validated() -> None:
 
     with pytest.raises(ValueError, match="long_prefill_fraction"):
         EngineConfig.from_kwargs(long_prefill_fraction=0.0)
+
+
+def test_requests_behind_a_new_long_prompt_get_the_reserve(make_request) -> None:
+    """A long prompt admitted with others waiting behind it leaves them the reserve at once:
+    a short request arriving with it is scheduled in the same step."""
+    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_fraction=0.75)
+    sched.add_request(make_request("long", prompt(1000, 60)))
+    sched.add_request(make_request("short", prompt(3000, 3)))
+    assert step(sched)[0].num_scheduled_tokens == {"long": 12, "short": 3}
+    sched = make_scheduler(max_num_batched_tokens=16, long_prefill_fraction=1.0)
+    sched.add_request(make_request("long", prompt(1000, 60)))
+    sched.add_request(make_request("short", prompt(3000, 3)))
+    assert step(sched)[0].num_scheduled_tokens == {"long": 16}
