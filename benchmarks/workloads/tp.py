@@ -38,8 +38,9 @@ import time
 from benchmarks.comm.allreduce import COMMON_ENV, MODE_ENV
 
 # W1 floors: bytes streamed per token by each GPU over 4,221 GB/s. llama-3-8b at TP=1: 15.01 GB
-# (TP=2 halves it: 562 tok/s); llama-3-70b at TP=2: 69.5e9 non-embedding params x 2 B / 2 GPUs.
-FLOOR_TOK_S = {"llama-3-8b": 281.0, "llama-3-70b": 60.7}
+# (TP=2 halves it: 562 tok/s); llama-3-70b at TP=2: 69.5e9 non-embedding params x 2 B / 2 GPUs;
+# Mixtral-8x7B at TP=2: 12.75e9 active params x 2 B / 2 GPUs.
+FLOOR_TOK_S = {"llama-3-8b": 281.0, "llama-3-70b": 60.7, "mixtral-8x7b": 331.0}
 G2048 = {"cuda_graph_prefill_tokens": 2048}
 NOPDL = {"pdl": False}  # programmatic dependent launch off (the default is on, sm_90+)
 
@@ -58,6 +59,13 @@ ENGINES = {
         ("tp1", dict(tensor_parallel_size=1), ("w1", "ttft", "decode")),
         ("tp2-nccl", dict(all_reduce="nccl"), ("w1", "ttft", "decode")),
         ("tp2-auto", dict(all_reduce="auto"), ("w1", "ttft", "decode")),
+        ("pp2", dict(tensor_parallel_size=1, pipeline_parallel_size=2), ("w1", "ttft", "decode")),
+        ("tp2-mixtral", dict(all_reduce="auto", hf_config_json="mixtral-8x7b"), ("w1", "decode")),
+        (
+            "tp2-ep-mixtral",
+            dict(all_reduce="auto", hf_config_json="mixtral-8x7b", enable_expert_parallel=True),
+            ("w1", "decode"),
+        ),
         ("tp2-70b", dict(all_reduce="auto", hf_config_json="llama-3-70b"), ("w1",)),
         ("tp2-auto-dual", dict(all_reduce="auto", dual_stream=True), ("w1", "ttft", "decode")),
         ("tp2-oneshot", dict(all_reduce="oneshot"), ("ttft", "decode")),
@@ -134,7 +142,8 @@ SHARE = {"nvlink": 0.55, "pcie-emulated": 0.45}  # of the budget; --share overri
 # ---- one engine configuration (subprocess) -----------------------------------------------
 def rand_prompts(n: int, length: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(128256) for _ in range(length)]} for _ in range(n)]
+    # ids below 32,000: inside every preset's vocabulary (Mixtral's is 32,000)
+    return [{"prompt_token_ids": [rng.randrange(32000) for _ in range(length)]} for _ in range(n)]
 
 
 def make_llm(mode: str, options: dict, dual_min_tokens: int):
