@@ -271,8 +271,9 @@ def make_llm(args: argparse.Namespace, max_num_seqs: int, async_scheduling: bool
     t0 = time.perf_counter()
     llm = LLM(
         load_format="dummy",
-        hf_config_json="llama-3-8b",
+        hf_config_json=args.hf_config_json,
         dtype="bfloat16",
+        **json.loads(args.engine_args),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
         enforce_eager=args.eager,
@@ -300,7 +301,8 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
 
     common = dict(
         workload="W1",
-        model="llama-3-8b",
+        model=args.hf_config_json,
+        engine_args=json.loads(args.engine_args),
         dtype="bfloat16",
         tp=1,
         mode="single",
@@ -358,22 +360,27 @@ def _step_trace(llm: LLM, sp: SamplingParams) -> list[list[tuple[float, float, i
 
 
 def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
-    n = args.w2_requests
-    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
-    prompts = rand_prompts(n, 1024, 128256, 7)
+    n, n_in = args.w2_requests, args.w2_input_len
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=args.w2_output_len, ignore_eos=True, detokenize=False
+    )
+    prompts = rand_prompts(n, n_in, 128256, 7)
     t0 = time.perf_counter()
     with scheduled_steps(llm.engine) as steps:
         outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     steps.append((t0 + wall, 0, 0, 0))
     out_toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    total = out_toks + 1024 * n
+    total = out_toks + n_in * n
     common = dict(
         workload="W2",
-        model="llama-3-8b",
+        model=args.hf_config_json,
         dtype="bfloat16",
         tp=1,
         requests=n,
+        input_len=n_in,
+        output_len=args.w2_output_len,
+        engine_args=json.loads(args.engine_args),
         wall_s=wall,
         eager=args.eager,
         async_scheduling=llm.engine.scheduler.async_scheduling,
@@ -493,6 +500,14 @@ def main() -> int:
         "--cuda-graph-prefill-tokens", type=int, default=None, help="(default: the engine's)"
     )
     ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--hf-config-json", default="llama-3-8b", help="the model's shapes (W1/W2)")
+    ap.add_argument(
+        "--engine-args",
+        default="{}",
+        help='more LLM options as JSON for W1/W2, e.g. \'{"quantization": "fp8"}\'',
+    )
+    ap.add_argument("--w2-input-len", type=int, default=1024)
+    ap.add_argument("--w2-output-len", type=int, default=256)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument(
         "--scheduling",
