@@ -15,10 +15,11 @@ makes the fp32 ``f = 1 + q * 2^(p - 23)`` (``p`` its lowest bit), so ``q = f * 2
 2^(23 - p)`` exactly; then ``w = q * s - z * s`` and ``acc += x * w`` (three FMAs a weight).
 
 Two kernels: ``_w4a16_gemv_kernel`` for M <= 4 (batch-1 decode, kernels/gemv.py's design: each
-program owns BLOCK_N rows, walks K with unmasked vector loads when BLOCK_K divides K, keeps a
-[BLOCK_M, BLOCK_N, NG, TG] fp32 accumulator reduced once at the end, loads its first weight
-tile before waiting under PDL), ``_w4a16_gemm_kernel`` for more rows (``tl.dot`` on
-dequantized [BLOCK_N, BLOCK_K] tiles).
+program owns BLOCK_N rows, walks K with unmasked vector loads when BLOCK_K divides K, keeps one
+[BLOCK_N, NG, TG] fp32 accumulator a row of x, reduced once at the end; its first tile is
+peeled, so those weights are read before it waits under PDL and its products start the
+accumulators in the layout the unpacking gives), ``_w4a16_gemm_kernel`` for more rows
+(``tl.dot`` on dequantized [BLOCK_N, BLOCK_K] tiles).
 """
 
 from __future__ import annotations
@@ -92,13 +93,58 @@ def _dequant(
 
 
 @triton.jit
-def _load_x(x_rows, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.constexpr):
-    """x[:, k0 : k0 + BLOCK_K] as fp32 [BM, NG, TG] (x_rows: [BM, 1, 1] row pointers)."""
+def _load_x(x_row, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[m, k0 : k0 + BLOCK_K] as fp32 [1, NG, TG] (x_row: row m's pointer)."""
     rg = tl.arange(0, BLOCK_K // TG)
     k = k0 + rg[:, None] * TG + tl.arange(0, TG)[None, :]  # [NG, TG]
     if EVEN_K:
-        return tl.load(x_rows + k[None, :, :]).to(tl.float32)
-    return tl.load(x_rows + k[None, :, :], mask=k[None, :, :] < K, other=0.0).to(tl.float32)
+        return tl.load(x_row + k).to(tl.float32)[None, :, :]
+    return tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :, :]
+
+
+@triton.jit
+def _acc(acc, x_row, w, k0, K, FIRST: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
+         EVEN_K: tl.constexpr):  # fmt: skip
+    p = _load_x(x_row, k0, K, BLOCK_K, TG, EVEN_K) * w
+    if FIRST:
+        return p
+    return acc + p
+
+
+@triton.jit
+def _gemv_tile(
+    accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm,
+    FIRST: tl.constexpr,  # the first tile: its products start the accumulators
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """accs (one [BN, NG, TG] accumulator a row of x, BLOCK_M of them used) plus the tile at
+    k0. Rows past M re-read row M - 1."""
+    w = _dequant(words, s_rows, z_rows, g_ptr, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+    acc0, acc1, acc2, acc3 = accs
+    acc0 = _acc(acc0, x_ptr, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
+    if BLOCK_M > 1:
+        x1 = x_ptr + tl.minimum(1, M - 1) * stride_xm
+        acc1 = _acc(acc1, x1, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
+    elif FIRST:
+        acc1 = acc0
+    if BLOCK_M > 2:
+        x2 = x_ptr + tl.minimum(2, M - 1) * stride_xm
+        x3 = x_ptr + tl.minimum(3, M - 1) * stride_xm
+        acc2 = _acc(acc2, x2, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
+        acc3 = _acc(acc3, x3, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
+    elif FIRST:
+        acc2, acc3 = acc0, acc0
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_row(out_ptr, acc, b_ptr, rn, wn, m, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + wn).to(tl.float32)
+    mask = (rn < N) & (rn * 0 + m < M)
+    tl.store(out_ptr + m * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -107,37 +153,36 @@ def _w4a16_gemv_kernel(
     stride_xm, stride_qn, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    EARLY_W: tl.constexpr,  # the first weight tile is loaded before anything else (PDL's form)
-    GDC: tl.constexpr,  # with EARLY_W: signal, then wait for the kernel before (kernels/pdl.py)
+    GDC: tl.constexpr,  # signal, then wait for the kernel before after the first weight load
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)
     wn = tl.minimum(rn, N - 1).to(tl.int64)  # past N: re-read the last row, store nothing
     q_rows = q_ptr + wn[:, None, None] * stride_qn  # [BN, 1, 1]
     s_rows = s_ptr + wn[:, None] * stride_sn  # [BN, 1]
     z_rows = z_ptr + wn[:, None] * stride_sn
-    x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None, None] * stride_xm  # [BM, 1, 1]
-    acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K // TG, TG], dtype=tl.float32)
-    k_first = 0
-    if EARLY_W:  # the weights do not depend on the kernel before: start their stream first
-        words = _load_words(q_rows, 0, K, BLOCK_K, TG, EVEN_K)
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()
-        w = _dequant(words, s_rows, z_rows, g_ptr, 0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
-        x = _load_x(x_rows, 0, K, BLOCK_K, TG, EVEN_K)
-        acc += x[:, None, :, :] * w[None, :, :, :]
-        k_first = BLOCK_K
-    for k0 in range(k_first, K, BLOCK_K):
+    # the first tile peeled: its weights (which no kernel before writes) are read before the
+    # wait, and its products start the accumulators in the layout the unpacking gives
+    words = _load_words(q_rows, 0, K, BLOCK_K, TG, EVEN_K)
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    accs = _gemv_tile(
+        (0, 0, 0, 0), words, x_ptr, s_rows, z_rows, g_ptr, 0, M, K, stride_xm, True,
+        BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
+    )  # fmt: skip
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         words = _load_words(q_rows, k0, K, BLOCK_K, TG, EVEN_K)
-        w = _dequant(words, s_rows, z_rows, g_ptr, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
-        x = _load_x(x_rows, k0, K, BLOCK_K, TG, EVEN_K)
-        acc += x[:, None, :, :] * w[None, :, :, :]
-    out = tl.sum(tl.sum(acc, axis=3), axis=2)  # [BM, BN]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + wn).to(tl.float32)[None, :]
-    ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
-    tl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+        accs = _gemv_tile(
+            accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, False,
+            BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
+        )  # fmt: skip
+    acc0, acc1, acc2, acc3 = accs
+    _store_row(out_ptr, acc0, b_ptr, rn, wn, 0, M, N, stride_om, HAS_BIAS)
+    if BLOCK_M > 1:
+        _store_row(out_ptr, acc1, b_ptr, rn, wn, 1, M, N, stride_om, HAS_BIAS)
+    if BLOCK_M > 2:
+        _store_row(out_ptr, acc2, b_ptr, rn, wn, 2, M, N, stride_om, HAS_BIAS)
+        _store_row(out_ptr, acc3, b_ptr, rn, wn, 3, M, N, stride_om, HAS_BIAS)
 
 
 @triton.jit
@@ -176,12 +221,15 @@ Config = tuple[int, int, int, int]
 
 
 def pick_config(n: int, k: int, m: int = 1) -> Config:
-    """The GEMV tile for an [N, K] weight and M rows: two rows a program, 1,024-input K steps
-    (512 bytes of a row), 3 stages, warps grown with the rows so the fp32 accumulator stays at
-    64 values a thread."""
-    block_k = min(1024, triton.next_power_of_2(k))
-    acc = triton.next_power_of_2(max(m, 1)) * 2 * block_k
-    return 2, block_k, max(1, min(4, acc // (32 * 64))), 3
+    """The GEMV tile for an [N, K] weight and M rows: two rows a program and 1,024-input K
+    steps (512 bytes of a row) on one warp with 3 stages at one row; at 2 rows two warps, at 3-4
+    rows 512-input steps and one stage, so the accumulators (one a row) and the rows of x fit
+    the registers. Warps never outnumber the tile's 16-byte word chunks."""
+    block_n, block_k, warps, stages = (2, 1024, 1, 3) if m <= 1 else (
+        (2, 1024, 2, 3) if m == 2 else (2, 512, 2, 1)
+    )  # fmt: skip
+    block_k = min(block_k, triton.next_power_of_2(k))
+    return block_n, block_k, max(1, min(warps, block_n * block_k // 1024)), stages
 
 
 def slice_size(block_k: int, group_size: int, k: int) -> tuple[int, int]:
@@ -214,8 +262,9 @@ def w4a16_gemv(
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``x @ W.T (+ bias)`` on the CUDA cores for decode. ``config``: (BLOCK_N, BLOCK_K,
     num_warps, num_stages), default ``pick_config``; BLOCK_K may shrink to fit the group
-    (``slice_size``). ``pdl`` as in ``kernels.gemv.gemv`` (the first weight tile is read before
-    waiting for the kernel before)."""
+    (``slice_size``). ``pdl`` (default: ``kernels.pdl.use_pdl``): on an sm_90+ GPU, launch with
+    programmatic dependent launch, waiting for the kernel before only after the first weight
+    tile's load (so ``qweight`` must be written by no kernel of the stream)."""
     _check(x, qweight, scales, zeros, g_idx, bias)
     if x.shape[0] > MAX_M:
         raise ValueError(f"w4a16_gemv handles at most {MAX_M} rows, got {x.shape[0]}")
@@ -224,8 +273,7 @@ def w4a16_gemv(
     block_n, block_k, warps, stages = config or pick_config(n, k, m)
     gs = _group(group_size)
     block_k, tg = slice_size(block_k, gs, k)
-    early = _pdl.use_pdl(x.device) if pdl is None else pdl
-    gdc = early and _pdl.device_supports(x.device)
+    gdc = (_pdl.use_pdl(x.device) if pdl is None else pdl) and _pdl.device_supports(x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -234,7 +282,7 @@ def w4a16_gemv(
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, TG=tg,
         GROUP_SIZE=gs, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-        EARLY_W=early, GDC=gdc, num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
+        GDC=gdc, num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out
 

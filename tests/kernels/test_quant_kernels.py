@@ -100,7 +100,7 @@ def test_w4a16_slices_stay_inside_groups():
     assert w4a16.slice_size(256, 0, 4096) == (256, 256)  # gathered
     assert w4a16.slice_size(256, 96, 4096) == (32, 32)  # neither divides: shrink
     assert w4a16.pick_config(4096, 4096, 1) == (2, 1024, 1, 3)
-    assert w4a16.pick_config(4096, 96, 4)[1] == 128
+    assert w4a16.pick_config(4096, 96, 4) == (2, 128, 1, 1)  # K past the tile: fewer warps
 
 
 def test_w4a16_matmul_checks_shapes():
