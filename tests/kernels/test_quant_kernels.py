@@ -93,6 +93,30 @@ def test_w4a16_matmul_gemm_matches_reference(m, k, n, group, act_order, dtype):
     _check_close(out, w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx, bias), dtype)
 
 
+def test_w4a16_gemv_act_order_sorted_at_load():
+    """An act-order layer through quant/wna16.finalize: inputs sorted by group, x's columns
+    permuted at the call, the GEMV on contiguous groups, against the unsorted weight."""
+    from torch import nn
+
+    from lightwell.quant.wna16 import finalize
+
+    gen = torch.Generator().manual_seed(7)
+    k, n, gs = 128, 12, 32
+    q = torch.randint(0, 16, (k, n), generator=gen)  # [K, N], the checkpoint's order
+    scales = torch.rand(k // gs, n, generator=gen) * 0.05 + 0.01  # [G, N]
+    zeros = torch.randint(0, 16, (k // gs, n), generator=gen).float()
+    g_idx = (torch.arange(k) // gs)[torch.randperm(k, generator=gen)]
+    layer = nn.Module()
+    finalize(layer, q, scales, zeros, g_idx, 4, (), gs, act_order=True)
+    assert layer.quant_group_size == gs and layer.quant_perm is not None
+    x = torch.randn(2, k, generator=gen)
+    want = x @ ((q.float() - zeros[g_idx]) * scales[g_idx])  # [2, N]
+    params = [t.to(DEVICE) for t in (layer.qweight, layer.scales, layer.zeros, layer.g_idx)]
+    xs = x.index_select(1, layer.quant_perm).to(DEVICE)
+    out = w4a16.w4a16_gemv(xs, *params, group_size=gs, config=(4, 64, 1, 1))
+    _check_close(out.cpu(), want, torch.float32)
+
+
 def test_w4a16_slices_stay_inside_groups():
     assert w4a16.slice_size(1024, 128, 4096) == (1024, 128)  # 8 groups a tile
     assert w4a16.slice_size(64, 128, 4096) == (64, 64)  # half a group a tile
