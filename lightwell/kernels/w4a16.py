@@ -9,17 +9,18 @@ NG slices of TG = min(group, BLOCK_K) inputs, each inside one group, so a tile's
 zeros are one [BLOCK_N, NG] load; otherwise (``group_size`` 0, act-order rows that could not be
 sorted by group) each input's group is gathered through ``g_idx``.
 
-Unpacking has no integer-to-float conversion (a quarter-rate instruction): nibble ``j`` is
-masked in place (after one 12-bit shift for j >= 5) and ORed with the exponent of 1.0, which
-makes the fp32 ``f = 1 + q * 2^(p - 23)`` (``p`` its lowest bit), so ``q = f * 2^(23 - p) -
-2^(23 - p)`` exactly; then ``w = q * s - z * s`` and ``acc += x * w`` (three FMAs a weight).
+Unpacking has no integer-to-float conversion (quarter rate): nibble ``j`` is masked in place
+(after one 12-bit shift for j >= 5) and ORed with the bits of 1.0 (``ONE``, passed at run time
+so the masks stay immediates), giving the fp32 ``f = 1 + q * 2^(p - 23)`` (``p`` its lowest
+bit), and one FMA gives ``f * 2^(23 - p) - (2^(23 - p) + z) = q - z`` exactly.
 
-Two kernels: ``_w4a16_gemv_kernel`` for M <= 4 (batch-1 decode, kernels/gemv.py's design: each
-program owns BLOCK_N rows, walks K with unmasked vector loads when BLOCK_K divides K, keeps one
-[BLOCK_N, NG, TG] fp32 accumulator a row of x, reduced once at the end; its first tile is
-peeled, so those weights are read before it waits under PDL and its products start the
-accumulators in the layout the unpacking gives), ``_w4a16_gemm_kernel`` for more rows
-(``tl.dot`` on dequantized [BLOCK_N, BLOCK_K] tiles).
+``_w4a16_gemv_kernel`` (M <= 4, decode; kernels/gemv.py's design): each program owns BLOCK_N
+rows and walks K with vector loads (unmasked when BLOCK_K divides K). x's tile is split into
+eight planes (plane j: the inputs of value j of each word), so ``x_j * (q_j - z)`` pairs with
+the words as loaded (no interleave): one FMA a weight, summed per slice, times the slice's
+scale into a [BLOCK_N, NG] accumulator a row of x, reduced at the end. Its first tile is
+peeled: those weights are read before it waits under PDL. ``_w4a16_gemm_kernel`` (more rows):
+``tl.dot`` on dequantized [BLOCK_N, BLOCK_K] tiles.
 """
 
 from __future__ import annotations
@@ -34,23 +35,23 @@ MAX_M = 4
 
 
 @triton.jit
-def _nibble(words, J: tl.constexpr):
-    """Value J of each int32 word as exact fp32 (see the module docstring)."""
+def _nibble(words, z, J: tl.constexpr, one=0x3F800000):
+    """Value J of each int32 word minus z ([.., 1] or 0.0), exact in fp32 (module docstring)."""
     if J >= 5:
         words = words >> 12
     P: tl.constexpr = 4 * J - 12 if J >= 5 else 4 * J
     C: tl.constexpr = 1.0 * (1 << (23 - P))
-    f = ((words & (0xF << P)) | 0x3F800000).to(tl.float32, bitcast=True)
-    return f * C - C
+    f = ((words & (0xF << P)) | one).to(tl.float32, bitcast=True)
+    return f * C - (z + C)
 
 
 @triton.jit
-def _unpack(words):
-    """[.., TW] int32 words -> [.., 8 * TW] fp32 values in input order."""
-    a = tl.interleave(tl.interleave(_nibble(words, 0), _nibble(words, 4)),
-                      tl.interleave(_nibble(words, 2), _nibble(words, 6)))  # fmt: skip
-    b = tl.interleave(tl.interleave(_nibble(words, 1), _nibble(words, 5)),
-                      tl.interleave(_nibble(words, 3), _nibble(words, 7)))  # fmt: skip
+def _unpack(words, z):
+    """[.., TW] int32 words -> [.., 8 * TW] fp32 values minus z, in input order."""
+    a = tl.interleave(tl.interleave(_nibble(words, z, 0), _nibble(words, z, 4)),
+                      tl.interleave(_nibble(words, z, 2), _nibble(words, z, 6)))  # fmt: skip
+    b = tl.interleave(tl.interleave(_nibble(words, z, 1), _nibble(words, z, 5)),
+                      tl.interleave(_nibble(words, z, 3), _nibble(words, z, 7)))  # fmt: skip
     return tl.interleave(a, b)
 
 
@@ -66,30 +67,38 @@ def _load_words(q_rows, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: 
 
 
 @triton.jit
+def _group_scales(
+    s_rows, z_rows, k0, K,
+    BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """The scales and zeros of the K tile at k0's slices, fp32 [BN, NG] (contiguous groups;
+    s_rows, z_rows: [BN, 1] row pointers)."""
+    g = ((k0 + tl.arange(0, BLOCK_K // TG) * TG) // GROUP_SIZE)[None, :]  # [1, NG]
+    if EVEN_K:
+        s = tl.load(s_rows + g)
+        z = tl.load(z_rows + g)
+    else:  # slices past K: no group
+        mask = g < (K + GROUP_SIZE - 1) // GROUP_SIZE
+        s = tl.load(s_rows + g, mask=mask, other=0.0)
+        z = tl.load(z_rows + g, mask=mask, other=0.0)
+    return s.to(tl.float32), z.to(tl.float32)
+
+
+@triton.jit
 def _dequant(
     words, s_rows, z_rows, g_ptr, k0, K,
     BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """W of the K tile at k0 as fp32 [BN, NG, TG] (s_rows, z_rows: [BN, 1] row pointers)."""
-    q = _unpack(words)  # [BN, NG, TG]
-    rg = tl.arange(0, BLOCK_K // TG)
-    if GROUP_SIZE > 0:  # one scale and zero per (row, slice)
-        g = ((k0 + rg * TG) // GROUP_SIZE)[None, :]  # [1, NG]
-        if EVEN_K:
-            s = tl.load(s_rows + g)
-            z = tl.load(z_rows + g)
-        else:  # slices past K: no group
-            mask = g < (K + GROUP_SIZE - 1) // GROUP_SIZE
-            s = tl.load(s_rows + g, mask=mask, other=0.0)
-            z = tl.load(z_rows + g, mask=mask, other=0.0)
-        s = s.to(tl.float32)[:, :, None]  # [BN, NG, 1]
-        z = z.to(tl.float32)[:, :, None]
-    else:  # gathered per input through g_idx (NG == 1)
-        k = k0 + rg[:, None] * TG + tl.arange(0, TG)[None, :]  # [NG, TG]
-        g = tl.load(g_ptr + k, mask=k < K, other=0)[None, :, :]
-        s = tl.load(s_rows[:, :, None] + g).to(tl.float32)
-        z = tl.load(z_rows[:, :, None] + g).to(tl.float32)
-    return q * s - z * s
+    """W of the K tile at k0 as fp32 [BN, NG, TG]."""
+    if GROUP_SIZE > 0:
+        s, z = _group_scales(s_rows, z_rows, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        return _unpack(words, z[:, :, None]) * s[:, :, None]
+    # gathered per input through g_idx (NG == 1)
+    k = k0 + tl.arange(0, TG)[None, :]  # [1, TG]
+    g = tl.load(g_ptr + k, mask=k < K, other=0)[None, :, :]  # [1, 1, TG]
+    s = tl.load(s_rows[:, :, None] + g).to(tl.float32)
+    z = tl.load(z_rows[:, :, None] + g).to(tl.float32)
+    return (_unpack(words, 0.0) - z) * s
 
 
 @triton.jit
@@ -103,9 +112,42 @@ def _load_x(x_row, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.co
 
 
 @triton.jit
-def _acc(acc, x_row, w, k0, K, FIRST: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
-         EVEN_K: tl.constexpr):  # fmt: skip
-    p = _load_x(x_row, k0, K, BLOCK_K, TG, EVEN_K) * w
+def _x_planes(x_row, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[m, k0 : k0 + BLOCK_K] as eight fp32 [1, NG, TG / 8] planes: plane j holds the inputs
+    of value j of each word."""
+    x = tl.reshape(_load_x(x_row, k0, K, BLOCK_K, TG, EVEN_K), [BLOCK_K // TG, TG // 8, 2, 2, 2])
+    c0, c1 = tl.split(x)  # input 8w + 4a + 2b + c: c
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    x0, x4 = tl.split(c0b0)
+    x2, x6 = tl.split(c0b1)
+    x1, x5 = tl.split(c1b0)
+    x3, x7 = tl.split(c1b1)
+    return x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None]
+
+
+@triton.jit
+def _row_acc(
+    acc, x_row, w, z, s, one, k0, K,
+    FIRST: tl.constexpr,  # the first tile: its sums start the accumulator
+    BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """acc [BN, NG] plus each slice's sum of x[m] * W (x_row: row m's pointer). Contiguous: w
+    the [BN, NG, TG / 8] words, z [BN, NG, 1] and s [BN, NG] the slices' zeros and scales;
+    gathered groups: w the dequantized [BN, 1, TG] tile."""
+    if GROUP_SIZE > 0:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_row, k0, K, BLOCK_K, TG, EVEN_K)
+        p = x0 * _nibble(w, z, 0, one)
+        p += x1 * _nibble(w, z, 1, one)
+        p += x2 * _nibble(w, z, 2, one)
+        p += x3 * _nibble(w, z, 3, one)
+        p += x4 * _nibble(w, z, 4, one)
+        p += x5 * _nibble(w, z, 5, one)
+        p += x6 * _nibble(w, z, 6, one)
+        p += x7 * _nibble(w, z, 7, one)
+        p = tl.sum(p, axis=2) * s
+    else:
+        p = tl.sum(_load_x(x_row, k0, K, BLOCK_K, TG, EVEN_K) * w, axis=2)
     if FIRST:
         return p
     return acc + p
@@ -113,26 +155,31 @@ def _acc(acc, x_row, w, k0, K, FIRST: tl.constexpr, BLOCK_K: tl.constexpr, TG: t
 
 @triton.jit
 def _gemv_tile(
-    accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm,
-    FIRST: tl.constexpr,  # the first tile: its products start the accumulators
+    accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, one,
+    FIRST: tl.constexpr,  # the first tile: its sums start the accumulators
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr,
     EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """accs (one [BN, NG, TG] accumulator a row of x, BLOCK_M of them used) plus the tile at
-    k0. Rows past M re-read row M - 1."""
-    w = _dequant(words, s_rows, z_rows, g_ptr, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+    """accs (one [BN, NG] accumulator a row of x, BLOCK_M of them used) plus the tile at k0.
+    Rows past M re-read row M - 1."""
+    if GROUP_SIZE > 0:
+        s, z = _group_scales(s_rows, z_rows, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        w, z = words, z[:, :, None]
+    else:
+        w = _dequant(words, s_rows, z_rows, g_ptr, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        s, z = 1.0, 0.0
     acc0, acc1, acc2, acc3 = accs
-    acc0 = _acc(acc0, x_ptr, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
+    acc0 = _row_acc(acc0, x_ptr, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
     if BLOCK_M > 1:
         x1 = x_ptr + tl.minimum(1, M - 1) * stride_xm
-        acc1 = _acc(acc1, x1, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
+        acc1 = _row_acc(acc1, x1, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
     elif FIRST:
         acc1 = acc0
     if BLOCK_M > 2:
         x2 = x_ptr + tl.minimum(2, M - 1) * stride_xm
         x3 = x_ptr + tl.minimum(3, M - 1) * stride_xm
-        acc2 = _acc(acc2, x2, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
-        acc3 = _acc(acc3, x3, w, k0, K, FIRST, BLOCK_K, TG, EVEN_K)
+        acc2 = _row_acc(acc2, x2, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        acc3 = _row_acc(acc3, x3, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
     elif FIRST:
         acc2, acc3 = acc0, acc0
     return acc0, acc1, acc2, acc3
@@ -140,7 +187,7 @@ def _gemv_tile(
 
 @triton.jit
 def _store_row(out_ptr, acc, b_ptr, rn, wn, m, M, N, stride_om, HAS_BIAS: tl.constexpr):
-    out = tl.sum(tl.sum(acc, axis=2), axis=1)  # [BN]
+    out = tl.sum(acc, axis=1)  # [BN]
     if HAS_BIAS:
         out += tl.load(b_ptr + wn).to(tl.float32)
     mask = (rn < N) & (rn * 0 + m < M)
@@ -151,6 +198,7 @@ def _store_row(out_ptr, acc, b_ptr, rn, wn, m, M, N, stride_om, HAS_BIAS: tl.con
 def _w4a16_gemv_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_qn, stride_sn, stride_om,
+    ONE,  # 0x3F800000, the bits of 1.0f, at run time: kept in a register, masks immediate
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GDC: tl.constexpr,  # signal, then wait for the kernel before after the first weight load
@@ -160,20 +208,19 @@ def _w4a16_gemv_kernel(
     q_rows = q_ptr + wn[:, None, None] * stride_qn  # [BN, 1, 1]
     s_rows = s_ptr + wn[:, None] * stride_sn  # [BN, 1]
     z_rows = z_ptr + wn[:, None] * stride_sn
-    # the first tile peeled: its weights (which no kernel before writes) are read before the
-    # wait, and its products start the accumulators in the layout the unpacking gives
+    # the first tile peeled: its weights (which no kernel before writes) are read before the wait
     words = _load_words(q_rows, 0, K, BLOCK_K, TG, EVEN_K)
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     accs = _gemv_tile(
-        (0, 0, 0, 0), words, x_ptr, s_rows, z_rows, g_ptr, 0, M, K, stride_xm, True,
+        (0, 0, 0, 0), words, x_ptr, s_rows, z_rows, g_ptr, 0, M, K, stride_xm, ONE, True,
         BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
     )  # fmt: skip
     for k0 in range(BLOCK_K, K, BLOCK_K):
         words = _load_words(q_rows, k0, K, BLOCK_K, TG, EVEN_K)
         accs = _gemv_tile(
-            accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, False,
+            accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, ONE, False,
             BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
         )  # fmt: skip
     acc0, acc1, acc2, acc3 = accs
@@ -221,15 +268,12 @@ Config = tuple[int, int, int, int]
 
 
 def pick_config(n: int, k: int, m: int = 1) -> Config:
-    """The GEMV tile for an [N, K] weight and M rows: two rows a program and 1,024-input K
-    steps (512 bytes of a row) on one warp with 3 stages at one row; at 2 rows two warps, at 3-4
-    rows 512-input steps and one stage, so the accumulators (one a row) and the rows of x fit
-    the registers. Warps never outnumber the tile's 16-byte word chunks."""
-    block_n, block_k, warps, stages = (2, 1024, 1, 3) if m <= 1 else (
-        (2, 1024, 2, 3) if m == 2 else (2, 512, 2, 1)
-    )  # fmt: skip
-    block_k = min(block_k, triton.next_power_of_2(k))
-    return block_n, block_k, max(1, min(warps, block_n * block_k // 1024)), stages
+    """The GEMV tile for an [N, K] weight and M rows: 1,024-input K steps (512 bytes of a row),
+    one warp, 3 stages; four rows a program at one row of x, two at 2-4 (each row of x adds its
+    planes and products: ~140 registers at 4)."""
+    block_n = 4 if m <= 1 else 2
+    block_k = min(1024, triton.next_power_of_2(k))
+    return block_n, block_k, 1, 3
 
 
 def slice_size(block_k: int, group_size: int, k: int) -> tuple[int, int]:
@@ -279,7 +323,7 @@ def w4a16_gemv(
         return out
     _w4a16_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, out, m, n, k,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), 0x3F800000,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, TG=tg,
         GROUP_SIZE=gs, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
         GDC=gdc, num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
@@ -322,8 +366,7 @@ def w4a16_matmul(
 def _check(x, qweight, scales, zeros, g_idx, bias) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"want x [M, K] with a contiguous last dim, got {tuple(x.shape)}")
-    m, k = x.shape
-    n = qweight.shape[0] if qweight.dim() == 2 else -1
+    k, n = x.shape[1], (qweight.shape[0] if qweight.dim() == 2 else -1)
     if k % 8:
         raise ValueError(f"w4a16: K ({k}) must be a multiple of 8 (eight 4-bit values a word)")
     if qweight.dtype != torch.int32 or tuple(qweight.shape) != (n, k // 8):
