@@ -7,8 +7,8 @@ the bf16 weight of the same shape.
     run(command="python3 -m benchmarks.kernels.w4a16 --sweep --out $OUT/w4a16_sweep.json")
 
 ``--sweep`` (under 4 minutes): the GEMV's tiles at one row on the TP=1 shapes: BLOCK_N 1, 2, 4,
-8; BLOCK_K 256-2048; 1, 2 or 4 warps; 1-4 stages; the tiles with 32-128 weights a thread (at
-least one 16-byte word chunk each, an accumulator that fits the registers). The tiles compile
+8; BLOCK_K 256-2048; 1, 2 or 4 warps; 1-4 stages; the tiles with 32-256 weights a thread (at
+least one 16-byte word chunk each; at 256 the registers are full), 112 of them. The tiles compile
 in parallel processes first (Triton's disk cache), then each is checked against the reference
 and timed; the best per shape is printed last, beside ``pick_config``'s and cuBLAS bf16.
 ``--budget-s`` (a quarter a shape) stops the sweep's timing early (the rows so far are kept).
@@ -102,7 +102,7 @@ def sweep_configs() -> list[tuple[int, int, int, int]]:
     out = []
     for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048),
                                                    (1, 2, 4), (1, 2, 3, 4)):  # fmt: skip
-        if 32 <= bn * bk // (32 * warps) <= 128:
+        if 32 <= bn * bk // (32 * warps) <= 256:
             out.append((bn, bk, warps, stages))
     return out
 
