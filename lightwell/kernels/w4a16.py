@@ -325,8 +325,8 @@ def w4a16_gemv(
         x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, out, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), 0x3F800000,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, TG=tg,
-        GROUP_SIZE=gs, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-        GDC=gdc, num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
+        GROUP_SIZE=gs, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, GDC=gdc,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out
 
