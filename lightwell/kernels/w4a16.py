@@ -36,7 +36,8 @@ MAX_M = 4
 
 @triton.jit
 def _nibble(words, z, J: tl.constexpr, one=0x3F800000):
-    """Value J of each int32 word minus z ([.., 1] or 0.0), exact in fp32 (module docstring)."""
+    """Value J of each word minus z ([.., 1] or 0.0: integers, as every format's zero points
+    are), exact in fp32 (module docstring)."""
     if J >= 5:
         words = words >> 12
     P: tl.constexpr = 4 * J - 12 if J >= 5 else 4 * J
@@ -93,8 +94,7 @@ def _dequant(
     if GROUP_SIZE > 0:
         s, z = _group_scales(s_rows, z_rows, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
         return _unpack(words, z[:, :, None]) * s[:, :, None]
-    # gathered per input through g_idx (NG == 1)
-    k = k0 + tl.arange(0, TG)[None, :]  # [1, TG]
+    k = k0 + tl.arange(0, TG)[None, :]  # [1, TG]: each input's group gathered (NG == 1)
     g = tl.load(g_ptr + k, mask=k < K, other=0)[None, :, :]  # [1, 1, TG]
     s = tl.load(s_rows[:, :, None] + g).to(tl.float32)
     z = tl.load(z_rows[:, :, None] + g).to(tl.float32)
