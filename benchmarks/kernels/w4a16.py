@@ -129,8 +129,12 @@ def precompile(configs: list[tuple[int, int, int, int]]) -> None:
     chunks = [configs[i::workers] for i in range(workers)]
     ctx = multiprocessing.get_context("spawn")
     t0 = time.time()
-    with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
-        done = sum(pool.map(_compile, chunks))
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = sum(pool.map(_compile, chunks))
+    except Exception as e:  # the sweep then compiles each tile as it first runs it
+        print(f"parallel compile failed ({type(e).__name__}: {e}); compiling in turn", flush=True)
+        return
     print(f"compiled {done}/{len(configs)} tiles in {time.time() - t0:.0f} s", flush=True)
 
 
