@@ -3,7 +3,15 @@ size 128, bf16 activations: checked against the torch reference, then timed besi
 the bf16 weight of the same shape.
 
     run(command="python3 -m benchmarks.kernels.w4a16 --out $OUT/w4a16.json")  # ~1 min
-    [--rows 1 16] [--act-order]
+    [--rows 1 4 16] [--act-order]
+    run(command="python3 -m benchmarks.kernels.w4a16 --sweep --out $OUT/w4a16_sweep.json")
+
+``--sweep`` (under 4 minutes): the GEMV's tiles at one row on the TP=1 shapes: BLOCK_N 1, 2, 4,
+8; BLOCK_K 256-2048; 1, 2 or 4 warps; 1-4 stages; the tiles with 32-256 weights a thread (at
+least one 16-byte word chunk each; at 256 the registers are full), 112 of them. The tiles compile
+in parallel processes first (Triton's disk cache), then each is checked against the reference
+and timed; the best per shape is printed last, beside ``pick_config``'s and cuBLAS bf16.
+``--budget-s`` (a quarter a shape) stops the sweep's timing early (the rows so far are kept).
 
 Timing: a CUDA graph cycling through enough copies of the weights (>= 200 MB) that no launch
 finds them in L2; median of 20 replays; µs a call and the 4-bit weights' bytes (with scales and
@@ -13,13 +21,18 @@ zeros) a second.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures as cf
+import itertools
 import json
+import multiprocessing
+import os
+import time
 
 import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record, write_json
-from lightwell.kernels.w4a16 import w4a16_matmul, w4a16_matmul_ref
+from lightwell.kernels.w4a16 import pick_config, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref
 
 SHAPES = {  # name: (N, K) of the weight on one GPU
     "tp1 qkv": (6144, 4096),
@@ -36,54 +49,158 @@ MIN_BYTES = 200 << 20
 
 
 def random_w4(n: int, k: int, act_order: bool, dev: torch.device) -> tuple[torch.Tensor, ...]:
-    """(qweight [K/8, N], scales [G, N], zeros [G, N], g_idx [K]) of random 4-bit weights."""
-    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 8, n), dtype=torch.int32, device=dev)
-    scales = torch.rand(k // GROUP, n, device=dev, dtype=torch.bfloat16) * 0.01 + 0.001
-    zeros = torch.full((k // GROUP, n), 8.0, device=dev, dtype=torch.bfloat16)
+    """(qweight [N, K/8], scales [N, G], zeros [N, G], g_idx [K]) of random 4-bit weights."""
+    qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
+    scales = torch.rand(n, k // GROUP, device=dev, dtype=torch.bfloat16) * 0.01 + 0.001
+    zeros = torch.full((n, k // GROUP), 8.0, device=dev, dtype=torch.bfloat16)
     g_idx = torch.arange(k, device=dev, dtype=torch.int32) // GROUP
     if act_order:
         g_idx = g_idx[torch.randperm(k, device=dev)]
     return qweight, scales, zeros, g_idx
 
 
+def w4_bytes(n: int, k: int) -> int:
+    return n * k // 2 + 2 * (k // GROUP) * n * 2
+
+
+def weight_copies(n: int, k: int, act_order: bool, dev: torch.device) -> list[tuple]:
+    copies = max(2, -(-MIN_BYTES // w4_bytes(n, k)))
+    return [random_w4(n, k, act_order, dev) for _ in range(copies)]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def cublas_us(x: torch.Tensor, n: int, k: int, dev: torch.device) -> float:
+    copies = max(2, -(-MIN_BYTES // (n * k * 2)))
+    dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    return graph_replay_us(lambda: [x @ w.t() for w in dense], calls=copies)
+
+
 def measure(name: str, rows: list[int], act_order: bool, dev: torch.device) -> list[dict]:
     n, k = SHAPES[name]
-    w4_bytes = n * k // 2 + 2 * (k // GROUP) * n * 2
-    copies = max(2, -(-MIN_BYTES // w4_bytes))
-    weights = [random_w4(n, k, act_order, dev) for _ in range(copies)]
-    dense_copies = max(2, -(-MIN_BYTES // (n * k * 2)))
-    dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(dense_copies)]
+    weights = weight_copies(n, k, act_order, dev)
     gs = 0 if act_order else GROUP
     out = []
     for m in rows:
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-        got = w4a16_matmul(x, *weights[0], group_size=gs).float()
-        ref = w4a16_matmul_ref(x.float(), *weights[0]).float()
-        err = ((got - ref).abs().max() / ref.abs().max()).item()
+        err = rel_err(w4a16_matmul(x, *weights[0], group_size=gs), w4a16_matmul_ref(x, *weights[0]))
         if err > 2e-2:
             raise AssertionError(f"{name} m={m}: relative error {err:.3g} against the reference")
         us = graph_replay_us(
-            lambda x=x: [w4a16_matmul(x, *w, group_size=gs) for w in weights], calls=copies
+            lambda x=x: [w4a16_matmul(x, *w, group_size=gs) for w in weights], calls=len(weights)
         )
-        blas_us = graph_replay_us(lambda x=x: [x @ w.t() for w in dense], calls=dense_copies)
         row = dict(shape=name, n=n, k=k, m=m, act_order=act_order, group=GROUP, rel_err=err)
-        row.update(gb_s=w4_bytes / us / 1e3, cublas_bf16_us=blas_us)
+        row.update(gb_s=w4_bytes(n, k) / us / 1e3, cublas_bf16_us=cublas_us(x, n, k, dev))
         print(json.dumps({**row, "us": us}), flush=True)
         out.append(record("w4a16_us", us, **row))
     return out
 
 
+def sweep_configs() -> list[tuple[int, int, int, int]]:
+    out = []
+    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048),
+                                                   (1, 2, 4), (1, 2, 3, 4)):  # fmt: skip
+        if 32 <= bn * bk // (32 * warps) <= 256:
+            out.append((bn, bk, warps, stages))
+    return out
+
+
+def _compile(configs: list[tuple[int, int, int, int]]) -> int:
+    """Compile (by running once, small N) each config into Triton's disk cache: a worker."""
+    dev = torch.device("cuda", 0)
+    n, k = 256, 4096  # the same specialization as every TP=1 shape (multiples of 16 and 2048)
+    w = random_w4(n, k, False, dev)
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    done = 0
+    for cfg in configs:
+        try:
+            w4a16_gemv(x, *w, group_size=GROUP, config=cfg)
+            done += 1
+        except Exception as e:  # a tile that does not compile is skipped later too
+            print(f"compile {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(configs: list[tuple[int, int, int, int]]) -> None:
+    workers = max(1, min(16, (os.cpu_count() or 2) - 1, len(configs)))
+    chunks = [configs[i::workers] for i in range(workers)]
+    ctx = multiprocessing.get_context("spawn")
+    t0 = time.time()
+    try:
+        with cf.ProcessPoolExecutor(workers, mp_context=ctx) as pool:
+            done = sum(pool.map(_compile, chunks))
+    except Exception as e:  # the sweep then compiles each tile as it first runs it
+        print(f"parallel compile failed ({type(e).__name__}: {e}); compiling in turn", flush=True)
+        return
+    print(f"compiled {done}/{len(configs)} tiles in {time.time() - t0:.0f} s", flush=True)
+
+
+def sweep_shape(name: str, configs: list, deadline: float, dev: torch.device) -> list[dict]:
+    n, k = SHAPES[name]
+    weights = weight_copies(n, k, False, dev)
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    ref = w4a16_matmul_ref(x, *weights[0])
+    base = dict(shape=name, n=n, k=k, m=1, group=GROUP, cublas_bf16_us=cublas_us(x, n, k, dev))
+    default = pick_config(n, k, 1)
+    rows = []
+    for cfg in [default] + [c for c in configs if c != default]:
+        if time.time() > deadline:
+            print(f"{name}: budget spent, {len(configs) + 1 - len(rows)} tiles left", flush=True)
+            break
+        try:
+            err = rel_err(w4a16_gemv(x, *weights[0], group_size=GROUP, config=cfg), ref)
+        except Exception as e:
+            print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            continue
+        if err > 2e-2:
+            print(f"{name} {cfg}: relative error {err:.3g}: not timed", flush=True)
+            continue
+        us = graph_replay_us(
+            lambda cfg=cfg: [w4a16_gemv(x, *w, group_size=GROUP, config=cfg) for w in weights],
+            calls=len(weights),
+        )
+        row = dict(base, config=list(cfg), default=cfg == default, rel_err=err)
+        row["gb_s"] = w4_bytes(n, k) / us / 1e3
+        print(json.dumps({**row, "us": us}), flush=True)
+        rows.append(record("w4a16_gemv_us", us, **row))
+    return rows
+
+
+def summarize(rows: list[dict]) -> None:
+    print("\nshape        best (BN, BK, warps, stages)   us     GB/s   default us  cuBLAS bf16 us")
+    for name in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == name]
+        best = min(mine, key=lambda r: r["value"])
+        default = next((r["value"] for r in mine if r["default"]), float("nan"))
+        print(f"{name:12} {str(tuple(best['config'])):28} {best['value']:7.2f} "
+              f"{best['gb_s']:6.0f} {default:11.2f} {best['cublas_bf16_us']:14.2f}")  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the rows as a JSON results file")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--act-order", action="store_true", help="g_idx gathered (act-order)")
+    ap.add_argument("--sweep", action="store_true", help="the GEMV's tile sweep at one row")
+    ap.add_argument("--budget-s", type=float, default=170.0, help="the sweep's timing budget")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
-    rows = [r for name in SHAPES for r in measure(name, args.rows, args.act_order, dev)]
+    if args.sweep:
+        configs = sweep_configs()
+        precompile(configs)
+        tp1 = [name for name in SHAPES if name.startswith("tp1")]
+        rows = []
+        for name in tp1:  # each shape gets its share of the budget
+            rows += sweep_shape(name, configs, time.time() + args.budget_s / len(tp1), dev)
+        summarize(rows)
+    else:
+        rows = [r for name in SHAPES for r in measure(name, args.rows, args.act_order, dev)]
     if args.out:
         write_json(args.out, rows)
     return 0

@@ -1,15 +1,26 @@
-"""W4A16 matmul: y[M, N] = x[M, K] @ W[K, N] (+ bias) with W stored as 4-bit integers and
-dequantized in registers, ``W[k, n] = (q[k, n] - zeros[g, n]) * scales[g, n]``, ``g = g_idx[k]``.
+"""W4A16 matmul: y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W stored as 4-bit integers and
+dequantized in registers, ``W[n, k] = (q[n, k] - zeros[n, g]) * scales[n, g]``.
 
-Weights (``lightwell/quant/wna16.py``'s layout): ``qweight`` [K / 8, N] int32, eight 4-bit
-values of consecutive inputs per word (value j at bits 4j); ``scales``, ``zeros`` [G, N] in the
-activation dtype; ``g_idx`` [K] int32. With contiguous groups (``group_size`` > 0: ``g = k //
-group_size``) the kernels compute the group and, when a K tile lies in one group, load one row of
-scales and zeros per tile; otherwise (act-order) they gather the rows ``g_idx`` names.
+Weights (``lightwell/quant/wna16.py``'s layout, K-contiguous): ``qweight`` [N, K / 8] int32, word
+``w`` of row ``n`` holding inputs ``8w .. 8w + 7`` (value ``j`` at bits ``4j``); ``scales``,
+``zeros`` [N, G] in the activation dtype; ``g_idx`` [K] int32. With contiguous groups
+(``group_size`` > 0: ``g = k // group_size``) a K tile of BLOCK_K inputs is seen as [NG, TG]:
+NG slices of TG = min(group, BLOCK_K) inputs, each inside one group, so a tile's scales and
+zeros are one [BLOCK_N, NG] load; otherwise (``group_size`` 0, act-order rows that could not be
+sorted by group) each input's group is gathered through ``g_idx``.
 
-Two kernels: ``_w4a16_gemv_kernel`` for one row (batch-1 decode: CUDA cores, a [BLOCK_K,
-BLOCK_N] fp32 accumulator reduced once at the end), ``_w4a16_gemm_kernel`` for more rows
-(``tl.dot`` on dequantized [BLOCK_K, BLOCK_N] tiles).
+Unpacking has no integer-to-float conversion (quarter rate): nibble ``j`` is masked in place
+(after one 12-bit shift for j >= 5) and ORed with the bits of 1.0 (``ONE``, passed at run time
+so the masks stay immediates), giving the fp32 ``f = 1 + q * 2^(p - 23)`` (``p`` its lowest
+bit), and one FMA gives ``f * 2^(23 - p) - (2^(23 - p) + z) = q - z`` exactly.
+
+``_w4a16_gemv_kernel`` (M <= 4, decode; kernels/gemv.py's design): each program owns BLOCK_N
+rows and walks K with vector loads (unmasked when BLOCK_K divides K). x's tile is split into
+eight planes (plane j: the inputs of value j of each word), so ``x_j * (q_j - z)`` pairs with
+the words as loaded (no interleave): one FMA a weight, summed per slice, times the slice's
+scale into a [BLOCK_N, NG] accumulator a row of x, reduced at the end. Its first tile is
+peeled: those weights are read before it waits under PDL. ``_w4a16_gemm_kernel`` (more rows):
+``tl.dot`` on dequantized [BLOCK_N, BLOCK_K] tiles.
 """
 
 from __future__ import annotations
@@ -18,148 +29,371 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels import pdl as _pdl
+
+MAX_M = 4
+
 
 @triton.jit
-def _dequant_tile(
-    q_ptr, s_ptr, z_ptr, g_ptr, k0, k, rn, K, N, stride_q, stride_s,
-    GROUP_SIZE: tl.constexpr, ONE_GROUP: tl.constexpr,
+def _nibble(words, z, J: tl.constexpr, one=0x3F800000):
+    """Value J of each word minus z ([.., 1] or 0.0: integers, as every format's zero points
+    are), exact in fp32 (module docstring)."""
+    if J >= 5:
+        words = words >> 12
+    P: tl.constexpr = 4 * J - 12 if J >= 5 else 4 * J
+    C: tl.constexpr = 1.0 * (1 << (23 - P))
+    f = ((words & (0xF << P)) | one).to(tl.float32, bitcast=True)
+    return f * C - (z + C)
+
+
+@triton.jit
+def _unpack(words, z):
+    """[.., TW] int32 words -> [.., 8 * TW] fp32 values minus z, in input order."""
+    a = tl.interleave(tl.interleave(_nibble(words, z, 0), _nibble(words, z, 4)),
+                      tl.interleave(_nibble(words, z, 2), _nibble(words, z, 6)))  # fmt: skip
+    b = tl.interleave(tl.interleave(_nibble(words, z, 1), _nibble(words, z, 5)),
+                      tl.interleave(_nibble(words, z, 3), _nibble(words, z, 7)))  # fmt: skip
+    return tl.interleave(a, b)
+
+
+@triton.jit
+def _load_words(q_rows, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.constexpr):
+    """The [BN, NG, TG / 8] words of the K tile at k0 (q_rows: [BN, 1, 1] row pointers)."""
+    rg = tl.arange(0, BLOCK_K // TG)
+    rw = tl.arange(0, TG // 8)
+    w = k0 // 8 + rg[:, None] * (TG // 8) + rw[None, :]  # [NG, TW]
+    if EVEN_K:
+        return tl.load(q_rows + w[None, :, :])
+    return tl.load(q_rows + w[None, :, :], mask=w[None, :, :] < K // 8, other=0)
+
+
+@triton.jit
+def _group_scales(
+    s_rows, z_rows, k0, K,
+    BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
-    """W[k, rn] as fp32 [BLOCK_K, BLOCK_N] (zeros past K or N)."""
-    mask = (k[:, None] < K) & (rn[None, :] < N)
-    words = tl.load(q_ptr + (k // 8)[:, None] * stride_q + rn[None, :], mask=mask, other=0)
-    q = ((words >> ((k % 8) * 4)[:, None]) & 0xF).to(tl.float32)
-    if GROUP_SIZE > 0:
-        if ONE_GROUP:  # the tile lies in one group: one row of scales and zeros
-            g = k0 // GROUP_SIZE
-            s = tl.load(s_ptr + g * stride_s + rn, mask=rn < N, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g * stride_s + rn, mask=rn < N, other=0.0).to(tl.float32)
-            return (q - z[None, :]) * s[None, :]
-        g = k // GROUP_SIZE
-    else:
-        g = tl.load(g_ptr + k, mask=k < K, other=0)
-    s = tl.load(s_ptr + g[:, None] * stride_s + rn[None, :], mask=mask, other=0.0)
-    z = tl.load(z_ptr + g[:, None] * stride_s + rn[None, :], mask=mask, other=0.0)
-    return (q - z.to(tl.float32)) * s.to(tl.float32)
+    """The scales and zeros of the K tile at k0's slices, fp32 [BN, NG] (contiguous groups;
+    s_rows, z_rows: [BN, 1] row pointers)."""
+    g = ((k0 + tl.arange(0, BLOCK_K // TG) * TG) // GROUP_SIZE)[None, :]  # [1, NG]
+    if EVEN_K:
+        s = tl.load(s_rows + g)
+        z = tl.load(z_rows + g)
+    else:  # slices past K: no group
+        mask = g < (K + GROUP_SIZE - 1) // GROUP_SIZE
+        s = tl.load(s_rows + g, mask=mask, other=0.0)
+        z = tl.load(z_rows + g, mask=mask, other=0.0)
+    return s.to(tl.float32), z.to(tl.float32)
 
 
 @triton.jit
+def _dequant(
+    words, s_rows, z_rows, g_ptr, k0, K,
+    BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """W of the K tile at k0 as fp32 [BN, NG, TG]."""
+    if GROUP_SIZE > 0:
+        s, z = _group_scales(s_rows, z_rows, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        return _unpack(words, z[:, :, None]) * s[:, :, None]
+    k = k0 + tl.arange(0, TG)[None, :]  # [1, TG]: each input's group gathered (NG == 1)
+    g = tl.load(g_ptr + k, mask=k < K, other=0)[None, :, :]  # [1, 1, TG]
+    s = tl.load(s_rows[:, :, None] + g).to(tl.float32)
+    z = tl.load(z_rows[:, :, None] + g).to(tl.float32)
+    return (_unpack(words, 0.0) - z) * s
+
+
+@triton.jit
+def _load_x(x_row, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[m, k0 : k0 + BLOCK_K] as fp32 [1, NG, TG] (x_row: row m's pointer)."""
+    rg = tl.arange(0, BLOCK_K // TG)
+    k = k0 + rg[:, None] * TG + tl.arange(0, TG)[None, :]  # [NG, TG]
+    if EVEN_K:
+        return tl.load(x_row + k).to(tl.float32)[None, :, :]
+    return tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)[None, :, :]
+
+
+@triton.jit
+def _x_planes(x_row, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.constexpr):
+    """x[m, k0 : k0 + BLOCK_K] as eight fp32 [1, NG, TG / 8] planes: plane j holds the inputs
+    of value j of each word."""
+    x = tl.reshape(_load_x(x_row, k0, K, BLOCK_K, TG, EVEN_K), [BLOCK_K // TG, TG // 8, 2, 2, 2])
+    c0, c1 = tl.split(x)  # input 8w + 4a + 2b + c: c
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    x0, x4 = tl.split(c0b0)
+    x2, x6 = tl.split(c0b1)
+    x1, x5 = tl.split(c1b0)
+    x3, x7 = tl.split(c1b1)
+    return x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None]
+
+
+@triton.jit
+def _row_acc(
+    acc, x_row, w, z, s, one, k0, K,
+    FIRST: tl.constexpr,  # the first tile: its sums start the accumulator
+    BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """acc [BN, NG] plus each slice's sum of x[m] * W (x_row: row m's pointer). Contiguous: w
+    the [BN, NG, TG / 8] words, z [BN, NG, 1] and s [BN, NG] the slices' zeros and scales;
+    gathered groups: w the dequantized [BN, 1, TG] tile."""
+    if GROUP_SIZE > 0:
+        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_row, k0, K, BLOCK_K, TG, EVEN_K)
+        p = x0 * _nibble(w, z, 0, one)
+        p += x1 * _nibble(w, z, 1, one)
+        p += x2 * _nibble(w, z, 2, one)
+        p += x3 * _nibble(w, z, 3, one)
+        p += x4 * _nibble(w, z, 4, one)
+        p += x5 * _nibble(w, z, 5, one)
+        p += x6 * _nibble(w, z, 6, one)
+        p += x7 * _nibble(w, z, 7, one)
+        p = tl.sum(p, axis=2) * s
+    else:
+        p = tl.sum(_load_x(x_row, k0, K, BLOCK_K, TG, EVEN_K) * w, axis=2)
+    if FIRST:
+        return p
+    return acc + p
+
+
+@triton.jit
+def _gemv_tile(
+    accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, one,
+    FIRST: tl.constexpr,  # the first tile: its sums start the accumulators
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """accs (one [BN, NG] accumulator a row of x, BLOCK_M of them used) plus the tile at k0.
+    Rows past M re-read row M - 1."""
+    if GROUP_SIZE > 0:
+        s, z = _group_scales(s_rows, z_rows, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        w, z = words, z[:, :, None]
+    else:
+        w = _dequant(words, s_rows, z_rows, g_ptr, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        s, z = 1.0, 0.0
+    acc0, acc1, acc2, acc3 = accs
+    acc0 = _row_acc(acc0, x_ptr, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+    if BLOCK_M > 1:
+        x1 = x_ptr + tl.minimum(1, M - 1) * stride_xm
+        acc1 = _row_acc(acc1, x1, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+    elif FIRST:
+        acc1 = acc0
+    if BLOCK_M > 2:
+        x2 = x_ptr + tl.minimum(2, M - 1) * stride_xm
+        x3 = x_ptr + tl.minimum(3, M - 1) * stride_xm
+        acc2 = _row_acc(acc2, x2, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+        acc3 = _row_acc(acc3, x3, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
+    elif FIRST:
+        acc2, acc3 = acc0, acc0
+    return acc0, acc1, acc2, acc3
+
+
+@triton.jit
+def _store_row(out_ptr, acc, b_ptr, rn, wn, m, M, N, stride_om, HAS_BIAS: tl.constexpr):
+    out = tl.sum(acc, axis=1)  # [BN]
+    if HAS_BIAS:
+        out += tl.load(b_ptr + wn).to(tl.float32)
+    mask = (rn < N) & (rn * 0 + m < M)
+    tl.store(out_ptr + m * stride_om + rn, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_gemv_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, K, N,
-    stride_q, stride_s,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_om,
+    ONE,  # 0x3F800000, the bits of 1.0f, at run time: kept in a register, masks immediate
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GDC: tl.constexpr,  # signal, then wait for the kernel before after the first weight load
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + rk
-        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        w = _dequant_tile(
-            q_ptr, s_ptr, z_ptr, g_ptr, k0, k, rn, K, N, stride_q, stride_s, GROUP_SIZE, ONE_GROUP
-        )
-        acc += x[:, None] * w
-    out = tl.sum(acc, axis=0)
-    if HAS_BIAS:
-        out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rn, out.to(out_ptr.dtype.element_ty), mask=rn < N)
+    wn = tl.minimum(rn, N - 1).to(tl.int64)  # past N: re-read the last row, store nothing
+    q_rows = q_ptr + wn[:, None, None] * stride_qn  # [BN, 1, 1]
+    s_rows = s_ptr + wn[:, None] * stride_sn  # [BN, 1]
+    z_rows = z_ptr + wn[:, None] * stride_sn
+    # the first tile peeled: its weights (which no kernel before writes) are read before the wait
+    words = _load_words(q_rows, 0, K, BLOCK_K, TG, EVEN_K)
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    accs = _gemv_tile(
+        (0, 0, 0, 0), words, x_ptr, s_rows, z_rows, g_ptr, 0, M, K, stride_xm, ONE, True,
+        BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
+    )  # fmt: skip
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        words = _load_words(q_rows, k0, K, BLOCK_K, TG, EVEN_K)
+        accs = _gemv_tile(
+            accs, words, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, ONE, False,
+            BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
+        )  # fmt: skip
+    acc0, acc1, acc2, acc3 = accs
+    _store_row(out_ptr, acc0, b_ptr, rn, wn, 0, M, N, stride_om, HAS_BIAS)
+    if BLOCK_M > 1:
+        _store_row(out_ptr, acc1, b_ptr, rn, wn, 1, M, N, stride_om, HAS_BIAS)
+    if BLOCK_M > 2:
+        _store_row(out_ptr, acc2, b_ptr, rn, wn, 2, M, N, stride_om, HAS_BIAS)
+        _store_row(out_ptr, acc3, b_ptr, rn, wn, 3, M, N, stride_om, HAS_BIAS)
 
 
 @triton.jit
 def _w4a16_gemm_kernel(
-    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, K, N,
-    stride_xm, stride_q, stride_s, stride_om,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, ONE_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    x_ptr, q_ptr, s_ptr, z_ptr, g_ptr, b_ptr, out_ptr, M, N, K,
+    stride_xm, stride_qn, stride_sn, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no tf32), else "tf32" (unused by 16-bit)
 ):  # fmt: skip
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
+    wn = tl.minimum(rn, N - 1).to(tl.int64)
+    q_rows = q_ptr + wn[:, None, None] * stride_qn  # [BN, 1, 1]
+    s_rows = s_ptr + wn[:, None] * stride_sn  # [BN, 1]
+    z_rows = z_ptr + wn[:, None] * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        words = _load_words(q_rows, k0, K, BLOCK_K, TG, EVEN_K)
+        w = _dequant(words, s_rows, z_rows, g_ptr, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
         k = k0 + rk
         x_mask = (rm[:, None] < M) & (k[None, :] < K)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=x_mask, other=0.0)
-        w = _dequant_tile(
-            q_ptr, s_ptr, z_ptr, g_ptr, k0, k, rn, K, N, stride_q, stride_s, GROUP_SIZE, ONE_GROUP
-        )
-        acc += tl.dot(x, w.to(x.dtype), out_dtype=tl.float32, input_precision=PRECISION)
+        w = tl.reshape(w, [BLOCK_N, BLOCK_K]).to(x.dtype)
+        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(b_ptr + wn).to(tl.float32)[None, :]
     o_mask = (rm[:, None] < M) & (rn[None, :] < N)
     out = out_ptr + rm[:, None] * stride_om + rn[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-def _check(x, qweight, scales, zeros, g_idx, bias) -> None:
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMV
+Config = tuple[int, int, int, int]
+
+
+def pick_config(n: int, k: int, m: int = 1) -> Config:
+    """The GEMV tile for an [N, K] weight and M rows: 1,024-input K steps (512 bytes of a row),
+    one warp, 3 stages; four rows a program at one row of x, two at 2-4 (each row of x adds its
+    planes and products: ~140 registers at 4)."""
+    block_n = 4 if m <= 1 else 2
+    block_k = min(1024, triton.next_power_of_2(k))
+    return block_n, block_k, 1, 3
+
+
+def slice_size(block_k: int, group_size: int, k: int) -> tuple[int, int]:
+    """(BLOCK_K, TG) for a K tile: TG inputs a slice, each slice inside one group (BLOCK_K
+    shrunk to a power of two dividing the group when neither divides the other)."""
+    if group_size <= 0 or group_size >= k or group_size % block_k == 0:
+        return block_k, block_k
+    if block_k % group_size == 0:
+        return block_k, group_size
+    tg = min(block_k, group_size & -group_size)  # the largest power of two dividing the group
+    return tg, tg
+
+
+def _group(group_size: int) -> int:
+    """Contiguous groups the kernels can tile (multiples of 8 inputs), else 0: gather g_idx."""
+    return group_size if group_size > 0 and group_size % 8 == 0 else 0
+
+
+def w4a16_gemv(
+    x: torch.Tensor,  # [M, K], M <= MAX_M
+    qweight: torch.Tensor,  # [N, K / 8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor,  # [N, G]
+    g_idx: torch.Tensor,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+    group_size: int = 0,  # > 0: contiguous groups (g_idx unread); 0: gather by g_idx
+    config: Config | None = None,
+    *,
+    pdl: bool | None = None,
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """``x @ W.T (+ bias)`` on the CUDA cores for decode. ``config``: (BLOCK_N, BLOCK_K,
+    num_warps, num_stages), default ``pick_config``; BLOCK_K may shrink to fit the group
+    (``slice_size``). ``pdl`` (default: ``kernels.pdl.use_pdl``): on an sm_90+ GPU, launch with
+    programmatic dependent launch, waiting for the kernel before only after the first weight
+    tile's load (so ``qweight`` must be written by no kernel of the stream)."""
+    _check(x, qweight, scales, zeros, g_idx, bias)
+    if x.shape[0] > MAX_M:
+        raise ValueError(f"w4a16_gemv handles at most {MAX_M} rows, got {x.shape[0]}")
     m, k = x.shape
-    n = qweight.shape[1]
+    n = qweight.shape[0]
+    block_n, block_k, warps, stages = config or pick_config(n, k, m)
+    gs = _group(group_size)
+    block_k, tg = slice_size(block_k, gs, k)
+    gdc = (_pdl.use_pdl(x.device) if pdl is None else pdl) and _pdl.device_supports(x.device)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    _w4a16_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, out, m, n, k,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), 0x3F800000,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, TG=tg,
+        GROUP_SIZE=gs, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, GDC=gdc,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True, **_pdl.launch_options(gdc),
+    )  # fmt: skip
+    return out
+
+
+def w4a16_matmul(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K / 8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor,  # [N, G]
+    g_idx: torch.Tensor,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+    group_size: int = 0,  # > 0: contiguous groups (g_idx unread); 0: gather by g_idx
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """``x @ W.T (+ bias)``: the GEMV up to MAX_M rows, the ``tl.dot`` GEMM past them."""
+    if x.dim() == 2 and x.shape[0] <= MAX_M:
+        return w4a16_gemv(x, qweight, scales, zeros, g_idx, bias, group_size)
+    _check(x, qweight, scales, zeros, g_idx, bias)
+    m, k = x.shape
+    n = qweight.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    gs = _group(group_size)
+    block_k, tg = slice_size(min(64, triton.next_power_of_2(k)), gs, k)
+    if block_k < 16:  # tl.dot's least K: one slice, groups gathered
+        block_k, tg, gs = 16, 16, 0
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    _w4a16_gemm_kernel[grid](
+        x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, out, m, n, k,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, TG=tg, GROUP_SIZE=gs,
+        EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _check(x, qweight, scales, zeros, g_idx, bias) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"want x [M, K] with a contiguous last dim, got {tuple(x.shape)}")
-    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (-(-k // 8), n):
-        raise ValueError(f"qweight must be int32 [{-(-k // 8)}, {n}], got {tuple(qweight.shape)}")
-    if scales.shape != zeros.shape or scales.shape[1] != n or g_idx.shape != (k,):
-        raise ValueError("scales and zeros must be [G, N] and g_idx [K]")
+    k, n = x.shape[1], (qweight.shape[0] if qweight.dim() == 2 else -1)
+    if k % 8:
+        raise ValueError(f"w4a16: K ({k}) must be a multiple of 8 (eight 4-bit values a word)")
+    if qweight.dtype != torch.int32 or tuple(qweight.shape) != (n, k // 8):
+        raise ValueError(f"qweight must be int32 [N, {k // 8}], got {tuple(qweight.shape)}")
+    if scales.shape != zeros.shape or scales.dim() != 2 or scales.shape[0] != n:
+        raise ValueError("scales and zeros must be [N, G]")
+    if g_idx.shape != (k,):
+        raise ValueError(f"g_idx must be [{k}]")
     if not (qweight.is_contiguous() and scales.is_contiguous() and zeros.is_contiguous()):
         raise ValueError("qweight, scales and zeros must be contiguous")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}]")
 
 
-def w4a16_matmul(
-    x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # [K / 8, N] int32
-    scales: torch.Tensor,  # [G, N]
-    zeros: torch.Tensor,  # [G, N]
-    g_idx: torch.Tensor,  # [K] int32
-    bias: torch.Tensor | None = None,  # [N]
-    group_size: int = 0,  # > 0: contiguous groups (g_idx unread); 0: gather by g_idx
-) -> torch.Tensor:  # [M, N] in x.dtype
-    _check(x, qweight, scales, zeros, g_idx, bias)
-    m, k = x.shape
-    n = qweight.shape[1]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    b = bias if bias is not None else out
-    if m == 1:
-        block_n, block_k = 64, 64
-        one = group_size > 0 and group_size % block_k == 0
-        grid = (triton.cdiv(n, block_n),)
-        _w4a16_gemv_kernel[grid](
-            x, qweight, scales, zeros, g_idx, b, out, k, n, qweight.stride(0), scales.stride(0),
-            BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE=group_size, ONE_GROUP=one,
-            HAS_BIAS=bias is not None, num_warps=4,
-        )  # fmt: skip
-        return out
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n, block_k = 64, 32
-    one = group_size > 0 and group_size % block_k == 0
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w4a16_gemm_kernel[grid](
-        x, qweight, scales, zeros, g_idx, b, out, m, k, n,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_SIZE=group_size,
-        ONE_GROUP=one, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
-    )  # fmt: skip
-    return out
-
-
 def w4a16_matmul_ref(
     x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # [K / 8, N] int32
-    scales: torch.Tensor,  # [G, N]
-    zeros: torch.Tensor,  # [G, N]
+    qweight: torch.Tensor,  # [N, K / 8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor,  # [N, G]
     g_idx: torch.Tensor,  # [K]
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [M, N]
     shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
-    q = ((qweight[:, None, :] >> shifts[None, :, None]) & 0xF).reshape(-1, qweight.shape[1])
+    q = ((qweight[:, :, None] >> shifts) & 0xF).reshape(qweight.shape[0], -1)  # [N, K]
     g = g_idx.long()
-    w = (q[: x.shape[1]].float() - zeros.float()[g]) * scales.float()[g]  # [K, N]
-    out = x.float() @ w
+    w = (q.float() - zeros.float()[:, g]) * scales.float()[:, g]  # [N, K]
+    out = x.float() @ w.t()
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)

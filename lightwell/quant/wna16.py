@@ -1,14 +1,16 @@
 """Weight-only integer linears (4 or 8 bit weights, 16/32-bit activations): the one layout every
 checkpoint format (GPTQ, AWQ, compressed-tensors pack-quantized) is converted to after loading.
 
-After ``finalize`` a layer holds
-  ``qweight`` [K / (32 / bits), N] int32: unsigned weights packed along the inputs (GPTQ order),
-  ``scales``  [G, N] and ``zeros`` [G, N] in the activation dtype: ``w = (q - zero) * scale``,
-  ``g_idx``   [K] int32: the group of each input row (``k // group_size`` unless act-order),
-  ``quant_perm`` (attribute) [K] or None: act-order layers' rows sorted by group, x permuted to
-  match at each call,
-and ``apply`` computes ``x @ W + bias``: on CPU by dequantizing this one layer's weight for the
-call (never a resident dequantized copy), on CUDA through the W4A16 Triton kernels.
+After ``finalize`` a layer holds one layout, K-contiguous (each output row's packed inputs
+consecutive: what the batch-1 GEMV streams, and what the M > 4 GEMM reads too):
+  ``qweight`` [N, K / (32 / bits)] int32: unsigned weights of one output row packed along the
+  inputs (value ``j`` of a word at bits ``j * bits``, the GPTQ order),
+  ``scales``  [N, G] and ``zeros`` [N, G] in the activation dtype: ``w = (q - zero) * scale``,
+  ``g_idx``   [K] int32: the group of each input (``k // group_size`` unless act-order),
+  ``quant_perm`` (attribute) [K] or None: act-order layers' inputs sorted by group, x's columns
+  permuted to match at each call (so the kernels see contiguous groups),
+and ``apply`` computes ``x @ W.T + bias``: on CPU by dequantizing this one layer's weight for
+the call (never a resident dequantized copy), on CUDA through the W4A16 Triton kernels.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ def finalize(
     replace_params(
         layer,
         {
-            "qweight": pack_int32(q, bits, dim=0),
-            "scales": scales.to(dtype).contiguous(),
-            "zeros": zeros.to(dtype).contiguous(),
+            "qweight": pack_int32(q.t(), bits, dim=1),  # [N, K / pack]
+            "scales": scales.t().to(dtype).contiguous(),  # [N, G]
+            "zeros": zeros.t().to(dtype).contiguous(),
             "g_idx": g_idx.to(torch.int32).contiguous(),
         },
         drop,
@@ -59,15 +61,15 @@ def finalize(
 
 
 def dequantize(
-    qweight: torch.Tensor,  # [K / pack, N] int32
-    scales: torch.Tensor,  # [G, N]
-    zeros: torch.Tensor,  # [G, N]
+    qweight: torch.Tensor,  # [N, K / pack] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor,  # [N, G]
     g_idx: torch.Tensor,  # [K]
     bits: int,
-) -> torch.Tensor:  # [K, N] in scales.dtype
-    q = unpack_int32(qweight, bits, dim=0).to(scales.dtype)  # [K, N]
+) -> torch.Tensor:  # [N, K] in scales.dtype
+    q = unpack_int32(qweight, bits, dim=1).to(scales.dtype)  # [N, K]
     g = g_idx.long()
-    return (q - zeros[g]) * scales[g]
+    return (q - zeros[:, g]) * scales[:, g]
 
 
 def wna16_linear(
@@ -85,7 +87,7 @@ def wna16_linear(
             group_size=layer.quant_group_size,
         )  # fmt: skip
     w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits)
-    return F.linear(x, w.to(x.dtype).t(), bias)
+    return F.linear(x, w.to(x.dtype), bias)
 
 
 class WNA16Method:

@@ -26,44 +26,105 @@ from lightwell.quant.utils import pack_int32  # noqa: E402
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
 
 
-def _w4(k: int, n: int, group: int, act_order: bool, dtype, gen):
-    """(qweight [K/8, N], scales [G, N], zeros [G, N], g_idx [K]) with random values."""
+def _w4(k: int, n: int, group: int, act_order: bool, dtype, gen, sym: bool = False):
+    """(qweight [N, K/8], scales [N, G], zeros [N, G], g_idx [K]) with random values (``sym``:
+    every zero point 8, as symmetric checkpoints store them)."""
     gs = group if group > 0 else k
-    q = torch.randint(0, 16, (k, n), generator=gen)
-    groups = k // gs
-    scales = (torch.rand(groups, n, generator=gen) * 0.05 + 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (groups, n), generator=gen).to(dtype)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    groups = -(-k // gs)
+    scales = (torch.rand(n, groups, generator=gen) * 0.05 + 0.01).to(dtype)
+    zeros = torch.randint(0, 16, (n, groups), generator=gen).to(dtype)
+    if sym:
+        zeros = torch.full_like(zeros, 8)
     g_idx = torch.arange(k) // gs
     if act_order:
         g_idx = g_idx[torch.randperm(k, generator=gen)]
-    qweight = pack_int32(q, 4, dim=0)
+    qweight = pack_int32(q, 4, dim=1)
     return [t.to(DEVICE) for t in (qweight, scales, zeros, g_idx.to(torch.int32))]
+
+
+def _check_close(out, ref, dtype) -> None:
+    assert ref.abs().max() > 0.1
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize(
+    "m, k, n, group, act_order, sym, config",
+    [
+        (1, 256, 24, 128, False, False, (4, 64, 1, 1)),  # K tile inside one group
+        (2, 256, 13, 32, False, True, (8, 128, 2, 2)),  # 4 groups a tile, N past a block, sym
+        (3, 192, 16, 64, False, False, (2, 128, 1, 3)),  # K not a multiple of BLOCK_K
+        (4, 96, 9, -1, False, False, (4, 64, 1, 1)),  # one group, K tile masked
+        (1, 192, 8, 96, False, False, (2, 64, 1, 1)),  # group 96: BLOCK_K shrinks to 32
+        (3, 128, 12, 32, True, False, (4, 64, 1, 1)),  # act-order: groups gathered by g_idx
+        (1, 512, 6, 128, False, True, None),  # pick_config
+    ],
+)
+def test_w4a16_gemv_matches_reference(m, k, n, group, act_order, sym, config):
+    dtype = torch.float32 if m % 2 else torch.float16
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    qweight, scales, zeros, g_idx = _w4(k, n, group, act_order, dtype, gen, sym)
+    x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if m != 3 else None
+    gs = 0 if act_order else (group if group > 0 else k)
+    out = w4a16.w4a16_gemv(x, qweight, scales, zeros, g_idx, bias, gs, config)
+    assert out.shape == (m, n) and out.dtype == dtype
+    _check_close(out, w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx, bias), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize(
     "m, k, n, group, act_order",
     [
-        (1, 128, 96, 64, False),  # GEMV, one group per K tile
-        (1, 96, 80, 32, False),  # GEMV, groups smaller than the K tile, N past a block
-        (1, 128, 64, 32, True),  # GEMV, act-order: g_idx gathered
-        (3, 128, 72, 32, False),  # GEMM, one group per K tile
+        (5, 128, 72, 32, False),  # GEMM, two groups a K tile
         (20, 64, 64, -1, False),  # GEMM, per channel (one group)
-        (5, 96, 40, 16, True),  # GEMM, act-order
+        (6, 96, 40, 16, True),  # GEMM, act-order
     ],
 )
-def test_w4a16_matmul_matches_reference(m, k, n, group, act_order, dtype):
+def test_w4a16_matmul_gemm_matches_reference(m, k, n, group, act_order, dtype):
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     qweight, scales, zeros, g_idx = _w4(k, n, group, act_order, dtype, gen)
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
-    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if m != 3 else None
+    bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if m != 20 else None
     gs = 0 if act_order else (group if group > 0 else k)
     out = w4a16.w4a16_matmul(x, qweight, scales, zeros, g_idx, bias, group_size=gs)
-    ref = w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx, bias)
     assert out.shape == (m, n) and out.dtype == dtype
-    assert ref.abs().max() > 0.1
-    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-    assert err < TOL[dtype], err
+    _check_close(out, w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx, bias), dtype)
+
+
+def test_w4a16_gemv_act_order_sorted_at_load():
+    """An act-order layer through quant/wna16.finalize: inputs sorted by group, x's columns
+    permuted at the call, the GEMV on contiguous groups, against the unsorted weight."""
+    from torch import nn
+
+    from lightwell.quant.wna16 import finalize
+
+    gen = torch.Generator().manual_seed(7)
+    k, n, gs = 128, 12, 32
+    q = torch.randint(0, 16, (k, n), generator=gen)  # [K, N], the checkpoint's order
+    scales = torch.rand(k // gs, n, generator=gen) * 0.05 + 0.01  # [G, N]
+    zeros = torch.randint(0, 16, (k // gs, n), generator=gen).float()
+    g_idx = (torch.arange(k) // gs)[torch.randperm(k, generator=gen)]
+    layer = nn.Module()
+    finalize(layer, q, scales, zeros, g_idx, 4, (), gs, act_order=True)
+    assert layer.quant_group_size == gs and layer.quant_perm is not None
+    x = torch.randn(2, k, generator=gen)
+    want = x @ ((q.float() - zeros[g_idx]) * scales[g_idx])  # [2, N]
+    params = [t.to(DEVICE) for t in (layer.qweight, layer.scales, layer.zeros, layer.g_idx)]
+    xs = x.index_select(1, layer.quant_perm).to(DEVICE)
+    out = w4a16.w4a16_gemv(xs, *params, group_size=gs, config=(4, 64, 1, 1))
+    _check_close(out.cpu(), want, torch.float32)
+
+
+def test_w4a16_slices_stay_inside_groups():
+    assert w4a16.slice_size(1024, 128, 4096) == (1024, 128)  # 8 groups a tile
+    assert w4a16.slice_size(64, 128, 4096) == (64, 64)  # half a group a tile
+    assert w4a16.slice_size(1024, 4096, 4096) == (1024, 1024)  # one group
+    assert w4a16.slice_size(256, 0, 4096) == (256, 256)  # gathered
+    assert w4a16.slice_size(256, 96, 4096) == (32, 32)  # neither divides: shrink
+    assert w4a16.pick_config(4096, 4096, 1) == (4, 1024, 1, 3)
+    assert w4a16.pick_config(4096, 96, 4) == (2, 128, 1, 3)  # K tile cut to K
 
 
 def test_w4a16_matmul_checks_shapes():
@@ -71,6 +132,10 @@ def test_w4a16_matmul_checks_shapes():
     qweight, scales, zeros, g_idx = _w4(64, 32, 32, False, torch.float32, gen)
     with pytest.raises(ValueError, match="qweight must be int32"):
         w4a16.w4a16_matmul(torch.randn(2, 72, device=DEVICE), qweight, scales, zeros, g_idx)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        w4a16.w4a16_matmul(torch.randn(2, 60, device=DEVICE), qweight, scales, zeros, g_idx)
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        w4a16.w4a16_gemv(torch.randn(5, 64, device=DEVICE), qweight, scales, zeros, g_idx)
 
 
 @pytest.mark.parametrize(
