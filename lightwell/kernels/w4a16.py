@@ -268,12 +268,16 @@ Config = tuple[int, int, int, int]
 
 
 def pick_config(n: int, k: int, m: int = 1) -> Config:
-    """The GEMV tile for an [N, K] weight and M rows: 1,024-input K steps (512 bytes of a row),
-    one warp, 3 stages; four rows a program at one row of x, two at 2-4 (each row of x adds its
-    planes and products: ~140 registers at 4)."""
-    block_n = 4 if m <= 1 else 2
-    block_k = min(1024, triton.next_power_of_2(k))
-    return block_n, block_k, 1, 3
+    """The GEMV tile for an [N, K] weight and M rows. One row of x: the best tiles of the
+    H200 sweep (benchmarks/kernels/w4a16.py --sweep) on llama-3-8b's shapes: 2,048-input K
+    steps and four rows a program (two or four warps), or for wide weights (gate_up) 512-input
+    steps and eight rows. Two to four rows of x: two rows a program, 1,024-input steps, one
+    warp (each row of x adds its planes and products: ~140 registers at 4)."""
+    if m <= 1:
+        if n >= 16384:
+            return 8, min(512, triton.next_power_of_2(k)), 4, 1
+        return 4, min(2048, triton.next_power_of_2(k)), 4 if n > 4096 else 2, 2
+    return 2, min(1024, triton.next_power_of_2(k)), 1, 3
 
 
 def slice_size(block_k: int, group_size: int, k: int) -> tuple[int, int]:

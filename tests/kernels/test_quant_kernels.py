@@ -123,7 +123,8 @@ def test_w4a16_slices_stay_inside_groups():
     assert w4a16.slice_size(1024, 4096, 4096) == (1024, 1024)  # one group
     assert w4a16.slice_size(256, 0, 4096) == (256, 256)  # gathered
     assert w4a16.slice_size(256, 96, 4096) == (32, 32)  # neither divides: shrink
-    assert w4a16.pick_config(4096, 4096, 1) == (4, 1024, 1, 3)
+    assert w4a16.pick_config(4096, 4096, 1) == (4, 2048, 2, 2)
+    assert w4a16.pick_config(28672, 4096, 1) == (8, 512, 4, 1)
     assert w4a16.pick_config(4096, 96, 4) == (2, 128, 1, 3)  # K tile cut to K
 
 
