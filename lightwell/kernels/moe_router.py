@@ -31,7 +31,7 @@ def _moe_router_kernel(
     bias_ptr,  # [E] correction bias (read only if HAS_BIAS)
     weights_ptr,  # [T, k] fp32
     ids_ptr,  # [T, k] int64
-    stride_t, num_experts, group_size, scaling,
+    stride_t, group_size, scaling,
     TOP_K: tl.constexpr, BLOCK_KP: tl.constexpr,
     NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP2_GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
@@ -143,7 +143,7 @@ def moe_router(
     group_size = num_experts // num_groups
     bias = correction_bias.contiguous() if correction_bias is not None else weights
     _moe_router_kernel[(num_tokens,)](
-        logits, bias, weights, ids, logits.stride(0), num_experts, group_size, float(scaling),
+        logits, bias, weights, ids, logits.stride(0), group_size, float(scaling),
         TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k),
         NUM_GROUPS=num_groups, TOPK_GROUPS=topk_groups, TOP2_GROUPS=group_score == "top2",
         BLOCK_G=triton.next_power_of_2(num_groups),

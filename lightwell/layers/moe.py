@@ -13,7 +13,8 @@ with the rest of the layer's partial sums (tokens need no dispatch: every rank a
 ``select_experts`` implements the routing rules of the supported families: softmax top-k with
 or without renormalisation (Mixtral, Qwen MoE, DeepSeek-V2 greedy), group-limited top-k
 (DeepSeek-V2), and sigmoid scores with a correction bias over the best groups (DeepSeek-V3's
-``noaux_tc``), times a routed scaling factor.
+``noaux_tc``), times a routed scaling factor: in one launch on CUDA
+(kernels/moe_router.py), in torch ops elsewhere (``select_experts_ref``, the kernel's reference).
 """
 
 from __future__ import annotations
