@@ -13,7 +13,8 @@ with the rest of the layer's partial sums (tokens need no dispatch: every rank a
 ``select_experts`` implements the routing rules of the supported families: softmax top-k with
 or without renormalisation (Mixtral, Qwen MoE, DeepSeek-V2 greedy), group-limited top-k
 (DeepSeek-V2), and sigmoid scores with a correction bias over the best groups (DeepSeek-V3's
-``noaux_tc``), times a routed scaling factor.
+``noaux_tc``), times a routed scaling factor: in one launch on CUDA
+(kernels/moe_router.py), in torch ops elsewhere (``select_experts_ref``, the kernel's reference).
 """
 
 from __future__ import annotations
@@ -52,6 +53,26 @@ def select_experts(
     router: RouterConfig,
     correction_bias: torch.Tensor | None = None,  # [E]: added for the choice only
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32 weights, [T, k] int64 expert ids)
+    """The experts each token goes to and their weights, best first: on CUDA the fused router
+    kernel (lightwell/kernels/moe_router.py, one launch, no host sync), elsewhere the torch
+    reference ``select_experts_ref``."""
+    if not logits.is_cuda:
+        return select_experts_ref(logits, router, correction_bias)
+    from lightwell.kernels.moe_router import moe_router
+
+    return moe_router(
+        logits, router.top_k, correction_bias, renormalize=router.renormalize,
+        scoring=router.scoring, num_groups=router.num_groups, topk_groups=router.topk_groups,
+        group_score=router.group_score, scaling=router.scaling,
+    )  # fmt: skip
+
+
+def select_experts_ref(
+    logits: torch.Tensor,  # [T, E] router logits
+    router: RouterConfig,
+    correction_bias: torch.Tensor | None = None,  # [E]: added for the choice only
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k] float32 weights, [T, k] int64 expert ids)
+    """``select_experts`` in torch ops (any device)."""
     logits = logits.float()
     scores = logits.softmax(-1) if router.scoring == "softmax" else logits.sigmoid()
     choice = scores if correction_bias is None else scores + correction_bias.float()
