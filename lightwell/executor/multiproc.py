@@ -16,6 +16,7 @@ fast instead of leaving rank 0 in the rendezvous).
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 import threading
@@ -24,6 +25,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lightwell.config import EngineConfig
+from lightwell.executor import sigterm
 from lightwell.executor.messages import (
     Command,
     DetermineNumBlocks,
@@ -91,6 +93,11 @@ class MultiprocExecutor:
         init_method, self.store, self.remote = _rendezvous(config)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
+        # SIGTERM: an orderly exit (code 143) through shutdown(); shutdown() also runs at exit
+        # before multiprocessing's own exit hook (registered earlier), which would terminate
+        # the workers first
+        self.sigterm = sigterm.install()
+        atexit.register(self.shutdown)
         for rank in range(1, world // par.nnodes):  # this node's; the others' connect
             parent, child = ctx.Pipe()
             proc = ctx.Process(
@@ -162,6 +169,14 @@ class MultiprocExecutor:
         if self.closing:
             return
         self.closing = True
+        try:
+            self._stop_workers()
+        finally:
+            atexit.unregister(self.shutdown)
+            if self.sigterm:
+                sigterm.uninstall()
+
+    def _stop_workers(self) -> None:
         for conn in self.conns:
             try:
                 conn.send(Shutdown())
@@ -180,8 +195,8 @@ class MultiprocExecutor:
         for proc, conn in zip(self.procs, self.conns):
             proc.join(SHUTDOWN_WAIT_S)
             if proc.is_alive():
-                logger.warning("tensor-parallel worker %s did not stop: terminating", proc.name)
-                proc.terminate()
+                logger.warning("tensor-parallel worker %s did not stop: killing it", proc.name)
+                proc.kill()  # (workers ignore SIGTERM)
                 proc.join(2.0)
             conn.close()
         if self.remote is not None:
