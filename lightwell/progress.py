@@ -59,7 +59,6 @@ class Stage:
                 file=file if file is not None else sys.stderr,
                 disable=None,  # shown on a terminal only
                 leave=True,
-                dynamic_ncols=True,
                 bar_format=None if total else "{desc} ... {elapsed}",
             )
 

@@ -81,15 +81,12 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp
 
-        from lightwell.executor.worker_proc import worker_main
-
         _check_devices(config)
         self.config = config
         self.worker = None
         self.closing = False
         self.failure: str | None = None  # set by the monitor when a worker or node goes away
         par = config.parallel
-        world = par.world_size
         init_method, self.store, self.remote = _rendezvous(config)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
@@ -98,19 +95,9 @@ class MultiprocExecutor:
         # the workers first
         self.sigterm = sigterm.install()
         atexit.register(self.shutdown)
-        for rank in range(1, world // par.nnodes):  # this node's; the others' connect
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main,
-                args=(config, rank, init_method, child),
-                name=f"lightwell-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
+        self.interrupted = False  # Ctrl-C / SIGTERM left a command half done
         try:
+            self._spawn(ctx, init_method)
             self._wait_started()
             if self.remote is not None:
                 self.remote.accept_all()
@@ -122,9 +109,27 @@ class MultiprocExecutor:
             self.worker = self._run_local(lambda: _make_worker(config, init_method))
             for conn in self.conns:
                 self._recv(conn, Ready)
-        except BaseException:
+        except BaseException as e:
+            self.interrupted |= isinstance(e, (KeyboardInterrupt, SystemExit))
             self.shutdown()
             raise
+
+    def _spawn(self, ctx: Any, init_method: str) -> None:
+        from lightwell.executor.worker_proc import worker_main
+
+        par = self.config.parallel
+        for rank in range(1, par.world_size // par.nnodes):  # this node's; the others connect
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(self.config, rank, init_method, child),
+                name=f"lightwell-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
 
     # ---- the Executor interface ---------------------------------------------------------------
     def load_model(self) -> Any:
@@ -177,6 +182,9 @@ class MultiprocExecutor:
                 sigterm.uninstall()
 
     def _stop_workers(self) -> None:
+        if self.interrupted:  # they may be starting, or waiting in a collective rank 0 left
+            for proc in self.procs:
+                proc.kill()
         for conn in self.conns:
             try:
                 conn.send(Shutdown())
@@ -230,6 +238,9 @@ class MultiprocExecutor:
     def _run_local(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
+        except (KeyboardInterrupt, SystemExit):
+            self.interrupted = True
+            raise
         except Exception as e:
             failure = self._worker_failure()
             if failure is None:
@@ -239,6 +250,9 @@ class MultiprocExecutor:
     def _recv(self, conn: Connection, kind: type) -> Any:
         try:
             reply = conn.recv()
+        except (KeyboardInterrupt, SystemExit):
+            self.interrupted = True
+            raise
         except (EOFError, OSError) as e:
             raise self._worker_failure() or WorkerError("a worker process died") from e
         if isinstance(reply, Failure):
