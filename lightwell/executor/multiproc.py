@@ -12,6 +12,11 @@ the dead peer fails (gloo fails on its own when the peer's sockets close). Rank 
 process group only once every worker has reported ``Started`` (so a worker that cannot even
 import, e.g. a script without the ``if __name__ == "__main__"`` guard that spawn needs, fails
 fast instead of leaving rank 0 in the rendezvous).
+
+Stopping: ``shutdown()`` sends every worker ``Shutdown`` and waits for it; it also runs at the
+interpreter's exit, and a default SIGTERM becomes ``SystemExit(143)`` while the executor lives
+(``sigterm``). Workers of a command that Ctrl-C or SIGTERM cut short (at start-up, or in a
+collective rank 0 left) are killed instead: they may never read the message.
 """
 
 from __future__ import annotations
