@@ -81,7 +81,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--log-level",
         default="WARNING",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="Logging level.",
+        help="Logging level (INFO adds one line per start-up stage, with its seconds).",
     )
     add_sampling_args(p)
     add_engine_args(p)

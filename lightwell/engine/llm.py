@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -117,7 +118,8 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm, unit="req")
         try:
-            with StepGuard() as guard:  # Ctrl-C between steps (ranks stay in step)
+            # Ctrl-C (and a multi-process engine's SIGTERM) between steps: ranks stay in step
+            with StepGuard((signal.SIGINT, signal.SIGTERM)) as guard:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
                         if out.finished and out.request_id in order:

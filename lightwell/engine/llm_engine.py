@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightwell import progress
 from lightwell.config import EngineConfig, is_preset_dummy, resolve_config
 from lightwell.engine.output_processor import OutputProcessor
 from lightwell.engine.overlap_loop import OverlapLoop
@@ -47,6 +48,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         config.validate()
+        t0 = time.perf_counter()
         m = config.model
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
@@ -54,7 +56,7 @@ class LLMEngine:
         if self.files is not None and self.files.remote is None:
             check_model_file(self.files.kind, self.files.path)  # truncated: one line, no load
         skip = m.skip_tokenizer_init or (self.files is None and m.tokenizer is None)
-        self.tokenizer = None if skip else Tokenizer.load(self.files, m.tokenizer)
+        self.tokenizer = None if skip else _load_tokenizer(self.files, m.tokenizer)
         self.generation_defaults = load_generation_defaults(self.files, m.generation_config)
         # opened first: a path that cannot be written fails before the model loads
         trace = config.scheduler.step_trace
@@ -97,6 +99,8 @@ class LLMEngine:
         self.structured = StructuredOutputManager(
             self.tokenizer, self.model_info.vocab_size, stops, s.grammar_cache_size
         )
+        if progress.enabled():
+            progress.logger.info("engine ready in %.1f s", time.perf_counter() - t0)
 
     def _start_executor(self, config: EngineConfig) -> None:
         """Load the model, size the KV cache from what it left, then allocate the cache."""
@@ -331,6 +335,13 @@ class LLMEngine:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+
+
+def _load_tokenizer(files: ModelFiles | None, tokenizer: str | None) -> Tokenizer:
+    with progress.stage("Loading the tokenizer") as st:
+        tok = Tokenizer.load(files, tokenizer)
+        st.summary = "loaded the tokenizer"
+    return tok
 
 
 def resolve_task(task: str, architecture: str) -> str:

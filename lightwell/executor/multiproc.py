@@ -12,10 +12,16 @@ the dead peer fails (gloo fails on its own when the peer's sockets close). Rank 
 process group only once every worker has reported ``Started`` (so a worker that cannot even
 import, e.g. a script without the ``if __name__ == "__main__"`` guard that spawn needs, fails
 fast instead of leaving rank 0 in the rendezvous).
+
+Stopping: ``shutdown()`` sends every worker ``Shutdown`` and waits for it; it also runs at the
+interpreter's exit, and a default SIGTERM becomes ``SystemExit(143)`` while the executor lives
+(``sigterm``). Workers of a command that Ctrl-C or SIGTERM cut short (at start-up, or in a
+collective rank 0 left) are killed instead: they may never read the message.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import socket
 import threading
@@ -24,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from lightwell.config import EngineConfig
+from lightwell.executor import sigterm
 from lightwell.executor.messages import (
     Command,
     DetermineNumBlocks,
@@ -79,31 +86,23 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp
 
-        from lightwell.executor.worker_proc import worker_main
-
         _check_devices(config)
         self.config = config
         self.worker = None
         self.closing = False
         self.failure: str | None = None  # set by the monitor when a worker or node goes away
         par = config.parallel
-        world = par.world_size
         init_method, self.store, self.remote = _rendezvous(config)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
-        for rank in range(1, world // par.nnodes):  # this node's; the others' connect
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=worker_main,
-                args=(config, rank, init_method, child),
-                name=f"lightwell-tp{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self.procs.append(proc)
-            self.conns.append(parent)
+        # SIGTERM: an orderly exit (code 143) through shutdown(); shutdown() also runs at exit
+        # before multiprocessing's own exit hook (registered earlier), which would terminate
+        # the workers first
+        self.sigterm = sigterm.install()
+        atexit.register(self.shutdown)
+        self.interrupted = False  # Ctrl-C / SIGTERM left a command half done
         try:
+            self._spawn(ctx, init_method)
             self._wait_started()
             if self.remote is not None:
                 self.remote.accept_all()
@@ -115,9 +114,27 @@ class MultiprocExecutor:
             self.worker = self._run_local(lambda: _make_worker(config, init_method))
             for conn in self.conns:
                 self._recv(conn, Ready)
-        except BaseException:
+        except BaseException as e:
+            self.interrupted |= isinstance(e, (KeyboardInterrupt, SystemExit))
             self.shutdown()
             raise
+
+    def _spawn(self, ctx: Any, init_method: str) -> None:
+        from lightwell.executor.worker_proc import worker_main
+
+        par = self.config.parallel
+        for rank in range(1, par.world_size // par.nnodes):  # this node's; the others connect
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(self.config, rank, init_method, child),
+                name=f"lightwell-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
 
     # ---- the Executor interface ---------------------------------------------------------------
     def load_model(self) -> Any:
@@ -162,6 +179,17 @@ class MultiprocExecutor:
         if self.closing:
             return
         self.closing = True
+        try:
+            self._stop_workers()
+        finally:
+            atexit.unregister(self.shutdown)
+            if self.sigterm:
+                sigterm.uninstall()
+
+    def _stop_workers(self) -> None:
+        if self.interrupted:  # they may be starting, or waiting in a collective rank 0 left
+            for proc in self.procs:
+                proc.kill()
         for conn in self.conns:
             try:
                 conn.send(Shutdown())
@@ -180,8 +208,8 @@ class MultiprocExecutor:
         for proc, conn in zip(self.procs, self.conns):
             proc.join(SHUTDOWN_WAIT_S)
             if proc.is_alive():
-                logger.warning("tensor-parallel worker %s did not stop: terminating", proc.name)
-                proc.terminate()
+                logger.warning("tensor-parallel worker %s did not stop: killing it", proc.name)
+                proc.kill()  # (workers ignore SIGTERM)
                 proc.join(2.0)
             conn.close()
         if self.remote is not None:
@@ -215,6 +243,9 @@ class MultiprocExecutor:
     def _run_local(self, fn: Callable[[], Any]) -> Any:
         try:
             return fn()
+        except (KeyboardInterrupt, SystemExit):
+            self.interrupted = True
+            raise
         except Exception as e:
             failure = self._worker_failure()
             if failure is None:
@@ -224,6 +255,9 @@ class MultiprocExecutor:
     def _recv(self, conn: Connection, kind: type) -> Any:
         try:
             reply = conn.recv()
+        except (KeyboardInterrupt, SystemExit):
+            self.interrupted = True
+            raise
         except (EOFError, OSError) as e:
             raise self._worker_failure() or WorkerError("a worker process died") from e
         if isinstance(reply, Failure):

@@ -202,7 +202,7 @@ def _wait_node(procs: list[Any], idle: Connection) -> int:
     for proc in procs:
         proc.join(max(0.1, deadline - time.monotonic()))
         if proc.is_alive():
-            proc.terminate()
+            proc.kill()  # (workers ignore SIGTERM)
             proc.join(2.0)
     idle.close()
     clean = all(proc.exitcode == 0 for proc in procs)

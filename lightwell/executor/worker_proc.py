@@ -7,15 +7,17 @@ sockets close and the collectives that rank 0 is blocked in fail instead of hang
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import signal
 import sys
 import threading
 import traceback
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 
 import torch
+from tqdm import tqdm
 
 from lightwell.config import EngineConfig
 from lightwell.executor.messages import (
@@ -40,8 +42,15 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
     from lightwell.worker.worker import Worker
 
     # Ctrl-C reaches the whole process group: rank 0 alone handles it (and shuts the workers
-    # down), so an interrupted answer in `lightwell chat` leaves the workers serving
+    # down), so an interrupted answer in `lightwell chat` leaves the workers serving. SIGTERM
+    # too (systemd sends it to every process of the service): rank 0 stops the workers, and
+    # a worker whose rank-0 process is gone, however it ended, exits at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _exit_with_parent()
+    # tqdm's default lock is a multiprocessing semaphore, which a process ending by os._exit
+    # leaves to the resource tracker (a "leaked semaphore" warning): a thread lock here
+    tqdm.set_lock(threading.RLock())
     replies = _Replies(conn)
     try:
         conn.send(Started(rank))
@@ -63,6 +72,20 @@ def worker_main(config: EngineConfig, rank: int, init_method: str, conn: Connect
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _exit_with_parent() -> None:
+    """A thread that ends this process when its parent's does (even by SIGKILL, or while this
+    one waits in a collective that would never return)."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="lightwell-parent-watch", daemon=True).start()
 
 
 class _Replies:

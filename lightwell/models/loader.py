@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightwell.distributed.parallel_state import get_tp_rank
+from lightwell import progress
 from lightwell.model_files import ModelFiles
 from lightwell.models.hf_config import load_hf_config
 from lightwell.models.registry import get_model_class
@@ -73,15 +73,36 @@ def load_model(
     if fmt == "dummy":
         from lightwell.models.dummy import init_dummy_weights
 
-        init_dummy_weights(model, seed)
+        with progress.stage("Initialising random weights") as st:
+            init_dummy_weights(model, seed)
+            _sync(device)
+            st.summary = f"initialised random weights on {device}"
     else:
         checkpoint = _open_checkpoint(files, fmt, hf_config, method)
-        _load_checkpoint(model, checkpoint, files.path, method)
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if method is not None:
-            method.process_after_loading(module)
+        _load_checkpoint(model, checkpoint, files.path, method, device)
+    _process_after_loading(model, method, device)
     return model.eval()
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued copies and kernels (a stage's seconds include them)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _process_after_loading(model: nn.Module, method: Any, device: torch.device) -> None:
+    """Each layer's quantization method converts its loaded weights (repacking for a kernel,
+    quantizing an unquantized checkpoint): a stage of its own when the model is quantized."""
+    layers = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
+    if method is None:  # unquantized: nothing to convert
+        for layer in layers:
+            layer.quant_method.process_after_loading(layer)
+        return
+    with progress.stage("Converting quantized weights", len(layers), "layer") as st:
+        for layer in st.iter(layers):
+            layer.quant_method.process_after_loading(layer)
+        _sync(device)
+        st.summary = f"converted the weights of {len(layers)} layers ({type(method).__name__})"
 
 
 def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.device) -> Any:
@@ -110,45 +131,51 @@ def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any, method: Any = 
     if files.remote is not None:
         from lightwell.models.remote_model import S3Checkpoint
 
-        return S3Checkpoint(files.remote, files.path, progress=get_tp_rank() == 0)
+        return S3Checkpoint(files.remote, files.path, progress=progress.enabled())
     from lightwell.models.safetensors_loader import SafetensorsCheckpoint
 
     return SafetensorsCheckpoint(files.path)
 
 
 class _Tracked:
-    """Yields ``(name, tensor)`` while remembering where the current tensor came from."""
+    """Yields ``(name, tensor)`` while remembering where the current tensor came from, the
+    stage's bar advancing a tensor at a time."""
 
-    def __init__(self, items: Iterable[tuple[str, str, torch.Tensor]], total: int):
-        self.items, self.total = items, total
+    def __init__(self, items: Iterable[tuple[str, str, torch.Tensor]], st: progress.Stage):
+        self.items, self.stage = items, st
         self.current: tuple[str, str] | None = None
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(
-            self.items,
-            total=self.total,
-            desc="Loading weights",
-            unit="tensor",
-            disable=None if get_tp_rank() == 0 else True,
-            leave=False,
-        )
-        for source, name, tensor in bar:
+        for source, name, tensor in self.stage.iter(self.items):
             self.current = (source, name)
             yield name, tensor
         self.current = None
 
 
-def _load_checkpoint(model: nn.Module, checkpoint: Any, path: str, method: Any = None) -> None:
-    tracked = _Tracked(checkpoint, len(checkpoint))
+def _load_checkpoint(
+    model: nn.Module, checkpoint: Any, path: str, method: Any, device: torch.device
+) -> None:
+    """Every tensor read (a GGUF file's blocks dequantized as they are read, unless kept
+    quantized) and copied into its parameter, which lives on ``device`` already."""
+    total = len(checkpoint)
+    with progress.stage(f"Loading weights ({device})", total, "tensor") as st:
+        loaded = _load_tracked(model, _Tracked(checkpoint, st), path, method)
+        _sync(device)
+        st.summary = f"loaded {total} weight tensors onto {device}"
+    _check_complete(model, loaded, path, method)
+
+
+def _load_tracked(model: nn.Module, tracked: _Tracked, path: str, method: Any) -> set[str]:
     try:
-        loaded = model.load_weights(tracked)
+        return model.load_weights(tracked)
     except ValueError as e:
         if tracked.current is None:
             raise ValueError(f"{path}: {e}") from e
         source, name = tracked.current
         raise ValueError(f"{source}: tensor {name!r}: {e}{_quant_hint(name, method)}") from e
+
+
+def _check_complete(model: nn.Module, loaded: set[str], path: str, method: Any) -> None:
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing and method is not None:
         raise ValueError(

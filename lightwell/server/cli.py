@@ -57,7 +57,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--log-level",
         default="INFO",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-        help="Logging level (INFO: one line per finished request and periodic stats).",
+        help="Logging level (INFO: one line per start-up stage with its seconds, one line per "
+        "finished request, periodic stats).",
     )
     p.add_argument(
         "--log-format",

@@ -27,15 +27,12 @@ graphs of one size (and their collectives match).
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 
 import torch
 
+from lightwell import progress
 from lightwell.attention.metadata import AttentionMetadata
-
-logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -66,6 +63,24 @@ def mixed_capture_sizes(max_tokens: int) -> list[int]:
     sizes = [s for s in (16 << i for i in range(20)) if s <= MIXED_POW2_MAX]
     sizes += range(MIXED_POW2_MAX + MIXED_STEP, max_tokens, MIXED_STEP)
     return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+def capture_all(
+    keys: list[tuple[str, int]], capture_one: Callable[[tuple[str, int]], None]
+) -> float:
+    """``capture_one(key)`` for every graph key, as the start-up stage "Capturing CUDA graphs"
+    (a bar over the graphs, then one INFO line with the sizes and seconds); returns the
+    seconds taken."""
+    decode = sorted(n for kind, n in keys if kind == "decode")
+    mixed = [n for kind, n in keys if kind == "mixed"]
+    with progress.stage("Capturing CUDA graphs", len(keys), "graph") as st:
+        for key in st.iter(keys):
+            capture_one(key)
+        st.summary = (
+            f"captured {len(keys)} CUDA graphs (decode batch sizes {decode}; steps with "
+            f"prefill up to {max(mixed, default=0)} tokens)"
+        )
+    return st.seconds
 
 
 class CudaGraphRunner:
@@ -173,31 +188,21 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every graph (largest first, one memory pool); returns the seconds taken."""
-        t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle()
-        keys = self._keys(largest_first=True)
-        for key in keys:
-            self.metas[key] = self._meta(key)
-            args = self._args(key)
-            for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
-                self.forward_fn(*args)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.forward_fn(*args)
-            self.graphs[key] = graph
-            self.outputs[key] = out
+        return capture_all(self._keys(largest_first=True), lambda key: self._capture(key, pool))
+
+    def _capture(self, key: tuple[str, int], pool: tuple) -> None:
+        self.metas[key] = self._meta(key)
+        args = self._args(key)
+        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks its kernels
+            self.forward_fn(*args)
         torch.cuda.synchronize()
-        elapsed = time.perf_counter() - t0
-        logger.info(
-            "captured %d CUDA graphs in %.1f s (decode batch sizes %s; steps with prefill up "
-            "to %s tokens)",
-            len(keys),
-            elapsed,
-            self.sizes,
-            self.mixed_sizes[-1] if self.mixed_sizes else 0,
-        )
-        return elapsed
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = self.forward_fn(*args)
+        torch.cuda.synchronize()
+        self.graphs[key] = graph
+        self.outputs[key] = out
 
     def prepare_without_graphs(self) -> None:
         """Build the capture-time metadata without capturing (CPU tests): ``run`` then calls

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightwell import progress
 from lightwell.config import EngineConfig, is_preset_dummy
 from lightwell.layers.rotary import rope_table_length
 from lightwell.model_files import ModelFiles, resolve_model
@@ -112,6 +113,7 @@ class Worker:
         self.world_size = world = config.parallel.world_size
         self.tp_rank, self.stage = rank % tp, (rank // tp) % pp
         self.cp_rank = rank // (tp * pp)  # context parallel: only rank 0 samples
+        progress.set_enabled(rank == 0)  # start-up progress: rank 0's alone
         m = config.model
         self.files: ModelFiles | None = (
             None if is_preset_dummy(m) else resolve_model(m.model, m.load_format, store_options(m))
@@ -163,7 +165,9 @@ class Worker:
         overrides = m.hf_config_json
         # Dummy weights of a preset/JSON config need no model files at all.
         files = self.files
-        self.hf_config = hf = load_hf_config(files, overrides)
+        with progress.stage("Reading the model config") as st:
+            self.hf_config = hf = load_hf_config(files, overrides)
+            st.summary = f"read the config of {(getattr(hf, 'architectures', None) or ['?'])[0]}"
         dtype = pick_dtype(m.dtype, hf, self.device)
         fmt = m.load_format
         from lightwell.distributed.parallel_state import set_expert_parallel
@@ -244,9 +248,12 @@ class Worker:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self.runner.profile_run(
-            resolved.scheduler.max_num_batched_tokens, resolved.model.max_model_len
-        )
+        tokens = resolved.scheduler.max_num_batched_tokens
+        # the first forward on the device: its Triton kernels compile here
+        with progress.stage("Profiling memory (first forward)") as st:
+            self.runner.profile_run(tokens, resolved.model.max_model_len)
+            torch.cuda.synchronize()
+            st.summary = f"profiled the peak memory of a {tokens}-token step"
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
@@ -261,8 +268,19 @@ class Worker:
         self.runner.share_sampled_tokens = self.tp_size > 1 and bool(
             resolved.scheduler.async_scheduling
         )
-        self.runner.init_kv_cache(num_blocks)
-        self.runner.warmup()
+        with progress.stage("Allocating the KV cache") as st:
+            self.runner.init_kv_cache(num_blocks)
+            gib = num_blocks * self.runner.kv_bytes_per_block() / 2**30
+            st.summary = f"allocated the KV cache ({num_blocks} blocks, {gib:.2f} GiB)"
+        on_gpu = self.device.type == "cuda"
+        with progress.stage(f"Warming up{' (compiling Triton kernels)' if on_gpu else ''}") as st:
+            self.runner.warmup()
+            st.summary = f"warmed up{' (Triton kernels compiled)' if on_gpu else ''}"
+        self._capture_cuda_graphs(resolved)
+        if self.compile_watch is not None:
+            self.compile_watch.arm()  # start-up is over: later compiles stall serving
+
+    def _capture_cuda_graphs(self, resolved: EngineConfig) -> None:
         if self.device.type == "cuda" and not self.config.device.enforce_eager:
             blockers = _graph_blockers(self.runner)
             if not blockers:
@@ -279,8 +297,6 @@ class Worker:
                 )
             else:
                 logger.warning("%s cannot be captured: every step runs eagerly", blockers)
-        if self.compile_watch is not None:
-            self.compile_watch.arm()  # start-up is over: later compiles stall serving
 
     @property
     def returns_output(self) -> bool:

@@ -2,6 +2,8 @@
 context manager, interrupted by Ctrl-C (the engine serving on) or left to the interpreter's exit
 ends every worker
 process with exit code 0, with no tracebacks and no leaked semaphore or shared memory warnings.
+A user's script killed by SIGTERM mid-generation exits with code 143, as cleanly, and leaves no
+process of its own behind.
 
 Tiny dummy weights (a preset's shapes cut down) keep the start-up short.
 """
@@ -109,3 +111,64 @@ def test_scope_context_manager_ctrl_c_and_exit(tmp_path):
     assert "scope-done" in lines and "with-done" in lines  # no worker left running
     assert "interrupted" in lines and lines[-1].startswith("exit")
     _assert_clean(rc, out, err)
+
+
+SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import json
+    from lightwell import LLM, SamplingParams
+
+    CFG = json.dumps({"preset": "llama-3-8b", "hidden_size": 64, "intermediate_size": 128,
+                      "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                      "vocab_size": 256, "max_position_embeddings": 256})
+
+    if __name__ == "__main__":
+        llm = LLM(load_format="dummy", hf_config_json=CFG, tensor_parallel_size=2,
+                  num_threads=1, num_kv_blocks=16)
+        p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+        print("ready", *(q.pid for q in llm.engine.executor.procs), flush=True)
+        while True:  # until SIGTERM
+            llm.generate([{"prompt_token_ids": [3, 4, 5]}], p, use_tqdm=False)
+    """
+)
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Processes of session ``sid`` still running (zombies have exited)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)"
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_tp_script_and_all_its_workers(tmp_path):
+    script = tmp_path / "tp_sigterm.py"
+    script.write_text(SIGTERM_SCRIPT)
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    ready = proc.stdout.readline().split()
+    assert ready[:1] == ["ready"], proc.communicate(timeout=60)[1][-3000:]
+    time.sleep(0.5)  # generating
+    proc.send_signal(signal.SIGTERM)  # `kill PID`: the script's process only
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    for bad in ("Traceback", "leaked", "terminate called", "Error", "unexpectedly"):
+        assert bad not in err, err[-3000:]
+    workers = [int(p) for p in ready[1:]]
+    assert len(workers) == 1 and all(_gone(p) for p in workers)
+    deadline = time.time() + 10  # the resource tracker ends when it sees the script gone
+    while _session_processes(proc.pid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert _session_processes(proc.pid) == []

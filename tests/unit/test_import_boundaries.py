@@ -3,7 +3,7 @@
 Every package and top-level module of ``lightwell`` has a rule: the layers it must never
 import. The control plane (server -> engine -> scheduler -> kvcache) has no torch; the data
 plane goes executor -> worker -> models -> layers / attention / quant -> kernels; the leaves
-(config, types, envs, model_files, storage) import nothing of Lightwell's but themselves
+(config, types, envs, progress, model_files, storage) import nothing of Lightwell's but themselves
 (model_files and storage: each other, pure Python).
 """
 
@@ -61,6 +61,7 @@ FORBIDDEN = {
     "types": ["torch", "lightwell"],
     "config": ["torch", "lightwell"],
     "envs": ["torch", "lightwell"],
+    "progress": ["torch", "lightwell"],
     "model_files": ["torch", "lightwell"],
     "file_checks": ["torch", "lightwell"],
     "preflight": ["lightwell.worker", "lightwell.models", "lightwell.engine", "lightwell.server"],
