@@ -108,6 +108,25 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return tp_all_reduce(self.partial(x))
 
+    def compile_kernel_variants(self) -> int:
+        """Compile the grouped expert kernels at every row-block size steps can pick (16, 32
+        and 64 rows an expert block) and the few-token path, so no step compiles while
+        serving; a no-op off CUDA. Returns the launches made."""
+        w13 = self.experts.w13_weight
+        if not w13.is_cuda:
+            return 0
+        from lightwell.kernels.fused_moe import fused_moe
+
+        k, num_tokens = self.router.top_k, 16
+        x = torch.zeros(num_tokens, w13.shape[2], dtype=w13.dtype, device=w13.device)
+        ids = torch.arange(num_tokens * k, device=w13.device).view(num_tokens, k)
+        ids = ids % self.experts.num_local_experts
+        weights = torch.ones(num_tokens, k, dtype=torch.float32, device=w13.device)
+        for block_m in (16, 32, 64):
+            fused_moe(x, w13, self.experts.w2_weight, weights, ids, block_m=block_m, gemv=False)
+        fused_moe(x[:1], w13, self.experts.w2_weight, weights[:1], ids[:1])
+        return 4
+
 
 class MoEDecoderLayer(nn.Module):
     """A pre-norm decoder layer whose MLP ``make_mlp`` picks per layer (sparse or dense);

@@ -411,6 +411,10 @@ class ModelRunner:
         self.batch.requests.pop("__warmup__", None)
         if self.device.type == "cuda":
             self.compile_attention_variants()
+            for module in self.model.modules():  # MoE experts' kernel variants
+                compile_fn = getattr(module, "compile_kernel_variants", None)
+                if callable(compile_fn):
+                    compile_fn()
         return time.perf_counter() - t0
 
     def compile_attention_variants(self) -> int:
