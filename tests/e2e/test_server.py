@@ -92,7 +92,7 @@ class Server:
 @pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["plain", "async"])
 def server(request):
     """Every test runs against the plain step loop and the overlapped one."""
-    srv = Server(*request.param)
+    srv = Server("--tool-call-parser", "hermes", *request.param)
     try:
         srv.wait_ready()
         yield srv
@@ -478,12 +478,12 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 
 
 def _tool_chat(client, **kw):
+    kw.setdefault("max_tokens", 40)
     return client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[WEATHER, TIME],
         temperature=0.0,
-        max_tokens=40,
         **kw,
     )
 
@@ -520,15 +520,42 @@ def test_required_tool_choice_and_history_with_tool_messages(client):
         model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
     )
     assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
-    streamed = [c for c in _tool_chat(client, tool_choice="required", stream=True) if c.choices]
-    calls = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
-    assert calls and all(d.id and d.function.name for d in calls)
+    kw = {"tool_choice": "required", "parallel_tool_calls": False, "stream": True}
+    streamed = [c for c in _tool_chat(client, **kw) if c.choices]
+    head, *rest = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
+    assert head.id and head.function.name == call.function.name and rest
+    assert all(d.index == 0 and d.id is None for d in rest)  # the arguments as they come
+    args = head.function.arguments + "".join(d.function.arguments for d in rest)
+    assert args == call.function.arguments
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_tool_choice_without_a_parser_is_a_400(client):
-    with pytest.raises(openai.BadRequestError, match="needs a tool-call parser"):
-        _tool_chat(client)
+# The model's text is forced into two hermes calls by a regex, so auto's parser has calls to read.
+_TWO_CALLS = (
+    r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[A-Z][a-z]{1,6}"\}\}'
+    r'</tool_call><tool_call>\{"name": "get_time"\}</tool_call>'
+)
+
+
+def test_auto_tool_calls_stream_as_deltas_that_add_up_to_the_answer(client):
+    kw = {"extra_body": {"guided_regex": _TWO_CALLS}, "max_tokens": 100}
+    whole = _tool_chat(client, **kw).choices[0]
+    assert whole.message.content == "Sure." and whole.finish_reason == "tool_calls"
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather", "get_time"]
+    assert whole.message.tool_calls[1].function.arguments == "{}"
+    chunks = [c.choices[0] for c in _tool_chat(client, stream=True, **kw) if c.choices]
+    content, calls, heads = "", {}, []
+    for n, ch in enumerate(chunks):
+        content += ch.delta.content or ""
+        for d in ch.delta.tool_calls or []:
+            if d.id:
+                heads.append(n)
+                calls[d.index] = [d.function.name, ""]
+            calls[d.index][1] += d.function.arguments or ""
+    assert content == "Sure." and chunks[-1].finish_reason == "tool_calls"
+    expected = [[c.function.name, c.function.arguments] for c in whole.message.tool_calls]
+    assert [calls[0], calls[1]] == expected
+    assert heads[0] < heads[1] < len(chunks) - 1  # each head before the text ended
 
 
 # ---- /v1/responses -------------------------------------------------------------------------------
