@@ -134,7 +134,7 @@ class Call:
         span = self.scan.fields.get("name")
         if span is None or span[1] is None or text[span[0]] != '"':
             return None
-        return json.loads(text[span[0] : span[1]])
+        return _decoded(text[span[0] : span[1]]) or None
 
     def arguments(self, text: str) -> str:
         """The arguments' text known so far: all of it once the value is complete; a string

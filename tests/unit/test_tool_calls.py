@@ -291,6 +291,8 @@ def test_call_heads_and_arguments_stream_before_the_text_ends(fmt):
         ("hermes", "Hi <tool_call>not json</tool_call>"),
         ("llama3_json", '{"x": 1} and more'),
         ("mistral", "[TOOL_CALLS]f[ARGS]{} trailing"),
+        ("hermes", '<tool_call>{"name": "bad\\x", "arguments": {}}</tool_call>'),
+        ("required", '[{"name": "f", "parameters": {"a": [}}]'),
     ],
 )
 def test_malformed_calls_are_content_whole_and_without_a_head_streamed(fmt, text):
