@@ -199,8 +199,8 @@ class SchedulerConfig:
         1,
         "Threads that fill a step's structured-output token bitmask (the allowed tokens of "
         "each constrained row). 1: the engine thread fills the rows one after another; more: "
-        "xgrammar's batched fill spreads the rows over that many threads (worth it for large "
-        "batches of complex grammars on a host with idle cores).",
+        "xgrammar's batched fill spreads the rows over that many threads, which pays only "
+        "with idle cores (`python3 -m benchmarks.tools.grammar_fill` measures it).",
     )
 
 
