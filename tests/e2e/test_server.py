@@ -1,7 +1,7 @@
 """`lightwell serve` end to end on 127.0.0.1 with the official openai SDK and the SmolLM2 model.
 
-One server subprocess for the module (1 torch thread, API key set), once with the plain step loop
-and once with --async-scheduling; max_tokens stay small.
+One server subprocess for the module (1 torch thread, API key set, the hermes tool-call parser),
+once with the plain step loop and once with --async-scheduling; max_tokens stay small.
 The last test sends SIGTERM and checks the graceful shutdown.
 """
 
