@@ -176,13 +176,26 @@ class ModelRunner:
         if any(self.batch.requests[r].sampling_params.pooling for r in inp.req_ids):
             pooled = self.pooler.step(inp, hidden, self.batch.requests)
             take_pooled(inp, pooled, pending.out if self.is_driver else None, self.batch.requests)
+        rows = functools.partial(self._sample_rows, inp, hidden, pending)
         if inp.sample_req_ids and sched.grammar_later and self.is_driver:
-            pending.deferred = functools.partial(self._sample, inp, hidden, pending)
-        elif inp.sample_req_ids:
-            self._sample(inp, hidden, pending, sched.grammar)
+            pending.deferred = rows  # run by ``pending.sample``, which brings the mask
+        else:
+            rows(sched.grammar)
+        return pending
+
+    def _sample_rows(
+        self,
+        inp: ModelInput,
+        hidden: torch.Tensor,  # [T, H]
+        pending: PendingStep,
+        grammar: GrammarBitmask | None,
+    ) -> None:
+        """Sampling, then prompt logprobs: in this order on every rank, so their logits
+        collectives pair up also when rank 0 samples later (``grammar_later``)."""
+        if inp.sample_req_ids:
+            self._sample(inp, hidden, pending, grammar)
         if inp.prompt_logprob_rows:
             self._prompt_logprobs(inp, hidden, pending.out)
-        return pending
 
     def _fill_deferred(self, inp: ModelInput) -> None:
         """Input tokens the previous step sampled, copied on the device (no host round trip)."""

@@ -20,7 +20,9 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 TOKENS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
-CHOICE = SamplingParams(temperature=0.0, max_tokens=4, structured_outputs={"choice": ["383"]})
+CHOICE = SamplingParams(  # prompt logprobs: more collectives in its steps, to keep in order
+    temperature=0.0, max_tokens=4, structured_outputs={"choice": ["383"]}, prompt_logprobs=1
+)
 HANG_S = 60.0
 
 
@@ -71,7 +73,7 @@ def test_tp2_greedy_equals_tp1_smollm2():
         assert llm.engine._overlap is not None
         _check_both_sampling_paths(llm, expected)
         # a grammar's step samples after its forward, once rank 0 has filled the mask: the
-        # ranks' collectives (logits gather, token broadcast) still pair up
+        # ranks' collectives (logits gathers, token broadcast) still pair up
         assert _greedy(llm, [GREEDY, CHOICE, GREEDY]) == constrained
     finally:
         llm.engine.shutdown()
