@@ -195,6 +195,13 @@ class SchedulerConfig:
         "Compiled grammars of structured output (JSON schemas, regexes, choices, EBNF) kept "
         "in the engine's LRU cache.",
     )
+    grammar_fill_threads: int = _opt(
+        1,
+        "Threads that fill a step's structured-output token bitmask (the allowed tokens of "
+        "each constrained row). 1: the engine thread fills the rows one after another; more: "
+        "xgrammar's batched fill spreads the rows over that many threads, which pays only "
+        "with idle cores (`python3 -m benchmarks.tools.grammar_fill` measures it).",
+    )
 
 
 @dataclass(frozen=True)
@@ -387,6 +394,7 @@ class EngineConfig:
         )
         _check(s.max_num_seqs is None or s.max_num_seqs > 0, "max_num_seqs must be > 0")
         _check(s.grammar_cache_size >= 1, "grammar_cache_size must be >= 1")
+        _check(s.grammar_fill_threads >= 1, "grammar_fill_threads must be >= 1")
         _check(0.0 < s.long_prefill_fraction <= 1.0, "long_prefill_fraction must be in (0, 1]")
         _check(p.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1")
         _check(p.pipeline_parallel_size >= 1, "pipeline_parallel_size must be >= 1")

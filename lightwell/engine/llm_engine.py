@@ -19,7 +19,7 @@ from lightwell.engine.tokenizer import Tokenizer
 from lightwell.executor import make_executor
 from lightwell.file_checks import check_model_file
 from lightwell.model_files import ModelFiles, resolve_model
-from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
+from lightwell.scheduler.output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from lightwell.scheduler.request import Request
 from lightwell.scheduler.scheduler import Scheduler
 from lightwell.storage.object_store import store_options
@@ -97,7 +97,11 @@ class LLMEngine:
         self.task = resolve_task(self.config.model.task, self.model_info.architecture)
         stops = [t for t in [self.eos_token_id, *self._extra_eos] if t is not None]
         self.structured = StructuredOutputManager(
-            self.tokenizer, self.model_info.vocab_size, stops, s.grammar_cache_size
+            self.tokenizer,
+            self.model_info.vocab_size,
+            stops,
+            s.grammar_cache_size,
+            s.grammar_fill_threads,
         )
         if progress.enabled():
             progress.logger.info("engine ready in %.1f s", time.perf_counter() - t0)
@@ -275,11 +279,15 @@ class LLMEngine:
             runner_out = ModelRunnerOutput()
         return self.finish_step(sched, runner_out)
 
-    def schedule(self) -> SchedulerOutput:
-        """The next step's batch; its new requests' queue time ends now."""
+    def schedule(self, grammar_later: bool = False) -> SchedulerOutput:
+        """The next step's batch; its new requests' queue time ends now. ``grammar_later``: the
+        constrained rows' mask is left to the overlapped loop (``sched.grammar_later``: any)."""
         sched = self.scheduler.schedule()
         if self.structured.active:
-            sched.grammar = self.structured.bitmask(sched, self.scheduler.requests)
+            if grammar_later:
+                sched.grammar_later = bool(self.structured.rows(sched, self.scheduler.requests))
+            else:
+                sched.grammar = self.structured.bitmask(sched, self.scheduler.requests)
         if sched.new_reqs:
             self.output_processor.mark_scheduled([r.req_id for r in sched.new_reqs], time.time())
         return sched
@@ -288,11 +296,21 @@ class LLMEngine:
         self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply a step's tokens: stops, frees, detokenized outputs (and stop-string aborts)."""
+        return self.emit(self.apply_step(sched, runner_out))
+
+    def apply_step(
+        self, sched: SchedulerOutput, runner_out: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """A step's tokens into the scheduler (and the grammars' matchers)."""
         if self._trace is not None:
             self._trace.record(sched, runner_out, self.scheduler)
         core_outputs = self.scheduler.update(sched, runner_out)
         if self.structured.active:
             self.structured.accept(core_outputs)
+        return core_outputs
+
+    def emit(self, core_outputs: list[EngineCoreOutput]) -> list[RequestOutput]:
+        """Applied tokens -> detokenized outputs; stop strings abort their requests."""
         outputs, stopped = self.output_processor.process(core_outputs)
         if stopped:
             self.scheduler.abort_requests(stopped, reason=FinishReason.STOP)

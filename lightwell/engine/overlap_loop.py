@@ -15,10 +15,17 @@ N+1 from the device, so greedy and per-request-seeded tokens are those of the pl
 ``LLMEngine.step`` (unseeded rows draw from one shared random stream, which depends on the
 batch in either loop); a request that stops on EOS or a stop string computes one extra token,
 which ``Scheduler.update`` drops (the request is gone by then, even if its id is reused).
-While a structured-output request is alive the loop runs one step at a time: each step is
-scheduled after the previous one's tokens are applied, since a grammar's token mask depends on
-the token before. The control plane stays torch-free: a launched step is an opaque handle with
-``result()``.
+A grammar's token mask for step N+1 depends on step N's token, which is still on the device
+when N+1 is launched. A step with constrained rows that sample is therefore launched with its
+sampling held back (``grammar_later``): the device runs N+1's forward while the host waits for
+N's tokens, applies them (the matchers accept them) and fills N+1's mask; the sampler then
+takes the mask (a host -> device copy it waits on) and samples. So the mask fill overlaps the
+forward, and the tokens are those of filling the mask before the launch. What does not overlap
+in such a call: the detokenization of N's outputs and the scheduling of N+2 run after N+1's
+sampling is queued, while the device only samples. Executors whose sampling happens in another
+process (pipeline stages: ``defers_sampling`` false) run one step at a time instead while a
+structured-output request is alive. The control plane stays torch-free: a launched step is an
+opaque handle with ``result()`` (and ``sample(grammar)`` when its sampling was held back).
 """
 
 from __future__ import annotations
@@ -44,17 +51,33 @@ class OverlapLoop:
 
     def step(self) -> list[RequestOutput]:
         e = self.engine
-        if self.in_flight and e.structured.active:
-            # A grammar's mask needs the previous token: no step is scheduled past one in flight.
-            done, handle = self.in_flight.popleft()
-            return e.finish_step(done, handle.result())
-        sched = e.schedule()
+        if e.structured.active and not e.executor.defers_sampling:
+            if self.in_flight:  # the mask needs the previous token: one step at a time
+                done, handle = self.in_flight.popleft()
+                return e.finish_step(done, handle.result())
+        sched = e.schedule(grammar_later=e.executor.defers_sampling)
         launched = bool(sched.total_num_scheduled_tokens)
         if launched or sched.finished_req_ids:
-            self.in_flight.append((sched, e.executor.execute_model_async(sched)))
+            handle = e.executor.execute_model_async(sched)
+            if sched.grammar_later:
+                return self._sample_constrained(sched, handle)
+            self.in_flight.append((sched, handle))
         # Keep depth - 1 steps queued behind the one we wait for, unless nothing new could be
         # launched.
         if not self.in_flight or (launched and len(self.in_flight) < self.depth):
             return []
         done, handle = self.in_flight.popleft()
         return e.finish_step(done, handle.result())
+
+    def _sample_constrained(self, sched: SchedulerOutput, handle: Any) -> list[RequestOutput]:
+        """``sched``'s forward is launched: apply the step before it (its tokens arrive while
+        the forward runs), fill ``sched``'s mask, let it sample; then the outputs of the step
+        before. Every step left in flight has sampled."""
+        e = self.engine
+        applied = []
+        while self.in_flight:
+            done, before = self.in_flight.popleft()
+            applied += e.apply_step(done, before.result())
+        handle.sample(e.structured.bitmask(sched, e.scheduler.requests))
+        self.in_flight.append((sched, handle))
+        return e.emit(applied)

@@ -16,6 +16,11 @@ class Executor(Protocol):
     # Launch and return at once: a handle whose result() is the ModelRunnerOutput (the
     # engine's overlapped loop, --async-scheduling).
     def execute_model_async(self, sched: SchedulerOutput) -> Any: ...
+
+    # Whether a step launched with ``sched.grammar_later`` holds its sampling back until the
+    # handle's ``sample(grammar)`` (the sampling rank is this process's worker).
+    defers_sampling: bool
+
     def shutdown(self) -> None: ...
 
 

@@ -64,6 +64,10 @@ class _LocalPending:
     def result(self) -> ModelRunnerOutput:
         return self.executor._run_local(self.pending.result)
 
+    def sample(self, grammar: Any) -> None:
+        """A step launched with ``grammar_later``: rank 0 samples it with this mask."""
+        self.executor._run_local(lambda: self.pending.sample(grammar))
+
 
 class _StageOutput:
     """A step launched into the pipeline: ``result()`` waits for the last stage's output
@@ -83,6 +87,8 @@ def free_port() -> int:
 
 
 class MultiprocExecutor:
+    defers_sampling = False  # set once the ranks are up: whether rank 0 samples
+
     def __init__(self, config: EngineConfig) -> None:
         import torch.multiprocessing as mp
 
@@ -110,6 +116,7 @@ class MultiprocExecutor:
             # pipeline stages: the last stage's tensor rank 0 samples and returns the output
             out_rank = (par.pipeline_parallel_size - 1) * par.tensor_parallel_size
             self.output_conn = self.conns[out_rank - 1] if out_rank > 0 else None
+            self.defers_sampling = self.output_conn is None  # rank 0 samples, in this process
             threading.Thread(target=self._watch, name="lightwell-monitor", daemon=True).start()
             self.worker = self._run_local(lambda: _make_worker(config, init_method))
             for conn in self.conns:

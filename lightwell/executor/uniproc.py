@@ -8,11 +8,13 @@ import torch
 
 from lightwell.config import EngineConfig
 from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
-from lightwell.worker.model_runner import PendingStep
+from lightwell.worker.pending_step import PendingStep
 from lightwell.worker.worker import ModelInfo, Worker
 
 
 class UniProcExecutor:
+    defers_sampling = True  # the worker samples in this process
+
     def __init__(self, config: EngineConfig) -> None:
         self.worker = Worker(config, rank=0)
 

@@ -55,6 +55,9 @@ class SchedulerOutput:
     step_id: int = -1
     # Structured output: the allowed tokens of the constrained rows that sample this step.
     grammar: GrammarBitmask | None = None
+    # Async scheduling: the step has constrained rows whose mask is filled after its launch
+    # (the driver's sampler waits for it: ``PendingStep.sample``).
+    grammar_later: bool = False
 
     @property
     def is_empty(self) -> bool:

@@ -229,5 +229,9 @@ def _chunk(ctx: ServingContext, state: _StreamState, choices: list, use: Any) ->
     if not state.include_usage:
         data.pop("usage")
     for choice in data["choices"]:
-        choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+        choice["delta"] = delta = {k: v for k, v in choice["delta"].items() if v is not None}
+        for call in delta.get("tool_calls", []):  # as OpenAI: a piece carries only what is new
+            for k in [k for k, v in call.items() if v is None]:
+                del call[k]
+            call["function"] = {k: v for k, v in call["function"].items() if v is not None}
     return sse(json.dumps(data, separators=(",", ":"), ensure_ascii=False))

@@ -1,6 +1,7 @@
 """Tool calling for /v1/chat/completions: the tools the chat template sees, the JSON schema that
 constrains ``tool_choice`` required / a named function (so arguments always parse), and the
-model's text turned into OpenAI ``tool_calls``, whole or as streamed deltas.
+model's text turned into OpenAI ``tool_calls``, whole or as streamed deltas (each call's head as
+soon as its name is known, then its arguments as they are generated).
 
 - ``none``: no tools in the prompt, plain text out.
 - ``auto``: the tools are in the prompt; the output is parsed by the server's tool-call parser
@@ -13,7 +14,6 @@ model's text turned into OpenAI ``tool_calls``, whole or as streamed deltas.
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +25,14 @@ from lightwell.server.protocol_tools import (
     FunctionCall,
     ToolCall,
 )
-from lightwell.server.tool_parsers import ParsedOutput, ParsedToolCall, choose_parser
+from lightwell.server.tool_parsers import (
+    ParsedOutput,
+    ParsedToolCall,
+    RequiredSplitter,
+    Splitter,
+    choose_parser,
+    parse_with,
+)
 from lightwell.types import StructuredOutputs
 
 _ANY_OBJECT = {"type": "object"}
@@ -92,16 +99,8 @@ def parse_output(setup: ToolSetup, text: str) -> ParsedOutput:
     """The finished text of one choice as content and tool calls."""
     if setup.mode == "named":
         return ParsedOutput(None, [ParsedToolCall(setup.function or "", text)])
-    if setup.mode == "required":
-        try:
-            items = json.loads(text)
-            calls = [
-                ParsedToolCall(i["name"], json.dumps(i["parameters"], ensure_ascii=False))
-                for i in items
-            ]
-        except (ValueError, TypeError, KeyError):  # cut short by max_tokens
-            return ParsedOutput(text)
-        return ParsedOutput(None, calls)
+    if setup.mode == "required":  # cut short by max_tokens: the text as content
+        return parse_with(RequiredSplitter(), text)
     if setup.mode == "auto" and setup.parser is not None:
         parsed = setup.parser.parse(text)
         if setup.single:
@@ -132,40 +131,63 @@ def finish_reason(setup: ToolSetup, parsed: ParsedOutput, reason: str | None) ->
 
 @dataclass
 class ToolStream:
-    """One streamed choice: text deltas -> content deltas and ``tool_calls`` deltas. Content
-    streams as it comes until a parser's start marker may have begun (held back from then);
-    the calls are sent when the choice finishes (named: the arguments stream as they come)."""
+    """One streamed choice: text deltas -> content deltas and ``tool_calls`` deltas, as OpenAI
+    streams them. Content streams until a call may have begun (a marker's possible beginning is
+    held back); a call's head (``index``, ``id``, ``type``, ``function.name``) goes out once its
+    name is complete, then its arguments as the model writes them. The arguments streamed add up
+    to those of the whole answer; a call whose JSON turns out malformed after its name went out
+    stays as sent (the whole answer would give the text as content instead)."""
 
     setup: ToolSetup
     sent: int = 0  # characters of the text sent as content (or, named, as arguments)
     call_id: str = field(default_factory=new_call_id)
     parsed: ParsedOutput | None = None  # set when the choice finished
+    splitter: Splitter | None = None
+    args_sent: list[int] = field(default_factory=list)  # per call whose head went out
+
+    def __post_init__(self) -> None:
+        if self.setup.mode == "required":
+            self.splitter = RequiredSplitter()
+        elif self.setup.mode == "auto" and self.setup.parser is not None:
+            self.splitter = self.setup.parser.splitter()
 
     def delta(self, text: str, finished: bool) -> tuple[str | None, list[DeltaToolCall] | None]:
         """(content delta, tool-call deltas) for the choice's text so far."""
         if self.setup.mode == "named":
             return None, self._named(text)
-        if not finished:
-            end = self._safe_end(text)
-            content, self.sent = text[self.sent : end], max(self.sent, end)
-            return content or None, None
-        self.parsed = parse_output(self.setup, text)
-        if not self.parsed.tool_calls:
+        sp = self.splitter
+        if sp is None:
             content, self.sent = text[self.sent :], len(text)
             return content or None, None
-        head = self._before_calls(text)
-        content = text[self.sent : head] if head > self.sent else None
-        self.sent = len(text)
-        deltas = [
-            DeltaToolCall(
-                index=i,
-                id=new_call_id(),
-                type="function",
-                function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
-            )
-            for i, c in enumerate(self.parsed.tool_calls)
-        ]
-        return content or None, deltas
+        sp.feed(text)
+        if finished:
+            sp.finish(text)
+            self.parsed = parse_output(self.setup, text)
+        calls = self._calls(text, sp)
+        end = sp.content_hold(text)
+        if finished and not self.parsed.tool_calls and not self.args_sent:
+            end = len(text)  # no call after all: the held-back text is content
+        content = text[self.sent : end] if end > self.sent else None
+        self.sent = max(self.sent, end)
+        return content or None, calls or None
+
+    def _calls(self, text: str, sp: Splitter) -> list[DeltaToolCall]:
+        out = []
+        for i, call in enumerate(sp.calls[: 1 if self.setup.single else None]):
+            name = None
+            if i == len(self.args_sent):  # its head has not gone out
+                name = call.name(text)
+                if name is None:
+                    break
+                self.args_sent.append(0)
+            args = call.arguments(text)
+            new, self.args_sent[i] = args[self.args_sent[i] :], len(args)
+            if name is not None:
+                fn = DeltaFunctionCall(name=name, arguments=new)
+                out.append(DeltaToolCall(index=i, id=new_call_id(), type="function", function=fn))
+            elif new:
+                out.append(DeltaToolCall(index=i, function=DeltaFunctionCall(arguments=new)))
+        return out
 
     def _named(self, text: str) -> list[DeltaToolCall] | None:
         new, first = text[self.sent :], self.sent == 0 and self.call_id != ""
@@ -177,33 +199,3 @@ class ToolStream:
             fn = DeltaFunctionCall(name=self.setup.function, arguments=new)
             return [DeltaToolCall(index=0, id=call_id, type="function", function=fn)]
         return [DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=new))]
-
-    def _safe_end(self, text: str) -> int:
-        """Where content may be sent up to: before any start of a tool call (or its prefix)."""
-        if self.setup.mode == "required":
-            return 0  # the whole output is the calls
-        parser = self.setup.parser
-        if parser is None:
-            return len(text)
-        if parser.name == "llama3_json":  # calls are the whole output, if any
-            head = text.lstrip()
-            return 0 if not head or "{<".startswith(head[0]) or head[0] in "{<" else len(text)
-        return _before_markers(text, parser.start_markers)
-
-    def _before_calls(self, text: str) -> int:
-        parser = self.setup.parser
-        if self.setup.mode != "auto" or parser is None or parser.name == "llama3_json":
-            return 0
-        found = [text.find(m) for m in parser.start_markers if m in text]
-        return min(found) if found else len(text)
-
-
-def _before_markers(text: str, markers: tuple[str, ...]) -> int:
-    """The first marker's position, else the length minus a tail that could begin one."""
-    found = [text.find(m) for m in markers if m in text]
-    if found:
-        return min(found)
-    for cut in range(max(len(m) for m in markers) - 1, 0, -1):
-        if any(m.startswith(text[-cut:]) for m in markers) and len(text) >= cut:
-            return len(text) - cut
-    return len(text)

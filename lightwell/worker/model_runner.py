@@ -21,7 +21,7 @@ from lightwell.scheduler.output import GrammarBitmask, ModelRunnerOutput, Schedu
 from lightwell.worker import context_parallel
 from lightwell.worker.cuda_graph import CudaGraphRunner
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
-from lightwell.worker.logprobs import to_token_logprobs
+from lightwell.worker.pending_step import PendingStep
 from lightwell.worker.pipeline_stage import PipelineStage
 from lightwell.worker.pooling import Pooler, take_pooled
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
@@ -29,45 +29,6 @@ from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_gr
 from lightwell.worker.structured_output import grammar_mask
 
 logger = logging.getLogger(__name__)
-
-
-class PendingStep:
-    """A launched step: its output once the sampled tokens have reached the host."""
-
-    def __init__(self, out: ModelRunnerOutput) -> None:
-        self.out = out
-        self.req_ids: list[str] = []
-        # On the host (pinned on CUDA): the tokens [S], then the logprob tensors if any.
-        self.host: list[torch.Tensor] = []
-        self.num_logprobs: list[int | None] | None = None
-        self.event: torch.cuda.Event | None = None
-
-    def set_tokens(self, req_ids: list[str], result: SamplerOutput) -> None:
-        """Start copying the sampled tokens (and logprobs) to the host, without waiting."""
-        self.req_ids, self.num_logprobs = req_ids, result.num_logprobs
-        tensors = [result.token_ids, *(result.logprob_tensors or ())]
-        if result.token_ids.device.type != "cuda":
-            self.host = tensors
-            return
-        self.host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for dst, src in zip(self.host, tensors):
-            dst.copy_(src, non_blocking=True)
-        self.event = torch.cuda.Event()
-        self.event.record()
-
-    def result(self) -> ModelRunnerOutput:
-        if self.host:
-            if self.event is not None:
-                self.event.synchronize()
-            for req_id, token in zip(self.req_ids, self.host[0].tolist()):
-                self.out.sampled_token_ids[req_id] = [token]
-            if len(self.host) > 1:
-                rows = to_token_logprobs(*self.host[1:], self.num_logprobs)
-                for req_id, row in zip(self.req_ids, rows):
-                    if row is not None:
-                        self.out.logprobs[req_id] = [row]
-            self.host = []
-        return self.out
 
 
 class ModelRunner:
@@ -218,11 +179,26 @@ class ModelRunner:
         if any(self.batch.requests[r].sampling_params.pooling for r in inp.req_ids):
             pooled = self.pooler.step(inp, hidden, self.batch.requests)
             take_pooled(inp, pooled, pending.out if self.is_driver else None, self.batch.requests)
+        rows = functools.partial(self._sample_rows, inp, hidden, pending)
+        if inp.sample_req_ids and sched.grammar_later and self.is_driver:
+            pending.deferred = rows  # run by ``pending.sample``, which brings the mask
+        else:
+            rows(sched.grammar)
+        return pending
+
+    def _sample_rows(
+        self,
+        inp: ModelInput,
+        hidden: torch.Tensor,  # [T, H]
+        pending: PendingStep,
+        grammar: GrammarBitmask | None,
+    ) -> None:
+        """Sampling, then prompt logprobs: in this order on every rank, so their logits
+        collectives pair up also when rank 0 samples later (``grammar_later``)."""
         if inp.sample_req_ids:
-            self._sample(inp, hidden, pending, sched.grammar)
+            self._sample(inp, hidden, pending, grammar)
         if inp.prompt_logprob_rows:
             self._prompt_logprobs(inp, hidden, pending.out)
-        return pending
 
     def _fill_deferred(self, inp: ModelInput) -> None:
         """Input tokens the previous step sampled, copied on the device (no host round trip)."""

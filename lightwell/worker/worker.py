@@ -17,7 +17,7 @@ from lightwell.scheduler.output import ModelRunnerOutput, SchedulerOutput
 from lightwell.storage.object_store import store_options
 
 if TYPE_CHECKING:
-    from lightwell.worker.model_runner import PendingStep
+    from lightwell.worker.pending_step import PendingStep
 
 logger = logging.getLogger(__name__)
 

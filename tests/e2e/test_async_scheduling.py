@@ -91,10 +91,11 @@ def test_abort_with_steps_in_flight(engines):
     assert engine.scheduler.num_free_blocks == engine.num_kv_blocks
 
 
-def test_constrained_requests_under_preemption_in_both_loops(engines):
+def test_constrained_requests_under_preemption_in_both_loops(engines, monkeypatch):
     """JSON-schema requests (greedy, seeded n=2) beside free ones, in a cache that preempts:
-    each matcher follows its request through recomputation, the overlapped loop runs them one
-    step at a time and gives the plain loop's tokens, and every constrained output validates."""
+    each matcher follows its request through recomputation, the overlapped loop keeps a step in
+    flight while it fills the next one's mask and gives the plain loop's tokens, and every
+    constrained output validates."""
     import json
 
     import jsonschema
@@ -115,6 +116,14 @@ def test_constrained_requests_under_preemption_in_both_loops(engines):
     # ~55-token prompts: 5 sequences cannot all keep their blocks in 12 x 16 slots
     prompts = [f"{p} {' '.join(CHAT_PROMPTS[:3])} JSON." for p in ("One", "Two", "3", "4")]
     plain, piped = engines
+    loop, overlapped = piped.engine._overlap, []
+    held = loop._sample_constrained
+
+    def sample_constrained(sched, handle):
+        overlapped.append(bool(loop.in_flight))  # the step before is still to be applied
+        return held(sched, handle)
+
+    monkeypatch.setattr(loop, "_sample_constrained", sample_constrained)
     before = [llm.engine.stats().num_preemptions for llm in engines]
     want = plain.chat(_chats(prompts), params, use_tqdm=False)
     got = piped.chat(_chats(prompts), params, use_tqdm=False)
@@ -125,6 +134,7 @@ def test_constrained_requests_under_preemption_in_both_loops(engines):
         for c in o.outputs:
             jsonschema.validate(json.loads(c.text), schema)
     assert got[3].outputs[0].text in ("A", "B")
+    assert sum(overlapped) > 20  # masks filled with the forward launched and a step in flight
     for llm in engines:
         assert not llm.engine.structured.matchers and not llm.engine.has_unfinished_requests()
         assert llm.engine.scheduler.num_free_blocks == llm.engine.num_kv_blocks

@@ -135,3 +135,12 @@ def test_invalid_request_id_replaced_and_disconnect_counted(server):
             break
         time.sleep(0.2)
     assert now == before + 1
+
+
+def test_auto_tool_choice_without_a_parser_is_a_400(server):
+    """SmolLM2's chat template names no tool-call format and this server sets no parser."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [tool]}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and "needs a tool-call parser" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "tool_choice"

@@ -1,7 +1,7 @@
 """`lightwell serve` end to end on 127.0.0.1 with the official openai SDK and the SmolLM2 model.
 
-One server subprocess for the module (1 torch thread, API key set), once with the plain step loop
-and once with --async-scheduling; max_tokens stay small.
+One server subprocess for the module (1 torch thread, API key set, the hermes tool-call parser),
+once with the plain step loop and once with --async-scheduling; max_tokens stay small.
 The last test sends SIGTERM and checks the graceful shutdown.
 """
 
@@ -92,7 +92,7 @@ class Server:
 @pytest.fixture(scope="module", params=[(), ("--async-scheduling",)], ids=["plain", "async"])
 def server(request):
     """Every test runs against the plain step loop and the overlapped one."""
-    srv = Server(*request.param)
+    srv = Server("--tool-call-parser", "hermes", *request.param)
     try:
         srv.wait_ready()
         yield srv
@@ -478,12 +478,12 @@ TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"typ
 
 
 def _tool_chat(client, **kw):
+    kw.setdefault("max_tokens", 40)
     return client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
         tools=[WEATHER, TIME],
         temperature=0.0,
-        max_tokens=40,
         **kw,
     )
 
@@ -520,15 +520,36 @@ def test_required_tool_choice_and_history_with_tool_messages(client):
         model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=8
     )
     assert follow.choices[0].message.content and not follow.choices[0].message.tool_calls
-    streamed = [c for c in _tool_chat(client, tool_choice="required", stream=True) if c.choices]
-    calls = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
-    assert calls and all(d.id and d.function.name for d in calls)
+    kw = {"tool_choice": "required", "parallel_tool_calls": False, "stream": True}
+    streamed = [c for c in _tool_chat(client, **kw) if c.choices]
+    head, *rest = [d for c in streamed for d in (c.choices[0].delta.tool_calls or [])]
+    assert head.id and head.function.name == call.function.name and rest
+    assert all(d.index == 0 and d.id is None for d in rest)  # the arguments as they come
+    args = head.function.arguments + "".join(d.function.arguments for d in rest)
+    assert args == call.function.arguments
     assert streamed[-1].choices[0].finish_reason == "tool_calls"
 
 
-def test_auto_tool_choice_without_a_parser_is_a_400(client):
-    with pytest.raises(openai.BadRequestError, match="needs a tool-call parser"):
-        _tool_chat(client)
+# The model's text is forced by a regex into content and one hermes call, so auto's parser has a
+# call to read (two parallel calls and every parser: tests/unit/test_tool_calls.py).
+_ONE_CALL = r'Hi<tool_call>\{"name": "get_time", "arguments": \{"tz": "UTC"\}\}</tool_call>'
+
+
+def test_auto_tool_call_streams_its_head_then_argument_pieces(server, client):
+    if "--async-scheduling" in server.proc.args:
+        pytest.skip("the server's streaming is the same over either loop: once is enough")
+    kw = {"extra_body": {"guided_regex": _ONE_CALL}, "max_tokens": 80, "stream": True}
+    chunks = [c.choices[0] for c in _tool_chat(client, **kw) if c.choices]
+    content = "".join(ch.delta.content or "" for ch in chunks)
+    (head, *rest), at = zip(
+        *[(d, n) for n, ch in enumerate(chunks) for d in ch.delta.tool_calls or []]
+    )
+    assert content == "Hi" and chunks[-1].finish_reason == "tool_calls"
+    assert head.index == 0 and head.id.startswith("call_") and head.function.name == "get_time"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in rest)
+    pieces = [head.function.arguments, *(d.function.arguments for d in rest)]
+    assert "".join(pieces) == '{"tz": "UTC"}' and len([p for p in pieces if p]) > 2
+    assert at[0] < at[-1] < len(chunks)  # the head went out before the arguments were done
 
 
 # ---- /v1/responses -------------------------------------------------------------------------------

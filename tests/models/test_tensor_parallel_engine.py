@@ -20,6 +20,9 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 TOKENS = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
+CHOICE = SamplingParams(  # prompt logprobs: more collectives in its steps, to keep in order
+    temperature=0.0, max_tokens=4, structured_outputs={"choice": ["383"]}, prompt_logprobs=1
+)
 HANG_S = 60.0
 
 
@@ -51,6 +54,7 @@ def _check_both_sampling_paths(llm: LLM, expected: list[list[int]]) -> None:
 def test_tp2_greedy_equals_tp1_smollm2():
     ref = LLM(num_threads=1)
     expected = _greedy(ref)
+    constrained = _greedy(ref, [GREEDY, CHOICE, GREEDY])
     ref.engine.shutdown()
     # A 16-token budget: prompts are prefilled in chunks mixed with the others' decodes.
     llm = LLM(tensor_parallel_size=2, num_threads=1, max_num_batched_tokens=16)
@@ -68,6 +72,9 @@ def test_tp2_greedy_equals_tp1_smollm2():
     try:
         assert llm.engine._overlap is not None
         _check_both_sampling_paths(llm, expected)
+        # a grammar's step samples after its forward, once rank 0 has filled the mask: the
+        # ranks' collectives (logits gathers, token broadcast) still pair up
+        assert _greedy(llm, [GREEDY, CHOICE, GREEDY]) == constrained
     finally:
         llm.engine.shutdown()
 

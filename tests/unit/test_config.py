@@ -23,6 +23,7 @@ def test_unknown_option_is_named():
         ({"dtype": "float64"}, "float64"),
         ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
+        ({"grammar_fill_threads": 0}, "grammar_fill_threads must be >= 1"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ],
 )

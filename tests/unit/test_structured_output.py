@@ -125,3 +125,36 @@ def test_unpack_and_apply_match_xgrammar():
     xgr.apply_token_bitmask_inplace(want, full, indices=[3, 0])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     assert torch.isinf(got[3]).sum() == (~allowed[0]).sum() and torch.equal(got[1], logits[1])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_manager_fills_the_sampling_rows_of_a_batch_into_one_buffer(cache, threads):
+    from types import SimpleNamespace
+
+    from lightwell.scheduler.output import SchedulerOutput
+    from lightwell.structured.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(None, 40, [EOS], fill_threads=threads)
+    manager._cache = cache  # the tiny vocab's grammars (no tokenizer here)
+    spec = {"structured_outputs": {"choice": ["ab", "a1", "yes"]}}
+    for r in ("a", "b", "prefill"):
+        manager.add(r, SamplingParams(**spec))
+    manager.accept([SimpleNamespace(req_id="b", new_token_ids=[3], finished=False)])
+    done = SimpleNamespace(num_computed_tokens=5, num_tokens=5)
+    requests = {"a": done, "b": done, "free": done, "prefill": SimpleNamespace(
+        num_computed_tokens=2, num_tokens=5)}  # fmt: skip
+    sched = SchedulerOutput([], [], {"free": 1, "b": 1, "prefill": 2, "a": 1}, 5)
+    grammar = manager.bitmask(sched, requests)
+    assert grammar.req_ids == ["b", "a"]  # constrained rows that sample, in batch order
+    want = xgr.allocate_token_bitmask(2, 40).numpy()
+    for g, r in enumerate(grammar.req_ids):
+        manager.matchers[r].fill_next_token_bitmask(want, g)
+    assert np.array_equal(grammar.bitmask, want)
+    assert _allowed_rows(grammar.bitmask) == [{4, 6}, {3, 10}]  # after "a"; "a" or "yes"
+    again = manager.bitmask(SchedulerOutput([], [], {"a": 1}, 1), requests)
+    assert np.shares_memory(again.bitmask, grammar.bitmask)  # one buffer across steps
+
+
+def _allowed_rows(mask) -> list[set]:
+    bits = unpack_bitmask(torch.from_numpy(np.ascontiguousarray(mask)), 40)
+    return [set(np.flatnonzero(row.numpy())) for row in bits]

@@ -16,7 +16,7 @@ from lightwell.server.serving_tools import (
     tool_constraint,
     tool_setup,
 )
-from lightwell.server.tool_parsers import PARSERS, choose_parser
+from lightwell.server.tool_parsers import PARSERS, ParsedOutput, choose_parser
 
 WEATHER = {
     "type": "function",
@@ -202,17 +202,110 @@ def test_stream_named_sends_the_head_once_then_argument_deltas():
     assert second.function.arguments == ": 1}" and second.function.name is None
 
 
-def test_stream_auto_holds_back_a_possible_tag_and_sends_calls_at_the_end():
+def test_stream_auto_holds_back_a_possible_tag_and_streams_the_call():
     setup = ToolSetup("auto", PARSERS["hermes"])
     pieces = [
         "Let me",
         " look.<tool",
         '_call>{"name": "get_time", ',
-        '"arguments": {}}</tool_call>',
+        '"arguments": {"tz": ',
+        '"UTC"}}</tool_call>',
     ]
     out = _run(ToolStream(setup), pieces)
-    assert [c for c, _ in out] == ["Let me", " look.", None, None]
-    (call,) = out[-1][1]
-    assert call.function.name == "get_time" and call.function.arguments == "{}"
+    assert [c for c, _ in out] == ["Let me", " look.", None, None, None]
+    assert out[1][1] is None
+    (head,) = out[2][1]  # the head as soon as the name is complete
+    assert head.index == 0 and head.id.startswith("call_") and head.type == "function"
+    assert head.function.name == "get_time" and head.function.arguments == ""
+    assert [d.function.arguments for _, calls in out[3:] for d in calls] == ['{"tz": ', '"UTC"}']
+    assert all(d.id is None and d.function.name is None for _, calls in out[3:] for d in calls)
     plain = _run(ToolStream(setup), ["Just <b>", "text"])
     assert "".join(c or "" for c, _ in plain) == "Just <b>text" and plain[-1][1] is None
+
+
+# Two parallel calls per format, with arguments that split badly: braces, quotes and escapes
+# inside strings, nesting, non-ASCII, a scalar last.
+_ARGS = '{"q": "a}b{\\"c\\"]", "n": [1, {"x": null}], "s": "é\\\\", "t": true}'
+_STREAMED = {
+    "hermes": f'Checking.\n<tool_call>\n{{"name": "get_weather", "arguments": {_ARGS}}}\n'
+    '</tool_call>\n<tool_call>{"arguments": {}, "name": "get_time"}</tool_call>',
+    "llama3_json": f'<|python_tag|>{{"name": "get_weather", "parameters": {_ARGS}}}; '
+    '{"name": "get_time"}',
+    "mistral": f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {_ARGS}}}, '
+    '{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}]',
+    "mistral_args": f"Sure. [TOOL_CALLS]get_weather[ARGS]{_ARGS}[TOOL_CALLS]get_time[ARGS]{{}}",
+    "required": f'[{{"name": "get_weather", "parameters": {_ARGS}}},\n {{"name": "get_time", '
+    '"parameters": {"tz": 5}}]',
+}
+
+
+def _setup(fmt: str) -> ToolSetup:
+    if fmt == "required":
+        return ToolSetup("required")
+    return ToolSetup("auto", PARSERS[fmt.removesuffix("_args")])
+
+
+def _assemble(out):
+    """The streamed deltas as OpenAI clients merge them: content, and per index id/name/args."""
+    content, calls = "", {}
+    for text, deltas in out:
+        content += text or ""
+        for d in deltas or []:
+            if d.id is not None:
+                assert d.index not in calls and d.index == len(calls)
+                calls[d.index] = [d.id, d.function.name, ""]
+            calls[d.index][2] += d.function.arguments or ""
+    return content, [(name, args) for _, name, args in calls.values()]
+
+
+@pytest.mark.parametrize("fmt", list(_STREAMED))
+@pytest.mark.parametrize("chunk", [1, 2, 3, 7, 1000])
+def test_streamed_arguments_add_up_to_the_parsed_ones(fmt, chunk):
+    text = _STREAMED[fmt]
+    whole = parse_output(_setup(fmt), text)
+    assert [c.name for c in whole.tool_calls] == ["get_weather", "get_time"]
+    assert json.loads(whole.tool_calls[0].arguments) == json.loads(_ARGS)
+    stream = ToolStream(_setup(fmt))
+    out = _run(stream, [text[i : i + chunk] for i in range(0, len(text), chunk)])
+    content, calls = _assemble(out)
+    assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
+    assert content.strip() == (whole.content or "")
+    assert not any(m in content for m in ("<tool", "[TOOL", "<|python", "{"))
+    assert stream.parsed.tool_calls == whole.tool_calls
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "mistral_args", "required"])
+def test_call_heads_and_arguments_stream_before_the_text_ends(fmt):
+    text = _STREAMED[fmt]
+    cut = text.index('"s"')  # inside the first call's arguments
+    out = _run(ToolStream(_setup(fmt)), [text[:cut], text[cut:]])
+    (head,) = out[0][1]
+    assert head.function.name == "get_weather" and head.index == 0
+    assert head.function.arguments.startswith("{") and head.function.arguments.endswith(", ")
+
+
+@pytest.mark.parametrize(
+    "fmt,text",
+    [
+        ("hermes", 'Hi <tool_call>{"name": "f", "arguments": {"a": }</tool_call>'),
+        ("hermes", "Hi <tool_call>not json</tool_call>"),
+        ("llama3_json", '{"x": 1} and more'),
+        ("mistral", "[TOOL_CALLS]f[ARGS]{} trailing"),
+        ("hermes", '<tool_call>{"name": "bad\\x", "arguments": {}}</tool_call>'),
+        ("required", '[{"name": "f", "parameters": {"a": [}}]'),
+    ],
+)
+def test_malformed_calls_are_content_whole_and_without_a_head_streamed(fmt, text):
+    assert parse_output(_setup(fmt), text) == ParsedOutput(text)
+    out = _run(ToolStream(_setup(fmt)), list(text))
+    content, calls = _assemble(out)
+    if not calls:
+        assert content == text
+
+
+def test_parallel_tool_calls_false_streams_only_the_first_call():
+    setup = ToolSetup("auto", PARSERS["hermes"], single=True)
+    text = _STREAMED["hermes"]
+    _, calls = _assemble(_run(ToolStream(setup), list(text)))
+    assert calls == [(c.name, c.arguments) for c in parse_output(setup, text).tool_calls]
+    assert len(calls) == 1
