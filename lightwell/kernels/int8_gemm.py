@@ -55,9 +55,9 @@ def _int8_gemm_kernel(
     sb = tl.load(sb_ptr + rn, mask=rn < N, other=0.0)
     out = acc.to(tl.float32) * sa[:, None] * sb[None, :]
     out = out.to(out_ptr.dtype.element_ty)
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0)
-        out = out + bias[None, :]  # in the output dtype, as ``out + bias`` after the GEMM
+    if HAS_BIAS:  # rounded to the output dtype, then added in fp32: torch's ``out + bias``
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        out = (out.to(tl.float32) + bias[None, :]).to(out_ptr.dtype.element_ty)
     o_mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :], out, o_mask)
 
