@@ -76,7 +76,7 @@ def quantize_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] int8, [T, 1] float32)
     """Per-token (or one static scale) int8 quantization: one Triton launch on CUDA
     (bit-identical to the torch code below, the CPU path and the reference)."""
-    if x.is_cuda and x.stride(1) == 1:
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
         from lightwell.kernels.act_quant import act_quant
 
         return act_quant(x, torch.int8, static_scale)
