@@ -3,7 +3,9 @@ a 16/32-bit checkpoint), and W8A8 (int8 weights and per-token dynamic or static 
 activations, as compressed-tensors' SmoothQuant/W8A8 checkpoints store them).
 
 Weight-only: ``w = q * scale[n]``, ``q = round(w / scale)``, ``scale = max|w[n, :]| / 127``.
-W8A8: ``y = (qx @ qw.T) * sx[t] * sw[n]`` with an exact int32 accumulation (``torch._int_mm``).
+W8A8: ``y = (qx @ qw.T) * sx[t] * sw[n]`` with an exact int32 accumulation: on CUDA one Triton
+GEMM with the scales and bias in its epilogue (kernels/int8_gemm.py) when K % 16 == 0, else
+``torch._int_mm`` then the scaling in torch (also the CPU path and the reference).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ def quantize_activations(
     x: torch.Tensor,  # [T, K]
     static_scale: torch.Tensor | None,  # [] or None: dynamic per-token scales
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] int8, [T, 1] float32)
+    """Per-token (or one static scale) int8 quantization: one Triton launch on CUDA
+    (bit-identical to the torch code below, the CPU path and the reference)."""
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
+        from lightwell.kernels.act_quant import act_quant
+
+        return act_quant(x, torch.int8, static_scale)
     if static_scale is None:
         amax = x.abs().amax(dim=1, keepdim=True).float()
         scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
@@ -89,6 +97,10 @@ def int8_w8a8_linear(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [T, N]
     qx, sx = quantize_activations(x, input_scale)
+    if x.is_cuda and x.shape[1] % 16 == 0:
+        from lightwell.kernels.int8_gemm import int8_gemm
+
+        return int8_gemm(qx, weight, sx, weight_scale, x.dtype, bias)
     if x.is_cuda and (qx.shape[0] <= 16 or qx.shape[1] % 8 or weight.shape[0] % 8):
         acc = (qx.float() @ weight.float().t()).to(torch.int32)  # _int_mm's CUDA limits
     else:

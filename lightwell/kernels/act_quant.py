@@ -1,0 +1,117 @@
+"""Per-token (row) activation quantization in one launch: fp8 e4m3 or int8, dynamic or static.
+
+One program per row walks K twice in ``BLOCK`` chunks: amax of ``|x|`` (dynamic), then
+``q = x / scale`` saturated (fp8: to +-448; int8: rounded to nearest even, clamped to
+[-128, 127]). Dynamic ``scale = amax / QMAX`` (1 for an all-zero row); static: the given scalar.
+The division is IEEE round-to-nearest and the fp8 rounding to nearest even is done in fp32, so
+``q`` and ``scale`` equal the torch references
+(``quantize_fp8`` in quant/fp8.py, ``quantize_activations`` in quant/int8.py) bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+
+
+@triton.jit
+def _act_quant_kernel(
+    x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q,
+    QMAX: tl.constexpr, IS_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        top = tl.max(amax, axis=0)
+        scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
+    tl.store(s_ptr + row, scale)
+    for k0 in range(0, K, BLOCK):
+        mask = k0 + cols < K
+        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        if IS_INT8:
+            # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
+            y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)
+            q = _rint(y).to(tl.int8)
+        else:
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            q = _round_e4m3(y).to(tl.float8e4nv)  # exact: y is on the e4m3 grid now
+        tl.store(q_ptr + row * stride_q + k0 + cols, q, mask=mask)
+
+
+@triton.jit
+def _rint(y):
+    """Round half to even of |y| <= 2**22: adding and subtracting 1.5 * 2**23 leaves no
+    fraction bits, and the fp32 add rounds to nearest even."""
+    magic = 12582912.0
+    return (y + magic) - magic
+
+
+@triton.jit
+def _round_e4m3(y):
+    """|y| <= 448 rounded to nearest even on the e4m3 grid (3 mantissa bits, subnormal step
+    2**-9), in fp32. The hardware conversion rounds the same way; doing it here keeps the
+    interpreter (whose conversion does not) exact too."""
+    bits = y.to(tl.uint32, bitcast=True)
+    exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, -6)  # the binade, >= 2**-6
+    step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(exp - 3)
+    inv = ((3 - exp + 127) << 23).to(tl.float32, bitcast=True)  # 1 / step
+    r = _rint(y * inv) * step  # both products exact: powers of two
+    sign = bits & 0x80000000  # keep it: a small negative value rounds to -0, as the hardware's
+    return (r.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+
+
+def act_quant(
+    x: torch.Tensor,  # [T, K] fp32/fp16/bf16, last dim contiguous
+    out_dtype: torch.dtype,  # torch.float8_e4m3fn or torch.int8
+    static_scale: torch.Tensor | None = None,  # one element, or None: dynamic per row
+    block: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] out_dtype, [T, 1] float32)
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"act_quant: x must be 2-D with a contiguous last dim, got {x.shape}")
+    if out_dtype not in (torch.float8_e4m3fn, torch.int8):
+        raise ValueError(f"act_quant: out_dtype must be float8_e4m3fn or int8, got {out_dtype}")
+    if static_scale is not None and static_scale.numel() != 1:
+        raise ValueError(f"act_quant: static scale must have one element, got {static_scale.shape}")
+    t, k = x.shape
+    q = torch.empty((t, k), dtype=out_dtype, device=x.device)
+    scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
+    if t == 0:
+        return q, scale
+    is_int8 = out_dtype == torch.int8
+    static = scale if static_scale is None else static_scale.reshape(1).float()
+    block = max(16, min(block, triton.next_power_of_2(k)))
+    _act_quant_kernel[(t,)](
+        x, q, scale, static, k, x.stride(0), q.stride(0),
+        QMAX=INT8_MAX if is_int8 else FP8_MAX, IS_INT8=is_int8,
+        STATIC=static_scale is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
+    )  # fmt: skip
+    return q, scale
+
+
+def act_quant_ref(
+    x: torch.Tensor,  # [T, K]
+    out_dtype: torch.dtype,
+    static_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] out_dtype, [T, 1] float32)
+    """The torch reference (the same ops as quant/fp8.py's and quant/int8.py's CPU paths)."""
+    qmax = INT8_MAX if out_dtype == torch.int8 else FP8_MAX
+    if static_scale is None:
+        amax = x.abs().amax(dim=1, keepdim=True).float()
+        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    else:
+        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    y = x.float() / scale
+    if out_dtype == torch.int8:
+        return torch.round(y).clamp(-qmax - 1, qmax).to(torch.int8), scale
+    return y.clamp(-qmax, qmax).to(out_dtype), scale

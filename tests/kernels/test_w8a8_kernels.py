@@ -1,0 +1,118 @@
+"""W8A8 kernels (per-token activation quantization, int8 GEMM with the fused epilogue) vs the
+torch paths of quant/fp8.py and quant/int8.py: bit-identical. On CPU under TRITON_INTERPRET=1
+(small shapes; the interpreter runs the int8 ``tl.dot`` too), compiled on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+from lightwell.kernels.act_quant import act_quant, act_quant_ref  # noqa: E402
+from lightwell.kernels.int8_gemm import Int8GemmConfig, int8_gemm, int8_gemm_ref  # noqa: E402
+from lightwell.quant import fp8, int8  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+
+
+def _activations(t: int, k: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Random rows of several magnitudes, one all-zero row, and ties of int8 rounding."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, k, generator=gen) * torch.logspace(-3, 2, t)[:, None]
+    x[1] = 0.0
+    x[2, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 127.5, -128.5, 300.0])
+    return x.to(dtype).to(DEVICE)
+
+
+def _same(got: tuple, ref: tuple) -> None:
+    (q, s), (qr, sr) = got, ref
+    assert q.dtype == qr.dtype and s.shape == sr.shape == (q.shape[0], 1)
+    bits = torch.uint8 if q.dtype == FP8 else torch.int8
+    assert torch.equal(q.view(bits).cpu(), qr.view(bits).cpu())
+    assert torch.equal(s.cpu(), sr.cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
+def test_act_quant_bit_identical_to_torch(dtype, static, out):
+    x = _activations(6, 200, dtype)  # K not a multiple of the block: a masked tail
+    scale = torch.tensor(0.05, device=DEVICE) if static else None
+    got = act_quant(x, out, scale, block=64)
+    _same(got, act_quant_ref(x, out, scale))
+    cpu = x.cpu()
+    if out == FP8:  # the CPU path of quant/fp8.py
+        _same(got, fp8.quantize_fp8(cpu, None if scale is None else scale.cpu().reshape(1, 1)))
+    else:
+        _same(got, int8.quantize_activations(cpu, None if scale is None else scale.cpu()))
+
+
+def test_act_quant_fp8_rounds_to_nearest_even_on_the_grid():
+    """Values between e4m3 neighbours (subnormals, binade carries, halfway ties) and beyond 448."""
+    grid = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    vals = torch.cat([grid, mids, mids + 1e-4 * mids.abs(), torch.tensor([460.0, -1e4])])
+    x = vals.reshape(1, -1).to(DEVICE)
+    _same(
+        act_quant(x, FP8, torch.ones((), device=DEVICE)),
+        act_quant_ref(x.cpu(), FP8, torch.ones(())),
+    )
+
+
+def test_act_quant_checks_input():
+    x = torch.zeros(4, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="out_dtype"):
+        act_quant(x, torch.float16)
+    with pytest.raises(ValueError, match="static scale"):
+        act_quant(x, torch.int8, torch.ones(4, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (19, 40, 96), (5, 33, 48)])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_int8_gemm_matches_reference(dtype, m, n, k, bias):
+    gen = torch.Generator().manual_seed(m * n + k)
+    a = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    sa = torch.rand(m, 1, generator=gen) * 0.01
+    sb = torch.rand(n, generator=gen) * 0.01
+    bv = torch.randn(n, generator=gen).to(dtype) if bias else None
+    ref = int8_gemm_ref(a, b, sa, sb, dtype, bv)
+    args = [t.to(DEVICE) if t is not None else None for t in (a, b, sa, sb)]
+    cfg = Int8GemmConfig(16, 32, 32, 4, 1) if DEVICE == "cpu" else None  # several tiles
+    got = int8_gemm(*args, dtype, None if bv is None else bv.to(DEVICE), config=cfg)
+    assert torch.equal(got.cpu(), ref)
+
+
+def test_int8_gemm_checks_shapes():
+    a = torch.zeros(4, 32, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="int8 GEMM"):
+        int8_gemm(a, a[:, :16].contiguous(), torch.ones(4, 1), torch.ones(4), torch.float32)
+    with pytest.raises(ValueError, match="scales"):
+        int8_gemm(a, a, torch.ones(3, 1), torch.ones(4), torch.float32)
+
+
+def test_int8_w8a8_linear_kernel_path_equals_torch_path():
+    """The CUDA route of ``int8_w8a8_linear`` (act_quant + int8_gemm) against its CPU path."""
+    x = _activations(7, 64, torch.float32, seed=3)
+    w, sw = int8.quantize_rows(torch.randn(24, 64, generator=torch.Generator().manual_seed(1)))
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(2))
+    ref = int8.int8_w8a8_linear(x.cpu(), w, sw, None, bias)
+    qx, sx = act_quant(x, torch.int8)
+    cfg = Int8GemmConfig(16, 16, 32, 4, 1) if DEVICE == "cpu" else None
+    got = int8_gemm(qx, w.to(DEVICE), sx, sw.to(DEVICE), x.dtype, bias.to(DEVICE), config=cfg)
+    assert torch.equal(got.cpu(), ref)
