@@ -51,6 +51,7 @@ def _ttft_ms(llm, length: int) -> float:
 
 def measure(layers: int, override: dict) -> dict:
     from lightwell import LLM
+
     cfg = {"preset": "deepseek-v3", "num_hidden_layers": layers, "first_k_dense_replace": 0,
            **override}  # fmt: skip
     t0 = time.perf_counter()
