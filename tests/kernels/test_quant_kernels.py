@@ -61,14 +61,15 @@ def _check_close(out, ref, dtype) -> None:
         (1, 512, 6, 128, False, True, None),  # pick_config
     ],
 )
-def test_w4a16_gemv_matches_reference(m, k, n, group, act_order, sym, config):
+@pytest.mark.parametrize("variant", list(w4a16.VARIANTS))
+def test_w4a16_gemv_matches_reference(m, k, n, group, act_order, sym, config, variant):
     dtype = torch.float32 if m % 2 else torch.float16
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
     qweight, scales, zeros, g_idx = _w4(k, n, group, act_order, dtype, gen, sym)
     x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if m != 3 else None
     gs = 0 if act_order else (group if group > 0 else k)
-    out = w4a16.w4a16_gemv(x, qweight, scales, zeros, g_idx, bias, gs, config)
+    out = w4a16.w4a16_gemv(x, qweight, scales, zeros, g_idx, bias, gs, config, variant=variant)
     assert out.shape == (m, n) and out.dtype == dtype
     _check_close(out, w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx, bias), dtype)
 
