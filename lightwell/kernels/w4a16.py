@@ -34,6 +34,7 @@ from lightwell.kernels import pdl as _pdl
 MAX_M = 4
 # the GEMV's variants: (x read plane by plane from memory, next tile prefetched)
 VARIANTS = {"smem": (False, False), "prefetch": (False, True), "direct": (True, True)}
+DEFAULT_VARIANT = "prefetch"
 
 
 @triton.jit
@@ -378,7 +379,7 @@ def w4a16_gemv(
     config: Config | None = None,
     *,
     pdl: bool | None = None,
-    variant: str = "prefetch",
+    variant: str = DEFAULT_VARIANT,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``x @ W.T (+ bias)`` on the CUDA cores for decode. ``config``: (BLOCK_N, BLOCK_K,
     num_warps, num_stages), default ``pick_config``; BLOCK_K may shrink to fit the group
