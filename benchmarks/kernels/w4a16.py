@@ -7,9 +7,9 @@ the bf16 weight of the same shape.
     run(command="python3 -m benchmarks.kernels.w4a16 --sweep --out $OUT/w4a16_sweep.json")
 
 ``--sweep`` (under 4 minutes): the GEMV's tiles at one row on the TP=1 shapes, in each of its
-variants (``VARIANTS``: "smem", "prefetch", "direct"): BLOCK_N 1, 2, 4, 8; BLOCK_K 256-2048; 1, 2
-or 4 warps; the tiles with 32-256 weights a thread (at least one 16-byte word chunk each; at 256
-the registers are full), 28 of them, one stage (num_stages leaves this kernel's code as it is:
+variants (``VARIANTS``: "smem", "prefetch", "direct"): BLOCK_N 1-16; BLOCK_K 256-2048; 1, 2 or
+4 warps; the tiles with 32-256 weights a thread (at least one 16-byte word chunk each; at 256
+the registers are full), 37 of them, one stage (num_stages leaves this kernel's code as it is:
 it has no pipelined loads). The tiles compile in parallel processes first (Triton's disk cache),
 then each is checked against the reference and timed; the best per shape and variant is printed
 last, beside ``pick_config``'s (default variant) and cuBLAS bf16.
@@ -106,7 +106,7 @@ Tile = tuple[tuple[int, int, int, int], str]  # (config, variant)
 
 def sweep_configs() -> list[Tile]:
     out = []
-    for bn, bk, warps, variant in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048),
+    for bn, bk, warps, variant in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048),
                                                     (1, 2, 4), kern.VARIANTS):  # fmt: skip
         if 32 <= bn * bk // (32 * warps) <= 256:
             out.append(((bn, bk, warps, 1), variant))

@@ -19,8 +19,13 @@ rows and walks K with vector loads (unmasked when BLOCK_K divides K). x's tile i
 eight planes (plane j: the inputs of value j of each word), so ``x_j * (q_j - z)`` pairs with
 the words as loaded (no interleave): one FMA a weight, summed per slice, times the slice's
 scale into a [BLOCK_N, NG] accumulator a row of x, reduced at the end. Its first tile is
-peeled: those weights are read before it waits under PDL. ``_w4a16_gemm_kernel`` (more rows):
-``tl.dot`` on dequantized [BLOCK_N, BLOCK_K] tiles.
+peeled: those weights are read before it waits under PDL. Variants (``VARIANTS``): "smem" splits
+x's tile into the planes in registers (a layout change through shared memory); "prefetch" does
+too and loads the next tile's words, scales and zeros before each tile's math (twice the bytes
+in flight a thread); "direct" prefetches and reads each plane pair of x straight from memory in
+the words' layout (32-bit pairs of 16-bit x, a stride-16-byte gather that stays in L1): no
+shared memory while the tile's [NG, TG / 8] words of a row are fewer than the threads.
+``_w4a16_gemm_kernel`` (more rows): ``tl.dot`` on dequantized [BLOCK_N, BLOCK_K] tiles.
 """
 
 from __future__ import annotations
@@ -140,8 +145,12 @@ def _x_pair(x_row, w, P: tl.constexpr, K, EVEN_K: tl.constexpr):
             v = tl.load(ptr)
         else:
             v = tl.load(ptr, mask=w < K // 8, other=0)
-        lo = v.to(tl.int16).to(x_row.dtype.element_ty, bitcast=True).to(tl.float32)
-        hi = (v >> 16).to(tl.int16).to(x_row.dtype.element_ty, bitcast=True).to(tl.float32)
+        if x_row.dtype.element_ty == tl.bfloat16:  # bf16 -> fp32: the bits moved up, one op
+            lo = (v << 16).to(tl.float32, bitcast=True)
+            hi = (v & -65536).to(tl.float32, bitcast=True)
+        else:
+            lo = v.to(tl.int16).to(x_row.dtype.element_ty, bitcast=True).to(tl.float32)
+            hi = (v >> 16).to(tl.int16).to(x_row.dtype.element_ty, bitcast=True).to(tl.float32)
     else:
         if EVEN_K:
             lo = tl.load(x_row + 8 * w + 2 * P)
