@@ -39,7 +39,7 @@ from lightwell.kernels import pdl as _pdl
 MAX_M = 4
 # the GEMV's variants: (x read plane by plane from memory, next tile prefetched)
 VARIANTS = {"smem": (False, False), "prefetch": (False, True), "direct": (True, True)}
-DEFAULT_VARIANT = "prefetch"
+DEFAULT_VARIANT = "prefetch"  # one row of x; more rows: "smem" (pick_config's tiles spill else)
 
 
 @triton.jit
@@ -388,7 +388,7 @@ def w4a16_gemv(
     config: Config | None = None,
     *,
     pdl: bool | None = None,
-    variant: str = DEFAULT_VARIANT,
+    variant: str | None = None,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``x @ W.T (+ bias)`` on the CUDA cores for decode. ``config``: (BLOCK_N, BLOCK_K,
     num_warps, num_stages), default ``pick_config``; BLOCK_K may shrink to fit the group
@@ -398,8 +398,9 @@ def w4a16_gemv(
     (``VARIANTS``): "smem" splits x's tile into planes through shared memory; "prefetch" also
     loads the next tile's weights before each tile's math; "direct" prefetches and reads x's
     planes straight from memory (no shared memory while the tile's x fits one element a
-    thread)."""
+    thread); default ``DEFAULT_VARIANT`` at one row, "smem" at more."""
     _check(x, qweight, scales, zeros, g_idx, bias)
+    variant = variant or (DEFAULT_VARIANT if x.shape[0] <= 1 else "smem")
     if variant not in VARIANTS:
         raise ValueError(f"w4a16_gemv: variant must be one of {list(VARIANTS)}, got {variant!r}")
     if x.shape[0] > MAX_M:
