@@ -177,7 +177,7 @@ def _w4a16_gemv_kernel(
     ONE,  # 0x3F800000, the bits of 1.0f, at run time: kept in a register, masks immediate
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GDC: tl.constexpr,  # signal, then wait for the kernel before after the first weight load
+    GDC: tl.constexpr,  # signal, then wait for the kernel before after the first weights' loads
     XDIRECT: tl.constexpr,  # x's planes read from memory (else split through shared memory)
     PREFETCH: tl.constexpr,  # the next tile's weights loaded before this tile's math
 ):  # fmt: skip
@@ -186,7 +186,8 @@ def _w4a16_gemv_kernel(
     q_rows = q_ptr + wn[:, None, None] * stride_qn  # [BN, 1, 1]
     s_rows = s_ptr + wn[:, None] * stride_sn  # [BN, 1]
     z_rows = z_ptr + wn[:, None] * stride_sn
-    # the first tile peeled: its weights (which no kernel before writes) are read before the wait
+    # the first tile peeled: its (and the prefetched tile's) words, scales and zeros, which no
+    # kernel before writes, are read before the wait
     words, s, z = _tile_loads(q_rows, s_rows, z_rows, 0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
     if PREFETCH:  # the next tile's loads go out before each tile's math (the last one reread)
         last = (K - 1) // BLOCK_K * BLOCK_K
@@ -254,11 +255,11 @@ def w4a16_gemv(
     num_warps, num_stages), default ``pick_config``; BLOCK_K may shrink to fit the group
     (``slice_size``). ``pdl`` (default: ``kernels.pdl.use_pdl``): on an sm_90+ GPU, launch with
     programmatic dependent launch, waiting for the kernel before only after the first weight
-    tile's load (so ``qweight`` must be written by no kernel of the stream). ``variant``
-    (``VARIANTS``): "smem" splits x's tile into planes through shared memory; "prefetch" also
-    loads the next tile's weights before each tile's math; "direct" prefetches and reads x's
-    planes straight from memory (no shared memory while the tile's x fits one element a
-    thread); default ``DEFAULT_VARIANT`` at one row, "smem" at more."""
+    tiles' loads (so ``qweight``, ``scales``, ``zeros`` must be written by no kernel of the
+    stream). ``variant`` (``VARIANTS``): "smem" splits x's tile into planes through shared
+    memory; "prefetch" also loads the next tile's weights before each tile's math; "direct"
+    prefetches and reads x's planes straight from memory (no shared memory while the tile's x
+    fits one element a thread); default ``DEFAULT_VARIANT`` at one row, "smem" at more."""
     _check(x, qweight, scales, zeros, g_idx, bias)
     variant = variant or (DEFAULT_VARIANT if x.shape[0] <= 1 else "smem")
     if variant not in VARIANTS:
