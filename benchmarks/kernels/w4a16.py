@@ -6,11 +6,13 @@ the bf16 weight of the same shape.
     [--rows 1 4 16] [--act-order]
     run(command="python3 -m benchmarks.kernels.w4a16 --sweep --out $OUT/w4a16_sweep.json")
 
-``--sweep`` (under 4 minutes): the GEMV's tiles at one row on the TP=1 shapes: BLOCK_N 1, 2, 4,
-8; BLOCK_K 256-2048; 1, 2 or 4 warps; 1-4 stages; the tiles with 32-256 weights a thread (at
-least one 16-byte word chunk each; at 256 the registers are full), 112 of them. The tiles compile
-in parallel processes first (Triton's disk cache), then each is checked against the reference
-and timed; the best per shape is printed last, beside ``pick_config``'s and cuBLAS bf16.
+``--sweep`` (under 4 minutes): the GEMV's tiles at one row on the TP=1 shapes, in each of its
+variants (``VARIANTS``: "smem", "prefetch", "direct"): BLOCK_N 1-16; BLOCK_K 256-2048; 1, 2 or
+4 warps; the tiles with 32-256 weights a thread (at least one 16-byte word chunk each; at 256
+the registers are full), 37 of them, one stage (num_stages leaves this kernel's code as it is:
+it has no pipelined loads). The tiles compile in parallel processes first (Triton's disk cache),
+then each is checked against the reference and timed; the best per shape and variant is printed
+last, beside ``pick_config``'s (default variant) and cuBLAS bf16.
 ``--budget-s`` (a quarter a shape) stops the sweep's timing early (the rows so far are kept).
 
 Timing: a CUDA graph cycling through enough copies of the weights (>= 200 MB) that no launch
@@ -32,6 +34,7 @@ import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record, write_json
+from lightwell.kernels import w4a16 as kern
 from lightwell.kernels.w4a16 import pick_config, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref
 
 SHAPES = {  # name: (N, K) of the weight on one GPU
@@ -98,33 +101,36 @@ def measure(name: str, rows: list[int], act_order: bool, dev: torch.device) -> l
     return out
 
 
-def sweep_configs() -> list[tuple[int, int, int, int]]:
+Tile = tuple[tuple[int, int, int, int], str]  # (config, variant)
+
+
+def sweep_configs() -> list[Tile]:
     out = []
-    for bn, bk, warps, stages in itertools.product((1, 2, 4, 8), (256, 512, 1024, 2048),
-                                                   (1, 2, 4), (1, 2, 3, 4)):  # fmt: skip
+    for bn, bk, warps, variant in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048),
+                                                    (1, 2, 4), kern.VARIANTS):  # fmt: skip
         if 32 <= bn * bk // (32 * warps) <= 256:
-            out.append((bn, bk, warps, stages))
+            out.append(((bn, bk, warps, 1), variant))
     return out
 
 
-def _compile(configs: list[tuple[int, int, int, int]]) -> int:
+def _compile(configs: list[Tile]) -> int:
     """Compile (by running once, small N) each config into Triton's disk cache: a worker."""
     dev = torch.device("cuda", 0)
     n, k = 256, 4096  # the same specialization as every TP=1 shape (multiples of 16 and 2048)
     w = random_w4(n, k, False, dev)
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     done = 0
-    for cfg in configs:
+    for cfg, variant in configs:
         try:
-            w4a16_gemv(x, *w, group_size=GROUP, config=cfg)
+            w4a16_gemv(x, *w, group_size=GROUP, config=cfg, variant=variant)
             done += 1
         except Exception as e:  # a tile that does not compile is skipped later too
-            print(f"compile {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"compile {cfg} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     torch.cuda.synchronize()
     return done
 
 
-def precompile(configs: list[tuple[int, int, int, int]]) -> None:
+def precompile(configs: list[Tile]) -> None:
     workers = max(1, min(16, (os.cpu_count() or 2) - 1, len(configs)))
     chunks = [configs[i::workers] for i in range(workers)]
     ctx = multiprocessing.get_context("spawn")
@@ -144,39 +150,49 @@ def sweep_shape(name: str, configs: list, deadline: float, dev: torch.device) ->
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     ref = w4a16_matmul_ref(x, *weights[0])
     base = dict(shape=name, n=n, k=k, m=1, group=GROUP, cublas_bf16_us=cublas_us(x, n, k, dev))
-    default = pick_config(n, k, 1)
+    default = (pick_config(n, k, 1), kern.DEFAULT_VARIANT)
     rows = []
-    for cfg in [default] + [c for c in configs if c != default]:
+    for cfg, variant in [default] + [c for c in configs if c != default]:
         if time.time() > deadline:
             print(f"{name}: budget spent, {len(configs) + 1 - len(rows)} tiles left", flush=True)
             break
         try:
-            err = rel_err(w4a16_gemv(x, *weights[0], group_size=GROUP, config=cfg), ref)
+            err = rel_err(gemv(x, weights[0], cfg, variant), ref)
         except Exception as e:
-            print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"{name} {cfg} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         if err > 2e-2:
-            print(f"{name} {cfg}: relative error {err:.3g}: not timed", flush=True)
+            print(f"{name} {cfg} {variant}: relative error {err:.3g}: not timed", flush=True)
             continue
         us = graph_replay_us(
-            lambda cfg=cfg: [w4a16_gemv(x, *w, group_size=GROUP, config=cfg) for w in weights],
-            calls=len(weights),
+            lambda cfg=cfg, v=variant: [gemv(x, w, cfg, v) for w in weights], calls=len(weights)
         )
-        row = dict(base, config=list(cfg), default=cfg == default, rel_err=err)
+        row = dict(base, config=list(cfg), variant=variant, rel_err=err)
+        row["default"] = (cfg, variant) == default
         row["gb_s"] = w4_bytes(n, k) / us / 1e3
         print(json.dumps({**row, "us": us}), flush=True)
         rows.append(record("w4a16_gemv_us", us, **row))
     return rows
 
 
+def gemv(x: torch.Tensor, w: tuple, cfg: tuple, variant: str) -> torch.Tensor:
+    return w4a16_gemv(x, *w, group_size=GROUP, config=cfg, variant=variant)
+
+
 def summarize(rows: list[dict]) -> None:
-    print("\nshape        best (BN, BK, warps, stages)   us     GB/s   default us  cuBLAS bf16 us")
+    print("\nshape        variant   best (BN, BK, warps, stages)   us     GB/s   default us"
+          "  cuBLAS bf16 us")  # fmt: skip
     for name in dict.fromkeys(r["shape"] for r in rows):
         mine = [r for r in rows if r["shape"] == name]
-        best = min(mine, key=lambda r: r["value"])
         default = next((r["value"] for r in mine if r["default"]), float("nan"))
-        print(f"{name:12} {str(tuple(best['config'])):28} {best['value']:7.2f} "
-              f"{best['gb_s']:6.0f} {default:11.2f} {best['cublas_bf16_us']:14.2f}")  # fmt: skip
+        for variant in kern.VARIANTS:
+            theirs = [r for r in mine if r["variant"] == variant]
+            if not theirs:
+                continue
+            best = min(theirs, key=lambda r: r["value"])
+            cfg, us, gb_s = str(tuple(best["config"])), best["value"], best["gb_s"]
+            print(f"{name:12} {variant:9} {cfg:28} {us:7.2f} {gb_s:6.0f} {default:11.2f} "
+                  f"{best['cublas_bf16_us']:14.2f}")  # fmt: skip
 
 
 def main() -> int:

