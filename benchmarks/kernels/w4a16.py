@@ -6,13 +6,12 @@ the bf16 weight of the same shape.
     [--rows 1 4 16] [--act-order]
     run(command="python3 -m benchmarks.kernels.w4a16 --sweep --out $OUT/w4a16_sweep.json")
 
-``--sweep`` (under 4 minutes): the GEMV's tiles at one row on the TP=1 shapes, in each of its
-variants (``VARIANTS``: "smem", "prefetch", "direct"): BLOCK_N 1-16; BLOCK_K 256-2048; 1, 2 or
-4 warps; the tiles with 32-256 weights a thread (at least one 16-byte word chunk each; at 256
-the registers are full), 37 of them, one stage (num_stages leaves this kernel's code as it is:
-it has no pipelined loads). The tiles compile in parallel processes first (Triton's disk cache),
-then each is checked against the reference and timed; the best per shape and variant is printed
-last, beside ``pick_config``'s (default variant) and cuBLAS bf16.
+``--sweep`` (under 4 minutes): the GEMV's tiles at one row on the TP=1 shapes: BLOCK_N 1-16;
+BLOCK_K 256-2048; 1, 2 or 4 warps; the tiles with 32-256 weights a thread (at least one 16-byte
+word chunk each; at 256 the registers are full), 37 of them, one stage (num_stages leaves this
+kernel's code as it is: it has no pipelined loads). The tiles compile in parallel processes
+first (Triton's disk cache), then each is checked against the reference and timed; the best per
+shape is printed last, beside ``pick_config``'s and cuBLAS bf16.
 ``--budget-s`` (a quarter a shape) stops the sweep's timing early (the rows so far are kept).
 
 Timing: a CUDA graph cycling through enough copies of the weights (>= 200 MB) that no launch
@@ -34,7 +33,6 @@ import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record, write_json
-from lightwell.kernels import w4a16 as kern
 from lightwell.kernels.w4a16 import pick_config, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref
 
 SHAPES = {  # name: (N, K) of the weight on one GPU
@@ -101,15 +99,14 @@ def measure(name: str, rows: list[int], act_order: bool, dev: torch.device) -> l
     return out
 
 
-Tile = tuple[tuple[int, int, int, int], str]  # (config, variant)
+Tile = tuple[int, int, int, int]  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 
 
 def sweep_configs() -> list[Tile]:
     out = []
-    for bn, bk, warps, variant in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048),
-                                                    (1, 2, 4), kern.VARIANTS):  # fmt: skip
+    for bn, bk, warps in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048), (1, 2, 4)):
         if 32 <= bn * bk // (32 * warps) <= 256:
-            out.append(((bn, bk, warps, 1), variant))
+            out.append((bn, bk, warps, 1))
     return out
 
 
@@ -120,12 +117,12 @@ def _compile(configs: list[Tile]) -> int:
     w = random_w4(n, k, False, dev)
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     done = 0
-    for cfg, variant in configs:
+    for cfg in configs:
         try:
-            w4a16_gemv(x, *w, group_size=GROUP, config=cfg, variant=variant)
+            w4a16_gemv(x, *w, group_size=GROUP, config=cfg)
             done += 1
         except Exception as e:  # a tile that does not compile is skipped later too
-            print(f"compile {cfg} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"compile {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
     torch.cuda.synchronize()
     return done
 
@@ -144,55 +141,50 @@ def precompile(configs: list[Tile]) -> None:
     print(f"compiled {done}/{len(configs)} tiles in {time.time() - t0:.0f} s", flush=True)
 
 
-def sweep_shape(name: str, configs: list, deadline: float, dev: torch.device) -> list[dict]:
+def sweep_shape(name: str, configs: list[Tile], deadline: float, dev: torch.device) -> list[dict]:
     n, k = SHAPES[name]
     weights = weight_copies(n, k, False, dev)
     x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
     ref = w4a16_matmul_ref(x, *weights[0])
     base = dict(shape=name, n=n, k=k, m=1, group=GROUP, cublas_bf16_us=cublas_us(x, n, k, dev))
-    default = (pick_config(n, k, 1), kern.DEFAULT_VARIANT)
+    default = pick_config(n, k, 1)
     rows = []
-    for cfg, variant in [default] + [c for c in configs if c != default]:
+    for cfg in [default] + [c for c in configs if c != default]:
         if time.time() > deadline:
             print(f"{name}: budget spent, {len(configs) + 1 - len(rows)} tiles left", flush=True)
             break
         try:
-            err = rel_err(gemv(x, weights[0], cfg, variant), ref)
+            err = rel_err(gemv(x, weights[0], cfg), ref)
         except Exception as e:
-            print(f"{name} {cfg} {variant}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             continue
         if err > 2e-2:
-            print(f"{name} {cfg} {variant}: relative error {err:.3g}: not timed", flush=True)
+            print(f"{name} {cfg}: relative error {err:.3g}: not timed", flush=True)
             continue
-        us = graph_replay_us(
-            lambda cfg=cfg, v=variant: [gemv(x, w, cfg, v) for w in weights], calls=len(weights)
-        )
-        row = dict(base, config=list(cfg), variant=variant, rel_err=err)
-        row["default"] = (cfg, variant) == default
+        us = graph_replay_us(lambda cfg=cfg: [gemv(x, w, cfg) for w in weights], calls=len(weights))
+        row = dict(base, config=list(cfg), rel_err=err)
+        row["default"] = cfg == default
         row["gb_s"] = w4_bytes(n, k) / us / 1e3
         print(json.dumps({**row, "us": us}), flush=True)
         rows.append(record("w4a16_gemv_us", us, **row))
     return rows
 
 
-def gemv(x: torch.Tensor, w: tuple, cfg: tuple, variant: str) -> torch.Tensor:
-    return w4a16_gemv(x, *w, group_size=GROUP, config=cfg, variant=variant)
+def gemv(x: torch.Tensor, w: tuple, cfg: Tile) -> torch.Tensor:
+    return w4a16_gemv(x, *w, group_size=GROUP, config=cfg)
 
 
 def summarize(rows: list[dict]) -> None:
-    print("\nshape        variant   best (BN, BK, warps, stages)   us     GB/s   default us"
-          "  cuBLAS bf16 us")  # fmt: skip
+    print("\nshape        best (BN, BK, warps, stages)   us     GB/s   default us  cuBLAS bf16 us")
     for name in dict.fromkeys(r["shape"] for r in rows):
         mine = [r for r in rows if r["shape"] == name]
         default = next((r["value"] for r in mine if r["default"]), float("nan"))
-        for variant in kern.VARIANTS:
-            theirs = [r for r in mine if r["variant"] == variant]
-            if not theirs:
-                continue
-            best = min(theirs, key=lambda r: r["value"])
-            cfg, us, gb_s = str(tuple(best["config"])), best["value"], best["gb_s"]
-            print(f"{name:12} {variant:9} {cfg:28} {us:7.2f} {gb_s:6.0f} {default:11.2f} "
-                  f"{best['cublas_bf16_us']:14.2f}")  # fmt: skip
+        best = min(mine, key=lambda r: r["value"])
+        cfg, us, gb_s = str(tuple(best["config"])), best["value"], best["gb_s"]
+        print(
+            f"{name:12} {cfg:28} {us:7.2f} {gb_s:6.0f} {default:11.2f} "
+            f"{best['cublas_bf16_us']:14.2f}"
+        )
 
 
 def main() -> int:

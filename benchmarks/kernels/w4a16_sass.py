@@ -1,8 +1,8 @@
 """The W4A16 GEMV compiled for sm_90 on a machine without a GPU (Triton's bundled ptxas and
-cuobjdump): registers, stack and the main loop's SASS per tile and variant, the instructions a
-weight (times rows of x) a thread, and the shared-memory traffic (LDS, STS, BAR) in the loop.
+cuobjdump): registers, stack and the main loop's SASS per tile, the instructions a weight
+(times rows of x) a thread, and the shared-memory traffic (LDS, STS, BAR) in the loop.
 
-    python -m benchmarks.kernels.w4a16_sass [--tiles 4,2048,4,2 8,512,4,1] [--rows 1]
+    python -m benchmarks.kernels.w4a16_sass [--tiles 4,2048,4,1 16,256,1,1] [--rows 1]
 """
 
 from __future__ import annotations
@@ -24,13 +24,11 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 SHOWN = ("LDG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "PRMT", "IMAD")
 
 
-def compile_sass(tile: tuple[int, ...], rows: int, variant: str) -> tuple[str, str]:
+def compile_sass(tile: tuple[int, ...], rows: int) -> tuple[str, str]:
     """(SASS, resource usage) of the GEMV at (BLOCK_N, BLOCK_K, warps, stages), group 128, bf16."""
     bn, bk, warps, stages = tile
-    xdirect, prefetch = gv.VARIANTS[variant]
     consts = dict(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=bn, BLOCK_K=bk, TG=min(bk, 128),
-                  GROUP_SIZE=128, EVEN_K=True, HAS_BIAS=False, GDC=True, XDIRECT=xdirect,
-                  PREFETCH=prefetch)  # fmt: skip
+                  GROUP_SIZE=128, EVEN_K=True, HAS_BIAS=False, GDC=True)  # fmt: skip
     names = list(inspect.signature(gv._w4a16_gemv_kernel.fn).parameters)
     types = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32",
                  b_ptr="*bf16", out_ptr="*bf16")  # fmt: skip
@@ -67,20 +65,18 @@ def loop_ops(sass: str) -> collections.Counter:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiles", nargs="+", default=["4,2048,4,2", "4,2048,2,2", "8,512,4,1",
-                                                   "16,512,4,1"])  # fmt: skip
+    ap.add_argument("--tiles", nargs="+", default=["4,2048,4,1", "4,2048,2,1", "16,256,1,1"])
     ap.add_argument("--rows", type=int, default=1)
     args = ap.parse_args()
-    print(f"{'tile':16} {'variant':9} regs stack loop a-weight " + " ".join(SHOWN))
+    print(f"{'tile':16} regs stack loop a-weight " + " ".join(SHOWN))
     for text in args.tiles:
         tile = tuple(int(v) for v in text.split(","))
-        for variant in gv.VARIANTS:
-            sass, res = compile_sass(tile, args.rows, variant)
-            ops = loop_ops(sass)
-            regs, stack = re.search(r"REG:(\d+)", res)[1], re.search(r"STACK:(\d+)", res)[1]
-            per = sum(ops.values()) * 32 * tile[2] / (tile[0] * tile[1] * args.rows)
-            print(f"{text:16} {variant:9} {regs:>4} {stack:>5} {sum(ops.values()):4} {per:8.2f} "
-                  + " ".join(f"{ops.get(o, 0):>{len(o)}}" for o in SHOWN))  # fmt: skip
+        sass, res = compile_sass(tile, args.rows)
+        ops = loop_ops(sass)
+        regs, stack = re.search(r"REG:(\d+)", res)[1], re.search(r"STACK:(\d+)", res)[1]
+        per = sum(ops.values()) * 32 * tile[2] / (tile[0] * tile[1] * args.rows)
+        print(f"{text:16} {regs:>4} {stack:>5} {sum(ops.values()):4} {per:8.2f} "
+              + " ".join(f"{ops.get(o, 0):>{len(o)}}" for o in SHOWN))  # fmt: skip
     return 0
 
 

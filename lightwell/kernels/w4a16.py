@@ -19,13 +19,8 @@ program owns BLOCK_N rows and walks K with vector loads (unmasked when BLOCK_K d
 tile is split into eight planes (plane j: the inputs of value j of each word), so
 ``x_j * (q_j - z)`` pairs with the words as loaded (no interleave): one FMA a weight, summed per
 slice, times the slice's scale into a [BLOCK_N, NG] accumulator a row of x, reduced at the end.
-Its first tile is peeled: those weights are read before it waits under PDL. Variants
-(``VARIANTS``): "smem" splits x's tile into the planes in registers (a layout change through
-shared memory); "prefetch" does too and loads the next tile's words, scales and zeros before
-each tile's math (twice the bytes in flight a thread); "direct" prefetches and reads each plane
-pair of x straight from memory in the words' layout (32-bit pairs of 16-bit x, a stride-16-byte
-gather that stays in L1): no shared memory while the tile's [NG, TG / 8] words of a row are
-fewer than the threads.
+Its first tile is peeled: those weights are read before it waits under PDL. x's tile is split
+into the planes in registers by a layout change through shared memory.
 ``_w4a16_gemm_kernel`` (more rows): ``tl.dot`` on dequantized [BLOCK_N, BLOCK_K] tiles.
 """
 
@@ -230,7 +225,7 @@ def w4a16_matmul_ref(
     return out.to(x.dtype)
 
 
-_GEMV_NAMES = ("DEFAULT_VARIANT", "MAX_M", "VARIANTS", "Config", "pick_config", "w4a16_gemv")
+_GEMV_NAMES = ("MAX_M", "Config", "pick_config", "w4a16_gemv")
 
 
 def __getattr__(name: str):

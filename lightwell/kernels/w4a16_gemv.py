@@ -1,6 +1,6 @@
-"""W4A16 GEMV for decode (M <= 4 rows of x): ``_w4a16_gemv_kernel``, its tiles
-(``pick_config``) and variants (``VARIANTS``), over kernels/w4a16.py's layout and helpers (its
-module docstring describes both)."""
+"""W4A16 GEMV for decode (M <= 4 rows of x): ``_w4a16_gemv_kernel`` and its tiles
+(``pick_config``), over kernels/w4a16.py's layout and helpers (its module docstring describes
+both)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,6 @@ from lightwell.kernels.w4a16 import (
 )
 
 MAX_M = 4
-# the GEMV's variants: (x read plane by plane from memory, next tile prefetched)
-VARIANTS = {"smem": (False, False), "prefetch": (False, True), "direct": (True, True)}
-DEFAULT_VARIANT = "prefetch"  # one row of x; more rows: "smem" (pick_config's tiles spill else)
 
 
 @triton.jit
@@ -42,59 +39,15 @@ def _x_planes(x_row, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.
 
 
 @triton.jit
-def _x_pair(x_row, w, P: tl.constexpr, K, EVEN_K: tl.constexpr):
-    """x[m, 8 * w + 2P] and x[m, 8 * w + 2P + 1] as fp32 (w: word indices [1, NG, TW]), read
-    straight from memory as one 32-bit pair when x is 16-bit (a stride-16-byte gather of a few
-    KB that stays in L1)."""
-    if x_row.dtype.element_ty.primitive_bitwidth == 16:
-        ptr = x_row.to(tl.pointer_type(tl.int32)) + 4 * w + P
-        if EVEN_K:
-            v = tl.load(ptr)
-        else:
-            v = tl.load(ptr, mask=w < K // 8, other=0)
-        if x_row.dtype.element_ty == tl.bfloat16:  # bf16 -> fp32: the bits moved up, one op
-            lo = (v << 16).to(tl.float32, bitcast=True)
-            hi = (v & -65536).to(tl.float32, bitcast=True)
-        else:
-            lo = v.to(tl.int16).to(x_row.dtype.element_ty, bitcast=True).to(tl.float32)
-            hi = (v >> 16).to(tl.int16).to(x_row.dtype.element_ty, bitcast=True).to(tl.float32)
-    else:
-        if EVEN_K:
-            lo = tl.load(x_row + 8 * w + 2 * P)
-            hi = tl.load(x_row + 8 * w + 2 * P + 1)
-        else:
-            lo = tl.load(x_row + 8 * w + 2 * P, mask=w < K // 8, other=0.0)
-            hi = tl.load(x_row + 8 * w + 2 * P + 1, mask=w < K // 8, other=0.0)
-    return lo, hi
-
-
-@triton.jit
 def _row_acc(
     acc, x_row, w, z, s, one, k0, K,
     FIRST: tl.constexpr,  # the first tile: its sums start the accumulator
     BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr,
-    XDIRECT: tl.constexpr,
 ):  # fmt: skip
     """acc [BN, NG] plus each slice's sum of x[m] * W (x_row: row m's pointer). Contiguous: w
     the [BN, NG, TG / 8] words, z [BN, NG, 1] and s [BN, NG] the slices' zeros and scales;
     gathered groups: w the dequantized [BN, 1, TG] tile."""
-    if GROUP_SIZE > 0 and XDIRECT:
-        rg = tl.arange(0, BLOCK_K // TG)
-        wi = (k0 // 8 + rg[:, None] * (TG // 8) + tl.arange(0, TG // 8)[None, :])[None, :, :]
-        x0, x1 = _x_pair(x_row, wi, 0, K, EVEN_K)
-        p = x0 * _nibble(w, z, 0, one)
-        p += x1 * _nibble(w, z, 1, one)
-        x2, x3 = _x_pair(x_row, wi, 1, K, EVEN_K)
-        p += x2 * _nibble(w, z, 2, one)
-        p += x3 * _nibble(w, z, 3, one)
-        x4, x5 = _x_pair(x_row, wi, 2, K, EVEN_K)
-        p += x4 * _nibble(w, z, 4, one)
-        p += x5 * _nibble(w, z, 5, one)
-        x6, x7 = _x_pair(x_row, wi, 3, K, EVEN_K)
-        p += x6 * _nibble(w, z, 6, one)
-        p += x7 * _nibble(w, z, 7, one)
-        p = tl.sum(p, axis=2) * s
-    elif GROUP_SIZE > 0:
+    if GROUP_SIZE > 0:
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_row, k0, K, BLOCK_K, TG, EVEN_K)
         p = x0 * _nibble(w, z, 0, one)
         p += x1 * _nibble(w, z, 1, one)
@@ -133,7 +86,7 @@ def _gemv_tile(
     accs, words, s, z, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, one,
     FIRST: tl.constexpr,  # the first tile: its sums start the accumulators
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr, GROUP_SIZE: tl.constexpr,
-    EVEN_K: tl.constexpr, XDIRECT: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):  # fmt: skip
     """accs (one [BN, NG] accumulator a row of x, BLOCK_M of them used) plus the tile at k0
     (its words, scales and zeros from _tile_loads). Rows past M re-read row M - 1."""
@@ -142,20 +95,20 @@ def _gemv_tile(
         w = _dequant(words, s_rows, z_rows, g_ptr, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
     acc0, acc1, acc2, acc3 = accs
     acc0 = _row_acc(acc0, x_ptr, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE,
-                    EVEN_K, XDIRECT)  # fmt: skip
+                    EVEN_K)  # fmt: skip
     if BLOCK_M > 1:
         x1 = x_ptr + tl.minimum(1, M - 1) * stride_xm
         acc1 = _row_acc(acc1, x1, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE,
-                        EVEN_K, XDIRECT)  # fmt: skip
+                        EVEN_K)  # fmt: skip
     elif FIRST:
         acc1 = acc0
     if BLOCK_M > 2:
         x2 = x_ptr + tl.minimum(2, M - 1) * stride_xm
         x3 = x_ptr + tl.minimum(3, M - 1) * stride_xm
         acc2 = _row_acc(acc2, x2, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE,
-                        EVEN_K, XDIRECT)  # fmt: skip
+                        EVEN_K)  # fmt: skip
         acc3 = _row_acc(acc3, x3, w, z, s, one, k0, K, FIRST, BLOCK_K, TG, GROUP_SIZE,
-                        EVEN_K, XDIRECT)  # fmt: skip
+                        EVEN_K)  # fmt: skip
     elif FIRST:
         acc2, acc3 = acc0, acc0
     return acc0, acc1, acc2, acc3
@@ -178,39 +131,27 @@ def _w4a16_gemv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TG: tl.constexpr,
     GROUP_SIZE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GDC: tl.constexpr,  # signal, then wait for the kernel before after the first weights' loads
-    XDIRECT: tl.constexpr,  # x's planes read from memory (else split through shared memory)
-    PREFETCH: tl.constexpr,  # the next tile's weights loaded before this tile's math
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     wn = tl.minimum(rn, N - 1).to(tl.int64)  # past N: re-read the last row, store nothing
     q_rows = q_ptr + wn[:, None, None] * stride_qn  # [BN, 1, 1]
     s_rows = s_ptr + wn[:, None] * stride_sn  # [BN, 1]
     z_rows = z_ptr + wn[:, None] * stride_sn
-    # the first tile peeled: its (and the prefetched tile's) words, scales and zeros, which no
-    # kernel before writes, are read before the wait
+    # the first tile peeled: its words, scales and zeros, which no kernel before writes, are read
+    # before the wait
     words, s, z = _tile_loads(q_rows, s_rows, z_rows, 0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
-    if PREFETCH:  # the next tile's loads go out before each tile's math (the last one reread)
-        last = (K - 1) // BLOCK_K * BLOCK_K
-        nxt = _tile_loads(q_rows, s_rows, z_rows, tl.minimum(BLOCK_K, last), K,
-                          BLOCK_K, TG, GROUP_SIZE, EVEN_K)  # fmt: skip
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     accs = _gemv_tile(
         (0, 0, 0, 0), words, s, z, x_ptr, s_rows, z_rows, g_ptr, 0, M, K, stride_xm, ONE, True,
-        BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K, XDIRECT,
+        BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
     )  # fmt: skip
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        if PREFETCH:
-            words, s, z = nxt
-            nxt = _tile_loads(q_rows, s_rows, z_rows, tl.minimum(k0 + BLOCK_K, last), K,
-                              BLOCK_K, TG, GROUP_SIZE, EVEN_K)  # fmt: skip
-        else:
-            words, s, z = _tile_loads(q_rows, s_rows, z_rows, k0, K, BLOCK_K, TG, GROUP_SIZE,
-                                      EVEN_K)  # fmt: skip
+        words, s, z = _tile_loads(q_rows, s_rows, z_rows, k0, K, BLOCK_K, TG, GROUP_SIZE, EVEN_K)
         accs = _gemv_tile(
             accs, words, s, z, x_ptr, s_rows, z_rows, g_ptr, k0, M, K, stride_xm, ONE, False,
-            BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K, XDIRECT,
+            BLOCK_M, BLOCK_K, TG, GROUP_SIZE, EVEN_K,
         )  # fmt: skip
     acc0, acc1, acc2, acc3 = accs
     _store_row(out_ptr, acc0, b_ptr, rn, wn, 0, M, N, stride_om, HAS_BIAS)
@@ -226,15 +167,17 @@ Config = tuple[int, int, int, int]
 
 
 def pick_config(n: int, k: int, m: int = 1) -> Config:
-    """The GEMV tile for an [N, K] weight and M rows. One row of x: the best tiles of the
-    H200 sweep (benchmarks/kernels/w4a16.py --sweep) on llama-3-8b's shapes: 2,048-input K
-    steps and four rows a program (two or four warps), or for wide weights (gate_up) 512-input
-    steps and eight rows. Two to four rows of x: two rows a program, 1,024-input steps, one
-    warp (each row of x adds its planes and products: ~140 registers at 4)."""
+    """The GEMV tile for an [N, K] weight and M rows. One row of x: the best tiles of the H200
+    sweep (benchmarks/kernels/w4a16.py --sweep) on llama-3-8b's shapes: wide weights (N >=
+    16,384, gate_up) sixteen rows a program, 256-input K steps, one warp; others four rows a
+    program, 2,048-input steps, four warps past N = 4,096 and two up to it. Two to four rows of
+    x: two rows a program, 1,024-input steps, one warp (each row of x adds its planes and
+    products: ~140 registers at 4). num_stages leaves this kernel's code as it is (no pipelined
+    loads)."""
     if m <= 1:
         if n >= 16384:
-            return 8, min(512, triton.next_power_of_2(k)), 4, 1
-        return 4, min(2048, triton.next_power_of_2(k)), 4 if n > 4096 else 2, 2
+            return 16, min(256, triton.next_power_of_2(k)), 1, 1
+        return 4, min(2048, triton.next_power_of_2(k)), 4 if n > 4096 else 2, 1
     return 2, min(1024, triton.next_power_of_2(k)), 1, 3
 
 
@@ -249,21 +192,14 @@ def w4a16_gemv(
     config: Config | None = None,
     *,
     pdl: bool | None = None,
-    variant: str | None = None,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``x @ W.T (+ bias)`` on the CUDA cores for decode. ``config``: (BLOCK_N, BLOCK_K,
     num_warps, num_stages), default ``pick_config``; BLOCK_K may shrink to fit the group
     (``slice_size``). ``pdl`` (default: ``kernels.pdl.use_pdl``): on an sm_90+ GPU, launch with
     programmatic dependent launch, waiting for the kernel before only after the first weight
     tiles' loads (so ``qweight``, ``scales``, ``zeros`` must be written by no kernel of the
-    stream). ``variant`` (``VARIANTS``): "smem" splits x's tile into planes through shared
-    memory; "prefetch" also loads the next tile's weights before each tile's math; "direct"
-    prefetches and reads x's planes straight from memory (no shared memory while the tile's x
-    fits one element a thread); default ``DEFAULT_VARIANT`` at one row, "smem" at more."""
+    stream). x's tile is split into its eight planes through shared memory."""
     _check(x, qweight, scales, zeros, g_idx, bias)
-    variant = variant or (DEFAULT_VARIANT if x.shape[0] <= 1 else "smem")
-    if variant not in VARIANTS:
-        raise ValueError(f"w4a16_gemv: variant must be one of {list(VARIANTS)}, got {variant!r}")
     if x.shape[0] > MAX_M:
         raise ValueError(f"w4a16_gemv handles at most {MAX_M} rows, got {x.shape[0]}")
     m, k = x.shape
@@ -280,7 +216,6 @@ def w4a16_gemv(
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0), 0x3F800000,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, TG=tg,
         GROUP_SIZE=gs, EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, GDC=gdc,
-        XDIRECT=VARIANTS[variant][0], PREFETCH=VARIANTS[variant][1], num_warps=warps,
-        num_stages=stages, enable_fp_fusion=True, **_pdl.launch_options(gdc),
+        num_warps=warps, num_stages=stages, enable_fp_fusion=True, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out
