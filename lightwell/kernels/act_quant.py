@@ -3,9 +3,20 @@
 One program per row walks K twice in ``BLOCK`` chunks: amax of ``|x|`` (dynamic), then
 ``q = x / scale`` saturated (fp8: to +-448; int8: rounded to nearest even, clamped to
 [-128, 127]). Dynamic ``scale = amax / QMAX`` (1 for an all-zero row); static: the given scalar.
-The division is IEEE round-to-nearest and the fp8 rounding to nearest even is done in fp32, so
-``q`` and ``scale`` equal the torch references
-(``quantize_fp8`` in quant/fp8.py, ``quantize_activations`` in quant/int8.py) bit for bit.
+``q`` and ``scale`` equal the torch references (``quantize_fp8`` in quant/fp8.py,
+``quantize_activations`` in quant/int8.py) bit for bit, on CPU and on CUDA, because every step is
+exactly rounded on both sides:
+
+- both divisions are ``tl.math.div_rn`` (PTX ``div.rn.f32``; Triton's ``/`` is the approximate
+  ``div.full.f32``), and the references divide by a tensor: torch's CUDA ``tensor / python
+  scalar`` multiplies by the rounded reciprocal instead, which differs in the last bit for about
+  half of the fp32 values divided by 448 (5% for 127);
+- the amax is a max of exact values; the clamps are exact;
+- int8 rounds half to even with ``cvt.rni.f32.f32`` (libdevice ``rint``, as ``torch.round``),
+  the interpreter with the add-and-subtract of 1.5 * 2**23 (no product, nothing to contract);
+- fp8 is the hardware's round-to-nearest-even conversion (``cvt.rn.satfinite.e4m3x2.f32``, as
+  torch's ``.to(float8_e4m3fn)``); the interpreter, whose conversion does not round so, first
+  rounds to the e4m3 grid in fp32 (products by powers of two only: exact, even when fused).
 """
 
 from __future__ import annotations
@@ -13,6 +24,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+from lightwell import envs
 
 FP8_MAX = 448.0
 INT8_MAX = 127.0
@@ -22,6 +36,7 @@ INT8_MAX = 127.0
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -42,10 +57,16 @@ def _act_quant_kernel(
         if IS_INT8:
             # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
             y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)
-            q = _rint(y).to(tl.int8)
+            if INTERPRET:
+                y = _rint(y)
+            else:
+                y = libdevice.rint(y)
+            q = y.to(tl.int8)  # exact: y is an integer in range
         else:
             y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-            q = _round_e4m3(y).to(tl.float8e4nv)  # exact: y is on the e4m3 grid now
+            if INTERPRET:
+                y = _round_e4m3(y)  # exact conversion below: y is on the e4m3 grid
+            q = y.to(tl.float8e4nv)
         tl.store(q_ptr + row * stride_q + k0 + cols, q, mask=mask)
 
 
@@ -60,8 +81,7 @@ def _rint(y):
 @triton.jit
 def _round_e4m3(y):
     """|y| <= 448 rounded to nearest even on the e4m3 grid (3 mantissa bits, subnormal step
-    2**-9), in fp32. The hardware conversion rounds the same way; doing it here keeps the
-    interpreter (whose conversion does not) exact too."""
+    2**-9), in fp32: what the hardware conversion does, for the interpreter."""
     bits = y.to(tl.uint32, bitcast=True)
     exp = tl.maximum(((bits >> 23) & 0xFF).to(tl.int32) - 127, -6)  # the binade, >= 2**-6
     step = ((exp - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(exp - 3)
@@ -94,7 +114,8 @@ def act_quant(
     _act_quant_kernel[(t,)](
         x, q, scale, static, k, x.stride(0), q.stride(0),
         QMAX=INT8_MAX if is_int8 else FP8_MAX, IS_INT8=is_int8,
-        STATIC=static_scale is not None, BLOCK=block, num_warps=4 if block >= 512 else 1,
+        STATIC=static_scale is not None, BLOCK=block, INTERPRET=envs.triton_interpret(),
+        num_warps=4 if block >= 512 else 1,
     )  # fmt: skip
     return q, scale
 
@@ -108,7 +129,8 @@ def act_quant_ref(
     qmax = INT8_MAX if out_dtype == torch.int8 else FP8_MAX
     if static_scale is None:
         amax = x.abs().amax(dim=1, keepdim=True).float()
-        scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+        # a tensor divisor: IEEE division on CUDA too (not the product by a rounded reciprocal)
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
     else:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
     y = x.float() / scale

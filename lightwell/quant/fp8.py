@@ -55,7 +55,8 @@ def quantize_fp8(
         return act_quant(x, FP8, scale)
     if scale is None:
         amax = x.abs().amax(dim=-1, keepdim=True).float()
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        # a tensor divisor: IEEE division on CUDA too (a python float is a rounded reciprocal)
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     scale = scale.float().expand(x.shape[0], 1).contiguous()
     q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
@@ -129,7 +130,8 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     pad = -k % group
     xg = F.pad(x.float(), (0, pad)).view(t, -1, group)  # [T, K / g, g]
     amax = xg.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: IEEE division on CUDA too (a python float is a rounded reciprocal)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.view(t, -1)[:, :k], scale.squeeze(-1)
 

@@ -31,7 +31,8 @@ def quantize_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, C] int8, [R] float32 scales)
     """Symmetric int8 per row: ``scale = max|row| / 127`` (1 for an all-zero row)."""
     amax = w.abs().amax(dim=1).float()
-    scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+    # a tensor divisor: IEEE division on CUDA too (a python float is a rounded reciprocal)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, INT8_MAX), torch.ones_like(amax))
     q = torch.round(w.float() / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
@@ -82,7 +83,8 @@ def quantize_activations(
         return act_quant(x, torch.int8, static_scale)
     if static_scale is None:
         amax = x.abs().amax(dim=1, keepdim=True).float()
-        scale = torch.where(amax > 0, amax / INT8_MAX, torch.ones_like(amax))
+        # a tensor divisor: IEEE division on CUDA too (a python float is a rounded reciprocal)
+        scale = torch.where(amax > 0, amax / torch.full_like(amax, INT8_MAX), torch.ones_like(amax))
     else:
         scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
     q = torch.round(x.float() / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)

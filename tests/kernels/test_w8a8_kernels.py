@@ -73,6 +73,24 @@ def test_act_quant_fp8_rounds_to_nearest_even_on_the_grid():
     )
 
 
+@pytest.mark.parametrize("out,amax", [(FP8, (3.0, 3.0625, 4.0625)), (torch.int8, (3.25, 4.5))],
+                         ids=["fp8", "int8"])  # fmt: skip
+def test_act_quant_scale_is_a_true_division(out, amax):
+    """Row maxima whose quotient by QMAX differs from the product by the rounded 1 / QMAX (what
+    torch's CUDA ``tensor / python scalar`` computes): the scale is the IEEE quotient on every
+    device, in the kernel and in the references."""
+    qmax = 127.0 if out == torch.int8 else 448.0
+    top = torch.tensor(amax)
+    true = (top.double() / qmax).float()
+    assert not torch.equal(top * torch.tensor(1.0 / qmax), true)  # the case that matters
+    x = torch.randn(len(amax), 256, generator=torch.Generator().manual_seed(1)).clamp(-2.5, 2.5)
+    x[:, 7] = -top
+    x = x.to(torch.bfloat16).to(DEVICE)
+    got = act_quant(x, out)
+    _same(got, act_quant_ref(x, out))
+    assert torch.equal(got[1].cpu().reshape(-1), true)
+
+
 def test_act_quant_checks_input():
     x = torch.zeros(4, 32, device=DEVICE)
     with pytest.raises(ValueError, match="out_dtype"):
