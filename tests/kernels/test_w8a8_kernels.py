@@ -137,4 +137,7 @@ def test_int8_w8a8_linear_kernel_path_equals_torch_path():
     qx, sx = act_quant(x, torch.int8)
     cfg = Int8GemmConfig(16, 16, 32, 4, 1) if DEVICE == "cpu" else None
     got = int8_gemm(qx, w.to(DEVICE), sx, sw.to(DEVICE), x.dtype, bias.to(DEVICE), config=cfg)
-    assert torch.equal(got.cpu(), ref)
+    if DEVICE == "cpu":
+        assert torch.equal(got.cpu(), ref)
+    else:  # the epilogue's multiply and bias add contract into one FMA on the GPU
+        torch.testing.assert_close(got.cpu(), ref, rtol=2.0**-22, atol=2.0**-22 * ref.abs().max())
