@@ -427,7 +427,8 @@ class EngineConfig:
             )
             _check(
                 not s.async_scheduling,
-                "async_scheduling does not combine with pipeline_parallel_size > 1",
+                "async_scheduling does not combine with pipeline_parallel_size > 1 (the "
+                "pipeline overlaps its stages with --pipeline-in-flight batches instead)",
             )
         _check(m.max_model_len is None or m.max_model_len > 0, "max_model_len must be > 0")
         _check(m.s3_max_connections >= 1, "s3_max_connections must be >= 1")
