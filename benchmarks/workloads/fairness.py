@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 
+from benchmarks.workloads.engine import rand_prompts
 from lightwell.bench.results import record, write_json
 
 SHAPES = {
@@ -44,11 +44,6 @@ SCHEDULES = {
     "chunked-whole-budget": {"long_prefill_fraction": 1.0},
     "unchunked": {"enable_chunked_prefill": False},
 }
-
-
-def _prompt(length: int, vocab: int, seed: int) -> dict:
-    rng = random.Random(seed)
-    return {"prompt_token_ids": [rng.randrange(10, vocab - 10) for _ in range(length)]}
 
 
 def _llm(args: argparse.Namespace, schedule: dict):
@@ -73,7 +68,7 @@ def _one(llm, args: argparse.Namespace, seed: int, long_len: int | None = None) 
     vocab = engine.model_info.vocab_size
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     t_long = time.perf_counter()
-    engine.add_request("long", _prompt(long_len or args.long_len, vocab, seed), one)
+    engine.add_request("long", rand_prompts(1, long_len or args.long_len, vocab, seed)[0], one)
     done: dict[str, float] = {}
 
     def step() -> None:
@@ -82,7 +77,7 @@ def _one(llm, args: argparse.Namespace, seed: int, long_len: int | None = None) 
                 done[out.request_id] = time.perf_counter()
 
     t_short = time.perf_counter()
-    engine.add_request("short", _prompt(args.short_len, vocab, seed + 1), one)
+    engine.add_request("short", rand_prompts(1, args.short_len, vocab, seed + 1)[0], one)
     steps = 0
     while engine.has_unfinished_requests():
         step()

@@ -15,17 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
 
+from benchmarks.workloads.engine import rand_prompts
 from lightwell.bench.results import record, write_json
-
-
-def _prompts(n: int, length: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(100, 129000) for _ in range(length)]}
-            for _ in range(n)]  # fmt: skip
 
 
 def _decode_step_ms(llm, batch: int) -> float:
@@ -33,7 +27,7 @@ def _decode_step_ms(llm, batch: int) -> float:
     from lightwell import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
-    outs = llm.generate(_prompts(batch, 32, batch), sp, use_tqdm=False)
+    outs = llm.generate(rand_prompts(batch, 32, 129280, batch), sp, use_tqdm=False)
     per = [(o.metrics.last_token_time - o.metrics.first_token_time) / 63 for o in outs]
     return 1e3 * statistics.median(per)
 
@@ -44,7 +38,7 @@ def _ttft_ms(llm, length: int) -> float:
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     t = []
     for seed in (1, 2, 3):
-        m = llm.generate(_prompts(1, length, seed), one, use_tqdm=False)[0].metrics
+        m = llm.generate(rand_prompts(1, length, 129280, seed), one, use_tqdm=False)[0].metrics
         t.append(1e3 * (m.first_token_time - m.arrival_time))
     return statistics.median(t)
 

@@ -19,10 +19,10 @@ Reference result: benchmarks/results/structured_tpot_h200.json.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 
+from benchmarks.workloads.engine import rand_prompts
 from lightwell.bench.results import record, write_json
 
 SCHEMA = {
@@ -60,12 +60,6 @@ def save_tokenizer(folder: str) -> None:
     print(f"wrote {folder}")
 
 
-def _prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(length)]}
-            for _ in range(n)]  # fmt: skip
-
-
 def _tpot(outs) -> tuple[float, list[int]]:
     """Median over requests of (last token - first token) / (tokens - 1), in ms; lengths."""
     tp, lens = [], []
@@ -88,7 +82,7 @@ def _run(llm, args: argparse.Namespace, constrained: bool, seed: int):
         else {"ignore_eos": True}
     )
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, detokenize=False, **extra)
-    prompts = _prompts(args.batch, args.prompt_len, 49152, seed)
+    prompts = rand_prompts(args.batch, args.prompt_len, 49152, seed)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     return outs, time.perf_counter() - t0

@@ -75,20 +75,13 @@ def quantize_activations(
     x: torch.Tensor,  # [T, K]
     static_scale: torch.Tensor | None,  # [] or None: dynamic per-token scales
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] int8, [T, 1] float32)
-    """Per-token (or one static scale) int8 quantization: one Triton launch on CUDA
-    (bit-identical to the torch code below, the CPU path and the reference)."""
-    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
-        from lightwell.kernels.act_quant import act_quant
+    """Per-token (or one static scale) int8 quantization: one Triton launch on CUDA, its torch
+    reference (kernels/act_quant.py's ``act_quant_ref``, bit-identical) elsewhere."""
+    from lightwell.kernels.act_quant import act_quant, act_quant_ref
 
+    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
         return act_quant(x, torch.int8, static_scale)
-    if static_scale is None:
-        amax = x.abs().amax(dim=1, keepdim=True).float()
-        # a tensor divisor: IEEE division on CUDA too (a python float is a rounded reciprocal)
-        scale = torch.where(amax > 0, amax / torch.full_like(amax, INT8_MAX), torch.ones_like(amax))
-    else:
-        scale = static_scale.float().reshape(1, 1).expand(x.shape[0], 1)
-    q = torch.round(x.float() / scale).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
-    return q, scale
+    return act_quant_ref(x, torch.int8, static_scale)
 
 
 def int8_w8a8_linear(

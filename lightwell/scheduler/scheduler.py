@@ -162,8 +162,7 @@ class Scheduler:
         return output
 
     def _schedule_running(self, batch: _Batch) -> None:
-        admits = bool(self.waiting) and len(self.running) < self.max_num_seqs
-        reserve = self.prefill_reserve if admits and self.enable_chunked_prefill else 0
+        reserve = self._reserve(len(self.waiting), len(self.running))
         i = 0
         while i < len(self.running) and batch.budget > 0:
             request = self.running[i]
@@ -268,13 +267,17 @@ class Scheduler:
         self._commit(request, n, batch)
         return True
 
+    def _reserve(self, waiting: int, running: int) -> int:
+        """Tokens a prefill chunk leaves to the requests waiting to start: the long-prefill
+        reserve while ``waiting`` > 0 of them wait and ``running`` leaves them a slot."""
+        room = waiting > 0 and running < self.max_num_seqs
+        return self.prefill_reserve if room and self.enable_chunked_prefill else 0
+
     def _admit_budget(self, batch: _Batch) -> int:
-        """Tokens the head of the queue may take: with requests waiting behind it (and room to
-        run them), a prefill chunk leaves them the reserve, as running prefills do."""
-        behind = len(self.waiting) > 1 and len(self.running) + 1 < self.max_num_seqs
-        if self.enable_chunked_prefill and behind and batch.budget > self.prefill_reserve:
-            return batch.budget - self.prefill_reserve
-        return batch.budget
+        """Tokens the head of the queue may take: with requests waiting behind it, a prefill
+        chunk leaves them the reserve, as running prefills do."""
+        reserve = self._reserve(len(self.waiting) - 1, len(self.running) + 1)
+        return batch.budget - reserve if batch.budget > reserve else batch.budget
 
     def _commit(self, request: Request, n: int, batch: _Batch) -> None:
         batch.num_scheduled_tokens[request.req_id] = n
