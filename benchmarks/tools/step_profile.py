@@ -33,7 +33,7 @@ from lightwell.bench.results import record
 
 def prompt(n: int, seed: int) -> dict:
     rng = random.Random(seed)
-    return {"prompt_token_ids": [rng.randrange(128256) for _ in range(n)]}
+    return {"prompt_token_ids": [rng.randrange(32000) for _ in range(n)]}
 
 
 def cuda_kernels(prof) -> list[dict]:
@@ -109,7 +109,7 @@ def profile_step(args, engine, label: str, rows: list) -> None:
             f.write(f"{e.self_device_time_total / 1e3:10.3f} ms {e.count:6d}x  {e.key[:150]}\n")
     top = [(e.key[:90], round(e.self_device_time_total / 1e3, 3), e.count) for e in events[:12]]
     rows.append(record("step_cuda_ms", total / 1e3, workload=label, wall_ms=wall * 1e3,
-                       scheduled=sched_tokens, top_kernels=top, model="llama-3-8b",
+                       scheduled=sched_tokens, top_kernels=top, model=args.hf_config_json,
                        dtype="bfloat16"))  # fmt: skip
     with open(os.path.join(args.out, "profile.json"), "w") as f:
         json.dump(rows, f, indent=1)
@@ -157,16 +157,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=224)
-    ap.add_argument("--stages", default="kernels", help="kernels (eager kernel tables), gaps")
+    ap.add_argument(
+        "--stages",
+        default="kernels",
+        help="kernels (eager kernel tables), gaps, b1 (the batch-1 decode table only)",
+    )
+    ap.add_argument("--hf-config-json", default="llama-3-8b", help="model preset or config.json")
+    ap.add_argument("--engine-args", default="{}", help="more LLM(...) arguments, as JSON")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     if "gaps" in args.stages:
         gpu_gaps(args, args.batch)
-    if "kernels" not in args.stages:
+    if "kernels" not in args.stages and "b1" not in args.stages:
         return 0
-    llm = LLM(load_format="dummy", hf_config_json="llama-3-8b", dtype="bfloat16",
+    llm = LLM(load_format="dummy", hf_config_json=args.hf_config_json, dtype="bfloat16",
               enforce_eager=True, async_scheduling=False, max_num_seqs=256,
-              max_num_batched_tokens=8192)  # fmt: skip
+              max_num_batched_tokens=8192, **json.loads(args.engine_args))  # fmt: skip
     engine, rows = llm.engine, []
     long = SamplingParams(temperature=0.0, max_tokens=4096, ignore_eos=True, detokenize=False)
     # W1: one request, 128-token prompt, decoding at ~200 tokens of context
@@ -174,6 +180,8 @@ def main() -> int:
     for _ in range(72):
         engine.step()
     profile_step(args, engine, "decode_b1_ctx200", rows)
+    if "kernels" not in args.stages:
+        return 0
     engine.abort_request("w1")
     engine.step()
     # W2-like: a batch of decodes at ~1,100 tokens of context, then 1,024-token prompts arrive
