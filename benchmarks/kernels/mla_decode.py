@@ -1,7 +1,8 @@
 """The MLA decode kernel (lightwell/kernels/mla_decode.py) on DeepSeek shapes, bf16: per step
 of one layer, µs and the latent cache's bytes read a second against the H200's 4,221 GB/s.
 Batches 1, 16 and 64 at 1,024 / 8,192-token contexts, 16 heads (DeepSeek-V2-Lite) and 128 (V3);
-split count as the engine picks it, and a sweep of others.
+split count and tile as the engine picks them, other split counts, and with ``--sweep`` the
+three fastest tiles (BLOCK_H, BLOCK_S, warps, stages) of a sweep at the picked split count.
 One device call of about a minute:
 
     run(command="python3 -m benchmarks.kernels.mla_decode --out $OUT/mla_decode.json")
@@ -18,7 +19,7 @@ import statistics
 import torch
 
 from lightwell.bench.results import make_record, provenance, script_command, write_json
-from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref, pick_num_splits
+from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref, pick_config, pick_num_splits
 
 RANK, ROPE, BLOCK = 512, 64, 16
 PEAK_GBPS = 4221.0
@@ -46,7 +47,27 @@ def _graph_us(fn, reps: int = 20, warm: int = 3) -> float:
     return statistics.median(times[warm:])
 
 
-def bench(heads: int, batch: int, ctx: int, common: dict) -> list[dict]:
+def _sweep(run, want: torch.Tensor, heads: int) -> list[tuple[float, tuple]]:
+    """(µs, config) of every (BLOCK_H, BLOCK_S, warps, stages) that compiles and matches."""
+    found = []
+    for bh in [h for h in (16, 32, 64) if h <= max(16, heads)]:
+        for bs in (16, 32, 64):
+            for warps in (4, 8):
+                for stages in (1, 2, 3):
+                    cfg = (bh, bs, warps, stages)
+                    try:
+                        got = run(cfg)
+                        torch.cuda.synchronize()
+                    except Exception:  # noqa: BLE001 (out of shared memory or registers)
+                        continue
+                    if (got.float() - want).abs().max() > 2e-2 * want.abs().max():
+                        print("mismatch", cfg, flush=True)
+                        continue
+                    found.append((_graph_us(lambda c=cfg: run(c)), cfg))
+    return sorted(found)
+
+
+def bench(heads: int, batch: int, ctx: int, common: dict, sweep: bool) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per = ctx // BLOCK
     cache = torch.randn(1, batch * blocks_per, BLOCK, 1, RANK + ROPE, device="cuda",
@@ -57,33 +78,44 @@ def bench(heads: int, batch: int, ctx: int, common: dict) -> list[dict]:
     q = torch.randn(batch, heads, RANK + ROPE, device="cuda", dtype=torch.bfloat16, generator=gen)
     scale = (128 + ROPE) ** -0.5
     auto = pick_num_splits(batch, heads, ctx)
+    got = mla_decode(q, cache, table, lens, scale, RANK, auto).float()
     if batch <= 16:
         want = mla_decode_ref(q, cache, table, lens, scale, RANK).float()
-        got = mla_decode(q, cache, table, lens, scale, RANK, auto, ctx).float()
         err = ((got - want).abs().max() / want.abs().max()).item()
     else:
-        err = None
+        want, err = got, None
     nbytes = batch * ctx * (RANK + ROPE) * 2
     rows = []
-    for splits in sorted({1, 2, 4, 8, 16, auto}):
-        us = _graph_us(lambda s=splits: mla_decode(q, cache, table, lens, scale, RANK, s, ctx))
+
+    def row_of(us: float, splits: int, cfg: tuple | None) -> dict:
         gbps = nbytes / us / 1e3
-        row = dict(heads=heads, batch=batch, context=ctx, splits=splits, auto=splits == auto,
+        row = dict(heads=heads, batch=batch, context=ctx, splits=splits,
+                   auto=splits == auto and cfg is None, config=cfg or pick_config(heads),
                    us=round(us, 1), gbps=round(gbps, 1), of_peak=round(gbps / PEAK_GBPS, 3),
                    rel_err_vs_torch=err)  # fmt: skip
         print(row, flush=True)
-        rows.append(make_record("mla_decode_us", us, common, **row))
+        return make_record("mla_decode_us", us, common, **row)
+
+    for splits in sorted({1, 4, 16, auto}):
+        us = _graph_us(lambda s=splits: mla_decode(q, cache, table, lens, scale, RANK, s))
+        rows.append(row_of(us, splits, None))
+    if sweep:
+        run = lambda cfg: mla_decode(q, cache, table, lens, scale, RANK, auto, config=cfg)  # noqa: E731
+        best = _sweep(run, want, heads)
+        for us, cfg in best[:3]:
+            rows.append(row_of(us, auto, cfg))
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results here (JSON)")
+    parser.add_argument("--sweep", action="store_true", help="also time every kernel config")
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
     rows = []
     for heads, batch, ctx in CASES:
-        rows += bench(heads, batch, ctx, common)
+        rows += bench(heads, batch, ctx, common, args.sweep)
     if args.out:
         write_json(args.out, rows)
 

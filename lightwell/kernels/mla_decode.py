@@ -5,8 +5,11 @@
 Every head of a request reads the same entries (MQA over the latent), so a program takes
 ``BLOCK_H`` heads of one request and one split of its keys: each ``BLOCK_S`` keys' entries are
 loaded once for all those heads and go through two dots (scores against the latent and the RoPE
-part, then probabilities times the latent). Each split writes its partial output with its
-log-sum-exp; ``_combine`` rescales and sums the splits. Entry width ``L + P`` (512 + 64 for
+part, then probabilities times the latent). A request's keys are cut into ``num_splits`` equal
+runs of whole tiles by its own length (inside the kernel, so a graph captured for long contexts
+spreads a short one over all its splits). Each split writes its partial output with its
+log-sum-exp and ``_combine_kernel`` rescales and sums them into the output; with one split the
+decode kernel writes the output itself. Entry width ``L + P`` (512 + 64 for
 DeepSeek) need not be a power of two: the latent and RoPE parts are loaded apart.
 ``store_latent`` writes a step's entries into the cache, skipping slots < 0 (CUDA-graph padding).
 Nothing here reads host-side metadata per step, so decode steps can replay from CUDA graphs.
@@ -25,12 +28,14 @@ def _mla_decode_kernel(
     cache_ptr,  # [num_slots, L + P]
     block_table_ptr,  # [R, max_blocks]
     seq_lens_ptr,  # [R]
-    part_ptr,  # [R, S, H, L] float32 partial outputs
-    lse_ptr,  # [R, S, H] float32 log-sum-exp of each split
+    part_ptr,  # [R, S, H, L] float32 partial outputs (several splits)
+    lse_ptr,  # [R, S, H] float32 log-sum-exp of each split (several splits)
+    out_ptr,  # [R, H, L] the output (one split)
     scale,
     num_heads,
     stride_bt,
-    keys_per_split,
+    stride_or,
+    stride_oh,
     BLOCK_SIZE: tl.constexpr,  # the cache's tokens per block
     LATENT: tl.constexpr,
     ROPE: tl.constexpr,
@@ -39,6 +44,7 @@ def _mla_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_S: tl.constexpr,
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 (exact), else "tf32" (ignored by 16-bit dots)
+    SPLIT: tl.constexpr,  # several splits: partials and log-sum-exps, else the output
 ):
     req, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
@@ -52,8 +58,10 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_row + LATENT + pe[None, :], mask=head_ok[:, None] & pe_ok[None, :],
                    other=0.0)  # fmt: skip
     seq_len = tl.load(seq_lens_ptr + req)
-    start = split * keys_per_split
-    end = tl.minimum(start + keys_per_split, seq_len)
+    # this request's keys in num_splits equal runs of whole BLOCK_S tiles
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_S) * BLOCK_S
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
     m = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     denom = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_L), tl.float32)
@@ -78,11 +86,43 @@ def _mla_decode_kernel(
         m = m_new
     safe = denom > 0  # an empty split (past the sequence's end) contributes nothing
     out = acc / tl.where(safe, denom, 1.0)[:, None]
-    lse = tl.where(safe, m + tl.log(tl.where(safe, denom, 1.0)), float("-inf"))
-    base = (req * num_splits + split) * num_heads + heads
-    tl.store(part_ptr + base[:, None] * LATENT + lat[None, :], out,
-             mask=head_ok[:, None] & lat_ok[None, :])  # fmt: skip
-    tl.store(lse_ptr + base, lse, mask=head_ok)
+    keep = head_ok[:, None] & lat_ok[None, :]
+    if not SPLIT:
+        o_rows = out_ptr + req * stride_or + heads[:, None] * stride_oh
+        tl.store(o_rows + lat[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+    else:
+        lse = tl.where(safe, m + tl.log(tl.where(safe, denom, 1.0)), float("-inf"))
+        base = (req * num_splits + split) * num_heads + heads
+        tl.store(part_ptr + base[:, None] * LATENT + lat[None, :], out, mask=keep)
+        tl.store(lse_ptr + base, lse, mask=head_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    part_ptr,  # [R, S, H, L] float32
+    lse_ptr,  # [R, S, H] float32
+    out_ptr,  # [R, H, L]
+    num_heads,
+    stride_or,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    LATENT: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+):
+    req, head = tl.program_id(0), tl.program_id(1)
+    s, lat = tl.arange(0, BLOCK_SPLITS), tl.arange(0, BLOCK_L)
+    rows = (req * NUM_SPLITS + s) * num_heads + head  # [BS]
+    lse = tl.load(lse_ptr + rows, mask=s < NUM_SPLITS, other=float("-inf"))
+    live = lse > float("-inf")
+    top = tl.max(tl.where(live, lse, -1e30), axis=0)
+    w = tl.where(live, tl.exp(lse - top), 0.0)  # empty splits weigh nothing
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_ptr + rows[:, None] * LATENT + lat[None, :],
+                    mask=live[:, None] & (lat < LATENT)[None, :], other=0.0)  # fmt: skip
+    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    o_row = out_ptr + req * stride_or + head * stride_oh
+    tl.store(o_row + lat, out.to(out_ptr.dtype.element_ty), mask=lat < LATENT)
 
 
 @triton.jit
@@ -124,17 +164,28 @@ def store_latent_ref(entry: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(kv_cache.dtype)
 
 
-def _combine(part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """[R, S, H, L] partials and [R, S, H] log-sum-exps -> [R, H, L] (device ops only)."""
-    weights = torch.softmax(lse, dim=1)  # an empty split's -inf gets weight 0
-    return (part * weights[..., None]).sum(dim=1)
+# (BLOCK_H, BLOCK_S, num_warps, num_stages) of the decode kernel
+Config = tuple[int, int, int, int]
+
+
+def pick_config(num_heads: int) -> Config:
+    """The H200 sweep's tiles (benchmarks/kernels/mla_decode.py --sweep): up to 16 heads,
+    sixteen heads a program (tl.dot's smallest tile) and 32 keys a step; more heads, 64 heads
+    and 64 keys a step on 8 warps (each program reads its keys once for all its heads)."""
+    if num_heads <= 16:
+        return 16, 32, 4, 2
+    return min(64, triton.next_power_of_2(num_heads)), 64, 8, 2
 
 
 def pick_num_splits(num_reqs: int, num_heads: int, max_seq_len: int, sms: int = 132) -> int:
-    """Key splits per request: enough programs to fill ``sms`` SMs, each split at least 256
-    keys long, at most 16."""
-    programs = num_reqs * triton.cdiv(num_heads, 16)
-    return max(1, min(16, sms // max(programs, 1), triton.cdiv(max_seq_len, 256)))
+    """Key splits per request: as many as fit two programs an SM in one wave, 1 to 32, no
+    more than the longest context has key tiles. The kernel sizes each split from the
+    request's own length, so a CUDA graph captured at a long ``max_seq_len`` spreads short
+    contexts over all its splits too."""
+    block_h, block_s = pick_config(num_heads)[:2]
+    programs = num_reqs * triton.cdiv(num_heads, block_h)
+    tiles = triton.cdiv(max_seq_len, block_s)
+    return max(1, min(32, 2 * sms // max(programs, 1), tiles))
 
 
 def mla_decode(
@@ -145,30 +196,44 @@ def mla_decode(
     scale: float,
     kv_lora_rank: int,
     num_splits: int = 1,  # key splits per request (more for long contexts and few requests)
-    max_seq_len: int | None = None,  # for the split size; default: the table's capacity
-) -> torch.Tensor:  # [R, H, L]
+    out: torch.Tensor | None = None,  # [R, H, L] to write into (rows contiguous in L)
+    config: Config | None = None,
+) -> torch.Tensor:  # [R, H, L] in q.dtype
     num_reqs, num_heads, width = q.shape
     block_size = kv_cache.shape[2]
     if kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1 or kv_cache.shape[-1] != width:
         raise ValueError(f"latent cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
     if not q.is_contiguous() or block_table.shape[0] != num_reqs or num_splits < 1:
         raise ValueError("mla_decode wants a contiguous q, a block table row per request")
+    if out is None:
+        out = q.new_empty(num_reqs, num_heads, kv_lora_rank)
+    if out.shape != (num_reqs, num_heads, kv_lora_rank) or out.stride(2) != 1:
+        raise ValueError(f"mla_decode: out {tuple(out.shape)} does not fit the query")
+    if num_reqs == 0:
+        return out
+    block_h, block_s, warps, stages = config or pick_config(num_heads)
     rope = width - kv_lora_rank
-    max_len = max_seq_len or block_table.shape[1] * block_size
-    per_split = triton.cdiv(triton.cdiv(max_len, num_splits), 16) * 16
-    part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
-    lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
-    block_h = 16  # tl.dot's smallest tile; the [16, L] fp32 accumulator stays in registers
+    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
+    part = lse = out  # (unread with one split)
+    if num_splits > 1:
+        part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
+        lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
     grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_kernel[grid](
-        q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, scale, num_heads,
-        block_table.stride(0), per_split, BLOCK_SIZE=block_size, LATENT=kv_lora_rank, ROPE=rope,
+        q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, out, scale, num_heads,
+        block_table.stride(0), out.stride(0), out.stride(1), BLOCK_SIZE=block_size,
+        LATENT=kv_lora_rank, ROPE=rope,
         # (tl.dot needs K >= 16: small test shapes pad the latent and RoPE tiles, masked)
-        BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
-        BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        BLOCK_H=block_h, BLOCK_S=16, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        BLOCK_L=block_l, BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
+        BLOCK_S=block_s, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        SPLIT=num_splits > 1, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return _combine(part, lse).to(q.dtype)
+    if num_splits > 1:
+        _combine_kernel[(num_reqs, num_heads)](
+            part, lse, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            LATENT=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_L=block_l,
+        )  # fmt: skip
+    return out
 
 
 def mla_decode_ref(

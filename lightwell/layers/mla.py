@@ -71,9 +71,9 @@ class LatentAttention(Attention):
         store_latent(entry, self.kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
         splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
-        out[:n] = mla_decode(
+        mla_decode(
             q[:n].contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
-            self.scale, self.kv_lora_rank, splits, meta.max_seq_len,
+            self.scale, self.kv_lora_rank, splits, out=out[:n],
         )  # fmt: skip
         if n < meta.num_reqs:
             attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank, n, out)

@@ -1,7 +1,7 @@
 """The MLA decode kernel (split-KV over the paged latent cache) vs its torch reference: on CPU
 under TRITON_INTERPRET=1, compiled on CUDA. Entry width not a power of two (32 + 8), heads fewer
 than a tile, scattered blocks, uneven lengths, 1 and 3 splits (one split past a short request's
-end), a poisoned cache outside the requests' blocks."""
+end; 8 splits of 16-key tiles), a poisoned cache outside the requests' blocks."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 3e-3}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("splits", [1, 3, 8])
 def test_mla_decode_matches_reference(dtype, splits):
     gen = torch.Generator().manual_seed(splits)
     rank, rope, heads, block, num_blocks = 32, 8, 3, 4, 24
@@ -47,7 +47,9 @@ def test_mla_decode_matches_reference(dtype, splits):
     q = torch.randn(3, heads, rank + rope, generator=gen)
     table = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
     args = (q.to(dtype).to(DEVICE), cache.to(dtype).to(DEVICE), table, seq_lens.to(DEVICE))
-    got = mla_decode(*args, 0.2, rank, num_splits=splits, max_seq_len=37)
+    # eight splits with 16-key tiles: the 37-key request spreads over three of them
+    config = (16, 16, 4, 1) if splits == 8 else None
+    got = mla_decode(*args, 0.2, rank, num_splits=splits, config=config)
     want = mla_decode_ref(*args, 0.2, rank)
     assert got.shape == (3, heads, rank) and not got.isnan().any()
     err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
