@@ -5,7 +5,10 @@ RoPE key ``k_pe`` shared by every head; ``kv_b_proj`` would expand ``c`` into pe
 (``W_UK``) and values (``W_UV``). The cache stores only ``[c | rotated k_pe]`` (576 values a
 token and layer for DeepSeek-V2/V3), and attention runs on it with the up-projections absorbed:
 the query's no-RoPE part goes through ``W_UK`` into latent space, the latent output through
-``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``).
+``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``). A decode-only step on the
+kernels runs that work around the attention in three launches (``kernels/mla_prepare.py``:
+the entry's norm, RoPE and store; the absorbed query with its RoPE; the output through
+``W_UV``) plus the split-KV decode kernel.
 
 Tensor parallelism splits the heads (q / kv_b / o projections); the latent and its
 projections are replicated. The query is plain (``q_proj``) or low-rank (``q_a_proj`` ->
@@ -56,19 +59,29 @@ class LatentAttention(Attention):
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (1, num_blocks, block_size, 1, self.head_dim)
 
+    def _kernel(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.decode_kernel is None else self.decode_kernel
+
+    def decode_only(self, x: torch.Tensor) -> bool:
+        """The step is all decodes and runs through the kernels (``MLAttention`` then fuses
+        the work around the attention: kernels/mla_prepare.py)."""
+        meta = get_attention_metadata()
+        one_each = meta.num_decodes == meta.num_reqs == meta.num_tokens
+        return self._kernel(x) and self.kv_cache is not None and one_each and meta.num_reqs > 0
+
     def forward(  # type: ignore[override]
         self,
         q: torch.Tensor,  # [T, H, kv_lora_rank + rope_dim]
-        entry: torch.Tensor,  # [T, kv_lora_rank + rope_dim]
+        entry: torch.Tensor | None,  # [T, kv_lora_rank + rope_dim]; None: already stored
     ) -> torch.Tensor:  # [T, H, kv_lora_rank]
         meta = get_attention_metadata()
-        kernel = q.is_cuda if self.decode_kernel is None else self.decode_kernel
         n = meta.num_decodes  # the first n requests, one token each
-        if not kernel or self.kv_cache is None or n == 0:
+        if not self._kernel(q) or self.kv_cache is None or n == 0:
             return attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank)
         from lightwell.kernels.mla_decode import mla_decode, pick_num_splits, store_latent
 
-        store_latent(entry, self.kv_cache, meta.slot_mapping)
+        if entry is not None:
+            store_latent(entry, self.kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
         splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
         mla_decode(
@@ -138,6 +151,8 @@ class MLAttention(nn.Module):
         positions: torch.Tensor,  # [T]
         hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, heads * v_dim / tp]
+        if self.attn.decode_only(hidden):
+            return self._attend_decodes(positions, hidden)
         num_tokens, heads = hidden.shape[0], self.num_heads
         q = self._query(hidden).view(num_tokens, heads, self.nope + self.rope)
         q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
@@ -152,6 +167,24 @@ class MLAttention(nn.Module):
         q_full = torch.cat([q_latent, q_pe.view(num_tokens, heads, self.rope)], dim=-1)
         out = self.attn(q_full, torch.cat([c, k_pe], dim=-1))  # [T, h, rank]
         return torch.einsum("thr,hvr->thv", out, w_uv).reshape(num_tokens, heads * self.v_dim)
+
+    def _attend_decodes(
+        self,
+        positions: torch.Tensor,  # [T]
+        hidden: torch.Tensor,  # [T, H]
+    ) -> torch.Tensor:  # [T, heads * v_dim / tp]
+        """``attend`` for a decode-only step in four launches around the projections."""
+        from lightwell.kernels.mla_prepare import absorb_output, absorb_query, latent_entry
+
+        rot, norm, w = self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj.weight
+        slots = get_attention_metadata().slot_mapping
+        kv = self.kv_a_proj_with_mqa(hidden)
+        latent_entry(positions, kv, norm.weight, norm.eps, rot.cos_sin_cache, rot.is_neox_style,
+                     self.attn.kv_cache, slots)  # fmt: skip
+        dims = (self.nope, self.rope, self.v_dim)
+        q = absorb_query(positions, self._query(hidden), w, dims, rot.cos_sin_cache,
+                         rot.is_neox_style)  # fmt: skip
+        return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.o_proj(self.attend(positions, hidden))

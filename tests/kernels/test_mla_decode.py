@@ -59,7 +59,8 @@ def test_mla_decode_matches_reference(dtype, splits):
 @CPU_MODEL
 def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path):
     """A tiny DeepSeek-V3 with its decodes through the kernel (mixed with a prefill chunk in
-    the same steps) gives the torch path's logits."""
+    the same steps, then decode-only steps through the fused path) gives the torch path's
+    logits."""
     from lightwell.layers.mla import LatentAttention
     from tests.models.families import deepseek_v3
     from tests.models.paged import PagedRunner
@@ -85,6 +86,14 @@ def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path):
             batch.append(("late", late[3 * n : 3 * n + 3], 3 * n))
             got = runner.step(batch)
             out = [torch.cat([o, g]) for o, g in zip(out, got[:2])]
+            steps.append(torch.cat(got))
+        for n in range(4, 6):  # decode-only steps: the fused path (kernels/mla_prepare.py)
+            batch = [
+                (f"r{i}", [int(o[-1].argmax())], len(p) + n)
+                for i, (o, p) in enumerate(zip(out, prompts))
+            ]
+            got = runner.step(batch)
+            out = [torch.cat([o, g]) for o, g in zip(out, got)]
             steps.append(torch.cat(got))
         logits[kernel] = torch.cat(steps)
     assert rel_err(logits[True], logits[False]) < 1e-4

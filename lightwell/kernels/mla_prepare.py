@@ -1,0 +1,265 @@
+"""MLA's per-token work around the latent attention of a decode step, in three launches
+(lightwell/layers/mla.py runs them on CUDA for decode-only steps; torch ops otherwise):
+
+- ``latent_entry``: the kv_a projection's output ``[T, L + P]`` becomes the cache entry: the
+  latent through kv_a_layernorm (kernels/rmsnorm.py's rounding) and RoPE on ``k_pe``
+  (kernels/rotary.py's cos/sin cache and styles), written to ``[T, L + P]`` and, at each token's
+  slot (``>= 0``), into the latent cache. One program a token.
+- ``absorb_query``: ``q [T, H * (N + P)]`` becomes the absorbed query ``[T, H, L + P]``:
+  ``q_nope @ W_UK`` per head (tl.dot on 16-token tiles, L in 128-wide chunks) and RoPE on
+  ``q_pe``. Grid (heads, token tiles).
+- ``absorb_output``: the latent output ``[T, H, L]`` becomes ``[T, H * V]``: ``o @ W_UV^T`` per
+  head.
+
+``W_UK`` and ``W_UV`` are read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]`` (head
+h's rows: N key rows, then V value rows). Products accumulate in fp32 and round once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lightwell.kernels.rmsnorm import norm_row
+
+BLOCK_T = 16  # tokens a program (tl.dot's smallest tile)
+BLOCK_R = 128  # latent values a chunk
+
+
+@triton.jit
+def _cos_sin(cs_ptr, pos, stride_cs, rows_ok, ROPE: tl.constexpr, HALF_PAD: tl.constexpr):
+    """cos, sin [.., HALF_PAD] fp32 at positions ``pos`` [..] and the pair offsets (neox:
+    halves; GPT-J: interleaved) are the caller's."""
+    j = tl.arange(0, HALF_PAD)
+    ok = rows_ok[:, None] & (j < ROPE // 2)[None, :]
+    row = cs_ptr + pos.to(tl.int64)[:, None] * stride_cs + j[None, :]
+    cos = tl.load(row, mask=ok, other=0.0).to(tl.float32)
+    sin = tl.load(row + ROPE // 2, mask=ok, other=0.0).to(tl.float32)
+    return cos, sin, ok
+
+
+@triton.jit
+def _pairs(HALF_PAD: tl.constexpr, ROPE: tl.constexpr, IS_NEOX: tl.constexpr):
+    j = tl.arange(0, HALF_PAD)
+    if IS_NEOX:
+        return j, j + ROPE // 2
+    return 2 * j, 2 * j + 1
+
+
+@triton.jit
+def _latent_entry_kernel(
+    kv_ptr,  # [T, L + P]
+    w_ptr,  # [L] kv_a_layernorm's weight
+    pos_ptr,  # [T]
+    cs_ptr,  # [max_pos, P] cos | sin
+    entry_ptr,  # [T, L + P]
+    cache_ptr,  # [num_slots, L + P] (STORE)
+    slot_ptr,  # [T]; < 0: not stored (STORE)
+    stride_kv,
+    stride_e,
+    stride_cs,
+    eps,
+    LATENT: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    STORE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    lat = tl.arange(0, BLOCK_L)
+    lat_ok = lat < LATENT
+    c = tl.load(kv_ptr + t * stride_kv + lat, mask=lat_ok, other=0.0)
+    w = tl.load(w_ptr + lat, mask=lat_ok, other=0.0).to(tl.float32)
+    c = norm_row(c, w, eps, LATENT).to(entry_ptr.dtype.element_ty)
+    pos = tl.load(pos_ptr + t + tl.arange(0, 1))  # [1]
+    cos, sin, ok = _cos_sin(cs_ptr, pos, stride_cs, pos >= 0, ROPE, HALF_PAD)
+    off1, off2 = _pairs(HALF_PAD, ROPE, IS_NEOX)
+    pe = kv_ptr + t * stride_kv + LATENT
+    x1 = tl.load(pe + off1[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(pe + off2[None, :], mask=ok, other=0.0).to(tl.float32)
+    o1 = (x1 * cos - x2 * sin).to(entry_ptr.dtype.element_ty)
+    o2 = (x2 * cos + x1 * sin).to(entry_ptr.dtype.element_ty)
+    row = entry_ptr + t * stride_e
+    tl.store(row + lat, c, mask=lat_ok)
+    tl.store(row + LATENT + off1[None, :], o1, mask=ok)
+    tl.store(row + LATENT + off2[None, :], o2, mask=ok)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            dst = cache_ptr + slot * (LATENT + ROPE)
+            tl.store(dst + lat, c.to(cache_ptr.dtype.element_ty), mask=lat_ok)
+            tl.store(dst + LATENT + off1[None, :], o1.to(cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + LATENT + off2[None, :], o2.to(cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _absorb_query_kernel(
+    q_ptr,  # [T, H * (N + P)]
+    w_ptr,  # [H * (N + V), L] kv_b_proj's weight
+    pos_ptr,  # [T]
+    cs_ptr,  # [max_pos, P]
+    out_ptr,  # [T, H, L + P]
+    T,
+    stride_q,
+    stride_cs,
+    stride_o,
+    NOPE: tl.constexpr,
+    ROPE: tl.constexpr,
+    VDIM: tl.constexpr,
+    LATENT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    IS_NEOX: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    h, tile = tl.program_id(0), tl.program_id(1)
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < NOPE
+    q_rows = q_ptr + t.to(tl.int64)[:, None] * stride_q + h * (NOPE + ROPE)  # [BT, 1]
+    qn = tl.load(q_rows + n[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+    o_rows = out_ptr + t.to(tl.int64)[:, None] * stride_o + h * (LATENT + ROPE)
+    w_head = w_ptr + h * (NOPE + VDIM) * LATENT
+    for r0 in tl.static_range(0, LATENT, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < LATENT
+        w = tl.load(w_head + n[:, None] * LATENT + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc = tl.dot(qn, w, input_precision=PREC)  # [BT, BR]
+        tl.store(o_rows + r[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=t_ok[:, None] & r_ok[None, :])  # fmt: skip
+    pos = tl.load(pos_ptr + t, mask=t_ok, other=0)
+    cos, sin, ok = _cos_sin(cs_ptr, pos, stride_cs, t_ok, ROPE, HALF_PAD)
+    off1, off2 = _pairs(HALF_PAD, ROPE, IS_NEOX)
+    x1 = tl.load(q_rows + NOPE + off1[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(q_rows + NOPE + off2[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(o_rows + LATENT + off1[None, :], (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
+    tl.store(o_rows + LATENT + off2[None, :], (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty),
+             mask=ok)  # fmt: skip
+
+
+@triton.jit
+def _absorb_output_kernel(
+    o_ptr,  # [T, H, L]
+    w_ptr,  # [H * (N + V), L]
+    out_ptr,  # [T, H * V]
+    T,
+    stride_ot,
+    stride_oh,
+    stride_y,
+    NOPE: tl.constexpr,
+    VDIM: tl.constexpr,
+    LATENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    h, tile = tl.program_id(0), tl.program_id(1)
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    v = tl.arange(0, BLOCK_V)
+    v_ok = v < VDIM
+    o_rows = o_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh
+    w_head = w_ptr + (h * (NOPE + VDIM) + NOPE) * LATENT
+    acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+    for r0 in tl.static_range(0, LATENT, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        r_ok = r < LATENT
+        o = tl.load(o_rows + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        w = tl.load(w_head + v[None, :] * LATENT + r[:, None], mask=r_ok[:, None] & v_ok[None, :],
+                    other=0.0)  # fmt: skip
+        acc = tl.dot(o, w, acc, input_precision=PREC)  # [BT, BV]
+    y = out_ptr + t.to(tl.int64)[:, None] * stride_y + h * VDIM + v[None, :]
+    tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
+
+
+def _prec(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _half_pad(rope: int) -> int:
+    return max(1, triton.next_power_of_2(rope // 2))
+
+
+def latent_entry(
+    positions: torch.Tensor,  # [T]
+    kv: torch.Tensor,  # [T, L + P] kv_a_proj_with_mqa's output
+    norm_weight: torch.Tensor,  # [L]
+    eps: float,
+    cos_sin_cache: torch.Tensor,  # [max_pos, P]
+    is_neox_style: bool,
+    kv_cache: torch.Tensor | None = None,  # [1, N, B, 1, L + P]
+    slot_mapping: torch.Tensor | None = None,  # [T]; < 0: not stored
+) -> torch.Tensor:  # [T, L + P] the entries (also stored when kv_cache is given)
+    num_tokens, width = kv.shape
+    latent = norm_weight.shape[0]
+    rope = width - latent
+    if kv.stride(1) != 1 or cos_sin_cache.shape[1] != rope:
+        raise ValueError(f"latent_entry: kv {tuple(kv.shape)} does not fit a {rope}-dim RoPE")
+    entry = kv.new_empty(num_tokens, width)
+    store = kv_cache is not None
+    if store and (slot_mapping is None or kv_cache.shape[-1] != width):
+        raise ValueError("latent_entry: storing needs slot_mapping and a cache of the entry width")
+    if num_tokens:
+        _latent_entry_kernel[(num_tokens,)](
+            kv, norm_weight, positions, cos_sin_cache, entry,
+            kv_cache.view(-1, width) if store else entry,
+            slot_mapping if store else positions, kv.stride(0), entry.stride(0),
+            cos_sin_cache.stride(0), eps, LATENT=latent, ROPE=rope,
+            BLOCK_L=triton.next_power_of_2(latent), HALF_PAD=_half_pad(rope),
+            IS_NEOX=is_neox_style, STORE=store,
+        )  # fmt: skip
+    return entry
+
+
+def absorb_query(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, H * (N + P)]
+    kv_b_weight: torch.Tensor,  # [H * (N + V), L]
+    dims: tuple[int, int, int],  # (N, P, V): no-RoPE, RoPE and value dims a head
+    cos_sin_cache: torch.Tensor,  # [max_pos, P]
+    is_neox_style: bool,
+) -> torch.Tensor:  # [T, H, L + P]
+    nope, rope, vdim = dims
+    num_tokens = q.shape[0]
+    heads, latent = kv_b_weight.shape[0] // (nope + vdim), kv_b_weight.shape[1]
+    if q.shape[1] != heads * (nope + rope) or q.stride(1) != 1 or not kv_b_weight.is_contiguous():
+        raise ValueError(f"absorb_query: q {tuple(q.shape)} does not fit {heads} heads")
+    out = q.new_empty(num_tokens, heads, latent + rope)
+    if num_tokens:
+        grid = (heads, triton.cdiv(num_tokens, BLOCK_T))
+        _absorb_query_kernel[grid](
+            q, kv_b_weight, positions, cos_sin_cache, out, num_tokens, q.stride(0),
+            cos_sin_cache.stride(0), out.stride(0), NOPE=nope, ROPE=rope, VDIM=vdim,
+            LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=BLOCK_T,
+            BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))),
+            HALF_PAD=_half_pad(rope), IS_NEOX=is_neox_style, PREC=_prec(q.dtype),
+        )  # fmt: skip
+    return out
+
+
+def absorb_output(
+    o: torch.Tensor,  # [T, H, L] (rows contiguous in L)
+    kv_b_weight: torch.Tensor,  # [H * (N + V), L]
+    dims: tuple[int, int],  # (N, V)
+) -> torch.Tensor:  # [T, H * V]
+    nope, vdim = dims
+    num_tokens, heads, latent = o.shape
+    if o.stride(2) != 1 or kv_b_weight.shape != (heads * (nope + vdim), latent):
+        raise ValueError(f"absorb_output: o {tuple(o.shape)} does not fit kv_b_proj's weight")
+    out = o.new_empty(num_tokens, heads * vdim)
+    if num_tokens:
+        _absorb_output_kernel[(heads, triton.cdiv(num_tokens, BLOCK_T))](
+            o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
+            NOPE=nope, VDIM=vdim, LATENT=latent,
+            BLOCK_V=max(16, triton.next_power_of_2(vdim)), BLOCK_T=BLOCK_T,
+            BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))), PREC=_prec(o.dtype),
+        )  # fmt: skip
+    return out

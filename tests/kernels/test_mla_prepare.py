@@ -1,0 +1,74 @@
+"""The kernels around MLA's decode attention (kernels/mla_prepare.py) vs the layer's torch ops:
+RMSNorm + RoPE of the latent entry (and its store, padding slots skipped), the absorbed query
+(q_nope @ W_UK, RoPE on q_pe) and the absorbed output (o @ W_UV^T), both RoPE styles, token
+counts of one and of two tiles. CPU under TRITON_INTERPRET=1 (fp32), compiled on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
+pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.sum, InterpretedFunction):
+        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
+
+from lightwell.kernels.mla_prepare import absorb_output, absorb_query, latent_entry  # noqa: E402
+from lightwell.layers.norm import RMSNorm  # noqa: E402
+from lightwell.layers.rotary import RotaryEmbedding  # noqa: E402
+
+LATENT, ROPE, NOPE, VDIM, HEADS = 32, 8, 16, 24, 3
+TOL = 1e-5 if DEVICE == "cpu" else 2e-2
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("tokens", [3, 20])
+def test_prepare_kernels_match_the_torch_ops(neox, tokens):
+    gen = torch.Generator().manual_seed(tokens)
+    rot = RotaryEmbedding(ROPE, ROPE, 64, 10000.0, neox)
+    norm = RMSNorm(LATENT, 1e-6)
+    norm.weight.data = torch.rand(LATENT, generator=gen) + 0.5
+    positions = torch.randint(0, 64, (tokens,), generator=gen)
+    kv = torch.randn(tokens, LATENT + ROPE, generator=gen)
+    q = torch.randn(tokens, HEADS * (NOPE + ROPE), generator=gen)
+    w = torch.randn(HEADS * (NOPE + VDIM), LATENT, generator=gen) / 4
+    o = torch.randn(tokens, HEADS, LATENT, generator=gen)
+    # the layer's torch ops
+    c, k_pe = kv.split([LATENT, ROPE], dim=-1)
+    qh = q.view(tokens, HEADS, NOPE + ROPE)
+    q_nope, q_pe = qh.split([NOPE, ROPE], dim=-1)
+    q_pe, k_pe = rot(positions, q_pe.reshape(tokens, -1).clone(), k_pe.contiguous())
+    want_entry = torch.cat([norm(c.contiguous()), k_pe], dim=-1)
+    w_uk, w_uv = w.view(HEADS, NOPE + VDIM, LATENT).split([NOPE, VDIM], dim=1)
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)
+    want_q = torch.cat([q_lat, q_pe.view(tokens, HEADS, ROPE)], dim=-1)
+    want_o = torch.einsum("thr,hvr->thv", o, w_uv).reshape(tokens, HEADS * VDIM)
+    # the kernels
+    dev = [t.to(DEVICE) for t in (positions, kv, q, w, o)]
+    cache = torch.full((1, 8, 4, 1, LATENT + ROPE), 7.0, device=DEVICE)
+    slots = torch.arange(tokens, device=DEVICE) * 3 % 32
+    slots[1] = -1  # padding: not stored
+    cs = rot.cos_sin_cache.to(DEVICE)
+    entry = latent_entry(dev[0], dev[1], norm.weight.to(DEVICE), 1e-6, cs, neox, cache, slots)
+    assert _rel(entry.cpu(), want_entry) < TOL
+    flat = cache.view(-1, LATENT + ROPE).cpu()
+    keep = (slots >= 0).cpu()
+    assert torch.equal(flat[slots.cpu()[keep]], entry.cpu()[keep])
+    assert (flat[3] == 7.0).all()  # token 1's slot untouched
+    got_q = absorb_query(dev[0], dev[2], dev[3], (NOPE, ROPE, VDIM), cs, neox)
+    assert got_q.shape == (tokens, HEADS, LATENT + ROPE) and _rel(got_q.cpu(), want_q) < TOL
+    got_o = absorb_output(dev[4], dev[3], (NOPE, VDIM))
+    assert got_o.shape == (tokens, HEADS * VDIM) and _rel(got_o.cpu(), want_o) < TOL
