@@ -7,9 +7,9 @@
   slot (``>= 0``), into the latent cache. One program a token.
 - ``absorb_query``: ``q [T, H * (N + P)]`` becomes the absorbed query ``[T, H, L + P]``:
   ``q_nope @ W_UK`` per head (tl.dot on 16-token tiles, L in 128-wide chunks) and RoPE on
-  ``q_pe``. Grid (heads, token tiles).
+  ``q_pe``. Grid (heads, token tiles, L chunks): many programs even for one token.
 - ``absorb_output``: the latent output ``[T, H, L]`` becomes ``[T, H * V]``: ``o @ W_UV^T`` per
-  head.
+  head; grid (heads, token tiles, 32-wide value chunks).
 
 ``W_UK`` and ``W_UV`` are read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]`` (head
 h's rows: N key rows, then V value rows). Products accumulate in fp32 and round once.
@@ -24,7 +24,8 @@ import triton.language as tl
 from lightwell.kernels.rmsnorm import norm_row
 
 BLOCK_T = 16  # tokens a program (tl.dot's smallest tile)
-BLOCK_R = 128  # latent values a chunk
+BLOCK_R = 128  # latent values a chunk (absorb_query: a program each)
+BLOCK_V = 32  # value dims a program (absorb_output)
 
 
 @triton.jit
@@ -116,7 +117,7 @@ def _absorb_query_kernel(
     IS_NEOX: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    h, tile = tl.program_id(0), tl.program_id(1)
+    h, tile, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     n = tl.arange(0, BLOCK_N)
@@ -124,15 +125,16 @@ def _absorb_query_kernel(
     q_rows = q_ptr + t.to(tl.int64)[:, None] * stride_q + h * (NOPE + ROPE)  # [BT, 1]
     qn = tl.load(q_rows + n[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
     o_rows = out_ptr + t.to(tl.int64)[:, None] * stride_o + h * (LATENT + ROPE)
+    r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < LATENT
     w_head = w_ptr + h * (NOPE + VDIM) * LATENT
-    for r0 in tl.static_range(0, LATENT, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = r < LATENT
-        w = tl.load(w_head + n[:, None] * LATENT + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                    other=0.0)  # fmt: skip
-        acc = tl.dot(qn, w, input_precision=PREC)  # [BT, BR]
-        tl.store(o_rows + r[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=t_ok[:, None] & r_ok[None, :])  # fmt: skip
+    w = tl.load(w_head + n[:, None] * LATENT + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                other=0.0)  # fmt: skip
+    acc = tl.dot(qn, w, input_precision=PREC)  # [BT, BR]
+    tl.store(o_rows + r[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & r_ok[None, :])  # fmt: skip
+    if chunk > 0:
+        return
     pos = tl.load(pos_ptr + t, mask=t_ok, other=0)
     cos, sin, ok = _cos_sin(cs_ptr, pos, stride_cs, t_ok, ROPE, HALF_PAD)
     off1, off2 = _pairs(HALF_PAD, ROPE, IS_NEOX)
@@ -161,10 +163,10 @@ def _absorb_output_kernel(
     BLOCK_R: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    h, tile = tl.program_id(0), tl.program_id(1)
+    h, tile, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
-    v = tl.arange(0, BLOCK_V)
+    v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < VDIM
     o_rows = o_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh
     w_head = w_ptr + (h * (NOPE + VDIM) + NOPE) * LATENT
@@ -173,9 +175,9 @@ def _absorb_output_kernel(
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < LATENT
         o = tl.load(o_rows + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        w = tl.load(w_head + v[None, :] * LATENT + r[:, None], mask=r_ok[:, None] & v_ok[None, :],
-                    other=0.0)  # fmt: skip
-        acc = tl.dot(o, w, acc, input_precision=PREC)  # [BT, BV]
+        w_ok = v_ok[:, None] & r_ok[None, :]
+        w = tl.load(w_head + v[:, None] * LATENT + r[None, :], mask=w_ok, other=0.0)  # [BV, BR]
+        acc = tl.dot(o, tl.trans(w), acc, input_precision=PREC)  # [BT, BV]
     y = out_ptr + t.to(tl.int64)[:, None] * stride_y + h * VDIM + v[None, :]
     tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
 
@@ -234,13 +236,14 @@ def absorb_query(
         raise ValueError(f"absorb_query: q {tuple(q.shape)} does not fit {heads} heads")
     out = q.new_empty(num_tokens, heads, latent + rope)
     if num_tokens:
-        grid = (heads, triton.cdiv(num_tokens, BLOCK_T))
+        block_r = min(BLOCK_R, max(16, triton.next_power_of_2(latent)))
+        grid = (heads, triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(latent, block_r))
         _absorb_query_kernel[grid](
             q, kv_b_weight, positions, cos_sin_cache, out, num_tokens, q.stride(0),
             cos_sin_cache.stride(0), out.stride(0), NOPE=nope, ROPE=rope, VDIM=vdim,
             LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=BLOCK_T,
-            BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))),
-            HALF_PAD=_half_pad(rope), IS_NEOX=is_neox_style, PREC=_prec(q.dtype),
+            BLOCK_R=block_r, HALF_PAD=_half_pad(rope), IS_NEOX=is_neox_style,
+            PREC=_prec(q.dtype),
         )  # fmt: skip
     return out
 
@@ -256,10 +259,11 @@ def absorb_output(
         raise ValueError(f"absorb_output: o {tuple(o.shape)} does not fit kv_b_proj's weight")
     out = o.new_empty(num_tokens, heads * vdim)
     if num_tokens:
-        _absorb_output_kernel[(heads, triton.cdiv(num_tokens, BLOCK_T))](
+        block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))
+        grid = (heads, triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(vdim, block_v))
+        _absorb_output_kernel[grid](
             o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
-            NOPE=nope, VDIM=vdim, LATENT=latent,
-            BLOCK_V=max(16, triton.next_power_of_2(vdim)), BLOCK_T=BLOCK_T,
+            NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=BLOCK_T,
             BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))), PREC=_prec(o.dtype),
         )  # fmt: skip
     return out
