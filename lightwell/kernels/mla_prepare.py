@@ -6,7 +6,7 @@
   (kernels/rotary.py's cos/sin cache and styles), written to ``[T, L + P]`` and, at each token's
   slot (``>= 0``), into the latent cache. One program a token.
 - ``absorb_query``: ``q [T, H * (N + P)]`` becomes the absorbed query ``[T, H, L + P]``:
-  ``q_nope @ W_UK`` per head (tl.dot on 16-token tiles, L in 128-wide chunks) and RoPE on
+  ``q_nope @ W_UK`` per head (tl.dot on 16- or 64-token tiles, L in 128-wide chunks) and RoPE on
   ``q_pe``. Grid (heads, token tiles, L chunks): many programs even for one token.
 - ``absorb_output``: the latent output ``[T, H, L]`` becomes ``[T, H * V]``: ``o @ W_UV^T`` per
   head; grid (heads, token tiles, 32-wide value chunks).
@@ -23,7 +23,13 @@ import triton.language as tl
 
 from lightwell.kernels.rmsnorm import norm_row
 
-BLOCK_T = 16  # tokens a program (tl.dot's smallest tile)
+
+def _block_t(num_tokens: int) -> int:
+    """Tokens a program: tl.dot's smallest tile for a few, 64 past that (each program reads
+    its weight chunk once for all its tokens)."""
+    return 16 if num_tokens <= 16 else 64
+
+
 BLOCK_R = 128  # latent values a chunk (absorb_query: a program each)
 BLOCK_V = 32  # value dims a program (absorb_output)
 
@@ -237,11 +243,12 @@ def absorb_query(
     out = q.new_empty(num_tokens, heads, latent + rope)
     if num_tokens:
         block_r = min(BLOCK_R, max(16, triton.next_power_of_2(latent)))
-        grid = (heads, triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(latent, block_r))
+        block_t = _block_t(num_tokens)
+        grid = (heads, triton.cdiv(num_tokens, block_t), triton.cdiv(latent, block_r))
         _absorb_query_kernel[grid](
             q, kv_b_weight, positions, cos_sin_cache, out, num_tokens, q.stride(0),
             cos_sin_cache.stride(0), out.stride(0), NOPE=nope, ROPE=rope, VDIM=vdim,
-            LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=BLOCK_T,
+            LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=block_t,
             BLOCK_R=block_r, HALF_PAD=_half_pad(rope), IS_NEOX=is_neox_style,
             PREC=_prec(q.dtype),
         )  # fmt: skip
@@ -260,10 +267,11 @@ def absorb_output(
     out = o.new_empty(num_tokens, heads * vdim)
     if num_tokens:
         block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))
-        grid = (heads, triton.cdiv(num_tokens, BLOCK_T), triton.cdiv(vdim, block_v))
+        block_t = _block_t(num_tokens)
+        grid = (heads, triton.cdiv(num_tokens, block_t), triton.cdiv(vdim, block_v))
         _absorb_output_kernel[grid](
             o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
-            NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=BLOCK_T,
+            NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=block_t,
             BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))), PREC=_prec(o.dtype),
         )  # fmt: skip
     return out
