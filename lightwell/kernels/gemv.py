@@ -108,7 +108,8 @@ def gemv(
     *,
     silu_mul: bool = False,
     pdl: bool | None = None,
-) -> torch.Tensor:  # [M, N] in x's dtype
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [M, N] in out_dtype (default x's)
     """``x @ weight.T (+ bias)``; with ``silu_mul``, x is a gated MLP's ``[gate | up]`` and the
     product is ``(silu(gate) * up) @ weight.T``, the activation computed as the matmul loads
     it (one kernel instead of two). ``config``: (BLOCK_N, BLOCK_K, num_warps, num_stages),
@@ -117,14 +118,15 @@ def gemv(
     dependent launch, waiting for the kernel before only after that load (kernels/pdl.py);
     elsewhere only the load order changes. With it, ``weight``
     must be written by no kernel of the stream (a layer's weights are not): it is read before
-    the wait."""
+    the wait. ``out_dtype``: e.g. fp32 logits of an fp32 weight (the products are fp32 either
+    way)."""
     _check(x, weight, bias, silu_mul)
     m = x.shape[0]
     n, k = weight.shape
     block_n, block_k, warps, stages = config or pick_config(n, k, m, silu_mul)
     early = _pdl.use_pdl(x.device) if pdl is None else pdl
     gdc = early and _pdl.device_supports(x.device)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
     _gemv_kernel[(triton.cdiv(n, block_n),)](

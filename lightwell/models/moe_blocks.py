@@ -63,7 +63,12 @@ class Router(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] in the weight's dtype
+        if x.is_cuda:
+            from lightwell.kernels.gemv import MAX_M, gemv
+
+            if x.shape[0] <= MAX_M:  # decode: one launch, x not cast
+                return gemv(x, self.weight, out_dtype=self.weight.dtype)
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 

@@ -449,6 +449,18 @@ def test_gemv_matches_reference(m, n, k, dtype):
     assert gemv(x[:0], w).shape == (0, n)
 
 
+def test_gemv_fp32_logits_of_an_fp32_weight():
+    """A router's fp32 weight on fp16 activations, fp32 out: F.linear(x.float(), w)."""
+    from lightwell.kernels.gemv import gemv
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 200, generator=g).to(DEVICE, torch.float16)
+    w = torch.randn(12, 200, generator=g).to(DEVICE)
+    out = gemv(x, w, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, torch.nn.functional.linear(x.float(), w), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 24, 300)])
 def test_gemv_silu_mul_equals_activation_then_gemv(m, n, k):
     from lightwell.kernels.activation import silu_and_mul
