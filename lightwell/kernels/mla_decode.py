@@ -105,15 +105,15 @@ def _combine_kernel(
     num_heads,
     stride_or,
     stride_oh,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,
     LATENT: tl.constexpr,
     BLOCK_SPLITS: tl.constexpr,
     BLOCK_L: tl.constexpr,
 ):
     req, head = tl.program_id(0), tl.program_id(1)
     s, lat = tl.arange(0, BLOCK_SPLITS), tl.arange(0, BLOCK_L)
-    rows = (req * NUM_SPLITS + s) * num_heads + head  # [BS]
-    lse = tl.load(lse_ptr + rows, mask=s < NUM_SPLITS, other=float("-inf"))
+    rows = (req * num_splits + s) * num_heads + head  # [BS]
+    lse = tl.load(lse_ptr + rows, mask=s < num_splits, other=float("-inf"))
     live = lse > float("-inf")
     top = tl.max(tl.where(live, lse, -1e30), axis=0)
     w = tl.where(live, tl.exp(lse - top), 0.0)  # empty splits weigh nothing
@@ -164,6 +164,7 @@ def store_latent_ref(entry: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: 
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(kv_cache.dtype)
 
 
+MAX_SPLITS = 32
 # (BLOCK_H, BLOCK_S, num_warps, num_stages) of the decode kernel
 Config = tuple[int, int, int, int]
 
@@ -185,7 +186,7 @@ def pick_num_splits(num_reqs: int, num_heads: int, max_seq_len: int, sms: int = 
     block_h, block_s = pick_config(num_heads)[:2]
     programs = num_reqs * triton.cdiv(num_heads, block_h)
     tiles = triton.cdiv(max_seq_len, block_s)
-    return max(1, min(32, 2 * sms // max(programs, 1), tiles))
+    return max(1, min(MAX_SPLITS, 2 * sms // max(programs, 1), tiles))
 
 
 def mla_decode(
@@ -203,7 +204,11 @@ def mla_decode(
     block_size = kv_cache.shape[2]
     if kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1 or kv_cache.shape[-1] != width:
         raise ValueError(f"latent cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
-    if not q.is_contiguous() or block_table.shape[0] != num_reqs or num_splits < 1:
+    if (
+        not q.is_contiguous()
+        or block_table.shape[0] != num_reqs
+        or not 0 < num_splits <= MAX_SPLITS
+    ):
         raise ValueError("mla_decode wants a contiguous q, a block table row per request")
     if out is None:
         out = q.new_empty(num_reqs, num_heads, kv_lora_rank)
@@ -230,7 +235,7 @@ def mla_decode(
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(num_reqs, num_heads)](
-            part, lse, out, num_heads, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,
+            part, lse, out, num_heads, out.stride(0), out.stride(1), num_splits,
             LATENT=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_L=block_l,
         )  # fmt: skip
     return out
