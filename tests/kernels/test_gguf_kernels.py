@@ -39,8 +39,8 @@ def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:  #
     blocks = rng.integers(0, 256, (n, k // values, nbytes), dtype=np.uint8)
     for offset in SCALES[qtype]:
         scale = rng.uniform(1e-3, 4e-3, (n, k // values)) * rng.choice([-1, 1], (n, k // values))
-        blocks[:, :, offset : offset + 2] = scale.astype(np.float16).view(np.uint8).reshape(
-            n, -1, 2
+        blocks[:, :, offset : offset + 2] = (
+            scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)
         )
     return torch.from_numpy(blocks.reshape(n, -1))
 
