@@ -98,3 +98,45 @@ def test_gemv_writes_a_column_slice_and_refuses_bad_input():
         gd.gguf_dequantize(w, 6)  # Q5_0
     with pytest.raises(ValueError, match="34-byte blocks"):
         gd.gguf_dequantize(w[:, :30], gd.Q8_0)
+
+
+@pytest.mark.parametrize("tokens", [2, 9])  # the GEMV, then dequantize + matmul
+def test_cuda_linear_path_on_fused_shards(tokens):
+    """quant/gguf_cuda.py's linear (run here on CPU tensors through the interpreted kernels): a
+    fused layer of a Q4_K, a Q6_K and a float shard, with bias."""
+    from lightwell.quant.gguf_cuda import gguf_linear
+
+    k = 256
+    parts = [(gd.Q4_K, random_blocks(3, k, gd.Q4_K, 1)), (gd.Q6_K, random_blocks(2, k, gd.Q6_K, 2))]
+    parts.append((None, torch.randn(4, k) * 0.01))
+    w = torch.cat([p if q is None else gguf_py(p, q) for q, p in parts])  # [9, K]
+    x, bias = torch.randn(tokens, k), torch.randn(9)
+    dev = [(q, p.to(DEVICE)) for q, p in parts]
+    out = gguf_linear(dev, x.to(DEVICE), bias.to(DEVICE)).cpu()
+    torch.testing.assert_close(out, x @ w.T + bias, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_load_keeps_kernel_types_and_dequantizes_others():
+    from lightwell.quant.gguf_cuda import to_device
+
+    param = torch.empty(0, dtype=torch.float16, device=DEVICE)
+    q8 = random_blocks(2, 64, gd.Q8_0)
+    assert to_device(gd.Q8_0, q8, param)[0] == gd.Q8_0
+    values = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    q5_0 = gguf.GGMLQuantizationType.Q5_0
+    blocks = torch.from_numpy(gguf.quants.quantize(values, q5_0))
+    qtype, part = to_device(int(q5_0), blocks, param)
+    assert qtype is None and part.dtype == torch.float16
+    assert torch.equal(part.cpu(), gguf_py(blocks, int(q5_0)).half())
+
+
+def test_loader_takes_gguf_on_cuda_and_cpu_only():
+    from lightwell.models.loader import _quant_method
+    from lightwell.quant.gguf import GGUFLinearMethod
+
+    for device in ("cpu", "cuda"):
+        assert isinstance(
+            _quant_method(None, "gguf", "gguf", torch.device(device)), GGUFLinearMethod
+        )
+    with pytest.raises(ValueError, match="on CPU or CUDA"):
+        _quant_method(None, "gguf", "gguf", torch.device("meta"))
