@@ -130,11 +130,12 @@ def _gguf_gemv_kernel(
     s = tl.arange(0, S)[None, :, None, None]
     i = tl.arange(0, 2)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :]
     x_rows = x_ptr + xm[:, None, None, None] * stride_xm  # [BM, 1, 1, 1]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M, S * 32], dtype=tl.float32)  # summed once, at the end
     for kb in range(0, K // 32, S):
         w = tl.reshape(_tile(rows, kb, QTYPE, BYTES, S), [BLOCK_N, 1, S * 32])
         x = tl.load(x_rows + (kb + s) * 32 + i).to(tl.float32)  # [BM, S, 2, 16]
-        acc += tl.sum(w * tl.reshape(x, [1, BLOCK_M, S * 32]), axis=2)
+        acc += w * tl.reshape(x, [1, BLOCK_M, S * 32])
+    acc = tl.sum(acc, axis=2)  # [BN, BM]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -184,10 +185,11 @@ Config = tuple[int, int, int]
 
 
 def pick_config(n: int, k: int, m: int = 1) -> Config:
-    """The GEMV tile: four rows a program, 16 sub-blocks (512 values) a K step for one row of
-    x, fewer as rows of x add products (each row's [BN, 32 S] products are live at once)."""
-    most = 16 if m <= 2 else 8 if m <= 4 else 4
-    return 4, _subs(k, most), 4
+    """The GEMV tile: four rows a program, 8 sub-blocks (256 values) a K step for one or two
+    rows of x, fewer as rows of x add accumulators ([BN, BM, 32 S] fp32, summed at the end:
+    16 a thread at one row)."""
+    most = 8 if m <= 2 else 4 if m <= 4 else 2
+    return 4, _subs(k, most), 2
 
 
 def gguf_gemv(
