@@ -4,7 +4,8 @@ fp16 scales), then timed: the GEMV at 1, 4 and 8 rows beside cuBLAS on the bf16 
 dequantize kernel's bandwidth, and the >8-token path (dequantize + cuBLAS) at 64 rows.
 
     run(command="python3 -m benchmarks.workloads.gguf_gpu --out $OUT/gguf_gpu.json")  # ~3 min
-    [--rows 1 4 8] [--types Q4_K Q6_K] [--sweep: the GEMV's tiles at one row on 4096x4096, 4 min more]
+    [--rows 1 4 8] [--types Q4_K Q6_K]
+    [--sweep: the GEMV's tiles at one row on 4096x4096, 4 min more]
 
 Checks: the dequantize kernel in fp32 bit-exact against the torch reference (gguf-py's
 arithmetic, run on the GPU) and, where the ``gguf`` package imports, against gguf-py itself on
