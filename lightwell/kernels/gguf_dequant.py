@@ -72,7 +72,7 @@ def _tile(rows, kb, QTYPE: tl.constexpr, BYTES: tl.constexpr, S: tl.constexpr):
     h = tl.arange(0, 2)[None, None, :, None]  # [1, 1, 2, 1]
     t = tl.arange(0, 16)[None, None, None, :]  # [1, 1, 1, 16]
     i = h * 16 + t
-    if QTYPE == 2 or QTYPE == 3 or QTYPE == 8:  # Q4_0, Q4_1, Q8_0: a block a sub-block
+    if QTYPE < 12:  # Q4_0, Q4_1, Q8_0 (2, 3, 8; the K-quants are 12-14): a block a sub-block
         blk = rows + s * BYTES
         d = _f16(blk)
         if QTYPE == 8:
@@ -93,7 +93,9 @@ def _tile(rows, kb, QTYPE: tl.constexpr, BYTES: tl.constexpr, S: tl.constexpr):
         sc = _i8(_u8(blk + 192 + 2 * j + h)).to(tl.float32)  # [BN, S, 2, 1]
         return (_f16(blk + 208) * sc) * q.to(tl.float32)
     sc, mn = _scale_min(blk + 4, j)
-    qs = 16 if QTYPE == 12 else 48  # Q5_K: qh[32] first
+    qs = 48  # Q5_K: qh[32] first
+    if QTYPE == 12:
+        qs = 16
     q = (_u8(blk + qs + (j // 2) * 32 + i) >> (4 * (j % 2))) & 15
     if QTYPE == 13:
         q = q | (((_u8(blk + 16 + i) >> j) & 1) << 4)
