@@ -132,12 +132,19 @@ def _gguf_gemv_kernel(
     s = tl.arange(0, S)[None, :, None, None]
     i = tl.arange(0, 2)[None, None, :, None] * 16 + tl.arange(0, 16)[None, None, None, :]
     x_rows = x_ptr + xm[:, None, None, None] * stride_xm  # [BM, 1, 1, 1]
-    acc = tl.zeros([BLOCK_N, BLOCK_M, S * 32], dtype=tl.float32)  # summed once, at the end
-    for kb in range(0, K // 32, S):
-        w = tl.reshape(_tile(rows, kb, QTYPE, BYTES, S), [BLOCK_N, 1, S * 32])
-        x = tl.load(x_rows + (kb + s) * 32 + i).to(tl.float32)  # [BM, S, 2, 16]
-        acc += w * tl.reshape(x, [1, BLOCK_M, S * 32])
-    acc = tl.sum(acc, axis=2)  # [BN, BM]
+    if BLOCK_M == 1:  # the tile's own shape, no reshapes
+        acc1 = tl.zeros([BLOCK_N, S, 2, 16], dtype=tl.float32)  # summed once, at the end
+        for kb in range(0, K // 32, S):
+            x = tl.load(x_rows + (kb + s) * 32 + i).to(tl.float32)  # [1, S, 2, 16]
+            acc1 += _tile(rows, kb, QTYPE, BYTES, S) * x
+        acc = tl.sum(tl.sum(tl.sum(acc1, axis=3), axis=2), axis=1)[:, None]  # [BN, 1]
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M, S * 32], dtype=tl.float32)  # summed once, at the end
+        for kb in range(0, K // 32, S):
+            w = tl.reshape(_tile(rows, kb, QTYPE, BYTES, S), [BLOCK_N, 1, S * 32])
+            x = tl.load(x_rows + (kb + s) * 32 + i).to(tl.float32)  # [BM, S, 2, 16]
+            acc += w * tl.reshape(x, [1, BLOCK_M, S * 32])
+        acc = tl.sum(acc, axis=2)  # [BN, BM]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -219,7 +226,7 @@ def gguf_gemv(
     _gguf_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0), QTYPE=qtype,
         BYTES=BLOCKS[qtype][1], BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, S=s,
-        num_warps=warps,
+        num_warps=warps, enable_fp_fusion=True,
     )  # fmt: skip
     return out
 
