@@ -1,9 +1,10 @@
 """GGUF block kernels (lightwell/kernels/gguf_dequant.py) on the GPU at llama-3-8b's shapes:
 every type (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) checked on random blocks (random bytes, sane
 fp16 scales), then timed: the GEMV at 1, 4 and 8 rows beside cuBLAS on the bf16 weight, the
-dequantize kernel's bandwidth, and the >8-token path (dequantize + cuBLAS) at 64 rows.
+dequantize kernel's bandwidth, and the >8-token path (dequantize + cuBLAS) at 16, 32 and 64
+rows beside the GEMV run on each 8 rows (where the two cross).
 
-    run(command="python3 -m benchmarks.workloads.gguf_gpu --out $OUT/gguf_gpu.json")  # ~3 min
+    run(command="python3 -m benchmarks.workloads.gguf_gpu --out $OUT/gguf_gpu.json")  # ~5 min
     [--rows 1 4 8] [--types Q4_K Q6_K]
     [--sweep: the GEMV's tiles at one row on 4096x4096, 4 min more]
 
@@ -112,10 +113,26 @@ def measure(qtype: int, shape: str, rows: list[int], dev: torch.device) -> list[
     buf = torch.empty(n, k, device=dev, dtype=torch.bfloat16)
     us = graph_replay_us(lambda: [gd.gguf_dequantize(w, qtype, out=buf) for w in ws], len(ws))
     out.append(_emit("gguf_dequant_us", us, dict(base, gb_s=(nbytes + 2 * n * k) / us / 1e3)))
-    x = torch.randn(64, k, device=dev, dtype=torch.bfloat16)
-    us = graph_replay_us(lambda: [gguf_linear([(qtype, w)], x, None) for w in ws], len(ws))
-    dense_us = cublas_us(x, n, k)
-    out.append(_emit("gguf_linear_us", us, dict(base, m=64, cublas_bf16_us=dense_us)))
+    return out + crossover(qtype, ws, base, dev)
+
+
+def crossover(qtype: int, ws: list[torch.Tensor], base: dict, dev: torch.device) -> list[dict]:
+    """Past 8 tokens: the product's path (dequantize + cuBLAS) beside the GEMV run on each 8
+    rows in turn (which reads the blocks once per 8 rows), at 16, 32 and 64 rows."""
+    out = []
+    for m in (16, 32, 64):
+        x = torch.randn(m, base["k"], device=dev, dtype=torch.bfloat16)
+        us = graph_replay_us(lambda x=x: [gguf_linear([(qtype, w)], x, None) for w in ws], len(ws))
+        chunks = graph_replay_us(
+            lambda x=x: [
+                gd.gguf_gemv(x[i : i + 8], w, qtype) for w in ws for i in range(0, len(x), 8)
+            ],
+            calls=len(ws),
+        )
+        row = dict(
+            base, m=m, gemv_by_8_us=chunks, cublas_bf16_us=cublas_us(x, base["n"], base["k"])
+        )
+        out.append(_emit("gguf_linear_us", us, row))
     return out
 
 
@@ -186,6 +203,11 @@ def summarize(rows: list[dict]) -> None:
                   f"{r['gb_s']:5.0f} {r['cublas_bf16_us']:14.2f}")  # fmt: skip
         elif r["metric"] == "gguf_dequant_us":
             print(f"{r['qtype']:5} {r['shape']:16}{'':44} {r['value']:9.2f} {r['gb_s']:5.0f}")
+        elif r["metric"] == "gguf_linear_us":
+            print(
+                f"{r['qtype']:5} {r['shape']:16} {r['m']:2} dequant+cuBLAS {r['value']:8.2f}, "
+                f"GEMV by 8 rows {r['gemv_by_8_us']:8.2f}, cuBLAS bf16 {r['cublas_bf16_us']:8.2f}"
+            )
 
 
 if __name__ == "__main__":
