@@ -106,15 +106,15 @@ def _process_after_loading(model: nn.Module, method: Any, device: torch.device) 
 
 
 def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.device) -> Any:
-    """``gguf``: a GGUF file's linears stay in the file's blocks (CPU); other values as
+    """``gguf``: a GGUF file's linears stay in the file's blocks (CPU, CUDA); other values as
     ``lightwell.quant.get_quant_method`` (a GGUF file's weights arrive dequantized)."""
     from lightwell.quant import get_quant_method
 
     if fmt == "gguf" and quantization in ("gptq", "awq", "compressed-tensors"):
         raise ValueError(f"quantization {quantization!r} does not apply to a GGUF file")
     if quantization == "gguf":
-        if fmt != "gguf" or device.type != "cpu":
-            raise ValueError("quantization 'gguf' keeps a .gguf file's blocks, on CPU only")
+        if fmt != "gguf" or device.type not in ("cpu", "cuda"):
+            raise ValueError("quantization 'gguf' keeps a .gguf file's blocks, on CPU or CUDA")
         from lightwell.quant.gguf import GGUFLinearMethod
 
         return GGUFLinearMethod()

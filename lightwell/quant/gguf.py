@@ -9,6 +9,8 @@ layer (q/k/v, gate/up) keeps one part per shard, each in its own type. Under ten
 a column-parallel rank keeps its rows (rows are independent); a row-parallel rank keeps its
 byte range of every row when its inputs start and end on block boundaries, else it dequantizes
 that layer's slice at load.
+
+On CUDA the blocks live on the GPU and run through Triton kernels (quant/gguf_cuda.py).
 """
 
 from __future__ import annotations
@@ -85,6 +87,10 @@ class GGUFLinearMethod:
             part = part.narrow(1, *cols)
         if qtype is None:
             part = part.to(param.dtype)
+        if param.is_cuda:
+            from lightwell.quant.gguf_cuda import to_device
+
+            qtype, part = to_device(qtype, part, param)
         layer.gguf_parts[index] = (qtype, part.contiguous())
 
     @staticmethod
@@ -124,6 +130,10 @@ class GGUFLinearMethod:
         x: torch.Tensor,  # [T, K]
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
+        if x.is_cuda:  # the blocks on the GPU, read by Triton kernels
+            from lightwell.quant.gguf_cuda import gguf_linear
+
+            return gguf_linear(layer.gguf_parts, x, bias)
         parts = [p if q is None else dequantize_raw(p, q) for q, p in layer.gguf_parts]
         w = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, K], this call only
         return F.linear(x, w.to(x.dtype), bias)
