@@ -1,5 +1,6 @@
 """The fused MoE kernels over quantized experts vs the torch reference on the dequantized
-weights: block-FP8 (grouped GEMM and few-token GEMV paths; weight-only, x in fp32/fp16) on CPU
+weights: block-FP8 and int4 with group scales and zeros (grouped GEMM and few-token GEMV paths;
+weight-only, x in fp32/fp16) on CPU
 under TRITON_INTERPRET=1, compiled on CUDA. Partial scale blocks along H, experts without
 tokens, and another rank's expert ids (skipped)."""
 
@@ -49,8 +50,13 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize(("tokens", "gemv"), [(1, True), (3, False), (19, False)])
+FP32, FP16 = torch.float32, torch.float16
+
+
+@pytest.mark.parametrize(
+    ("tokens", "gemv", "dtype"), [(1, True, FP32), (2, True, FP16), (3, False, FP16),
+                                  (19, False, FP32)]
+)  # fmt: skip
 def test_fp8_experts_match_reference(dtype, tokens, gemv):
     """H = 56: three whole 16-blocks and a partial one; 6 experts, some without tokens."""
     (x, w13, w2, weights, ids), scales = _case(tokens, 2, 6, 56, 32, dtype, seed=tokens)
@@ -78,3 +84,34 @@ def test_fp8_experts_without_scales_are_refused():
     (x, w13, w2, weights, ids), _ = _case(2, 2, 4, 32, 16, torch.float32, 4)
     with pytest.raises(ValueError, match="block scales"):
         fused_moe(x, w13, w2, weights, ids)
+
+
+def int4_experts(e: int, n: int, k: int, group: int, dtype, gen: torch.Generator):
+    """[E, N, K / 8] random words, [E, N, K / group] scales and zero points (0..15)."""
+    words = torch.randint(-(2**31), 2**31 - 1, (e, n, k // 8), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(e, n, k // group, generator=gen) + 0.5) / (8 * k**0.5)
+    zeros = torch.randint(0, 16, (e, n, k // group), generator=gen).float()
+    return words, scales.to(dtype), zeros.to(dtype)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "gemv", "groups", "dtype"),
+    [(1, True, (16, 32), FP32), (2, True, (64, 32), FP16), (13, False, (16, 32), FP32),
+     (6, False, (64, 16), FP16)],
+)  # fmt: skip
+def test_int4_experts_match_reference(dtype, tokens, gemv, groups):
+    """H = 64, I = 32; groups of 16 / 32 inputs or one group over H (64)."""
+    gen = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 64, generator=gen).to(dtype)
+    q13, s13, z13 = int4_experts(5, 64, 64, groups[0], dtype, gen)
+    q2, s2, z2 = int4_experts(5, 64, 32, groups[1], dtype, gen)
+    weights, ids = torch.rand(tokens, 5, generator=gen).topk(2, dim=-1)
+    x, q13, q2, weights, ids, s13, z13, s2, z2 = (
+        t.to(DEVICE) for t in (x, q13, q2, weights, ids, s13, z13, s2, z2)
+    )
+    int4 = (s13, z13, s2, z2, *groups)
+    configs = ((16, 32, 1, 1), (16, 16, 1, 1))
+    got = fused_moe(x, q13, q2, weights, ids, gemv=gemv, gemv_configs=configs, int4=int4,
+                    block_m=16, block_n=32)  # fmt: skip
+    want = fused_moe_ref(x, q13, q2, weights, ids, int4=int4)
+    assert _err(got, want) < TOL[dtype]

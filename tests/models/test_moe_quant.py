@@ -6,6 +6,8 @@ fp32 rounding, same greedy tokens). A config the tensors do not match is refused
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -29,8 +31,10 @@ def fake_fp8_groups(x: torch.Tensor, group: int = 16) -> torch.Tensor:
 
 
 def _is_linear(name: str) -> bool:
-    """Every linear of the published FP8 checkpoints but the router (``mlp.gate``)."""
-    return name.endswith(".weight") and "proj" in name.rsplit(".", 2)[-2]
+    """Every linear of the published checkpoints but the routers (``mlp.gate``, Qwen2-MoE's
+    ``shared_expert_gate``): ``*proj``, and Mixtral's experts ``w1`` / ``w2`` / ``w3``."""
+    module = name.rsplit(".", 2)[-2]
+    return name.endswith(".weight") and ("proj" in module or module in ("w1", "w2", "w3"))
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +85,134 @@ def test_fp8_config_over_bf16_experts_is_refused(tmp_path):
                            lambda n: _is_linear(n) and ".experts." not in n)  # fmt: skip
     with pytest.raises(ValueError, match=r"does not match its quantization config.*Fp8Block"):
         load_ours(folder)
+
+
+def _ranks_sum(method, tensors, x, weights, ids, expert_parallel: bool) -> torch.Tensor:
+    """Each of 2 ranks' FusedMoE built and loaded in this process (rank state set by hand);
+    their partial sums added."""
+    from lightwell.distributed.parallel_state import (
+        init_tp_group,
+        reset_tp_group,
+        set_expert_parallel,
+    )
+    from lightwell.layers.moe import FusedMoE
+
+    total = 0
+    try:
+        for rank in range(2):
+            init_tp_group(rank, 2)
+            set_expert_parallel(expert_parallel)
+            layer = FusedMoE(4, 64, 64, method)
+            for (shard, e, kind), t in tensors.items():
+                if kind not in layer.quant_method.checkpoint_tensors:
+                    continue  # a GPTQ g_idx of contiguous groups
+                target = f"{'w2' if shard == 'down' else 'w13'}_{kind}"
+                param = getattr(layer, target)
+                param.weight_loader(param, t, shard, e)
+            layer.quant_method.process_after_loading(layer)
+            total = total + layer(x, weights, ids)
+    finally:
+        reset_tp_group()
+    return total
+
+
+def _expert_checkpoint(make, seed: int = 0):
+    """Per-expert tensors of 4 experts (H = I = 64) from ``make`` and the dequantized
+    stacked weights ([E, 2I, H], [E, H, I])."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors, w13, w2 = {}, torch.zeros(4, 128, 64), torch.zeros(4, 64, 64)
+    for e in range(4):
+        for i, shard in enumerate(("gate", "up", "down")):
+            parts, deq = make(torch.randn(64, 64, generator=gen) * 0.1)
+            tensors.update({(shard, e, k): t for k, t in parts.items()})
+            if shard == "down":
+                w2[e] = deq
+            else:
+                w13[e, 64 * i : 64 * (i + 1)] = deq
+    return tensors, w13, w2
+
+
+SPLITS = {
+    "fp8_block16": ("fp8", qp.fp8_block_tensors),
+    "gptq_g16_asym": ("gptq", functools.partial(qp.gptq_tensors, gs=16, sym=False)),
+    "awq_g16": ("awq", functools.partial(qp.awq_tensors, gs=16)),
+}
+
+
+@pytest.mark.parametrize("key", sorted(SPLITS))
+def test_quantized_experts_split_over_ranks(key):
+    """Tensor parallel (I / 2 = 32: whole blocks, words and groups a rank) and expert parallel
+    (2 whole experts a rank): the ranks' partial sums add up to the whole layer on the
+    dequantized weights."""
+    from lightwell.layers.moe import moe_loop
+    from lightwell.quant import awq, fp8, gptq
+
+    fmt, make = SPLITS[key]
+    method = {"fp8": fp8.Fp8BlockMethod(16, 16), "awq": awq.AWQMethod(16),
+              "gptq": gptq.GPTQMethod(4, 16, False, False)}[fmt]  # fmt: skip
+    tensors, w13, w2 = _expert_checkpoint(make)
+    gen = torch.Generator().manual_seed(1)
+    x, weights = torch.randn(7, 64, generator=gen), torch.rand(7, 2, generator=gen)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(7)])
+    want = moe_loop(x, w13, w2, weights, ids)
+    for ep in (False, True):
+        got = _ranks_sum(method, tensors, x, weights, ids, ep)
+        assert rel_err(got, want) < 1e-5
+
+
+GPTQ_G16 = {"quant_method": "gptq", "bits": 4, "group_size": 16, "sym": True, "desc_act": False}
+AWQ_G16 = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True,
+           "version": "gemm"}  # fmt: skip
+W4 = {  # family, sizes in whole groups of 16, config, packer
+    "mixtral_gptq_g16": ("mixtral", {}, GPTQ_G16, functools.partial(qp.gptq_tensors, gs=16)),
+    "qwen2_moe_awq_g16": (
+        "qwen2_moe",
+        dict(moe_intermediate_size=48, shared_expert_intermediate_size=64, intermediate_size=96),
+        AWQ_G16,
+        functools.partial(qp.awq_tensors, gs=16),
+    ),
+    "qwen3_moe_gptq_channel_asym": (
+        "qwen3_moe",
+        dict(moe_intermediate_size=48, intermediate_size=96),
+        {**GPTQ_G16, "group_size": -1, "sym": False},
+        functools.partial(qp.gptq_tensors, gs=-1, sym=False),
+    ),
+}
+
+
+@pytest.mark.parametrize("key", sorted(W4))
+def test_w4a16_experts_match_hf_dequantized(tmp_path, key):
+    """Experts (and every other linear) in 4 bits; the logits match HF's on the dequantized
+    weights to fp32 rounding and the greedy tokens agree."""
+    from tests.models import families
+
+    torch.set_num_threads(1)
+    family, sizes, config, make = W4[key]
+    hf = getattr(families, family)(str(tmp_path), 0, **sizes)
+    qp.write_quantized_moe(hf, str(tmp_path), config, make, _is_linear)
+    model = load_ours(str(tmp_path))
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    assert experts.w13_qweight.dtype == torch.int32 and not hasattr(experts, "w13_weight")
+    prefill, seqs = run_ours(model, steps=4)
+    for p, lg, s in zip(PROMPTS, prefill, seqs):
+        assert rel_err(lg, hf_logits(hf, p)) < 1e-4
+        assert s == hf_greedy(hf, p, steps=4)
+
+
+def test_awq_config_over_gptq_experts_is_refused(tmp_path):
+    from tests.models.families import mixtral
+
+    torch.set_num_threads(1)
+    hf = mixtral(str(tmp_path), 0)
+    make = functools.partial(qp.gptq_tensors, gs=16)
+    qp.write_quantized_moe(hf, str(tmp_path), AWQ_G16, make, _is_linear)
+    with pytest.raises(ValueError, match=r"does not match its quantization config.*AWQMethod"):
+        load_ours(str(tmp_path))
+
+
+def test_act_order_experts_are_refused():
+    from lightwell.layers.moe import FusedMoE
+    from lightwell.quant.gptq import GPTQMethod
+
+    with pytest.raises(ValueError, match=r"^gptq: act-order \(desc_act\) expert weights"):
+        FusedMoE(4, 64, 64, GPTQMethod(4, 16, True, False))
