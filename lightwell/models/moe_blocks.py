@@ -204,7 +204,7 @@ def load_moe_weights(
                 continue
             prefix, expert, shard = match.group(1), int(match.group(2)), expert_names[match[3]]
             if match.group(4) in IGNORED_EXPERT_TENSORS and match.group(4) not in tensors:
-                continue  # a GPTQ g_idx without act-order: the groups are contiguous
+                continue  # a g_idx without act-order (contiguous groups), a weight_shape
             target = f"{prefix}.{'w2' if shard == 'down' else 'w13'}_{match.group(4)}"
             param = params.get(target)
             if param is None:
@@ -221,7 +221,7 @@ def load_moe_weights(
     return loaded
 
 
-IGNORED_EXPERT_TENSORS = ("g_idx",)
+IGNORED_EXPERT_TENSORS = ("g_idx", "weight_shape")
 
 
 def model_experts_tensors(model: nn.Module) -> Iterator[str]:

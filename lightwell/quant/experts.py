@@ -139,11 +139,11 @@ def experts_method(linear_method: Any) -> Any:
         return UnquantizedExperts()
     if name == "Fp8BlockMethod" and linear_method.scale_name == "weight_scale_inv":
         return Fp8BlockExperts(*linear_method.block)
-    if name in ("GPTQMethod", "AWQMethod"):
+    if name in ("GPTQMethod", "AWQMethod", "PackedMethod"):
         from lightwell.quant.experts_wna16 import wna16_experts
 
         return wna16_experts(linear_method)
     raise ValueError(
         f"quantized expert weights: {name} is not supported for MoE experts (supported: "
-        "unquantized, HF fine-grained fp8, gptq, awq)"
+        "unquantized, HF fine-grained fp8, gptq, awq, compressed-tensors pack-quantized)"
     )

@@ -1,6 +1,6 @@
 """4-bit weight-only MoE experts: GPTQ (AutoGPTQ layout, symmetric or not, contiguous groups or
-one group) and AWQ (AutoAWQ GEMM layout) per-expert checkpoint tensors, converted after loading
-to the stacked K-contiguous layout of ``lightwell/quant/wna16.py``:
+one group), AWQ (AutoAWQ GEMM layout) and compressed-tensors pack-quantized per-expert tensors,
+converted after loading to the stacked K-contiguous layout of ``lightwell/quant/wna16.py``:
 
   ``w13_qweight`` [E, 2I, H / 8] int32, ``w13_scales`` / ``w13_zeros`` [E, 2I, ceil(H / g)],
   ``w2_qweight`` [E, H, I / 8] int32, ``w2_scales`` / ``w2_zeros`` [E, H, I / g]
@@ -8,10 +8,12 @@ to the stacked K-contiguous layout of ``lightwell/quant/wna16.py``:
   dtype). The CPU loop dequantizes each used expert; on CUDA the fused MoE kernels unpack the
   words and apply the group scales in registers (weight-only: x stays 16-bit).
 
-Checkpoint tensors per expert projection (K inputs, N outputs, G groups), as in gptq.py / awq.py:
-GPTQ ``qweight`` [K / 8, N], ``qzeros`` [G, N / 8] (``zero - 1`` unless gptq_v2), ``scales``
-[G, N], ``g_idx`` [K] (contiguous groups: not read); AWQ ``qweight`` [K, N / 8] and ``qzeros``
-[G, N / 8] with AutoAWQ's interleaved nibbles, ``scales`` [G, N]. Act-order (``desc_act``) with
+Checkpoint tensors per expert projection (K inputs, N outputs, G groups), as in gptq.py / awq.py
+/ compressed_tensors.py: GPTQ ``qweight`` [K / 8, N], ``qzeros`` [G, N / 8] (``zero - 1``
+unless gptq_v2), ``scales`` [G, N], ``g_idx`` [K] (contiguous groups: not read); AWQ
+``qweight`` [K, N / 8] and ``qzeros`` [G, N / 8] with AutoAWQ's interleaved nibbles, ``scales``
+[G, N]; compressed-tensors pack-quantized ``weight_packed`` [N, K / 8], ``weight_scale`` [N, G],
+``weight_zero_point`` [N / 8, G] when asymmetric (``weight_shape``: not read). Act-order with
 several groups is refused: each expert would need its own input permutation.
 """
 
@@ -31,22 +33,32 @@ def wna16_experts(method: Any) -> WNA16Experts:
     name = type(method).__name__
     if name == "AWQMethod":
         return WNA16Experts("awq", method.group_size)
+    fmt = "gptq" if name == "GPTQMethod" else "compressed-tensors"
     if method.bits != 4:
-        raise ValueError(f"gptq: {method.bits}-bit expert weights are not supported (supported: 4)")
-    if method.desc_act and method.group_size > 0:
         raise ValueError(
-            "gptq: act-order (desc_act) expert weights are not supported (supported: desc_act "
-            "false, or group_size -1)"
+            f"{fmt}: {method.bits}-bit expert weights are not supported (supported: 4)"
         )
-    return WNA16Experts("gptq", method.group_size, method.v2)
+    act_order = method.desc_act if fmt == "gptq" else method.act_order
+    if act_order and method.group_size > 0:
+        raise ValueError(
+            f"{fmt}: act-order expert weights are not supported (supported: contiguous groups, "
+            "or one group per channel)"
+        )
+    if fmt == "gptq":
+        return WNA16Experts(fmt, method.group_size, v2=method.v2)
+    return WNA16Experts(fmt, method.group_size, symmetric=method.symmetric)
 
 
 class WNA16Experts:
     """GPTQ / AWQ 4-bit experts (module docstring)."""
 
-    def __init__(self, fmt: str, group_size: int, v2: bool = False):
-        self.fmt, self.group_size, self.v2 = fmt, group_size, v2
-        self.checkpoint_tensors = ("qweight", "qzeros", "scales")
+    def __init__(self, fmt: str, group_size: int, v2: bool = False, symmetric: bool = False):
+        self.fmt, self.group_size, self.v2, self.symmetric = fmt, group_size, v2, symmetric
+        if fmt == "compressed-tensors":
+            zeros = () if symmetric else ("weight_zero_point",)
+            self.checkpoint_tensors = ("weight_packed", "weight_scale", *zeros)
+        else:
+            self.checkpoint_tensors = ("qweight", "qzeros", "scales")
 
     def _groups(self, k: int) -> tuple[int, int]:  # (group size, groups) over k inputs
         gs = self.group_size if self.group_size > 0 else k
@@ -61,6 +73,8 @@ class WNA16Experts:
                 "tensor-parallel size, or expert parallelism)"
             )
         gh, gi = self._groups(hidden)[1], self._groups(inter)[1]
+        if self.fmt == "compressed-tensors":
+            return self._create_ct(layer, hidden, inter, dtype, gh, gi)
         i32, down_groups = torch.int32, (0, gs) if gs > 0 else (None, 1)
         if self.fmt == "gptq":  # qweight [K / 8, N]
             add_expert_param(layer, "w13_qweight", (hidden // 8, 2 * inter), i32, 1)
@@ -73,8 +87,24 @@ class WNA16Experts:
         add_expert_param(layer, "w13_scales", (gh, 2 * inter), dtype, 1)
         add_expert_param(layer, "w2_scales", (gi, hidden), dtype, *down_groups)
 
+    def _create_ct(self, layer: nn.Module, hidden: int, inter: int, dtype, gh: int, gi: int):
+        """compressed-tensors pack-quantized: ``weight_packed`` [N, K / 8] (GPTQ's value order,
+        offset by 8), ``weight_scale`` [N, G], asymmetric: ``weight_zero_point`` [N / 8, G]."""
+        i32, down_groups = torch.int32, (1, self.group_size) if self.group_size > 0 else (None, 1)
+        add_expert_param(layer, "w13_weight_packed", (2 * inter, hidden // 8), i32, 0)
+        add_expert_param(layer, "w2_weight_packed", (hidden, inter // 8), i32, 1, 8)
+        add_expert_param(layer, "w13_weight_scale", (2 * inter, gh), dtype, 0)
+        add_expert_param(layer, "w2_weight_scale", (hidden, gi), dtype, *down_groups)
+        if not self.symmetric:
+            add_expert_param(layer, "w13_weight_zero_point", (2 * inter // 8, gh), i32, 0, 8)
+            add_expert_param(layer, "w2_weight_zero_point", (hidden // 8, gi), i32, *down_groups)
+
     def _canonical(self, qweight, qzeros, scales) -> tuple[torch.Tensor, ...]:
         """One expert's checkpoint tensors -> ([N, K / 8] words, [N, G] scales, [N, G] zeros)."""
+        if self.fmt == "compressed-tensors":  # (weight_packed, zero points or None, scales)
+            zeros = 8 + torch.zeros_like(scales) if qzeros is None else (
+                unpack_int32(qzeros, 4, dim=0).to(scales.dtype))  # fmt: skip
+            return qweight, scales, zeros
         if self.fmt == "gptq":
             q = unpack_int32(qweight, 4, dim=0)  # [K, N]
             zeros = unpack_int32(qzeros, 4, dim=1) + (0 if self.v2 else 1)  # [G, N]
@@ -85,14 +115,18 @@ class WNA16Experts:
         return pack_int32(q.t(), 4, dim=1), scales.t(), zeros.t().to(scales.dtype)
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        new = {}
+        new, ct = {}, self.fmt == "compressed-tensors"
+        names = ("weight_packed", "weight_zero_point", "weight_scale") if ct else (
+            "qweight", "qzeros", "scales")  # fmt: skip
         for proj in ("w13", "w2"):
-            qweight, qzeros, scales = (getattr(layer, f"{proj}_{t}").data
-                                       for t in ("qweight", "qzeros", "scales"))  # fmt: skip
-            parts = [self._canonical(qweight[e], qzeros[e], scales[e]) for e in range(len(scales))]
+            q, z, s = (getattr(layer, f"{proj}_{t}", None) for t in names)
+            parts = [
+                self._canonical(q[e], None if z is None else z[e], s[e]) for e in range(len(s))
+            ]
             for i, name in enumerate(("qweight", "scales", "zeros")):
                 new[f"{proj}_{name}"] = torch.stack([p[i] for p in parts]).contiguous()
-        replace_params(layer, new, ("w13_qzeros", "w2_qzeros"))
+        drop = tuple(f"{proj}_{t}" for proj in ("w13", "w2") for t in names)
+        replace_params(layer, new, drop)
         layer.quant_group_size = self.group_size
 
     def apply(

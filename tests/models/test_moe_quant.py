@@ -136,6 +136,7 @@ SPLITS = {
     "fp8_block16": ("fp8", qp.fp8_block_tensors),
     "gptq_g16_asym": ("gptq", functools.partial(qp.gptq_tensors, gs=16, sym=False)),
     "awq_g16": ("awq", functools.partial(qp.awq_tensors, gs=16)),
+    "ct_g16_sym": ("ct", functools.partial(qp.ct_packed_tensors, gs=16)),
 }
 
 
@@ -145,11 +146,12 @@ def test_quantized_experts_split_over_ranks(key):
     (2 whole experts a rank): the ranks' partial sums add up to the whole layer on the
     dequantized weights."""
     from lightwell.layers.moe import moe_loop
-    from lightwell.quant import awq, fp8, gptq
+    from lightwell.quant import awq, compressed_tensors, fp8, gptq
 
     fmt, make = SPLITS[key]
     method = {"fp8": fp8.Fp8BlockMethod(16, 16), "awq": awq.AWQMethod(16),
-              "gptq": gptq.GPTQMethod(4, 16, False, False)}[fmt]  # fmt: skip
+              "gptq": gptq.GPTQMethod(4, 16, False, False),
+              "ct": compressed_tensors.PackedMethod(4, 16, True, False)}[fmt]  # fmt: skip
     tensors, w13, w2 = _expert_checkpoint(make)
     gen = torch.Generator().manual_seed(1)
     x, weights = torch.randn(7, 64, generator=gen), torch.rand(7, 2, generator=gen)
@@ -176,6 +178,21 @@ W4 = {  # family, sizes in whole groups of 16, config, packer
         dict(moe_intermediate_size=48, intermediate_size=96),
         {**GPTQ_G16, "group_size": -1, "sym": False},
         functools.partial(qp.gptq_tensors, gs=-1, sym=False),
+    ),
+    "qwen3_moe_ct_w4a16_g16_asym": (
+        "qwen3_moe",
+        dict(moe_intermediate_size=48, intermediate_size=96),
+        qp.ct_config(
+            "pack-quantized",
+            {
+                "num_bits": 4,
+                "type": "int",
+                "strategy": "group",
+                "group_size": 16,
+                "symmetric": False,
+            },
+        ),
+        functools.partial(qp.ct_packed_tensors, gs=16, sym=False),
     ),
 }
 
