@@ -270,13 +270,13 @@ def fused_moe(
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
     if int4 is not None:
         s13, z13, s2, z2, g13, g2 = int4
-        block_k = min(block_k, g13, g2)  # a K tile inside one group
+        block_k = min(block_k, g13 & -g13, g2 & -g2)  # a K tile inside one group
         quant = dict(SCALED=True, INT4=True)
         sb13, sb2 = (1, g13), (1, g2)
     elif scales is not None:
         s13, s2, sb13 = *scales[:2], scales[2]
         z13, z2, sb2 = s13, s2, sb13
-        block_k = min(block_k, sb13[1])  # a K tile inside one scale block
+        block_k = min(block_k, sb13[1] & -sb13[1])  # a K tile inside one scale block
         quant = dict(SCALED=True, INT4=False)
     else:
         s13 = z13 = s2 = z2 = x

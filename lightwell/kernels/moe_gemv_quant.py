@@ -138,12 +138,9 @@ def _quant_gemv_down(
 
 
 def _slices(block_k: int, sbk: int) -> tuple[int, int]:
-    """(TS, NS): a K tile as NS slices of TS inputs, each inside one scale block."""
-    ts = min(block_k, sbk)
-    if sbk % ts or block_k % ts:
-        raise ValueError(
-            f"quantized MoE GEMV: BLOCK_K {block_k} does not fit scale blocks / groups of {sbk}"
-        )
+    """(TS, NS): a K tile as NS slices of TS inputs, each inside one scale block or group (TS:
+    the largest power of two dividing both)."""
+    ts = min(block_k & -block_k, sbk & -sbk)
     return ts, block_k // ts
 
 

@@ -133,8 +133,8 @@ class FusedMoE(nn.Module):
             self.inter_start = rank * self.inter
         self.full_inter = intermediate_size
         self.quant_method = experts_method(quant_method)
-        dtype = torch.get_default_dtype()
-        self.quant_method.create_weights(self, hidden_size, self.inter, dtype)
+        self.act_dtype = torch.get_default_dtype()  # the model's (activations, scales)
+        self.quant_method.create_weights(self, hidden_size, self.inter, self.act_dtype)
 
     def weight_loader(
         self,

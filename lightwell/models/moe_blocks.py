@@ -118,7 +118,7 @@ class MoEBlock(nn.Module):
         first = next(experts.parameters())
         k, num_tokens = self.router.top_k, 16
         hidden = self.gate.weight.shape[1]
-        x = torch.zeros(num_tokens, hidden, dtype=torch.get_default_dtype(), device=first.device)
+        x = torch.zeros(num_tokens, hidden, dtype=experts.act_dtype, device=first.device)
         ids = torch.arange(num_tokens * k, device=first.device).view(num_tokens, k)
         ids = ids % experts.num_local_experts
         weights = torch.ones(num_tokens, k, dtype=torch.float32, device=first.device)

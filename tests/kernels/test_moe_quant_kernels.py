@@ -96,15 +96,15 @@ def int4_experts(e: int, n: int, k: int, group: int, dtype, gen: torch.Generator
 
 @pytest.mark.parametrize(
     ("tokens", "gemv", "groups", "dtype"),
-    [(1, True, (16, 32), FP32), (2, True, (64, 32), FP16), (13, False, (16, 32), FP32),
-     (6, False, (64, 16), FP16)],
+    [(1, True, (16, 32), FP32), (2, True, (48, 32), FP16), (13, False, (16, 32), FP32),
+     (6, False, (48, 16), FP16)],
 )  # fmt: skip
 def test_int4_experts_match_reference(dtype, tokens, gemv, groups):
-    """H = 64, I = 32; groups of 16 / 32 inputs or one group over H (64)."""
+    """H = 48, I = 32; groups of 16 / 32 inputs, or one group over H (48: GEMV slices of 16)."""
     gen = torch.Generator().manual_seed(tokens)
-    x = torch.randn(tokens, 64, generator=gen).to(dtype)
-    q13, s13, z13 = int4_experts(5, 64, 64, groups[0], dtype, gen)
-    q2, s2, z2 = int4_experts(5, 64, 32, groups[1], dtype, gen)
+    x = torch.randn(tokens, 48, generator=gen).to(dtype)
+    q13, s13, z13 = int4_experts(5, 64, 48, groups[0], dtype, gen)
+    q2, s2, z2 = int4_experts(5, 48, 32, groups[1], dtype, gen)
     weights, ids = torch.rand(tokens, 5, generator=gen).topk(2, dim=-1)
     x, q13, q2, weights, ids, s13, z13, s2, z2 = (
         t.to(DEVICE) for t in (x, q13, q2, weights, ids, s13, z13, s2, z2)
