@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels.moe_gemv import Config, moe_gemv, use_gemv
+from lightwell.kernels.w4a16 import _unpack
 
 
 def align_by_expert(
@@ -56,17 +57,19 @@ def align_by_expert(
 
 
 @triton.jit
-def _b_tile(w, rows, ks, mask, z_rows, kb, dtype,
-            INT4: tl.constexpr, KW: tl.constexpr):  # fmt: skip
-    """The [BLOCK_K, BLOCK_N] weight tile of ``rows`` over inputs ``ks``, in ``dtype``: as
-    stored (16/32-bit; fp8, converted exactly), or int4 words unpacked minus their zero points
-    (``z_rows``: [BLOCK_N] pointers to each row's zeros; ``kb``: the tile's group): integers,
-    exact in any float dtype. ``KW``: a row's stored elements."""
-    if INT4:
-        words = tl.load(w + rows[None, :] * KW + (ks // 8)[:, None], mask=mask, other=0)
-        q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
+def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
+            INT4: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The [BLOCK_K, BLOCK_N] weight tile of ``rows`` over inputs ``ks`` (= k0 + [0, BLOCK_K)),
+    in ``dtype``: as stored (16/32-bit; fp8, converted exactly), or int4 words
+    unpacked minus their zero points (``z_rows``: [BLOCK_N] pointers to each row's zeros; ``kb``:
+    the tile's group): integers, exact in any float dtype. ``KW``: a row's stored elements."""
+    if INT4:  # [BN, BK / 8] words, unpacked in input order (kernels/w4a16.py's _unpack)
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8]
+        mask = rows_ok[:, None] & (kw[None, :] < KW)
+        words = tl.load(w + rows[:, None] * KW + kw[None, :], mask=mask, other=0)
         z = tl.load(z_rows + kb).to(tl.float32)
-        return (q.to(tl.float32) - z[None, :]).to(dtype)
+        return tl.trans(_unpack(words, z[:, None])).to(dtype)
+    mask = k_ok[:, None] & rows_ok[None, :]
     return tl.load(w + rows[None, :] * KW + ks[:, None], mask=mask, other=0.0).to(dtype)
 
 
@@ -113,10 +116,11 @@ def _gate_up_kernel(
         k_ok = ks < HIDDEN
         a = tl.load(x_ptr + token[:, None] * HIDDEN + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b_mask = k_ok[:, None] & col_ok[None, :]
         kb = k0 // SBK
-        gate = _b_tile(w, cols, ks, b_mask, z_ptr + gate_off, kb, a.dtype, INT4, KW)
-        up = _b_tile(w, INTER + cols, ks, b_mask, z_ptr + up_off, kb, a.dtype, INT4, KW)
+        gate = _b_tile(w, cols, col_ok, k0, ks, k_ok, z_ptr + gate_off, kb, a.dtype, INT4, KW,
+                       BLOCK_K)  # fmt: skip
+        up = _b_tile(w, INTER + cols, col_ok, k0, ks, k_ok, z_ptr + up_off, kb, a.dtype, INT4, KW,
+                     BLOCK_K)  # fmt: skip
         if SCALED:  # scaled per column (and K chunk) after the dot
             acc_gate += tl.dot(a, gate) * tl.load(s_ptr + gate_off + kb)[None, :]
             acc_up += tl.dot(a, up) * tl.load(s_ptr + up_off + kb)[None, :]
@@ -169,8 +173,7 @@ def _down_kernel(
         a = tl.load(a_ptr + pair[:, None] * INTER + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         kb = k0 // SBK
-        b = _b_tile(w, cols, ks, k_ok[:, None] & col_ok[None, :], z_ptr + off, kb, a.dtype,
-                    INT4, KW)  # fmt: skip
+        b = _b_tile(w, cols, col_ok, k0, ks, k_ok, z_ptr + off, kb, a.dtype, INT4, KW, BLOCK_K)
         if SCALED:  # scaled per column (and K chunk) after the dot
             acc += tl.dot(a, b) * tl.load(s_ptr + off + kb)[None, :]
         else:

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels.moe_gemv import Config, pick_config
+from lightwell.kernels.w4a16 import _unpack
 
 
 @triton.jit
@@ -34,22 +35,22 @@ def _scaled_tile(
     (value j of a word at bits 4j) minus their zeros times their group scales (``s_rows``,
     ``z_rows``: [BN, 1] pointers to each row's first scale / zero)."""
     rs = tl.arange(0, NS)
-    k = k0 + rs[:, None] * TS + tl.arange(0, TS)[None, :]  # [NS, TS]
     sb = (k0 + rs * TS) // SBK  # [NS]
-    at = k // 8 if INT4 else k
-    if EVEN_K:
-        w = tl.load(rows + at[None, :, :])
-        s = tl.load(s_rows + sb[None, :])
-    elif INT4:
-        w = tl.load(rows + at[None, :, :], mask=k[None, :, :] < hidden, other=0)
-        s = tl.load(s_rows + sb[None, :], mask=sb[None, :] < num_sb, other=0.0)
+    if INT4:  # [NS, TS / 8] words, unpacked in input order (kernels/w4a16.py's _unpack)
+        k = k0 // 8 + rs[:, None] * (TS // 8) + tl.arange(0, TS // 8)[None, :]
+        limit = hidden // 8
     else:
-        w = tl.load(rows + at[None, :, :], mask=k[None, :, :] < hidden, other=0.0)
+        k = k0 + rs[:, None] * TS + tl.arange(0, TS)[None, :]  # [NS, TS]
+        limit = hidden
+    if EVEN_K:
+        w = tl.load(rows + k[None, :, :])
+        s = tl.load(s_rows + sb[None, :])
+    else:
+        w = tl.load(rows + k[None, :, :], mask=k[None, :, :] < limit)
         s = tl.load(s_rows + sb[None, :], mask=sb[None, :] < num_sb, other=0.0)
     if INT4:
-        q = ((w >> ((k % 8) * 4)[None, :, :]) & 0xF).to(tl.float32)
         z = tl.load(z_rows + sb[None, :], mask=sb[None, :] < num_sb, other=0.0).to(tl.float32)
-        return (q - z[:, :, None]) * s.to(tl.float32)[:, :, None]
+        return _unpack(w, z[:, :, None]) * s.to(tl.float32)[:, :, None]
     return w.to(tl.float32) * s.to(tl.float32)[:, :, None]
 
 
