@@ -101,6 +101,11 @@ class Fp8BlockExperts(UnquantizedExperts):
         add_expert_param(layer, "w2_weight", (hidden, inter), fp8, 1)
         add_expert_param(layer, "w2_weight_scale_inv", (-(-hidden // bn), inter // bk), f32, 1, bk)
 
+    def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, fused_moe's keyword arguments) of the fused kernels."""
+        s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+        return layer.w13_weight, layer.w2_weight, {"scales": (s13, s2, self.block)}
+
     def apply(
         self,
         layer: nn.Module,
@@ -114,7 +119,8 @@ class Fp8BlockExperts(UnquantizedExperts):
         if x.is_cuda:
             from lightwell.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, w13, w2, weights, ids, scales=(s13, s2, self.block), **options)
+            w13, w2, quant = self.kernel_inputs(layer)
+            return fused_moe(x, w13, w2, weights, ids, **quant, **options)
         from lightwell.layers.moe import moe_loop_by
         from lightwell.quant.fp8 import dequantize_blocks
 

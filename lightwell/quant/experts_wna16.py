@@ -129,6 +129,13 @@ class WNA16Experts:
         replace_params(layer, new, drop)
         layer.quant_group_size = self.group_size
 
+    def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, fused_moe's keyword arguments) of the fused kernels."""
+        q13, q2 = layer.w13_qweight, layer.w2_qweight
+        groups = self._groups(q13.shape[2] * 8)[0], self._groups(q2.shape[2] * 8)[0]
+        int4 = (layer.w13_scales, layer.w13_zeros, layer.w2_scales, layer.w2_zeros, *groups)
+        return q13, q2, {"int4": int4}
+
     def apply(
         self,
         layer: nn.Module,
@@ -141,9 +148,8 @@ class WNA16Experts:
         if x.is_cuda:
             from lightwell.kernels.fused_moe import fused_moe
 
-            groups = self._groups(q13.shape[2] * 8)[0], self._groups(q2.shape[2] * 8)[0]
-            int4 = (layer.w13_scales, layer.w13_zeros, layer.w2_scales, layer.w2_zeros, *groups)
-            return fused_moe(x, q13, q2, weights, ids, int4=int4, **options)
+            _, _, quant = self.kernel_inputs(layer)
+            return fused_moe(x, q13, q2, weights, ids, **quant, **options)
         from lightwell.layers.moe import moe_loop_by
 
         g13 = group_index(q13.shape[2] * 8, self.group_size, x.device)

@@ -54,8 +54,7 @@ FP32, FP16 = torch.float32, torch.float16
 
 
 @pytest.mark.parametrize(
-    ("tokens", "gemv", "dtype"), [(1, True, FP32), (2, True, FP16), (3, False, FP16),
-                                  (19, False, FP32)]
+    ("tokens", "gemv", "dtype"), [(1, True, FP32), (3, False, FP16), (19, False, FP32)]
 )  # fmt: skip
 def test_fp8_experts_match_reference(dtype, tokens, gemv):
     """H = 56: three whole 16-blocks and a partial one; 6 experts, some without tokens."""
@@ -96,8 +95,8 @@ def int4_experts(e: int, n: int, k: int, group: int, dtype, gen: torch.Generator
 
 @pytest.mark.parametrize(
     ("tokens", "gemv", "groups", "dtype"),
-    [(1, True, (16, 32), FP32), (2, True, (48, 32), FP16), (13, False, (16, 32), FP32),
-     (6, False, (48, 16), FP16)],
+    [(1, True, (16, 32), FP32), (2, True, (48, 32), FP16), (7, False, (16, 32), FP32),
+     (4, False, (48, 16), FP16)],
 )  # fmt: skip
 def test_int4_experts_match_reference(dtype, tokens, gemv, groups):
     """H = 48, I = 32; groups of 16 / 32 inputs, or one group over H (48: GEMV slices of 16)."""
@@ -110,8 +109,42 @@ def test_int4_experts_match_reference(dtype, tokens, gemv, groups):
         t.to(DEVICE) for t in (x, q13, q2, weights, ids, s13, z13, s2, z2)
     )
     int4 = (s13, z13, s2, z2, *groups)
-    configs = ((16, 32, 1, 1), (16, 16, 1, 1))
+    configs = ((32, 32, 1, 1), (64, 16, 1, 1))  # few programs: the interpreter is slow
     got = fused_moe(x, q13, q2, weights, ids, gemv=gemv, gemv_configs=configs, int4=int4,
-                    block_m=16, block_n=32)  # fmt: skip
+                    block_m=16, block_n=64)  # fmt: skip
     want = fused_moe_ref(x, q13, q2, weights, ids, int4=int4)
     assert _err(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("key", ["fp8_block16", "gptq_g16_asym"])
+def test_loaded_layers_feed_the_kernels(key):
+    """A FusedMoE loaded from per-expert checkpoint tensors (tests/models/quant_pack.py's
+    published layouts) and converted after loading: its ``kernel_inputs`` run through the
+    kernels give its CPU path's output (grouped at 5 tokens, GEMV at 1). AWQ and
+    compressed-tensors experts convert to GPTQ's layout (tests/models/test_moe_quant.py)."""
+    from tests.models.test_moe_quant import SPLITS, _expert_checkpoint, method_of
+
+    fmt, make = SPLITS[key]
+    layer = _load_layer(method_of(fmt), _expert_checkpoint(make, size=32)[0])
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(5, 32, generator=gen)
+    weights, ids = torch.rand(5, 4, generator=gen).topk(2, dim=-1)
+    want = layer(x, weights, ids)  # the CPU loop, each used expert dequantized
+    w13, w2, quant = layer.quant_method.kernel_inputs(layer)
+    tiles = dict(block_m=16, block_n=32, gemv_configs=((16, 32, 1, 1), (16, 32, 1, 1)))
+    got = fused_moe(x, w13, w2, weights, ids, gemv=False, **quant, **tiles)
+    assert _err(got, want) < TOL[FP32]
+    got = fused_moe(x[:1], w13, w2, weights[:1], ids[:1], gemv=True, **quant, **tiles)
+    assert _err(got, want[:1]) < TOL[FP32]
+
+
+def _load_layer(method, tensors):
+    from lightwell.layers.moe import FusedMoE
+
+    layer = FusedMoE(4, 32, 32, method)
+    for (shard, e, kind), t in tensors.items():
+        if kind in layer.quant_method.checkpoint_tensors:
+            param = getattr(layer, f"{'w2' if shard == 'down' else 'w13'}_{kind}")
+            param.weight_loader(param, t, shard, e)
+    layer.quant_method.process_after_loading(layer)
+    return layer

@@ -116,19 +116,19 @@ def _ranks_sum(method, tensors, x, weights, ids, expert_parallel: bool) -> torch
     return total
 
 
-def _expert_checkpoint(make, seed: int = 0):
-    """Per-expert tensors of 4 experts (H = I = 64) from ``make`` and the dequantized
+def _expert_checkpoint(make, seed: int = 0, size: int = 64):
+    """Per-expert tensors of 4 experts (H = I = ``size``) from ``make`` and the dequantized
     stacked weights ([E, 2I, H], [E, H, I])."""
     gen = torch.Generator().manual_seed(seed)
-    tensors, w13, w2 = {}, torch.zeros(4, 128, 64), torch.zeros(4, 64, 64)
+    tensors, w13, w2 = {}, torch.zeros(4, 2 * size, size), torch.zeros(4, size, size)
     for e in range(4):
         for i, shard in enumerate(("gate", "up", "down")):
-            parts, deq = make(torch.randn(64, 64, generator=gen) * 0.1)
+            parts, deq = make(torch.randn(size, size, generator=gen) * 0.1)
             tensors.update({(shard, e, k): t for k, t in parts.items()})
             if shard == "down":
                 w2[e] = deq
             else:
-                w13[e, 64 * i : 64 * (i + 1)] = deq
+                w13[e, size * i : size * (i + 1)] = deq
     return tensors, w13, w2
 
 
@@ -140,18 +140,24 @@ SPLITS = {
 }
 
 
+def method_of(fmt: str):
+    """The linear method of a checkpoint in ``fmt`` with 16-blocks / 16-groups."""
+    from lightwell.quant import awq, compressed_tensors, fp8, gptq
+
+    return {"fp8": fp8.Fp8BlockMethod(16, 16), "awq": awq.AWQMethod(16),
+            "gptq": gptq.GPTQMethod(4, 16, False, False),
+            "ct": compressed_tensors.PackedMethod(4, 16, True, False)}[fmt]  # fmt: skip
+
+
 @pytest.mark.parametrize("key", sorted(SPLITS))
 def test_quantized_experts_split_over_ranks(key):
     """Tensor parallel (I / 2 = 32: whole blocks, words and groups a rank) and expert parallel
     (2 whole experts a rank): the ranks' partial sums add up to the whole layer on the
     dequantized weights."""
     from lightwell.layers.moe import moe_loop
-    from lightwell.quant import awq, compressed_tensors, fp8, gptq
 
     fmt, make = SPLITS[key]
-    method = {"fp8": fp8.Fp8BlockMethod(16, 16), "awq": awq.AWQMethod(16),
-              "gptq": gptq.GPTQMethod(4, 16, False, False),
-              "ct": compressed_tensors.PackedMethod(4, 16, True, False)}[fmt]  # fmt: skip
+    method = method_of(fmt)
     tensors, w13, w2 = _expert_checkpoint(make)
     gen = torch.Generator().manual_seed(1)
     x, weights = torch.randn(7, 64, generator=gen), torch.rand(7, 2, generator=gen)
