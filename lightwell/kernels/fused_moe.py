@@ -68,9 +68,11 @@ def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
         mask = rows_ok[:, None] & (kw[None, :] < KW)
         words = tl.load(w + rows[:, None] * KW + kw[None, :], mask=mask, other=0)
         z = tl.load(z_rows + kb).to(tl.float32)
-        return tl.trans(_unpack(words, z[:, None])).to(dtype)
-    mask = k_ok[:, None] & rows_ok[None, :]
-    return tl.load(w + rows[None, :] * KW + ks[:, None], mask=mask, other=0.0).to(dtype)
+        tile = tl.trans(_unpack(words, z[:, None])).to(dtype)
+    else:  # (one return: the compiler types every return of a constexpr branch)
+        mask = k_ok[:, None] & rows_ok[None, :]
+        tile = tl.load(w + rows[None, :] * KW + ks[:, None], mask=mask, other=0.0).to(dtype)
+    return tile
 
 
 @triton.jit

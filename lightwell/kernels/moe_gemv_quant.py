@@ -48,10 +48,12 @@ def _scaled_tile(
     else:
         w = tl.load(rows + k[None, :, :], mask=k[None, :, :] < limit)
         s = tl.load(s_rows + sb[None, :], mask=sb[None, :] < num_sb, other=0.0)
-    if INT4:
+    if INT4:  # (one return: the compiler types every return of a constexpr branch)
         z = tl.load(z_rows + sb[None, :], mask=sb[None, :] < num_sb, other=0.0).to(tl.float32)
-        return _unpack(w, z[:, :, None]) * s.to(tl.float32)[:, :, None]
-    return w.to(tl.float32) * s.to(tl.float32)[:, :, None]
+        tile = _unpack(w, z[:, :, None])
+    else:
+        tile = w.to(tl.float32)
+    return tile * s.to(tl.float32)[:, :, None]
 
 
 @triton.jit
