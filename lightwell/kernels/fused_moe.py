@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels.moe_gemv import Config, moe_gemv, use_gemv
+from lightwell.kernels.w4a16 import _unpack
 
 
 def align_by_expert(
@@ -56,12 +57,33 @@ def align_by_expert(
 
 
 @triton.jit
+def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
+            INT4: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """The [BLOCK_K, BLOCK_N] weight tile of ``rows`` over inputs ``ks`` (= k0 + [0, BLOCK_K)),
+    in ``dtype``: as stored (16/32-bit; fp8, converted exactly), or int4 words
+    unpacked minus their zero points (``z_rows``: [BLOCK_N] pointers to each row's zeros; ``kb``:
+    the tile's group): integers, exact in any float dtype. ``KW``: a row's stored elements."""
+    if INT4:  # [BN, BK / 8] words, unpacked in input order (kernels/w4a16.py's _unpack)
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK / 8]
+        mask = rows_ok[:, None] & (kw[None, :] < KW)
+        words = tl.load(w + rows[:, None] * KW + kw[None, :], mask=mask, other=0)
+        z = tl.load(z_rows + kb).to(tl.float32)
+        tile = tl.trans(_unpack(words, z[:, None])).to(dtype)
+    else:  # (one return: the compiler types every return of a constexpr branch)
+        mask = k_ok[:, None] & rows_ok[None, :]
+        tile = tl.load(w + rows[None, :] * KW + ks[:, None], mask=mask, other=0.0).to(dtype)
+    return tile
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,  # [T, H]
-    w_ptr,  # [E, 2 * I, H]
+    w_ptr,  # [E, 2 * I, H] (int4: [E, 2 * I, H / 8] int32 words)
     out_ptr,  # [T * k, I]
     sorted_ptr,  # [P]
     expert_ptr,  # [P / BLOCK_M]
+    s_ptr,  # SCALED: [E, 2 * I / SBN, ceil(H / SBK)] fp32 block scales (fp8), or group scales
+    z_ptr,  # INT4: [E, 2 * I, H / SBK] zero points
     num_pairs,  # T * k
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
@@ -69,6 +91,10 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,  # fp8 or int4 weights with scales (else 16/32-bit, SBN = SBK = 1)
+    SBN: tl.constexpr,  # the scale blocks' rows (fp8: bn; int4: 1)
+    SBK: tl.constexpr,  # their inputs (fp8: bk; int4: the group size), a multiple of BLOCK_K
+    INT4: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -79,19 +105,30 @@ def _gate_up_kernel(
     token = pair // TOP_K
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < INTER
-    w = w_ptr + expert * (2 * INTER * HIDDEN)
+    KW: tl.constexpr = HIDDEN // 8 if INT4 else HIDDEN
+    w = w_ptr + expert * (2 * INTER * KW)
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    KS: tl.constexpr = (HIDDEN + SBK - 1) // SBK
+    SROWS: tl.constexpr = 2 * INTER // SBN
+    gate_off = expert * (SROWS * KS) + (tl.minimum(cols, INTER - 1) // SBN) * KS
+    up_off = gate_off + INTER // SBN * KS  # [BN]; rows past I: the last row's
     for k0 in range(0, HIDDEN, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < HIDDEN
         a = tl.load(x_ptr + token[:, None] * HIDDEN + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        gate = tl.load(w + cols[None, :] * HIDDEN + ks[:, None], mask=b_mask, other=0.0)
-        up = tl.load(w + (INTER + cols[None, :]) * HIDDEN + ks[:, None], mask=b_mask, other=0.0)
-        acc_gate = tl.dot(a, gate, acc_gate)
-        acc_up = tl.dot(a, up, acc_up)
+        kb = k0 // SBK
+        gate = _b_tile(w, cols, col_ok, k0, ks, k_ok, z_ptr + gate_off, kb, a.dtype, INT4, KW,
+                       BLOCK_K)  # fmt: skip
+        up = _b_tile(w, INTER + cols, col_ok, k0, ks, k_ok, z_ptr + up_off, kb, a.dtype, INT4, KW,
+                     BLOCK_K)  # fmt: skip
+        if SCALED:  # scaled per column (and K chunk) after the dot
+            acc_gate += tl.dot(a, gate) * tl.load(s_ptr + gate_off + kb)[None, :]
+            acc_up += tl.dot(a, up) * tl.load(s_ptr + up_off + kb)[None, :]
+        else:
+            acc_gate = tl.dot(a, gate, acc_gate)
+            acc_up = tl.dot(a, up, acc_up)
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(out_ptr + pair[:, None] * INTER + cols[None, :], act.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
@@ -100,17 +137,23 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     a_ptr,  # [T * k, I]
-    w_ptr,  # [E, H, I]
+    w_ptr,  # [E, H, I] (int4: [E, H, I / 8] int32 words)
     weight_ptr,  # [T * k] router weights
     out_ptr,  # [T * k, H]
     sorted_ptr,  # [P]
     expert_ptr,  # [P / BLOCK_M]
+    s_ptr,  # SCALED: [E, ceil(H / SBN), I / SBK] fp32 block scales (fp8), or group scales
+    z_ptr,  # INT4: [E, H, I / SBK] zero points
     num_pairs,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SCALED: tl.constexpr,  # as _gate_up_kernel's
+    SBN: tl.constexpr,
+    SBK: tl.constexpr,
+    INT4: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
@@ -120,37 +163,85 @@ def _down_kernel(
     row_ok = pair < num_pairs
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < HIDDEN
-    w = w_ptr + expert * (HIDDEN * INTER)
+    KW: tl.constexpr = INTER // 8 if INT4 else INTER
+    w = w_ptr + expert * (HIDDEN * KW)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    KS: tl.constexpr = (INTER + SBK - 1) // SBK
+    SROWS: tl.constexpr = (HIDDEN + SBN - 1) // SBN
+    off = expert * (SROWS * KS) + (tl.minimum(cols, HIDDEN - 1) // SBN) * KS  # [BN]
     for k0 in range(0, INTER, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < INTER
         a = tl.load(a_ptr + pair[:, None] * INTER + ks[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        b = tl.load(w + cols[None, :] * INTER + ks[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        acc = tl.dot(a, b, acc)
+        kb = k0 // SBK
+        b = _b_tile(w, cols, col_ok, k0, ks, k_ok, z_ptr + off, kb, a.dtype, INT4, KW, BLOCK_K)
+        if SCALED:  # scaled per column (and K chunk) after the dot
+            acc += tl.dot(a, b) * tl.load(s_ptr + off + kb)[None, :]
+        else:
+            acc = tl.dot(a, b, acc)
     scale = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * scale[:, None]
     tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights, ids) -> None:
-    num_experts, two_inter, hidden = w13.shape
+# fp8 experts' block scales: (w13's [E, 2I / bn, ceil(H / bk)], w2's [E, ceil(H / bn), I / bk],
+# (bn, bk)) float32
+Scales = tuple[torch.Tensor, torch.Tensor, tuple[int, int]]
+# int4 experts (w13 [E, 2I, H / 8], w2 [E, H, I / 8] int32 words, value j of a word at bits 4j):
+# (w13 scales, w13 zeros [E, 2I, H / g13], w2 scales, w2 zeros [E, H, I / g2], g13, g2)
+Int4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+
+
+def _check_quant(w13: torch.Tensor, hidden: int, inter: int, scales, int4) -> None:
+    num_experts = w13.shape[0]
+    if (scales is not None) != (w13.dtype == torch.float8_e4m3fn):
+        raise ValueError("fused_moe: fp8 experts need their block scales (and only they)")
+    if (int4 is not None) != (w13.dtype == torch.int32):
+        raise ValueError("fused_moe: int4 experts need their group scales and zeros (only they)")
+    if scales is not None:
+        bn, bk = scales[2]
+        want = [(num_experts, 2 * inter // bn, -(-hidden // bk)),
+                (num_experts, -(-hidden // bn), inter // bk)]  # fmt: skip
+        if inter % bn or inter % bk or bk & (bk - 1) or bk < 16:
+            raise ValueError(f"fused_moe: block {scales[2]} does not fit I = {inter}")
+        tensors = scales[:2]
+    if int4 is not None:
+        g13, g2 = int4[4:]
+        if hidden % g13 or inter % g2 or g13 % 16 or g2 % 16:
+            raise ValueError(f"fused_moe: groups {g13}, {g2} do not fit H = {hidden}, I = {inter}")
+        shape13, shape2 = (
+            (num_experts, 2 * inter, hidden // g13),
+            (num_experts, hidden, inter // g2),
+        )
+        want, tensors = [shape13, shape13, shape2, shape2], int4[:4]
+    if scales is not None or int4 is not None:
+        contiguous = all(t.is_contiguous() for t in tensors)
+        if [tuple(t.shape) for t in tensors] != want or not contiguous:
+            raise ValueError(
+                f"fused_moe: scales (zeros) do not fit experts of H {hidden}, I {inter}"
+            )
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights, ids, scales, int4):
+    per = 8 if w13.dtype == torch.int32 else 1  # values a stored element
+    num_experts, two_inter, hidden = w13.shape[0], w13.shape[1], w13.shape[2] * per
     if x.dim() != 2 or x.shape[1] != hidden or two_inter % 2:
         raise ValueError(f"x {tuple(x.shape)} does not fit w13 {tuple(w13.shape)}")
-    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2):
+    if tuple(w2.shape) != (num_experts, hidden, two_inter // 2 // per):
         raise ValueError(f"w2 {tuple(w2.shape)} does not fit w13 {tuple(w13.shape)}")
     if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"ids {tuple(ids.shape)} / weights {tuple(weights.shape)} for {x.shape}")
     if not (x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("fused_moe wants contiguous x, w13 and w2")
+    _check_quant(w13, hidden, two_inter // 2, scales, int4)
+    return num_experts, hidden, two_inter // 2
 
 
 def fused_moe(
     x: torch.Tensor,  # [T, H]
-    w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
+    w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows (16/32-bit, fp8, int4 words)
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
@@ -159,35 +250,82 @@ def fused_moe(
     block_k: int = 64,
     gemv: bool | None = None,  # the few-token GEMV kernels; default: moe_gemv.use_gemv
     gemv_configs: tuple[Config, Config] | None = None,  # theirs (gate/up, down); default: picked
+    scales: Scales | None = None,  # fp8 experts: their block scales
+    int4: Int4 | None = None,  # int4 experts: their group scales and zeros
 ) -> torch.Tensor:  # [T, H]
     """The grouped kernels (tiles ``block_m``/``block_n``/``block_k``) or, for a few tokens,
-    kernels/moe_gemv.py's (the choice depends only on the shapes: CUDA-graph safe)."""
-    _check(x, w13, w2, weights, ids)
+    kernels/moe_gemv.py's (the choice depends only on the shapes: CUDA-graph safe).
+    Quantized experts are weight-only: x stays in its dtype; each weight tile is converted to
+    it exactly (fp8 values; int4 values minus their zero points), and its dot product scaled
+    per column by the scale of its block (fp8) or group (int4): a K tile lies in one."""
+    num_experts, hidden, inter = _check(x, w13, w2, weights, ids, scales, int4)
     num_tokens, top_k = ids.shape
-    num_experts, hidden, inter = w2.shape
     pairs = num_tokens * top_k
     if pairs == 0:
         return torch.zeros_like(x)
     if use_gemv(num_tokens, top_k, num_experts) if gemv is None else gemv:
-        return moe_gemv(x, w13, w2, weights, ids, *(gemv_configs or (None, None)))
+        configs = gemv_configs or (None, None)
+        if scales is not None or int4 is not None:
+            from lightwell.kernels.moe_gemv_quant import moe_gemv_quant
+
+            return moe_gemv_quant(x, w13, w2, weights, ids, scales, int4, *configs)
+        return moe_gemv(x, w13, w2, weights, ids, *configs)
     if block_m is None:
         per_expert = pairs / num_experts
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+    if int4 is not None:
+        s13, z13, s2, z2, g13, g2 = int4
+        block_k = min(block_k, g13 & -g13, g2 & -g2)  # a K tile inside one group
+        quant = dict(SCALED=True, INT4=True)
+        sb13, sb2 = (1, g13), (1, g2)
+    elif scales is not None:
+        s13, s2, sb13 = *scales[:2], scales[2]
+        z13, z2, sb2 = s13, s2, sb13
+        block_k = min(block_k, sb13[1] & -sb13[1])  # a K tile inside one scale block
+        quant = dict(SCALED=True, INT4=False)
+    else:
+        s13 = z13 = s2 = z2 = x
+        sb13 = sb2 = (1, block_k)
+        quant = dict(SCALED=False, INT4=False)
     sorted_ids, block_expert = align_by_expert(ids, num_experts, block_m)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (block_expert.numel(), triton.cdiv(inter, block_n))
     _gate_up_kernel[grid](
-        x, w13, act, sorted_ids, block_expert, pairs, TOP_K=top_k, HIDDEN=hidden, INTER=inter,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, w13, act, sorted_ids, block_expert, s13, z13, pairs, TOP_K=top_k, HIDDEN=hidden,
+        INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SBN=sb13[0],
+        SBK=sb13[1], **quant,
     )  # fmt: skip
     out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)  # skipped pairs stay 0
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     grid = (block_expert.numel(), triton.cdiv(hidden, block_n))
     _down_kernel[grid](
-        act, w2, flat_weights, out, sorted_ids, block_expert, pairs, HIDDEN=hidden, INTER=inter,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        act, w2, flat_weights, out, sorted_ids, block_expert, s2, z2, pairs, HIDDEN=hidden,
+        INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SBN=sb2[0],
+        SBK=sb2[1], **quant,
     )  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
+
+
+def dequantize_experts(
+    w: torch.Tensor,  # [E, N, K] fp8
+    scale: torch.Tensor,  # [E, ceil(N / bn), ceil(K / bk)]
+    block: tuple[int, int],
+) -> torch.Tensor:  # [E, N, K] float32
+    n, k = w.shape[1:]
+    s = scale.float().repeat_interleave(block[0], 1).repeat_interleave(block[1], 2)
+    return w.float() * s[:, :n, :k]
+
+
+def dequantize_int4_experts(
+    words: torch.Tensor,  # [E, N, K / 8] int32, value j of a word at bits 4j
+    scales: torch.Tensor,  # [E, N, K / group]
+    zeros: torch.Tensor,  # [E, N, K / group]
+    group: int,
+) -> torch.Tensor:  # [E, N, K] float32
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    q = ((words[..., None] >> shifts) & 0xF).flatten(-2).float()  # [E, N, K]
+    g = torch.arange(q.shape[-1], device=words.device) // group
+    return (q - zeros.float()[..., g]) * scales.float()[..., g]
 
 
 def fused_moe_ref(
@@ -196,8 +334,16 @@ def fused_moe_ref(
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k]
     ids: torch.Tensor,  # [T, k]
+    scales: Scales | None = None,  # fp8 experts: dequantized first
+    int4: Int4 | None = None,  # int4 experts: dequantized first
 ) -> torch.Tensor:  # [T, H]
     """Every (token, choice) pair on its own, in fp32."""
+    if scales is not None:
+        w13 = dequantize_experts(w13, scales[0], scales[2])
+        w2 = dequantize_experts(w2, scales[1], scales[2])
+    if int4 is not None:
+        w13 = dequantize_int4_experts(w13, int4[0], int4[1], int4[4])
+        w2 = dequantize_int4_experts(w2, int4[2], int4[3], int4[5])
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     num_experts = w13.shape[0]
     for t in range(x.shape[0]):

@@ -1,8 +1,10 @@
 """Mixture of experts: the router's expert choice and the experts stacked in two weights.
 
 ``FusedMoE`` holds every expert's gate/up projection as one ``w13_weight`` [E, 2 * I, H]
-(gate rows first) and its down projection as ``w2_weight`` [E, H, I]. Its ``weight_loader``
-takes HF's per-expert tensors (``experts.{e}.gate_proj`` ...) with ``(shard, expert)``.
+(gate rows first) and its down projection as ``w2_weight`` [E, H, I], or their quantized forms
+(block FP8, packed int4 with group scales): its ``quant_method`` (``lightwell/quant/experts.py``)
+creates them from the model's linear method and runs the experts. Its ``weight_loader`` takes
+HF's per-expert tensors (``experts.{e}.gate_proj.weight`` ...) with ``(shard, expert)``.
 
 Parallelism, over the tensor-parallel ranks (every rank sees every token, as in the attention):
   - tensor parallel (default): each rank holds a slice ``I / tp`` of every expert;
@@ -19,7 +21,9 @@ or without renormalisation (Mixtral, Qwen MoE, DeepSeek-V2 greedy), group-limite
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +31,7 @@ from torch import nn
 
 from lightwell.distributed.parallel_state import get_expert_parallel, get_tp_rank, get_tp_size
 from lightwell.layers.linear import divide
+from lightwell.quant.experts import experts_method
 
 SHARDS = {"gate": 0, "up": 1, "down": 2}
 
@@ -102,7 +107,13 @@ class FusedMoE(nn.Module):
     """The routed experts of one layer (silu-gated MLPs); ``forward`` returns this rank's
     partial sum over the experts each token chose, weighted by the router."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        quant_method: Any = None,  # the model's linear method; its experts' strategy follows
+    ):
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
         self.num_experts = num_experts
@@ -120,38 +131,42 @@ class FusedMoE(nn.Module):
             self.num_local_experts, self.expert_start = num_experts, 0
             self.inter = divide(intermediate_size, tp, "expert intermediate size")
             self.inter_start = rank * self.inter
-        dtype = torch.get_default_dtype()
-        e, i = self.num_local_experts, self.inter
-        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, hidden_size, dtype=dtype), False)
-        self.w2_weight = nn.Parameter(torch.empty(e, hidden_size, i, dtype=dtype), False)
-        for p in (self.w13_weight, self.w2_weight):
-            p.weight_loader = self.weight_loader
+        self.full_inter = intermediate_size
+        self.quant_method = experts_method(quant_method)
+        self.act_dtype = torch.get_default_dtype()  # the model's (activations, scales)
+        self.quant_method.create_weights(self, hidden_size, self.inter, self.act_dtype)
 
     def weight_loader(
         self,
-        param: torch.Tensor,  # w13_weight or w2_weight
-        loaded: torch.Tensor,  # one expert's [I, H] (gate, up) or [H, I] (down)
+        param: torch.Tensor,  # [E_local, ...]: a stacked w13 (gate, up) or w2 (down) tensor
+        loaded: torch.Tensor,  # one expert's checkpoint tensor of that projection
         shard: str,  # "gate", "up" or "down"
         expert: int,
     ) -> None:
+        """One expert's tensor into its slot: this rank's slice of the intermediate features
+        (``param.inter_dim``, ``param.inter_factor`` features an index), gate and up side by
+        side; another rank's expert is skipped."""
         if shard not in SHARDS or not 0 <= expert < self.num_experts:
             raise ValueError(f"bad expert weight: shard {shard!r}, expert {expert}")
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert
-        full_inter = self.inter * (1 if self.expert_parallel else get_tp_size())
-        down = shard == "down"
-        want = (param.shape[1], full_inter) if down else (full_inter, param.shape[2])
-        if tuple(loaded.shape) != want:
+        dim, factor = param.inter_dim, param.inter_factor
+        dst = param.data[local]
+        want = list(dst.shape)
+        if dim is not None:
+            want[dim] = -(-self.full_inter // factor)
+        if list(loaded.shape) != want:
             raise ValueError(
                 f"shape mismatch: expert {expert} {shard} tensor has shape "
-                f"{tuple(loaded.shape)}, expected {want}"
+                f"{tuple(loaded.shape)}, expected {tuple(want)}"
             )
-        if down:
-            param.data[local].copy_(loaded[:, self.inter_start : self.inter_start + self.inter])
+        if dim is None:
+            dst.copy_(loaded)
             return
-        rows = loaded[self.inter_start : self.inter_start + self.inter]
-        param.data[local, SHARDS[shard] * self.inter : (SHARDS[shard] + 1) * self.inter] = rows
+        size = dst.shape[dim] // (1 if shard == "down" else 2)
+        src = loaded.narrow(dim, self.inter_start // factor, size)
+        dst.narrow(dim, 0 if shard != "up" else size, size).copy_(src)
 
     def forward(
         self,
@@ -160,22 +175,18 @@ class FusedMoE(nn.Module):
         ids: torch.Tensor,  # [T, k] expert ids
     ) -> torch.Tensor:  # [T, H] this rank's partial sum
         ids = ids - self.expert_start if self.expert_start else ids
-        if x.is_cuda:
-            from lightwell.kernels.fused_moe import fused_moe
-
-            return fused_moe(x, self.w13_weight, self.w2_weight, weights, ids)
-        return moe_loop(x, self.w13_weight, self.w2_weight, weights, ids)
+        return self.quant_method.apply(self, x, weights, ids)
 
     @property
     def cuda_graph_safe(self) -> bool:
         """The Triton kernel (CUDA) runs without host syncs; the torch loop reads the
         per-expert token counts on the host."""
-        return self.w13_weight.is_cuda
+        return next(self.parameters()).is_cuda
 
     def extra_repr(self) -> str:
         return (
             f"experts={self.num_local_experts}/{self.num_experts}, intermediate={self.inter}, "
-            f"expert_parallel={self.expert_parallel}"
+            f"expert_parallel={self.expert_parallel}, {type(self.quant_method).__name__}"
         )
 
 
@@ -187,7 +198,19 @@ def moe_loop(
     ids: torch.Tensor,  # [T, k] local expert ids (outside [0, E): another rank's, skipped)
 ) -> torch.Tensor:  # [T, H]
     """Tokens sorted by expert, one matmul pair per expert that has tokens (torch, any device)."""
-    num_experts, top_k = w13.shape[0], ids.shape[1]
+    return moe_loop_by(x, lambda e: (w13[e], w2[e]), w13.shape[0], weights, ids)
+
+
+def moe_loop_by(
+    x: torch.Tensor,  # [T, H]
+    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],  # e -> ([2I, H], [H, I])
+    num_experts: int,
+    weights: torch.Tensor,  # [T, k]
+    ids: torch.Tensor,  # [T, k] local expert ids (outside [0, E): another rank's, skipped)
+) -> torch.Tensor:  # [T, H]
+    """``moe_loop`` with each expert's weights from ``expert(e)``, asked only for the experts
+    that have tokens (a quantized layer dequantizes them there, one at a time)."""
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)  # [T * k]
     counts = torch.bincount(flat.clamp(-1, num_experts) + 1, minlength=num_experts + 2)
@@ -199,9 +222,10 @@ def moe_loop(
         if n:
             rows = order[start : start + n]
             tokens = rows // top_k
-            gate_up = x[tokens] @ w13[e].t()  # [n, 2 * I]
+            w13, w2 = expert(e)
+            gate_up = x[tokens] @ w13.t()  # [n, 2 * I]
             gate, up = gate_up.chunk(2, dim=-1)
-            y = (F.silu(gate) * up) @ w2[e].t()  # [n, H]
+            y = (F.silu(gate) * up) @ w2.t()  # [n, H]
             w = weights.reshape(-1)[rows].to(x.dtype)
             out.index_add_(0, tokens, y * w[:, None])
         start += n

@@ -38,6 +38,7 @@ from lightwell.models.moe_blocks import (
     load_moe_weights,
 )
 from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
+from lightwell.quant import checkpoint_quant_config
 from lightwell.quant.base import QuantMethod
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_moe_weights(
             self,
-            self._without_mtp(weights),
+            self._kv_b_dequantized(self._without_mtp(weights)),
             {"gate_up_proj": ["gate_proj", "up_proj"]},
             EXPERT_NAMES,
             hf_skip(self),
@@ -125,6 +126,33 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                 "decoding, not loaded)",
                 skipped,
             )
+
+    def _kv_b_dequantized(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """A block-FP8 ``kv_b_proj`` (DeepSeek-V3/R1 as published) in the model dtype: MLA
+        absorbs it into the queries and the output (``lightwell/layers/mla.py``), so it is kept
+        as a plain weight, dequantized once its ``weight_scale_inv`` arrives."""
+        from lightwell.quant.fp8 import dequantize_blocks
+
+        held: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            module, _, kind = name.rpartition(".")
+            if not module.endswith(".kv_b_proj") or kind not in ("weight", "weight_scale_inv"):
+                yield name, tensor
+                continue
+            if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
+                yield name, tensor
+                continue
+            parts = held.setdefault(module, {"weight": None, "weight_scale_inv": None})
+            parts[kind] = tensor
+            if all(t is not None for t in parts.values()):
+                del held[module]
+                qc = checkpoint_quant_config(self.config) or {}
+                block = tuple(qc.get("weight_block_size") or (128, 128))
+                yield f"{module}.weight", dequantize_blocks(*parts.values(), block)
+        if held:
+            raise ValueError(f"{next(iter(held))}: an fp8 weight without its scale (or back)")
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -91,7 +91,7 @@ class MoEBlock(nn.Module):
         num_experts = num_experts_of(config)
         self.router = router
         self.gate = Router(config.hidden_size, num_experts, router_fp32, correction_bias)
-        self.experts = FusedMoE(num_experts, config.hidden_size, intermediate_size)
+        self.experts = FusedMoE(num_experts, config.hidden_size, intermediate_size, quant_method)
         self.shared_name = shared[0] if shared else None
         if shared:
             setattr(self, shared[0], gated_mlp(config, shared[1], quant_method))
@@ -117,19 +117,20 @@ class MoEBlock(nn.Module):
         """Compile the grouped expert kernels at every row-block size steps can pick (16, 32
         and 64 rows an expert block) and the few-token path, so no step compiles while
         serving; a no-op off CUDA. Returns the launches made."""
-        w13 = self.experts.w13_weight
-        if not w13.is_cuda:
+        experts = self.experts
+        if not experts.cuda_graph_safe:
             return 0
-        from lightwell.kernels.fused_moe import fused_moe
-
+        first = next(experts.parameters())
         k, num_tokens = self.router.top_k, 16
-        x = torch.zeros(num_tokens, w13.shape[2], dtype=w13.dtype, device=w13.device)
-        ids = torch.arange(num_tokens * k, device=w13.device).view(num_tokens, k)
-        ids = ids % self.experts.num_local_experts
-        weights = torch.ones(num_tokens, k, dtype=torch.float32, device=w13.device)
+        hidden = self.gate.weight.shape[1]
+        x = torch.zeros(num_tokens, hidden, dtype=experts.act_dtype, device=first.device)
+        ids = torch.arange(num_tokens * k, device=first.device).view(num_tokens, k)
+        ids = ids % experts.num_local_experts
+        weights = torch.ones(num_tokens, k, dtype=torch.float32, device=first.device)
+        method = experts.quant_method
         for block_m in (16, 32, 64):
-            fused_moe(x, w13, self.experts.w2_weight, weights, ids, block_m=block_m, gemv=False)
-        fused_moe(x[:1], w13, self.experts.w2_weight, weights[:1], ids[:1])
+            method.apply(experts, x, weights, ids, block_m=block_m, gemv=False)
+        method.apply(experts, x[:1], weights[:1], ids[:1])
         return 4
 
 
@@ -181,7 +182,7 @@ def hf_skip(model: nn.Module) -> Callable[[str], bool]:
     return skip
 
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.(\w+)$")
 
 
 def load_moe_weights(
@@ -191,12 +192,14 @@ def load_moe_weights(
     expert_names: dict[str, str],  # checkpoint projection name -> "gate" / "up" / "down"
     skip: Callable[[str], bool] = lambda name: False,
 ) -> set[str]:
-    """``load_packed_weights`` with per-expert tensors (``...experts.{e}.{proj}.weight``) routed
-    to the stacked ``w13_weight`` / ``w2_weight`` loaders; a stacked parameter counts as loaded
-    once every expert's shards arrived."""
+    """``load_packed_weights`` with per-expert tensors (``...experts.{e}.{proj}.{tensor}``)
+    routed to the stacked ``w13_{tensor}`` / ``w2_{tensor}`` loaders; a stacked parameter counts
+    as loaded once every expert's shards arrived."""
     skip = skip_missing(model, skip)  # tensors of the layers other pipeline stages hold
     params = dict(model.named_parameters())
     seen: dict[str, set[tuple[str, int]]] = {}
+
+    tensors = set(model_experts_tensors(model))
 
     def others() -> Iterator[tuple[str, torch.Tensor]]:
         for name, tensor in weights:
@@ -205,7 +208,9 @@ def load_moe_weights(
                 yield name, tensor
                 continue
             prefix, expert, shard = match.group(1), int(match.group(2)), expert_names[match[3]]
-            target = f"{prefix}.{'w2_weight' if shard == 'down' else 'w13_weight'}"
+            if match.group(4) in IGNORED_EXPERT_TENSORS and match.group(4) not in tensors:
+                continue  # a g_idx without act-order (contiguous groups), a weight_shape
+            target = f"{prefix}.{'w2' if shard == 'down' else 'w13'}_{match.group(4)}"
             param = params.get(target)
             if param is None:
                 raise ValueError(f"unexpected tensor {name!r}: no parameter {target!r}")
@@ -215,7 +220,17 @@ def load_moe_weights(
     loaded = load_packed_weights(model, others(), packed_modules_mapping, skip)
     for target, shards in seen.items():
         module = model.get_submodule(target.rsplit(".", 1)[0])
-        per_expert = 1 if target.endswith("w2_weight") else 2
+        per_expert = 1 if target.rsplit(".", 1)[1].startswith("w2_") else 2
         if len(shards) == per_expert * module.num_experts:
             loaded.add(target)
     return loaded
+
+
+IGNORED_EXPERT_TENSORS = ("g_idx", "weight_shape")
+
+
+def model_experts_tensors(model: nn.Module) -> Iterator[str]:
+    """The checkpoint tensor names (``weight``, ``qweight`` ...) the model's experts read."""
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            yield from module.quant_method.checkpoint_tensors

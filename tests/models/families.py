@@ -173,15 +173,9 @@ def qwen2_moe(folder: str, seed: int, **overrides):
     (``mlp_only_layers``), q/k/v biases."""
     from transformers import Qwen2MoeConfig
 
-    kw = {**COMMON, **MOE, "num_hidden_layers": 3, **overrides}
-    cfg = Qwen2MoeConfig(
-        **kw,
-        num_experts=4,
-        moe_intermediate_size=40,
-        shared_expert_intermediate_size=56,
-        mlp_only_layers=[1],
-        norm_topk_prob=False,
-    )
+    own = dict(num_experts=4, moe_intermediate_size=40, shared_expert_intermediate_size=56,
+               mlp_only_layers=[1], norm_topk_prob=False)  # fmt: skip
+    cfg = Qwen2MoeConfig(**{**COMMON, **MOE, "num_hidden_layers": 3, **own, **overrides})
     return _saved(cfg, folder, seed)
 
 
@@ -189,15 +183,9 @@ def qwen3_moe(folder: str, seed: int, **overrides):
     """q/k norms, head_dim 24, 4 experts top-2 renormalised, every second layer sparse."""
     from transformers import Qwen3MoeConfig
 
-    kw = {**COMMON, **MOE, "num_hidden_layers": 3, **overrides}
-    cfg = Qwen3MoeConfig(
-        **kw,
-        head_dim=24,
-        num_experts=4,
-        moe_intermediate_size=40,
-        decoder_sparse_step=2,
-        norm_topk_prob=True,
-    )
+    own = dict(head_dim=24, num_experts=4, moe_intermediate_size=40, decoder_sparse_step=2,
+               norm_topk_prob=True)  # fmt: skip
+    cfg = Qwen3MoeConfig(**{**COMMON, **MOE, "num_hidden_layers": 3, **own, **overrides})
     return _saved(cfg, folder, seed)
 
 

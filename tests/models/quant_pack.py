@@ -138,13 +138,16 @@ def scaled_tensors(w, dtype, per_channel=True, static_input=None):
 
 
 def fp8_block_tensors(w, block=(16, 16)):
+    """Partial blocks at the edges (zero-padded for the scale, as the format allows)."""
     n, k = w.shape
     bn, bk = block
-    blocks = w.view(n // bn, bn, k // bk, bk)
+    padded = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn))
+    blocks = padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
     scale = (blocks.abs().amax((1, 3)) / 448.0).float()  # [N/bn, K/bk]
     q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    deq = (q.float() * scale[:, None, :, None]).view(n, k)
-    return {"weight": q.view(n, k), "weight_scale_inv": scale}, deq
+    deq = (q.float() * scale[:, None, :, None]).view(padded.shape)[:n, :k]
+    q = q.view(padded.shape)[:n, :k]
+    return {"weight": q.contiguous(), "weight_scale_inv": scale}, deq
 
 
 def write_quantized(hf_model, folder: str, quant_config: dict, make) -> None:
@@ -191,3 +194,44 @@ def ct_config(fmt: str, weights: dict, inputs: dict | None = None) -> dict:
             }
         },
     }
+
+
+def write_quantized_moe(hf_model, folder: str, quant_config: dict, make, quantize) -> None:
+    """Rewrite the HF-saved MoE checkpoint in ``folder``: every linear weight for which
+    ``quantize(name)`` holds, the per-expert ones (``experts.{e}.{proj}.weight``) included,
+    replaced by ``make(weight)`` tensors; the HF model gets the dequantized weights (its
+    experts are stacked: ``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I])."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(folder, "model.safetensors")
+    tensors, out = load_file(path), {}
+    params = dict(hf_model.named_parameters())
+    expert = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")
+    with torch.no_grad():
+        for name, value in tensors.items():
+            if not (name.endswith(".weight") and quantize(name)):
+                out[name] = value
+                continue
+            parts, deq = make(value.float())
+            out.update({f"{name[: -len('weight')]}{k}": t.contiguous() for k, t in parts.items()})
+            m = expert.match(name)
+            if m is None:
+                params[name].copy_(deq)
+                continue
+            e, proj = int(m.group(2)), m.group(3)
+            stacked = m.group(1).replace(".block_sparse_moe.", ".mlp.")  # Mixtral's old name
+            if proj in ("down_proj", "w2"):
+                params[f"{stacked}.down_proj"][e].copy_(deq)
+            else:
+                rows = deq.shape[0]
+                up = proj in ("up_proj", "w3")
+                params[f"{stacked}.gate_up_proj"][e, up * rows : (up + 1) * rows].copy_(deq)
+    save_file(out, path, metadata={"format": "pt"})
+    cfg_path = os.path.join(folder, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = quant_config
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)

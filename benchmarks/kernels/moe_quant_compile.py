@@ -1,0 +1,83 @@
+"""The fused MoE kernels over quantized experts compiled for sm_90 on a machine without a GPU
+(Triton's bundled ptxas, as benchmarks/kernels/w4a16_sass.py): every variant the engine can
+launch (grouped bf16 / fp8 / int4; GEMV fp8 / int4 at the decode tiles, even and masked K,
+group 128 and per channel) at DeepSeek-V3 and Mixtral shapes, each line naming its cubin size or
+the compile error. A check before spending GPU time, ~1 min on a CPU:
+
+    python -m benchmarks.kernels.moe_quant_compile
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from lightwell.kernels import fused_moe as fm
+from lightwell.kernels import moe_gemv_quant as gq
+
+# quant: (weight pointer, scale pointer, (SBN, SBK))
+QUANTS = {
+    "bf16": ("*bf16", "*bf16", (1, 64)),
+    "fp8": ("*fp8e4nv", "*fp32", (128, 128)),
+    "int4": ("*i32", "*bf16", (1, 128)),
+    "int4-channel": ("*i32", "*bf16", (1, 14336)),
+}
+GEMV_TILES = ((1, 2048, 4, 3), (2, 256, 1, 3), (4, 512, 1, 1), (2, 2048, 2, 3))
+
+
+def compile_kernel(fn, types: dict, consts: dict, warps: int = 4, stages: int = 3) -> int:
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: types.get(n, "i32") for n in names if n not in consts}
+    src = triton.compiler.ASTSource(
+        fn=fn, constexprs=consts, attrs={}, signature=dict(sig, **{k: "constexpr" for k in consts})
+    )
+    options = dict(num_warps=warps, num_stages=stages)
+    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
+
+
+def variants():
+    """(label, kernel, pointer types, constexprs, warps, stages) of every variant."""
+    for quant, (w_t, s_t, (sbn, sbk)) in QUANTS.items():
+        types = dict(x_ptr="*bf16", a_ptr="*bf16", w_ptr=w_t, out_ptr="*bf16", s_ptr=s_t,
+                     z_ptr=s_t, sorted_ptr="*i32", expert_ptr="*i32", ids_ptr="*i64",
+                     weight_ptr="*fp32")  # fmt: skip
+        int4 = quant.startswith("int4")
+        grouped = dict(HIDDEN=7168, INTER=2048, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
+                       SCALED=quant != "bf16", SBN=sbn, SBK=sbk, INT4=int4)  # fmt: skip
+        gate_up = {**grouped, "TOP_K": 8}
+        yield f"{quant} grouped gate_up", fm._gate_up_kernel, types, gate_up, 4, 3
+        yield f"{quant} grouped down", fm._down_kernel, types, grouped, 4, 3
+        if quant == "bf16":
+            continue
+        for bn, bk, warps, stages in GEMV_TILES:
+            ts = min(bk & -bk, sbk & -sbk)
+            for even in (True, False):
+                consts = dict(BLOCK_N=bn, TS=ts, NS=bk // ts, SBN=sbn, SBK=sbk, EVEN_K=even,
+                              INT4=int4)  # fmt: skip
+                tile = f"{bn},{bk},{warps},{stages} even={even}"
+                yield (
+                    f"{quant} gemv gate_up {tile}",
+                    gq._quant_gemv_gate_up,
+                    types,
+                    consts,
+                    warps,
+                    stages,
+                )
+                yield f"{quant} gemv down {tile}", gq._quant_gemv_down, types, consts, warps, stages
+
+
+def main() -> int:
+    failed = 0
+    for label, fn, types, consts, warps, stages in variants():
+        try:
+            print(f"{label}: ok, cubin {compile_kernel(fn, types, consts, warps, stages)} B")
+        except Exception as e:  # noqa: BLE001 - every variant is reported
+            failed += 1
+            print(f"{label}: FAILED {str(e)[-400:]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,155 @@
+"""Quantization strategies of the stacked MoE experts (``lightwell/layers/moe.py``'s
+``FusedMoE``): what each expert weight is stored as, how HF's per-expert checkpoint tensors load
+into it, and how the experts run.
+
+A method registers, per projection (``w13``: gate rows then up rows; ``w2``: down), stacked
+parameters ``{w13,w2}_{tensor}`` [E_local, ...], one per checkpoint tensor of a linear, each with
+``inter_dim`` / ``inter_factor``: the dimension of the checkpoint tensor (without the expert
+dimension) that holds the intermediate features and how many features one stored index covers
+(1 for a weight row, the block size for a block scale, 8 for a packed int32 word, the group size
+for a group scale); ``None``: not sliced (kept whole on every rank). ``FusedMoE.weight_loader``
+slices the rank's intermediate features through these and places gate and up side by side.
+
+- ``UnquantizedExperts``: ``w13_weight`` [E, 2I, H], ``w2_weight`` [E, H, I] in the model dtype.
+- ``Fp8BlockExperts`` (HF fine-grained FP8, DeepSeek-V3/R1): ``w13_weight`` fp8 [E, 2I, H] with
+  ``w13_weight_scale_inv`` [E, 2I / bn, ceil(H / bk)] float32, ``w2_weight`` fp8 [E, H, I] with
+  ``w2_weight_scale_inv`` [E, ceil(H / bn), I / bk]; the intermediate size per rank must be whole
+  blocks. Weight-only: activations stay in the model dtype, each [bn, bk] block is dequantized
+  (``q * scale``) where it is used: per used expert in the CPU loop, per K chunk in the kernels.
+- ``kernels``-facing: ``apply`` calls ``fused_moe`` on CUDA (with the block scales for FP8) and
+  ``moe_loop_by`` elsewhere, which dequantizes one expert at a time (never all of them).
+W4A16 formats (GPTQ, AWQ) are in ``quant/experts_wna16.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightwell.quant.base import set_weight_attrs
+
+ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # e -> ([2I, H], [H, I])
+
+
+def add_expert_param(
+    layer: nn.Module,
+    name: str,
+    shape: tuple[int, ...],  # without the expert dimension
+    dtype: torch.dtype,
+    inter_dim: int | None,
+    inter_factor: int = 1,
+) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(layer.num_local_experts, *shape, dtype=dtype), False)
+    attrs = {"inter_dim": inter_dim, "inter_factor": inter_factor}
+    set_weight_attrs(param, {**attrs, "weight_loader": layer.weight_loader})
+    layer.register_parameter(name, param)
+    return param
+
+
+class UnquantizedExperts:
+    """Experts in the model dtype (``w13_weight``, ``w2_weight``)."""
+
+    checkpoint_tensors = ("weight",)
+
+    def create_weights(self, layer: nn.Module, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        add_expert_param(layer, "w13_weight", (2 * inter, hidden), dtype, 0)
+        add_expert_param(layer, "w2_weight", (hidden, inter), dtype, 1)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k]
+        ids: torch.Tensor,  # [T, k] local expert ids
+        **options: Any,  # fused_moe's tile options (CUDA)
+    ) -> torch.Tensor:  # [T, H]
+        if x.is_cuda:
+            from lightwell.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, **options)
+        from lightwell.layers.moe import moe_loop
+
+        return moe_loop(x, layer.w13_weight, layer.w2_weight, weights, ids)
+
+
+class Fp8BlockExperts(UnquantizedExperts):
+    """HF fine-grained FP8 experts: fp8 weights and one float32 scale per [bn, bk] block."""
+
+    checkpoint_tensors = ("weight", "weight_scale_inv")
+
+    def __init__(self, block_n: int, block_k: int):
+        self.block = (block_n, block_k)
+
+    def create_weights(self, layer: nn.Module, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        bn, bk = self.block
+        if inter % bn or inter % bk:
+            raise ValueError(
+                f"fp8: the expert intermediate size per rank ({inter}) is not a multiple of the "
+                f"weight block {list(self.block)}: its block scales cannot be sliced or stacked "
+                "(try another tensor-parallel size, or expert parallelism)"
+            )
+        fp8, f32 = torch.float8_e4m3fn, torch.float32
+        add_expert_param(layer, "w13_weight", (2 * inter, hidden), fp8, 0)
+        add_expert_param(layer, "w13_weight_scale_inv", (2 * inter // bn, -(-hidden // bk)), f32,
+                         0, bn)  # fmt: skip
+        add_expert_param(layer, "w2_weight", (hidden, inter), fp8, 1)
+        add_expert_param(layer, "w2_weight_scale_inv", (-(-hidden // bn), inter // bk), f32, 1, bk)
+
+    def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, fused_moe's keyword arguments) of the fused kernels."""
+        s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+        return layer.w13_weight, layer.w2_weight, {"scales": (s13, s2, self.block)}
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k]
+        ids: torch.Tensor,  # [T, k] local expert ids
+        **options: Any,  # fused_moe's tile options (CUDA)
+    ) -> torch.Tensor:  # [T, H]
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+        if x.is_cuda:
+            from lightwell.kernels.fused_moe import fused_moe
+
+            w13, w2, quant = self.kernel_inputs(layer)
+            return fused_moe(x, w13, w2, weights, ids, **quant, **options)
+        from lightwell.layers.moe import moe_loop_by
+        from lightwell.quant.fp8 import dequantize_blocks
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            gate_up = dequantize_blocks(w13[e], s13[e], self.block).to(x.dtype)  # [2I, H]
+            return gate_up, dequantize_blocks(w2[e], s2[e], self.block).to(x.dtype)  # [H, I]
+
+        return moe_loop_by(x, expert, w13.shape[0], weights, ids)
+
+
+# linear methods whose experts stay in the model dtype: online quantization of a 16/32-bit
+# checkpoint (--quantization int8 / fp8) and a GGUF file's linears (its experts arrive dequantized)
+FLOAT_EXPERTS = ("UnquantizedLinearMethod", "Fp8W8A8Method", "Int8WeightOnlyMethod",
+                 "GGUFLinearMethod")  # fmt: skip
+
+
+def experts_method(linear_method: Any) -> Any:
+    """The experts' strategy for a model whose linears use ``linear_method`` (None:
+    unquantized); a one-line refusal naming the method when its experts are not supported."""
+    name = type(linear_method).__name__
+    if linear_method is None or name in FLOAT_EXPERTS:
+        return UnquantizedExperts()
+    if name == "Fp8BlockMethod" and linear_method.scale_name == "weight_scale_inv":
+        return Fp8BlockExperts(*linear_method.block)
+    if name in ("GPTQMethod", "AWQMethod", "PackedMethod"):
+        from lightwell.quant.experts_wna16 import wna16_experts
+
+        return wna16_experts(linear_method)
+    raise ValueError(
+        f"quantized expert weights: {name} is not supported for MoE experts (supported: "
+        "unquantized, HF fine-grained fp8, gptq, awq, compressed-tensors pack-quantized)"
+    )

@@ -1,0 +1,241 @@
+"""Quantized expert weights in their published layouts (tests/models/quant_pack.py writes them)
+vs HF transformers in fp32 running the dequantized weights: DeepSeek-V3 in HF fine-grained FP8
+(every linear; the experts weight-only, the dense linears' activations quantized per group as
+HF is made to emulate), Mixtral and Qwen-MoE in GPTQ / AWQ 4-bit (weight-only: same logits to
+fp32 rounding, same greedy tokens). A config the tensors do not match is refused."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.models import quant_pack as qp
+from tests.models.families import deepseek_v3
+from tests.models.test_quant_formats import PROMPTS, hf_greedy, run_ours
+from tests.models.tiny import hf_logits, load_ours, rel_err
+
+FP8 = torch.float8_e4m3fn
+FP8_CONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}
+# MoE intermediate 48 and dense 96: whole 16-blocks (the expert scales stack per block)
+V3_SIZES = dict(moe_intermediate_size=48, intermediate_size=96)
+
+
+def fake_fp8_groups(x: torch.Tensor, group: int = 16) -> torch.Tensor:
+    """Per token and per ``group`` inputs (the last group partial), as quant/fp8.py does."""
+    k = x.shape[-1]
+    xg = torch.nn.functional.pad(x, (0, -k % group)).unflatten(-1, (-1, group))
+    s = (xg.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+    return ((xg / s).clamp(-448, 448).to(FP8).float() * s).flatten(-2)[..., :k]
+
+
+def _is_linear(name: str) -> bool:
+    """Every linear of the published checkpoints but the routers (``mlp.gate``, Qwen2-MoE's
+    ``shared_expert_gate``): ``*proj``, and Mixtral's experts ``w1`` / ``w2`` / ``w3``."""
+    module = name.rsplit(".", 2)[-2]
+    return name.endswith(".weight") and ("proj" in module or module in ("w1", "w2", "w3"))
+
+
+@pytest.fixture(scope="module")
+def v3_fp8(tmp_path_factory):
+    torch.set_num_threads(1)
+    folder = str(tmp_path_factory.mktemp("v3fp8"))
+    hf = deepseek_v3(folder, 0, **V3_SIZES)
+    qp.write_quantized_moe(hf, folder, FP8_CONFIG, qp.fp8_block_tensors, _is_linear)
+    return hf, folder
+
+
+def test_deepseek_v3_fp8_experts_match_hf(v3_fp8):
+    """Experts stay fp8 with block scales (dequantized per used expert on CPU); logits match
+    HF with the dense linears' activation quantization emulated, and greedy tokens agree."""
+    hf, folder = v3_fp8
+    model = load_ours(folder)
+    experts = model.model.layers[1].mlp.experts
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == FP8
+    assert tuple(experts.w13_weight_scale_inv.shape) == (4, 6, 4)  # [E, 2I / 16, H / 16]
+    assert tuple(experts.w2_weight_scale_inv.shape) == (4, 4, 3)  # [E, H / 16, I / 16]
+    assert model.model.layers[1].self_attn.kv_b_proj.weight.dtype == torch.float32
+    for name, module in hf.named_modules():
+        dense = isinstance(module, torch.nn.Linear) and _is_linear(f"{name}.weight")
+        if dense and not name.endswith("kv_b_proj"):  # ours: kv_b dequantized, weight-only
+            module.register_forward_pre_hook(lambda _m, args: (fake_fp8_groups(args[0]),))
+    prefill, seqs = run_ours(model, steps=4)
+    for p, lg, s in zip(PROMPTS, prefill, seqs):
+        assert rel_err(lg, hf_logits(hf, p)) < 2e-3
+        assert s == hf_greedy(hf, p, steps=4)
+
+
+def test_fp8_experts_refuse_a_tp_slice_off_the_blocks(v3_fp8):
+    """I = 48 over 2 ranks is 24 a rank: not whole 16-blocks, refused naming fp8."""
+    from lightwell.layers.moe import FusedMoE
+    from lightwell.quant.fp8 import Fp8BlockMethod
+
+    with pytest.raises(ValueError, match=r"^fp8: the expert intermediate size per rank \(24\)"):
+        FusedMoE(4, 64, 24, Fp8BlockMethod(16, 16))
+
+
+def test_fp8_config_over_bf16_experts_is_refused(tmp_path):
+    """quant_method fp8 over a checkpoint whose experts are not fp8: one line naming the
+    method and the tensors it reads."""
+    torch.set_num_threads(1)
+    folder = str(tmp_path)
+    hf = deepseek_v3(folder, 0, **V3_SIZES)
+    qp.write_quantized_moe(hf, folder, FP8_CONFIG, qp.fp8_block_tensors,
+                           lambda n: _is_linear(n) and ".experts." not in n)  # fmt: skip
+    with pytest.raises(ValueError, match=r"does not match its quantization config.*Fp8Block"):
+        load_ours(folder)
+
+
+def _ranks_sum(method, tensors, x, weights, ids, expert_parallel: bool) -> torch.Tensor:
+    """Each of 2 ranks' FusedMoE built and loaded in this process (rank state set by hand);
+    their partial sums added."""
+    from lightwell.distributed.parallel_state import (
+        init_tp_group,
+        reset_tp_group,
+        set_expert_parallel,
+    )
+    from lightwell.layers.moe import FusedMoE
+
+    total = 0
+    try:
+        for rank in range(2):
+            init_tp_group(rank, 2)
+            set_expert_parallel(expert_parallel)
+            layer = FusedMoE(4, 64, 64, method)
+            for (shard, e, kind), t in tensors.items():
+                if kind not in layer.quant_method.checkpoint_tensors:
+                    continue  # a GPTQ g_idx of contiguous groups
+                target = f"{'w2' if shard == 'down' else 'w13'}_{kind}"
+                param = getattr(layer, target)
+                param.weight_loader(param, t, shard, e)
+            layer.quant_method.process_after_loading(layer)
+            total = total + layer(x, weights, ids)
+    finally:
+        reset_tp_group()
+    return total
+
+
+def _expert_checkpoint(make, seed: int = 0, size: int = 64):
+    """Per-expert tensors of 4 experts (H = I = ``size``) from ``make`` and the dequantized
+    stacked weights ([E, 2I, H], [E, H, I])."""
+    gen = torch.Generator().manual_seed(seed)
+    tensors, w13, w2 = {}, torch.zeros(4, 2 * size, size), torch.zeros(4, size, size)
+    for e in range(4):
+        for i, shard in enumerate(("gate", "up", "down")):
+            parts, deq = make(torch.randn(size, size, generator=gen) * 0.1)
+            tensors.update({(shard, e, k): t for k, t in parts.items()})
+            if shard == "down":
+                w2[e] = deq
+            else:
+                w13[e, size * i : size * (i + 1)] = deq
+    return tensors, w13, w2
+
+
+SPLITS = {
+    "fp8_block16": ("fp8", qp.fp8_block_tensors),
+    "gptq_g16_asym": ("gptq", functools.partial(qp.gptq_tensors, gs=16, sym=False)),
+    "awq_g16": ("awq", functools.partial(qp.awq_tensors, gs=16)),
+    "ct_g16_sym": ("ct", functools.partial(qp.ct_packed_tensors, gs=16)),
+}
+
+
+def method_of(fmt: str):
+    """The linear method of a checkpoint in ``fmt`` with 16-blocks / 16-groups."""
+    from lightwell.quant import awq, compressed_tensors, fp8, gptq
+
+    return {"fp8": fp8.Fp8BlockMethod(16, 16), "awq": awq.AWQMethod(16),
+            "gptq": gptq.GPTQMethod(4, 16, False, False),
+            "ct": compressed_tensors.PackedMethod(4, 16, True, False)}[fmt]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", sorted(SPLITS))
+def test_quantized_experts_split_over_ranks(key):
+    """Tensor parallel (I / 2 = 32: whole blocks, words and groups a rank) and expert parallel
+    (2 whole experts a rank): the ranks' partial sums add up to the whole layer on the
+    dequantized weights."""
+    from lightwell.layers.moe import moe_loop
+
+    fmt, make = SPLITS[key]
+    method = method_of(fmt)
+    tensors, w13, w2 = _expert_checkpoint(make)
+    gen = torch.Generator().manual_seed(1)
+    x, weights = torch.randn(7, 64, generator=gen), torch.rand(7, 2, generator=gen)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(7)])
+    want = moe_loop(x, w13, w2, weights, ids)
+    for ep in (False, True):
+        got = _ranks_sum(method, tensors, x, weights, ids, ep)
+        assert rel_err(got, want) < 1e-5
+
+
+GPTQ_G16 = {"quant_method": "gptq", "bits": 4, "group_size": 16, "sym": True, "desc_act": False}
+AWQ_G16 = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": True,
+           "version": "gemm"}  # fmt: skip
+W4 = {  # family, sizes in whole groups of 16, config, packer
+    "mixtral_gptq_g16": ("mixtral", {}, GPTQ_G16, functools.partial(qp.gptq_tensors, gs=16)),
+    "qwen2_moe_awq_g16": (
+        "qwen2_moe",
+        dict(moe_intermediate_size=48, shared_expert_intermediate_size=64, intermediate_size=96),
+        AWQ_G16,
+        functools.partial(qp.awq_tensors, gs=16),
+    ),
+    "qwen3_moe_gptq_channel_asym": (
+        "qwen3_moe",
+        dict(moe_intermediate_size=48, intermediate_size=96),
+        {**GPTQ_G16, "group_size": -1, "sym": False},
+        functools.partial(qp.gptq_tensors, gs=-1, sym=False),
+    ),
+    "qwen3_moe_ct_w4a16_g16_asym": (
+        "qwen3_moe",
+        dict(moe_intermediate_size=48, intermediate_size=96),
+        qp.ct_config(
+            "pack-quantized",
+            {
+                "num_bits": 4,
+                "type": "int",
+                "strategy": "group",
+                "group_size": 16,
+                "symmetric": False,
+            },
+        ),
+        functools.partial(qp.ct_packed_tensors, gs=16, sym=False),
+    ),
+}
+
+
+@pytest.mark.parametrize("key", sorted(W4))
+def test_w4a16_experts_match_hf_dequantized(tmp_path, key):
+    """Experts (and every other linear) in 4 bits; the logits match HF's on the dequantized
+    weights to fp32 rounding and the greedy tokens agree."""
+    from tests.models import families
+
+    torch.set_num_threads(1)
+    family, sizes, config, make = W4[key]
+    hf = getattr(families, family)(str(tmp_path), 0, **sizes)
+    qp.write_quantized_moe(hf, str(tmp_path), config, make, _is_linear)
+    model = load_ours(str(tmp_path))
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    assert experts.w13_qweight.dtype == torch.int32 and not hasattr(experts, "w13_weight")
+    prefill, seqs = run_ours(model, steps=4)
+    for p, lg, s in zip(PROMPTS, prefill, seqs):
+        assert rel_err(lg, hf_logits(hf, p)) < 1e-4
+        assert s == hf_greedy(hf, p, steps=4)
+
+
+def test_awq_config_over_gptq_experts_is_refused(tmp_path):
+    from tests.models.families import mixtral
+
+    torch.set_num_threads(1)
+    hf = mixtral(str(tmp_path), 0)
+    make = functools.partial(qp.gptq_tensors, gs=16)
+    qp.write_quantized_moe(hf, str(tmp_path), AWQ_G16, make, _is_linear)
+    with pytest.raises(ValueError, match=r"does not match its quantization config.*AWQMethod"):
+        load_ours(str(tmp_path))
+
+
+def test_act_order_experts_are_refused():
+    from lightwell.layers.moe import FusedMoE
+    from lightwell.quant.gptq import GPTQMethod
+
+    with pytest.raises(ValueError, match=r"^gptq: act-order expert weights are not supported"):
+        FusedMoE(4, 64, 64, GPTQMethod(4, 16, True, False))
