@@ -138,13 +138,13 @@ def _gguf_gemv_kernel(
             x = tl.load(x_rows + (kb + s) * 32 + i).to(tl.float32)  # [1, S, 2, 16]
             acc1 += _tile(rows, kb, QTYPE, BYTES, S) * x
         acc = tl.sum(tl.sum(tl.sum(acc1, axis=3), axis=2), axis=1)[:, None]  # [BN, 1]
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_M, S * 32], dtype=tl.float32)  # summed once, at the end
+    else:  # broadcast, not reshaped: compiled tl.reshape may reorder the tile's elements
+        acc5 = tl.zeros([BLOCK_N, BLOCK_M, S, 2, 16], dtype=tl.float32)  # summed at the end
         for kb in range(0, K // 32, S):
-            w = tl.reshape(_tile(rows, kb, QTYPE, BYTES, S), [BLOCK_N, 1, S * 32])
+            w = _tile(rows, kb, QTYPE, BYTES, S)  # [BN, S, 2, 16]
             x = tl.load(x_rows + (kb + s) * 32 + i).to(tl.float32)  # [BM, S, 2, 16]
-            acc += w * tl.reshape(x, [1, BLOCK_M, S * 32])
-        acc = tl.sum(acc, axis=2)  # [BN, BM]
+            acc5 += tl.expand_dims(w, 1) * tl.expand_dims(x, 0)
+        acc = tl.sum(tl.sum(tl.sum(acc5, axis=4), axis=3), axis=2)  # [BN, BM]
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
