@@ -384,6 +384,8 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
         wall_s=wall,
         eager=args.eager,
         async_scheduling=llm.engine.scheduler.async_scheduling,
+        num_kv_blocks=llm.engine.num_kv_blocks,  # the KV cache's capacity (--kv-cache-dtype)
+        max_running=max((reqs for _, _, reqs, _ in steps), default=0),  # most requests a step
     )
     emit(args, "w2_step_summary", len(steps) - 1, **_w2_step_summary(steps), **common)
     emit(args, "output_tok_s", out_toks / wall, **common)

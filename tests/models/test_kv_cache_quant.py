@@ -85,24 +85,24 @@ def folder(tmp_path_factory):
 
 
 def _engine_run(folder: str, backend: str, kv: str) -> list:
-    """Greedy generations through the engine: a prompt, then two sharing its first 12 tokens
+    """Greedy generations through the engine: a prompt, then two sharing its first 8 tokens
     (prefix-cache hits on 4-token blocks); an 8-token budget chunks every prompt."""
     from lightwell import LLM
     from lightwell.types import SamplingParams
 
     gen = torch.Generator().manual_seed(2)
-    shared = torch.randint(0, 300, (12,), generator=gen).tolist()
-    prompts = [shared + torch.randint(0, 300, (n,), generator=gen).tolist() for n in (7, 3, 10)]
+    shared = torch.randint(0, 300, (8,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 2, 6)]
     llm = LLM(folder, skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
               num_kv_blocks=48, max_num_batched_tokens=8, attention_backend=backend,
               kv_cache_dtype=kv)  # fmt: skip
-    sp = SamplingParams(max_tokens=4, temperature=0.0, logprobs=0)
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=0)
     try:
         outs = llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
         outs += llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp, use_tqdm=False)
     finally:
         llm.shutdown()
-    assert [o.num_cached_tokens for o in outs[1:]] == [12, 12]
+    assert [o.num_cached_tokens for o in outs[1:]] == [8, 8]
     return outs
 
 
