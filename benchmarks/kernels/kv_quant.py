@@ -16,7 +16,9 @@ Checks (the script exits non-zero when one fails):
 
 Times: decode attention (one layer's launch, ``paged_attention`` with the engine's automatic
 split-KV), µs per call, median of 20 CUDA-graph replays, for the bf16, fp8 and int8 caches at
-batch 1 and 64 and contexts 1k, 4k, 8k; ``speedup`` = bf16 time / 8-bit time. The 8-bit cache
+batch 1 and 64 and contexts 1k, 4k, 8k; ``speedup`` = bf16 time / 8-bit time; then the fp8
+cache with the other decode tiles of ``SWEEP`` (``kv_cache_dtype`` "fp8 (block_m, block_n,
+warps, stages)"). The 8-bit cache
 reads ``(D + 4) / 2D`` = 0.52x the bytes of bf16 per key.
 """
 
@@ -29,6 +31,7 @@ import torch
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.bench.results import make_record, provenance, script_command, write_json
+from lightwell.kernels.attention_tiles import AttentionConfig
 from lightwell.kernels.kv_store import kv_store
 from lightwell.kernels.paged_attention import paged_attention, paged_attention_ref
 from lightwell.kernels.rotary import rotary_embedding
@@ -39,6 +42,9 @@ KV = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 CONTEXTS = (1024, 4096, 8192)
 BATCHES = (1, 64)
 CHECK_BOUND = 2e-2  # relative to max |ref|
+# decode tiles (block_m, block_n, warps, stages) also timed on the fp8 cache (the default for
+# 8-bit caches is (16, 64, 8, 3); 4 warps spill on sm_90)
+SWEEP = ((16, 64, 4, 3), (16, 32, 4, 3), (16, 64, 8, 2), (16, 32, 8, 3))
 
 
 def _meta(qlens: list[int], ctxs: list[int], gen: torch.Generator) -> AttentionMetadata:
@@ -140,6 +146,11 @@ def time_decode(batch: int, ctx: int, common: dict) -> list[dict]:
     times = {}
     for name, cache in caches.items():
         times[name] = graph_replay_us(lambda c=cache: paged_attention(q, c, meta, D**-0.5, out))
+    for tile in SWEEP:
+        cfg = AttentionConfig(*tile)
+        times[f"fp8 {tile}"] = graph_replay_us(
+            lambda c=cfg: paged_attention(q, caches["fp8"], meta, D**-0.5, out, config=c)
+        )
     rows = []
     for name, us in times.items():
         row = dict(

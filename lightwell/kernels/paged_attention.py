@@ -95,6 +95,8 @@ def _attend_tile(
         blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
     in_blk = offs_n % BLOCK_SIZE
     k_off = blk * stride_k_blk + in_blk * stride_k_tok  # [BLOCK_N]
+    if KV_QUANT:  # rows of D + 4 bytes (D % 4 == 0): tell the compiler, for 4-byte loads
+        k_off = tl.multiple_of(k_off, 4)
     k = load_tile(k_base + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
     if KV_QUANT:
         k_scale = load_scales(k_base + k_off, n_ok, MASKED, HEAD_DIM) * qk_scale  # [BLOCK_N]
@@ -111,6 +113,8 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v_off = blk * stride_v_blk + in_blk * stride_v_tok
+    if KV_QUANT:
+        v_off = tl.multiple_of(v_off, 4)
     v = load_tile(v_base + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
     if KV_QUANT:
         v_scale = load_scales(v_base + v_off, n_ok, MASKED, HEAD_DIM) * _V_LIFT  # [BLOCK_N]
@@ -202,8 +206,12 @@ def _paged_attention_kernel(
     full_end = win_end + tl.maximum(tl.minimum(hi, ctx + t0 + 1) - win_end, 0) // BLOCK_N * BLOCK_N
 
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kvh * stride_k_head
-    v_base = v_cache_ptr + kvh * stride_v_head
+    if KV_QUANT:  # (4-byte aligned rows, as in _attend_tile)
+        k_base = k_cache_ptr + tl.multiple_of(kvh * stride_k_head, 4)
+        v_base = v_cache_ptr + tl.multiple_of(kvh * stride_v_head, 4)
+    else:
+        k_base = k_cache_ptr + kvh * stride_k_head
+        v_base = v_cache_ptr + kvh * stride_v_head
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -297,7 +305,7 @@ def _launch(
     num_kv_heads = k_cache.shape[2]
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
-    cfg = config or default_config(head_dim, decode)
+    cfg = config or default_config(head_dim, decode, is_quantized(k_cache.dtype))
     block_m = max(cfg.block_m, triton.next_power_of_2(gqa))
     block_q = 1 if decode else block_m // gqa
     tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
