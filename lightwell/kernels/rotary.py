@@ -105,9 +105,14 @@ def _rotary_kernel(
                 + (slot // BLOCK_SIZE) * stride_c_blk
                 + (slot % BLOCK_SIZE) * (NUM_KV_HEADS * ROW)
             )
-            rows = tok + h * ROW  # [BLOCK_HK]
-            store_rows(rows, d, mask, key, HEAD_DIM, KV_QUANT, INTERPRET)
-            store_rows(rows + stride_c_kv, d, mask, val, HEAD_DIM, KV_QUANT, INTERPRET)
+            if KV_QUANT == 0:
+                dst = tok + src
+                tl.store(dst, key.to(kvc_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + stride_c_kv, val.to(kvc_ptr.dtype.element_ty), mask=mask)
+            else:  # 8-bit rows of ROW = HEAD_DIM + 4: values and their scale
+                rows = tok + h * ROW  # [BLOCK_HK]
+                store_rows(rows, d, mask, key, HEAD_DIM, KV_QUANT, INTERPRET)
+                store_rows(rows + stride_c_kv, d, mask, val, HEAD_DIM, KV_QUANT, INTERPRET)
 
 
 def rotary_embedding(
