@@ -147,7 +147,8 @@ class CacheConfig:
         "auto",
         "KV-cache storage. auto: the model dtype; fp8 (e4m3) or int8: 8-bit values with an "
         "fp32 scale per token and KV head stored beside them (head_dim + 4 bytes a row: 1.94x "
-        "the tokens of bf16 at head_dim 128). fp8 and int8 run on the torch attention backend.",
+        "the tokens of bf16 at head_dim 128). Both attention backends (Triton on GPU, torch on "
+        "CPU) read and write them; not for latent (MLA) caches.",
         KV_CACHE_DTYPES,
     )
 

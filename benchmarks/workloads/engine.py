@@ -10,6 +10,16 @@ from the repository root, about 6 minutes with every stage:
 started after S seconds. Reference results: benchmarks/results/W1_llama-3-8b_h200.json,
 W2_llama-3-8b_h200.json, check_engine_h200.json.
 
+W2 with long prompts, the bf16 KV cache against the fp8 one (``--kv-cache-dtype fp8``: 1.94x
+the blocks); each W2 record carries ``num_kv_blocks`` and ``max_running`` (most requests in a
+step), so the two runs show how many more sequences fit. Two device calls of a few minutes:
+
+    run(command="python3 -m benchmarks.workloads.engine --stages w2 --w2-requests 512 "
+        "--w2-input-len 4096 --w2-output-len 512 --max-num-seqs 512 --out $OUT/w2_4k_bf16kv.json")
+    run(command="python3 -m benchmarks.workloads.engine --stages w2 --w2-requests 512 "
+        "--w2-input-len 4096 --w2-output-len 512 --max-num-seqs 512 "
+        "--engine-args '{\"kv_cache_dtype\": \"fp8\"}' --out $OUT/w2_4k_fp8kv.json")
+
 Correctness (stage "check"): a tiny random HF Llama in fp32 on the GPU (CUDA graphs on) gives
 HF's greedy tokens; the same in bf16 stays within bf16 tolerance of HF's fp32 logits; a
 SmolLM2-shaped random model gives the same greedy tokens on the GPU (fp32) as on the CPU path.
@@ -384,6 +394,8 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
         wall_s=wall,
         eager=args.eager,
         async_scheduling=llm.engine.scheduler.async_scheduling,
+        num_kv_blocks=llm.engine.num_kv_blocks,  # the KV cache's capacity (--kv-cache-dtype)
+        max_running=max((reqs for _, _, reqs, _ in steps), default=0),  # most requests a step
     )
     emit(args, "w2_step_summary", len(steps) - 1, **_w2_step_summary(steps), **common)
     emit(args, "output_tok_s", out_toks / wall, **common)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from lightwell.attention.metadata import AttentionMetadata
-from lightwell.quant.kv_cache import dequantize_kv, quantize_kv
+from lightwell.quant.kv_cache import FP8, dequantize_kv, quantize_kv
 
 
 def write_kv_cache(
@@ -206,13 +206,25 @@ def _attend_prefill(
     length = meta.seq_lens_cpu[i]
     num_cached = length - (e - s)
     if num_cached == 0:  # nothing before this chunk: the new k/v are the whole sequence
-        out[s:e] = _sdpa(q[s:e], k[s:e], v[s:e], 0, scale, window)
+        keys, values = _as_stored(k[s:e], kv_cache.dtype), _as_stored(v[s:e], kv_cache.dtype)
+        out[s:e] = _sdpa(q[s:e], keys, values, 0, scale, window)
         return
     block_size = kv_cache.shape[2]
     num_blocks = -(-length // block_size)
     keys, values = gather_kv(kv_cache, meta.block_table[i, :num_blocks], length)
     keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
     out[s:e] = _sdpa(q[s:e], keys, values, num_cached, scale, window)
+
+
+def _as_stored(
+    x: torch.Tensor,  # [n, Hkv, D]
+    cache_dtype: torch.dtype,
+) -> torch.Tensor:  # [n, Hkv, D]
+    """``x`` as the cache gives it back: an 8-bit cache's round trip, so a fresh prompt sees the
+    keys/values a later chunk, a decode or a prefix-cache hit reads (the Triton kernels too)."""
+    if cache_dtype not in (FP8, torch.int8):
+        return x
+    return dequantize_kv(quantize_kv(x, cache_dtype), x.dtype)
 
 
 def _attend_decodes(

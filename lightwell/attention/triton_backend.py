@@ -2,7 +2,8 @@
 
 Runs wherever the kernels do: CUDA, or the CPU under ``TRITON_INTERPRET=1`` (tests). Without a
 KV cache (profiling runs), every request must be a fresh prefill; the new k/v are then read in
-place as a cache of one-token blocks, so the same kernel serves.
+place as a cache of one-token blocks, so the same kernel serves. The cache may be 8-bit (fp8 /
+int8 with in-band scales, ``--kv-cache-dtype``): the store quantizes, attention dequantizes.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import triton
 
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.kernels.attention_tiles import default_config
+from lightwell.kernels.kv_quant import head_dim_of
 from lightwell.kernels.kv_store import kv_store
 from lightwell.kernels.paged_attention import paged_attention
 
@@ -98,7 +100,8 @@ def compile_variants(
     variants its own steps use, and an eager step (a mixed step that skips its graph) would
     otherwise compile the rest in the middle of serving. Returns the launches made."""
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
-    device, block_size, num_kv_heads, head_dim = k_cache.device, *k_cache.shape[1:]
+    device, block_size, num_kv_heads = k_cache.device, *k_cache.shape[1:3]
+    head_dim = head_dim_of(k_cache)
     gqa = num_heads // num_kv_heads
     cfg = default_config(head_dim, decode=False)
     block_q = max(cfg.block_m, triton.next_power_of_2(gqa)) // gqa

@@ -2,7 +2,8 @@
 
 Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V);
 token t goes to ``slot_mapping[t] = block_id * block_size + offset``. A negative slot means
-"skip this token" (the padding rows of a CUDA-graph batch).
+"skip this token" (the padding rows of a CUDA-graph batch). An 8-bit cache (fp8 e4m3 or int8)
+has rows of ``head_dim + 4``: the quantized values and their fp32 scale (kernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -11,12 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell import envs
+from lightwell.kernels.kv_quant import QMAX, SCALE_BYTES, head_dim_of, quant_mode, store_rows
+
 
 @triton.jit
 def _kv_store_kernel(
     k_ptr,  # [T, Hkv, D]
     v_ptr,  # [T, Hkv, D]
-    cache_ptr,  # [2, N, B, Hkv, D]
+    cache_ptr,  # [2, N, B, Hkv, D] (8-bit: D + 4)
     slot_ptr,  # [T] int64
     stride_kt,
     stride_kh,
@@ -31,6 +35,8 @@ def _kv_store_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # kv_quant.quant_mode of the cache dtype
+    INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -43,26 +49,21 @@ def _kv_store_kernel(
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
     src_k = k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
     src_v = v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
-    dst = (
-        cache_ptr
-        + blk * stride_c_blk
-        + off * stride_c_tok
-        + h[:, None] * stride_c_head
-        + d[None, :]
-    )
+    rows = cache_ptr + blk * stride_c_blk + off * stride_c_tok + h * stride_c_head  # [BLOCK_H]
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
-    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
+    store_rows(rows, d, mask, k, HEAD_DIM, KV_QUANT, INTERPRET)
+    store_rows(rows + stride_c_kv, d, mask, v, HEAD_DIM, KV_QUANT, INTERPRET)
 
 
 def kv_store(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D] (8-bit: D + 4)
     slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
 ) -> None:
-    """Write ``k``/``v`` into ``kv_cache`` in place (cast to the cache dtype)."""
+    """Write ``k``/``v`` into ``kv_cache`` in place (cast to the cache dtype; an fp8 or int8
+    cache gets each row quantized with its scale, as ``quant/kv_cache.py``'s ``quantize_kv``)."""
     check_store(k, v, kv_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -87,6 +88,8 @@ def kv_store(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_SIZE=kv_cache.shape[2],
+        KV_QUANT=quant_mode(kv_cache.dtype),
+        INTERPRET=envs.triton_interpret(),
         num_warps=4 if block_h * block_d >= 1024 else 1,
     )
 
@@ -94,14 +97,33 @@ def kv_store(
 def kv_store_ref(
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D] (8-bit: D + 4)
     slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    hkv, d = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, hkv, d)[slots] = k[keep].to(kv_cache.dtype)
-    kv_cache[1].view(-1, hkv, d)[slots] = v[keep].to(kv_cache.dtype)
+    hkv, width = kv_cache.shape[-2:]
+    raw = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache
+    for i, x in enumerate((k, v)):
+        raw[i].view(-1, hkv, width)[slots] = _raw(_quantize_ref(x[keep], kv_cache.dtype))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # (no fp8 indexing)
+
+
+def _quantize_ref(
+    x: torch.Tensor,  # [T, Hkv, D]
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [T, Hkv, D] or, 8-bit, [T, Hkv, D + 4] in dtype
+    if dtype not in QMAX:
+        return x.to(dtype)
+    qmax = QMAX[dtype]
+    amax = x.float().abs().amax(-1, keepdim=True)  # [T, Hkv, 1]
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+    y = (x.float() / scale).clamp(-qmax, qmax)
+    q = y.to(dtype) if dtype == torch.float8_e4m3fn else torch.round(y).to(dtype)
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(dtype)
 
 
 def check_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -109,8 +131,11 @@ def check_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: to
         raise ValueError(
             f"k and v must both be [T, Hkv, D]; got {tuple(k.shape)}, {tuple(v.shape)}"
         )
-    if cache.dim() != 5 or cache.shape[0] != 2 or tuple(cache.shape[3:]) != tuple(k.shape[1:]):
+    shape_ok = cache.dim() == 5 and cache.shape[0] == 2 and cache.shape[3] == k.shape[1]
+    if not shape_ok or head_dim_of(cache) != k.shape[2]:
         raise ValueError(f"kv_cache {tuple(cache.shape)} does not match k/v {tuple(k.shape)}")
+    if quant_mode(cache.dtype) and k.shape[2] % SCALE_BYTES:
+        raise ValueError(f"an 8-bit KV cache needs head_dim % 4 == 0, got {k.shape[2]}")
     if k.stride(2) != 1 or v.stride(2) != 1 or not cache.is_contiguous():
         raise ValueError("k/v need a contiguous last dim and kv_cache must be contiguous")
     if slots.shape != (k.shape[0],) or slots.dtype not in (torch.int32, torch.int64):

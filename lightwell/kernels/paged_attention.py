@@ -14,6 +14,11 @@ loaded, and tiles that start before the window of its last row are masked too. W
 ``SPLIT_KV`` (flash-decoding) the key range is cut into ``grid[2]`` chunks per request, each
 program writes a partial (max, sum, acc), and ``split_kv.reduce_splits`` combines them.
 
+An 8-bit cache (fp8 e4m3 or int8, ``KV_QUANT``; rows of D values and their fp32 scale,
+kernels/kv_quant.py) is read as is: the tiles are converted (exactly) to q's dtype for the same
+two products, each key's scale multiplies its scores, and each value's scale its probabilities
+(times ``_V_LIFT``, undone at the end, so 16-bit probabilities keep their range).
+
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);
 when every request fits in one tile (decode) the tile id is the request index.
@@ -27,7 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.attention_tiles import MAX_HEAD_DIM, AttentionConfig, default_config
+from lightwell.kernels.attention_tiles import (
+    MAX_HEAD_DIM,
+    AttentionConfig,
+    default_config,
+    load_tile,
+    locate_tile,
+)
+from lightwell.kernels.kv_quant import SCALE_BYTES, is_quantized, load_scales
 from lightwell.kernels.pdl import use_pdl
 from lightwell.kernels.split_kv import (
     MAX_SPLITS,
@@ -43,50 +55,7 @@ if TYPE_CHECKING:  # (the metadata's type only: kernels sit below attention/)
 _LOG2E = 1.4426950408889634
 # initial running max: finite, so fully masked rows never see inf - inf
 _NEG_BIG = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def _find_request(qsl_ptr, tile_id, num_reqs, BLOCK_Q: tl.constexpr):
-    """The last request i with ``qsl[i] // BLOCK_Q + i <= tile_id``."""
-    lo = tile_id * 0  # int32 tensors (an int argument equal to 1 is specialised to a constant)
-    hi = lo + num_reqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile_id:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo - 1
-
-
-@triton.jit
-def _locate_tile(
-    qsl_ptr, tile_id, tile_base, num_reqs, BLOCK_Q: tl.constexpr, ONE_TILE: tl.constexpr
-):
-    """(request, first query index) of program ``tile_id``."""
-    if ONE_TILE:
-        req = tile_id
-        t0 = tile_id * 0
-    else:
-        vid = tile_id + tile_base
-        req = _find_request(qsl_ptr, vid, num_reqs, BLOCK_Q)
-        first = tl.load(qsl_ptr + req) // BLOCK_Q + req
-        num_slots = tl.load(qsl_ptr + req + 1) // BLOCK_Q + req + 1 - first
-        t0 = (num_slots - 1 - (vid - first)) * BLOCK_Q  # last (longest) tiles launch first
-    return req, t0
-
-
-@triton.jit
-def _load_tile(ptrs, n_ok, d_ok, MASK_N: tl.constexpr, PAD_D: tl.constexpr):
-    if MASK_N and PAD_D:
-        x = tl.load(ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-    elif MASK_N:
-        x = tl.load(ptrs, mask=n_ok[:, None], other=0.0)
-    elif PAD_D:
-        x = tl.load(ptrs, mask=d_ok[None, :], other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return x
+_V_LIFT = tl.constexpr(256.0)  # 8-bit caches: probabilities x value scales x 2**8
 
 
 @triton.jit
@@ -115,6 +84,8 @@ def _attend_tile(
     SLIDING: tl.constexpr,
     PAD_D: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
@@ -124,8 +95,14 @@ def _attend_tile(
         blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
     in_blk = offs_n % BLOCK_SIZE
     k_off = blk * stride_k_blk + in_blk * stride_k_tok  # [BLOCK_N]
-    k = _load_tile(k_base + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if KV_QUANT:  # rows of D + 4 bytes (D % 4 == 0): tell the compiler, for 4-byte loads
+        k_off = tl.multiple_of(k_off, 4)
+    k = load_tile(k_base + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
+    if KV_QUANT:
+        k_scale = load_scales(k_base + k_off, n_ok, MASKED, HEAD_DIM) * qk_scale  # [BLOCK_N]
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * k_scale[None, :]
+    else:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
         visible = (offs_n[None, :] <= pos[:, None]) & n_ok[None, :]
         if SLIDING:
@@ -136,8 +113,15 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v_off = blk * stride_v_blk + in_blk * stride_v_tok
-    v = _load_tile(v_base + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    if KV_QUANT:
+        v_off = tl.multiple_of(v_off, 4)
+    v = load_tile(v_base + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
+    if KV_QUANT:
+        v_scale = load_scales(v_base + v_off, n_ok, MASKED, HEAD_DIM) * _V_LIFT  # [BLOCK_N]
+        pv = (p * v_scale[None, :]).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, l_i, m_new
 
 
@@ -147,7 +131,7 @@ def _attend_tile(
     do_not_specialize=["req_base", "num_reqs", "tok_base", "tile_base", "window", "stride_bt"]
 )
 def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, Hq, D], [N, B, Hkv, D] x2, [T, Hq, D]
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,  # [T, Hq, D], [N, B, Hkv, D(+4)] x2, [T, Hq, D]
     part_acc_ptr, part_m_ptr, part_l_ptr,  # split-KV partials (split_kv.SplitPartials)
     qsl_ptr, seq_lens_ptr, block_table_ptr,  # [R+1] int32, [R] int32, [R, max_blocks] int32
     req_base,  # this launch's first request: its rows of the three tables above
@@ -166,6 +150,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     ONE_TILE_PER_REQ: tl.constexpr, PAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL_SIGNAL: tl.constexpr,  # let a PDL-launched next kernel start now (kernels/pdl.py)
+    KV_QUANT: tl.constexpr,  # an 8-bit cache: rows of D values + an fp32 scale
 ):  # fmt: skip
     if PDL_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -177,9 +162,7 @@ def _paged_attention_kernel(
     qsl_ptr += req_base
     seq_lens_ptr += req_base
     block_table_ptr += req_base.to(tl.int64) * stride_bt
-    req, t0 = _locate_tile(
-        qsl_ptr, tl.program_id(0), tile_base, num_reqs, BLOCK_Q, ONE_TILE_PER_REQ
-    )
+    req, t0 = locate_tile(qsl_ptr, tl.program_id(0), tile_base, num_reqs, BLOCK_Q, ONE_TILE_PER_REQ)
     q_start = tl.load(qsl_ptr + req)
     q_len = tl.load(qsl_ptr + req + 1) - q_start
     if t0 >= q_len:
@@ -223,8 +206,12 @@ def _paged_attention_kernel(
     full_end = win_end + tl.maximum(tl.minimum(hi, ctx + t0 + 1) - win_end, 0) // BLOCK_N * BLOCK_N
 
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    k_base = k_cache_ptr + kvh * stride_k_head
-    v_base = v_cache_ptr + kvh * stride_v_head
+    if KV_QUANT:  # (4-byte aligned rows, as in _attend_tile)
+        k_base = k_cache_ptr + tl.multiple_of(kvh * stride_k_head, 4)
+        v_base = v_cache_ptr + tl.multiple_of(kvh * stride_v_head, 4)
+    else:
+        k_base = k_cache_ptr + kvh * stride_k_head
+        v_base = v_cache_ptr + kvh * stride_v_head
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
@@ -233,21 +220,23 @@ def _paged_attention_kernel(
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
                 stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
-                window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC,
+                window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
             )  # fmt: skip
     for start_n in range(win_end, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
-            window, BLOCK_SIZE, BLOCK_N, False, SLIDING, PAD_D, DOT_PREC,
+            window, BLOCK_SIZE, BLOCK_N, False, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
         )  # fmt: skip
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
-            window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC,
+            window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
         )  # fmt: skip
 
+    if KV_QUANT:
+        acc = acc * (1.0 / _V_LIFT)
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     if not SPLIT_KV:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -273,11 +262,12 @@ def paged_attention(
     (with ``sliding_window`` W: query position p over keys ``p - W < j <= p``).
 
     ``kv_cache`` is one ``[2, N, B, Hkv, D]`` tensor or a ``(k_cache, v_cache)`` pair of
-    ``[N, B, Hkv, D]`` views. ``num_splits``: None picks split-KV automatically for decode
-    batches, 1 forces it off, > 1 forces that many splits (any batch). ``config`` overrides the
-    tile shape (tests, tuning). When the first ``num_decodes`` requests are exactly the decodes,
-    they get their own decode-shaped launch. Tokens not covered by ``query_start_loc`` are left
-    unwritten (split path: zeroed)."""
+    ``[N, B, Hkv, D]`` views, in q's dtype, or 8-bit (fp8 e4m3 / int8) with rows of D + 4.
+    ``num_splits``: None picks split-KV automatically for decode batches, 1 forces it off, > 1
+    forces that many splits (any batch). ``config`` overrides the tile shape (tests, tuning).
+    When the first ``num_decodes`` requests are exactly the decodes, they get their own
+    decode-shaped launch. Tokens not covered by ``query_start_loc`` are left unwritten (split
+    path: zeroed)."""
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
     _check(q, k_cache, v_cache, meta, out)
     if sliding_window is not None and sliding_window < 1:
@@ -315,7 +305,7 @@ def _launch(
     num_kv_heads = k_cache.shape[2]
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
-    cfg = config or default_config(head_dim, decode)
+    cfg = config or default_config(head_dim, decode, is_quantized(k_cache.dtype))
     block_m = max(cfg.block_m, triton.next_power_of_2(gqa))
     block_q = 1 if decode else block_m // gqa
     tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
@@ -345,7 +335,7 @@ def _launch(
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SPLIT_KV=num_splits > 1,
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
-        PDL_SIGNAL=decode and use_pdl(q.device),
+        PDL_SIGNAL=decode and use_pdl(q.device), KV_QUANT=is_quantized(k_cache.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
@@ -403,14 +393,18 @@ def _check(
             f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
     num_heads, head_dim = q.shape[1:]
-    if k_cache.shape[3] != head_dim or num_heads % k_cache.shape[2]:
+    quant = is_quantized(k_cache.dtype)
+    row = head_dim + SCALE_BYTES if quant else head_dim
+    if k_cache.shape[3] != row or num_heads % k_cache.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} does not fit the cache {tuple(k_cache.shape)}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} > {MAX_HEAD_DIM} is not supported")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q and the K/V caches need a contiguous last dim")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+    if (k_cache.dtype != q.dtype and not quant) or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
+    if quant and (head_dim % SCALE_BYTES or k_cache.stride(2) % SCALE_BYTES):
+        raise ValueError("an 8-bit cache needs head_dim % 4 == 0 (4-byte aligned scales)")
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"{q.shape[0]} tokens given, metadata describes {meta.num_tokens}")
     if meta.block_table.stride(1) != 1 or meta.query_start_loc.dtype != torch.int32:

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell import envs
+from lightwell.kernels.kv_quant import quant_mode, store_rows
 from lightwell.kernels.kv_store import check_store
 
 
@@ -48,7 +50,7 @@ def _rotary_kernel(
     k_ptr,  # [T, Hkv * D]
     cache_ptr,  # [max_pos, ROT_DIM] fp32: cos | sin
     v_ptr,  # [T, Hkv * D] (STORE_KV)
-    kvc_ptr,  # [2, N, BLOCK_SIZE, Hkv, D] the layer's KV cache (STORE_KV)
+    kvc_ptr,  # [2, N, BLOCK_SIZE, Hkv, ROW] the layer's KV cache (STORE_KV)
     slot_ptr,  # [T] int; < 0: not stored (STORE_KV)
     stride_q,
     stride_k,
@@ -67,6 +69,9 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ROW: tl.constexpr,  # a cache row: HEAD_DIM, or HEAD_DIM + 4 in an 8-bit cache
+    KV_QUANT: tl.constexpr,  # kv_quant.quant_mode of the cache dtype
+    INTERPRET: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
@@ -95,14 +100,19 @@ def _rotary_kernel(
             src = h[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_HK, BLOCK_D]
             key = tl.load(k_ptr + row * stride_k + src, mask=mask)
             val = tl.load(v_ptr + row * stride_v + src, mask=mask)
-            dst = (
+            tok = (
                 kvc_ptr
                 + (slot // BLOCK_SIZE) * stride_c_blk
-                + (slot % BLOCK_SIZE) * (NUM_KV_HEADS * HEAD_DIM)
-                + src
+                + (slot % BLOCK_SIZE) * (NUM_KV_HEADS * ROW)
             )
-            tl.store(dst, key.to(kvc_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + stride_c_kv, val.to(kvc_ptr.dtype.element_ty), mask=mask)
+            if KV_QUANT == 0:
+                dst = tok + src
+                tl.store(dst, key.to(kvc_ptr.dtype.element_ty), mask=mask)
+                tl.store(dst + stride_c_kv, val.to(kvc_ptr.dtype.element_ty), mask=mask)
+            else:  # 8-bit rows of ROW = HEAD_DIM + 4: values and their scale
+                rows = tok + h * ROW  # [BLOCK_HK]
+                store_rows(rows, d, mask, key, HEAD_DIM, KV_QUANT, INTERPRET)
+                store_rows(rows + stride_c_kv, d, mask, val, HEAD_DIM, KV_QUANT, INTERPRET)
 
 
 def rotary_embedding(
@@ -114,7 +124,7 @@ def rotary_embedding(
     is_neox_style: bool = True,
     *,
     v: torch.Tensor | None = None,  # [T, Hkv * D]
-    kv_cache: torch.Tensor | None = None,  # [2, N, B, Hkv, D]
+    kv_cache: torch.Tensor | None = None,  # [2, N, B, Hkv, D] (8-bit: D + 4)
     slot_mapping: torch.Tensor | None = None,  # [T] int; < 0 = skip
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (q, k), the same tensors
     """Rotate q and k in place at ``positions``; returns them for chaining. With ``kv_cache``
@@ -148,6 +158,8 @@ def rotary_embedding(
         IS_NEOX=is_neox_style, STORE_KV=store,
         BLOCK_SIZE=kv_cache.shape[2] if store else 1,
         BLOCK_D=triton.next_power_of_2(head_dim),
+        ROW=kv_cache.shape[-1] if store else head_dim,
+        KV_QUANT=quant_mode(kv_cache.dtype) if store else 0, INTERPRET=envs.triton_interpret(),
         num_warps=4 if block_hq * half_pad >= 2048 else 1,
     )  # fmt: skip
     return q, k

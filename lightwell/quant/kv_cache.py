@@ -6,8 +6,10 @@
   the last four the fp32 scale's bytes, so the cache stays one tensor [2, N, B, Hkv, D + 4]
   (bf16 holds 2D bytes: 1.88x the tokens at D = 64, 1.94x at D = 128).
 
-The torch (CPU) attention backend reads and writes every dtype; the Triton backend does not
-(yet): the model runner refuses the combination.
+Both attention backends read and write every dtype: the torch one (CPU) through
+``quantize_kv`` / ``dequantize_kv`` below, the Triton one (GPU) in its kernels
+(``kernels/kv_quant.py``: the store quantizes bit for bit as ``quantize_kv``; attention loads
+the 8-bit tiles and their scales). Latent (MLA) caches stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def quantize_kv(
         return x.to(dtype)
     qmax = FP8_MAX if dtype == FP8 else 127.0
     amax = x.float().abs().amax(-1, keepdim=True)  # [T, Hkv, 1]
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    # a tensor divisor: IEEE division on CUDA too (as the Triton store's div_rn)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
     y = (x.float() / scale).clamp(-qmax, qmax)
     q = y.to(FP8) if dtype == FP8 else torch.round(y).to(torch.int8)
     rows = torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)

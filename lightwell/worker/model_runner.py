@@ -84,11 +84,6 @@ class ModelRunner:
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
         backend = get_attention_backend(name)
-        if self.kv_dtype != self.dtype and backend.name != "torch":
-            raise ValueError(
-                f"kv_cache_dtype {self.kv_cache_dtype} runs on the torch attention backend only "
-                f"(attention_backend {backend.name} was chosen)"
-            )
         for layer in self.attn_layers:
             layer.backend = backend
 

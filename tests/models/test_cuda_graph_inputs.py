@@ -39,6 +39,7 @@ def _tiny_runner(
     seed: int,
     dual_min_tokens: int = 0,
     micro_batches: int = 2,
+    kv_cache_dtype: str = "auto",
 ) -> ModelRunner:
     """``dual_min_tokens``: run steps of at least that many tokens as ``micro_batches``
     micro-batches (the dual-stream split, in order on CPU), in the graphs and eagerly."""
@@ -46,7 +47,7 @@ def _tiny_runner(
     model = load_model(None, cfg, torch.float32, "cpu", load_format="dummy")
     randomize(model, seed=seed)
     r = ModelRunner(model, block_size=BLOCK, vocab_size=cfg.vocab_size, device=torch.device("cpu"),
-                    dtype=torch.float32)  # fmt: skip
+                    dtype=torch.float32, kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     r.set_attention_backend("triton")
     r.init_kv_cache(96)
     if dual_min_tokens:
@@ -221,3 +222,24 @@ def test_profile_run_wraps_positions_at_the_model_length():
     with pytest.raises(IndexError):  # the unwrapped positions overrun the table
         model.model.layers[0].self_attn.rotary_emb._cos_sin(torch.arange(steps))
     r.profile_run(steps, cfg.max_position_embeddings)
+
+
+def test_padded_replays_on_an_fp8_cache():
+    """The graphs' padding (slot -1 rows not stored, padding requests reading block 0) on an
+    8-bit cache: a mixed and a decode replay equal the eager forward."""
+    r = _tiny_runner(max_model_len=32, prefill_tokens=16, seed=6, kv_cache_dtype="fp8")
+    assert r.kv_caches[0].dtype == torch.float8_e4m3fn
+    rng, blocks = random.Random(2), Blocks()
+    sp = SamplingParams(max_tokens=4)
+    new = [
+        NewRequestData(
+            f"r{i}", [rng.randrange(300) for _ in range(5)], 5, sp, blocks.grow(f"r{i}", 5), 0
+        )  # fmt: skip
+        for i in range(3)
+    ]
+    _check_step(r, SchedulerOutput(new, [], {f"r{i}": 5 for i in range(3)}, 15), "mixed")
+    cont = [
+        CachedRequestData(f"r{i}", [rng.randrange(300)], blocks.grow(f"r{i}", 6), 5)
+        for i in range(3)
+    ]
+    _check_step(r, SchedulerOutput([], cont, {f"r{i}": 1 for i in range(3)}, 3), "decode")

@@ -65,7 +65,7 @@ def test_quantized_kv_cache_logits_within_bound(pair, kv):
     assert max(errs) > 0  # the cache is really quantized
 
 
-def test_kv_cache_dtype_sizes_the_cache_and_needs_the_torch_backend(pair):
+def test_kv_cache_dtype_sizes_the_cache_on_either_backend(pair):
     from lightwell.worker.model_runner import ModelRunner
 
     _, ours = pair
@@ -73,5 +73,51 @@ def test_kv_cache_dtype_sizes_the_cache_and_needs_the_torch_backend(pair):
     sizes = {kv: ModelRunner(ours, kv_cache_dtype=kv, **kw).kv_bytes_per_block() for kv in BOUND}
     auto = ModelRunner(ours, **kw).kv_bytes_per_block()
     assert sizes["fp8"] == sizes["int8"] == auto * 20 // 32  # head_dim 16: 16 + 4 bytes vs 32
-    with pytest.raises(ValueError, match="kv_cache_dtype int8 runs on the torch attention"):
-        ModelRunner(ours, kv_cache_dtype="int8", **kw).set_attention_backend("triton")
+    runner = ModelRunner(ours, kv_cache_dtype="int8", **kw)
+    runner.set_attention_backend("triton")  # the Triton kernels read and write 8-bit caches
+    assert all(a.backend.name == "triton" for a in runner.attn_layers)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    hf = hf_tiny_model(tiny_config("base", max_position_embeddings=256), seed=6)
+    return save_hf(hf, str(tmp_path_factory.mktemp("kv_engine")))
+
+
+def _engine_run(folder: str, backend: str, kv: str) -> list:
+    """Greedy generations through the engine: a prompt, then two sharing its first 8 tokens
+    (prefix-cache hits on 4-token blocks); an 8-token budget chunks every prompt."""
+    from lightwell import LLM
+    from lightwell.types import SamplingParams
+
+    gen = torch.Generator().manual_seed(2)
+    shared = torch.randint(0, 300, (8,), generator=gen).tolist()
+    prompts = [shared + torch.randint(0, 300, (n,), generator=gen).tolist() for n in (5, 2, 6)]
+    llm = LLM(folder, skip_tokenizer_init=True, device="cpu", dtype="float32", block_size=4,
+              num_kv_blocks=48, max_num_batched_tokens=8, attention_backend=backend,
+              kv_cache_dtype=kv)  # fmt: skip
+    sp = SamplingParams(max_tokens=3, temperature=0.0, logprobs=0)
+    try:
+        outs = llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)
+        outs += llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    assert [o.num_cached_tokens for o in outs[1:]] == [8, 8]
+    return outs
+
+
+# max |logprob| difference of the sampled tokens, Triton vs torch backend on the same 8-bit
+# cache (both attend over the dequantized cache, fresh prompts included: fp32 rounding only)
+ENGINE_BOUND = 1e-4
+
+
+def test_triton_backend_on_an_fp8_cache_generates_as_the_torch_backend(folder):
+    triton_outs = _engine_run(folder, "triton", "fp8")
+    torch_outs = _engine_run(folder, "torch", "fp8")
+    diffs = []
+    for a, b in zip(triton_outs, torch_outs):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert list(ca.token_ids) == list(cb.token_ids)
+        for la, lb, t in zip(ca.logprobs, cb.logprobs, ca.token_ids):
+            diffs.append(abs(la[t].logprob - lb[t].logprob))
+    assert max(diffs) < ENGINE_BOUND, diffs

@@ -1,0 +1,160 @@
+"""8-bit KV caches (fp8 e4m3, int8) on the Triton path, under TRITON_INTERPRET=1 on CPU: the
+store (alone and fused with RoPE) writes the bytes ``quantize_kv`` writes; paged attention over
+the 8-bit cache equals ``paged_attention_ref`` over the dequantized cache; the Triton backend
+equals the torch backend on the same 8-bit cache (outputs and cache bytes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightwell.attention.torch_backend import TorchAttentionBackend, write_kv_cache
+from lightwell.attention.triton_backend import TritonAttentionBackend, compile_variants
+from lightwell.kernels import kv_store as ks
+from lightwell.kernels import paged_attention as pa
+from lightwell.kernels import rotary as rot
+from lightwell.kernels.kv_quant import QMAX
+from lightwell.quant.kv_cache import FP8_MAX, dequantize_kv, quantize_kv
+from tests.kernels.test_triton_kernels import DEVICE, _paged_batch, _randn
+
+FP8 = torch.float8_e4m3fn
+KV_DTYPES = {"fp8": FP8, "int8": torch.int8}
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == FP8 else t
+
+
+def _empty_cache(nblocks: int, bs: int, hkv: int, d: int, kv_dtype: torch.dtype) -> torch.Tensor:
+    """All bytes 0x7f: fp8 NaN codes and NaN-ish scales where nothing was written."""
+    raw = torch.full((2, nblocks, bs, hkv, d + 4), 0x7F, dtype=torch.uint8, device=DEVICE)
+    return raw.view(kv_dtype) if kv_dtype == FP8 else raw.view(torch.int8)
+
+
+def test_kernel_constants_are_the_layouts():
+    assert QMAX == {FP8: FP8_MAX, torch.int8: 127.0}
+
+
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+@pytest.mark.parametrize("dt", list(DTYPES))
+def test_kv_store_writes_the_bytes_of_quantize_kv(kv, dt):
+    kv_dtype, dtype = KV_DTYPES[kv], DTYPES[dt]
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, hkv, d, bs, nblocks = 9, 3, 32, 4, 6
+    kvx = _randn(num_tokens, 2 * hkv + 1, d, dtype=dtype, gen=gen)  # strided views, as from qkv
+    kvx *= torch.tensor([1e-3, 1.0, 30.0, 1.0, 5.0, 0.1, 1.0]).to(kvx)[None, :, None]
+    k, v = kvx[:, :hkv], kvx[:, hkv : 2 * hkv]
+    k[4, 1] = 0  # an all-zero row: scale 1, zeros
+    slots = torch.randperm(nblocks * bs, generator=gen)[:num_tokens].to(DEVICE)
+    slots[2] = -1  # padding token: skipped
+    cache = _empty_cache(nblocks, bs, hkv, d, kv_dtype)
+    ref, torch_ref = cache.clone(), cache.clone()
+    ks.kv_store(k, v, cache, slots)
+    ks.kv_store_ref(k, v, ref, slots)
+    keep = slots >= 0
+    write_kv_cache(torch_ref, k[keep], v[keep], slots[keep])  # the torch backend's store
+    assert torch.equal(_bytes(cache), _bytes(ref))
+    assert torch.equal(_bytes(cache), _bytes(torch_ref))
+    rows = cache[0].view(-1, hkv, d + 4)[slots[keep]]
+    assert torch.equal(_bytes(rows), _bytes(quantize_kv(k[keep], kv_dtype)))
+    err = (dequantize_kv(rows, torch.float32) - k[keep].float()).abs().amax(-1)
+    assert (err <= k[keep].float().abs().amax(-1) / (16 if kv == "fp8" else 254) + 1e-7).all()
+
+
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+def test_rotary_store_writes_the_rotated_keys_quantized(kv):
+    kv_dtype = KV_DTYPES[kv]
+    gen = torch.Generator().manual_seed(4)
+    num_tokens, hq, hkv, d, bs, nblocks = 7, 4, 2, 32, 4, 5
+    qkv = _randn(num_tokens, (hq + 2 * hkv) * d, dtype=torch.float16, gen=gen)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    cos_sin = torch.rand(64, d, generator=gen).to(DEVICE) * 2 - 1
+    pos = torch.randint(0, 64, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(nblocks * bs, generator=gen)[:num_tokens].to(DEVICE)
+    slots[3] = -1
+    cache = _empty_cache(nblocks, bs, hkv, d, kv_dtype)
+    expected = cache.clone()
+    rot.rotary_embedding(pos, q, k, cos_sin, d, True, v=v, kv_cache=cache, slot_mapping=slots)
+    ks.kv_store_ref(k.view(-1, hkv, d), v.reshape(-1, hkv, d), expected, slots)
+    assert torch.equal(_bytes(cache), _bytes(expected))
+
+
+# (query lens, cached lens, Hkv, G, D, num_splits, tiles, sliding window)
+QUANT_CASES = {
+    "decode_split3": ([1, 1, 0, 1], [3, 40, 95, 17], 2, 2, 32, 3, (16, 16), None),
+    "mixed_prefix_gqa4_split2": ([1, 1, 20, 5], [10, 33, 17, 0], 1, 4, 32, 2, (32, 16), None),
+    "prefill_ragged_tiles": ([37, 0, 9], [0, 4, 0], 2, 1, 32, None, (16, 16), None),
+    "prefix_default_tiles_w20": ([19, 1, 6], [21, 30, 0], 2, 2, 64, None, None, 20),
+}
+
+
+@pytest.mark.parametrize(
+    "case,dt,kv",
+    [
+        ("decode_split3", "fp16", "fp8"),
+        ("decode_split3", "fp32", "int8"),
+        ("mixed_prefix_gqa4_split2", "fp32", "fp8"),
+        ("mixed_prefix_gqa4_split2", "fp16", "int8"),
+        ("prefill_ragged_tiles", "fp16", "fp8"),
+        ("prefix_default_tiles_w20", "fp32", "int8"),
+    ],
+)
+def test_paged_attention_over_an_8bit_cache(case, dt, kv):
+    """Against the fp32 reference on the dequantized cache; key magnitudes vary by token (so
+    the per-token scales matter) and the 16-bit case keeps small probabilities apart."""
+    qlens, ctxs, hkv, gqa, d, splits, tiles, window = QUANT_CASES[case]
+    dtype, kv_dtype = DTYPES[dt], KV_DTYPES[kv]
+    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=3)
+    gen = torch.Generator().manual_seed(5)
+    cache *= torch.rand(cache.shape[:3], generator=gen).to(DEVICE)[..., None, None] * 4 + 0.05
+    quant = quantize_kv(cache.flatten(0, 1), kv_dtype).unflatten(0, (2, -1))
+    q = (q * 2).to(dtype)
+    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
+    out = pa.paged_attention(
+        q, quant, meta, d**-0.5, num_splits=splits, config=config, sliding_window=window
+    )
+    ref = pa.paged_attention_ref(
+        q.float(), dequantize_kv(quant, torch.float32), meta, d**-0.5, sliding_window=window
+    )
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3}[dtype]
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+    exact = pa.paged_attention_ref(q.float(), cache, meta, d**-0.5, sliding_window=window)
+    assert (ref - exact).abs().max() > 10 * tol  # the 8-bit cache does differ from the exact
+
+
+@pytest.mark.parametrize("kv", list(KV_DTYPES))
+def test_triton_backend_matches_torch_backend_on_an_8bit_cache(kv):
+    """A decode and two prompt chunks after cached tokens: both backends read every key from
+    the cache. (A fresh prompt differs: the torch backend attends over its exact k/v, the Triton
+    kernel reads the keys it just stored, quantized.)"""
+    kv_dtype = KV_DTYPES[kv]
+    qlens, ctxs, hkv, d = [1, 7, 4], [20, 9, 3], 2, 32
+    q, cache, meta = _paged_batch(qlens, ctxs, hkv, 2, d, torch.float32, seed=5)
+    cache = quantize_kv(cache.flatten(0, 1), kv_dtype).unflatten(0, (2, -1))
+    gen = torch.Generator().manual_seed(6)
+    k = _randn(q.shape[0], hkv, d, dtype=torch.float32, gen=gen)
+    v = _randn(q.shape[0], hkv, d, dtype=torch.float32, gen=gen)
+    slots = [
+        int(meta.block_table[i, p // 16]) * 16 + p % 16
+        for i, (n, c) in enumerate(zip(qlens, ctxs))
+        for p in range(c, c + n)
+    ]
+    meta.slot_mapping = torch.tensor(slots, dtype=torch.int64, device=DEVICE)
+    c1, c2 = cache.clone(), cache.clone()
+    out = TritonAttentionBackend().forward(q, k, v, c1, meta, 0.25)
+    ref = TorchAttentionBackend().forward(q, k, v, c2, meta, 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(_bytes(c1), _bytes(c2))
+
+
+def test_compile_variants_reads_an_8bit_cache():
+    cache = _empty_cache(3, 16, 2, 32, FP8)
+    cache.view(torch.uint8).zero_()
+    assert compile_variants(4, cache, 0.2, torch.float16) == 4
+
+
+def test_8bit_cache_refuses_a_head_dim_without_aligned_scales():
+    q, _, meta = _paged_batch([1], [3], 1, 1, 24, torch.float32)
+    with pytest.raises(ValueError, match="head_dim % 4"):
+        pa.paged_attention(q[..., :22].contiguous(), _empty_cache(2, 16, 1, 22, FP8), meta, 1.0)
