@@ -22,12 +22,13 @@ class AttentionConfig:
 MAX_HEAD_DIM = 256
 
 
-def default_config(head_dim: int, decode: bool, kv_quant: bool = False) -> AttentionConfig:
+def default_config(head_dim: int, decode: bool) -> AttentionConfig:
     """Tile shape for decode (query_len 1: 16 rows hold the query heads of one group) or for
-    prefill (128 rows), sized for Hopper's shared memory. Decode over an 8-bit cache
-    (``kv_quant``) takes 8 warps: with 4, sm_90 needs over 255 registers a thread and spills."""
+    prefill (128 rows), sized for Hopper's shared memory. Decode over an 8-bit cache takes the
+    same tile: the fastest at batch 64 in the H200 sweep (benchmarks/kernels/kv_quant.py),
+    though sm_90 spills registers with it (8 warps do not spill and run slower)."""
     if decode:
-        return AttentionConfig(16, 64 if head_dim <= 128 else 32, 8 if kv_quant else 4, 3)
+        return AttentionConfig(16, 64 if head_dim <= 128 else 32, 4, 3)
     if head_dim <= 128:
         return AttentionConfig(128, 64, 8, 3)
     return AttentionConfig(64, 32, 4, 2)

@@ -305,7 +305,7 @@ def _launch(
     num_kv_heads = k_cache.shape[2]
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
-    cfg = config or default_config(head_dim, decode, is_quantized(k_cache.dtype))
+    cfg = config or default_config(head_dim, decode)
     block_m = max(cfg.block_m, triton.next_power_of_2(gqa))
     block_q = 1 if decode else block_m // gqa
     tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
