@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import os
 from typing import Any
 
@@ -126,11 +128,23 @@ def _load_hf_tokenizer(files: ModelFiles) -> Any:
 
     try:
         if files.kind == "gguf":
-            return AutoTokenizer.from_pretrained(
-                files.folder, gguf_file=os.path.basename(files.path), local_files_only=True
+            st = os.stat(files.path)
+            # each engine gets its own copy: a fast tokenizer is not safe to share across threads
+            return copy.deepcopy(
+                _gguf_tokenizer(os.path.abspath(files.path), st.st_mtime_ns, st.st_size)
             )
         if files.kind == "hf":
             return AutoTokenizer.from_pretrained(files.path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {files.path!r}: {e}") from e
     raise ValueError(f"unknown model files kind {files.kind!r} (expected 'hf' or 'gguf')")
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
+    """The tokenizer of a GGUF file, built once per process: transformers parses the whole file
+    and converts its vocabulary (seconds), where a copy takes a fraction of that."""
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(path)
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)

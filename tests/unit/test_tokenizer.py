@@ -92,3 +92,16 @@ def test_load_errors_are_clear(tmp_path):
         Tokenizer.load(files, tokenizer_path=str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="could not load a tokenizer"):
         Tokenizer.load(ModelFiles("hf", str(tmp_path), "empty"))
+
+
+def test_loading_the_gguf_again_gives_an_equal_copy(tok):
+    """The second load in a process copies the first (no re-parse): same behaviour, own object."""
+    again = Tokenizer.load(resolve_model(None))
+    assert again.hf is not tok.hf and again.backend is not tok.backend
+    assert again.vocab_size == tok.vocab_size and again.all_special_ids == tok.all_special_ids
+    assert (again.eos_token_id, again.bos_token_id) == (tok.eos_token_id, tok.bos_token_id)
+    for text in TEXTS:
+        assert again.encode(text) == tok.encode(text)
+    chat = [{"role": "user", "content": TEXTS[3]}]
+    assert again.apply_chat_template(chat) == tok.apply_chat_template(chat)
+    assert again.render_chat_template(chat) == tok.render_chat_template(chat)
