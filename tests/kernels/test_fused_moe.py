@@ -4,25 +4,12 @@ tiles, one token, experts without tokens, and ids of another rank's experts (ski
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels.fused_moe import align_by_expert, fused_moe, fused_moe_ref  # noqa: E402
-from lightwell.layers.moe import moe_loop  # noqa: E402
+from lightwell.kernels.fused_moe import align_by_expert, fused_moe, fused_moe_ref
+from lightwell.layers.moe import moe_loop
+from tests.kernels.interpreter import DEVICE
 
 # fp32 on CUDA: tl.dot's default TF32 inputs
 TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 2e-2}

@@ -5,26 +5,14 @@ TRITON_INTERPRET=1 (tiny sizes), compiled on CUDA."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
 from lightwell.kernels import gguf_dequant as gd  # noqa: E402
+from tests.kernels.interpreter import DEVICE  # noqa: E402
 
 # where each type keeps its fp16 scales (d, and m / dmin where it has one)
 SCALES = {gd.Q4_0: (0,), gd.Q4_1: (0, 2), gd.Q8_0: (0,), gd.Q4_K: (0, 2), gd.Q5_K: (0, 2),

@@ -5,24 +5,11 @@ end; 8 splits of 16-key tiles), a poisoned cache outside the requests' blocks.""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref  # noqa: E402
+from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref
+from tests.kernels.interpreter import DEVICE
 
 # (these build the model on the CPU and force the kernel path: the Triton interpreter's)
 CPU_MODEL = pytest.mark.skipif(DEVICE == "cuda", reason="a CPU model through the interpreter")

@@ -5,26 +5,13 @@ counts of one and of two tiles. CPU under TRITON_INTERPRET=1 (fp32), compiled on
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels.mla_prepare import absorb_output, absorb_query, latent_entry  # noqa: E402
-from lightwell.layers.norm import RMSNorm  # noqa: E402
-from lightwell.layers.rotary import RotaryEmbedding  # noqa: E402
+from lightwell.kernels.mla_prepare import absorb_output, absorb_query, latent_entry
+from lightwell.layers.norm import RMSNorm
+from lightwell.layers.rotary import RotaryEmbedding
+from tests.kernels.interpreter import DEVICE
 
 LATENT, ROPE, NOPE, VDIM, HEADS = 32, 8, 16, 24, 3
 TOL = 1e-5 if DEVICE == "cpu" else 2e-2

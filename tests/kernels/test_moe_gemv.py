@@ -5,25 +5,12 @@ ids of other ranks' experts (skipped), and fused_moe's routing to this path."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
-from lightwell.kernels.moe_gemv import moe_gemv, use_gemv  # noqa: E402
+from lightwell.kernels.fused_moe import fused_moe, fused_moe_ref
+from lightwell.kernels.moe_gemv import moe_gemv, use_gemv
+from tests.kernels.interpreter import DEVICE
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
 FP16 = torch.float16

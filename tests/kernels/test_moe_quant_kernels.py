@@ -6,24 +6,11 @@ tokens, and another rank's expert ids (skipped)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels.fused_moe import fused_moe, fused_moe_ref  # noqa: E402
+from lightwell.kernels.fused_moe import fused_moe, fused_moe_ref
+from tests.kernels.interpreter import DEVICE
 
 TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 2e-2}
 BLOCK = (16, 16)

@@ -7,25 +7,12 @@ renormalisation, DeepSeek-V2 greedy and group-limited, V3 ``noaux_tc`` with corr
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels.moe_router import moe_router  # noqa: E402
-from lightwell.layers.moe import RouterConfig, select_experts, select_experts_ref  # noqa: E402
+from lightwell.kernels.moe_router import moe_router
+from lightwell.layers.moe import RouterConfig, select_experts, select_experts_ref
+from tests.kernels.interpreter import DEVICE
 
 FP16, FP32 = torch.float16, torch.float32
 V2 = RouterConfig(6, False, "softmax", 8, 3, "max", 16.0)  # DeepSeek-V2: group_limited_greedy

@@ -3,25 +3,12 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels import w4a16  # noqa: E402
-from lightwell.quant.utils import pack_int32  # noqa: E402
+from lightwell.kernels import w4a16
+from lightwell.quant.utils import pack_int32
+from tests.kernels.interpreter import DEVICE
 
 TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
 

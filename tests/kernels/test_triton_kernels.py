@@ -13,33 +13,19 @@ import random
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported (or reloaded)
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):  # triton was imported before the env var
-        pytest.skip(
-            "triton was imported without TRITON_INTERPRET=1; run with TRITON_INTERPRET=1 set",
-            allow_module_level=True,
-        )
-
-from lightwell.attention import triton_backend as tb  # noqa: E402
-from lightwell.attention.backend import get_attention_backend  # noqa: E402
-from lightwell.attention.metadata import AttentionMetadata, forward_context  # noqa: E402
-from lightwell.attention.torch_backend import TorchAttentionBackend  # noqa: E402
-from lightwell.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from lightwell.kernels import activation as act  # noqa: E402
-from lightwell.kernels import int8_pack as i8  # noqa: E402
-from lightwell.kernels import kv_store as ks  # noqa: E402
-from lightwell.kernels import paged_attention as pa  # noqa: E402
-from lightwell.kernels import rmsnorm as rn  # noqa: E402
-from lightwell.kernels import rotary as rot  # noqa: E402
-from lightwell.kernels import split_kv as sk  # noqa: E402
+from lightwell.attention import triton_backend as tb
+from lightwell.attention.backend import get_attention_backend
+from lightwell.attention.metadata import AttentionMetadata, forward_context
+from lightwell.attention.torch_backend import TorchAttentionBackend
+from lightwell.attention.triton_backend import TritonAttentionBackend
+from lightwell.kernels import activation as act
+from lightwell.kernels import int8_pack as i8
+from lightwell.kernels import kv_store as ks
+from lightwell.kernels import paged_attention as pa
+from lightwell.kernels import rmsnorm as rn
+from lightwell.kernels import rotary as rot
+from lightwell.kernels import split_kv as sk
+from tests.kernels.interpreter import DEVICE
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
 ATTN_TOL = {torch.float32: 1e-4, torch.float16: 4e-3}

@@ -4,26 +4,13 @@ torch paths of quant/fp8.py and quant/int8.py: bit-identical. On CPU under TRITO
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
-pytest.importorskip("triton")
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-if DEVICE == "cpu":
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if not isinstance(tl.sum, InterpretedFunction):
-        pytest.skip("triton was imported without TRITON_INTERPRET=1", allow_module_level=True)
-
-from lightwell.kernels.act_quant import act_quant, act_quant_ref  # noqa: E402
-from lightwell.kernels.int8_gemm import Int8GemmConfig, int8_gemm, int8_gemm_ref  # noqa: E402
-from lightwell.quant import fp8, int8  # noqa: E402
+from lightwell.kernels.act_quant import act_quant, act_quant_ref
+from lightwell.kernels.int8_gemm import Int8GemmConfig, int8_gemm, int8_gemm_ref
+from lightwell.quant import fp8, int8
+from tests.kernels.interpreter import DEVICE
 
 FP8 = torch.float8_e4m3fn
 
