@@ -70,6 +70,8 @@ def load_model(
     method = _quant_method(hf_config, quantization, fmt, device)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config, method) if method is not None else cls(hf_config)
+    # a method that also swaps the embedding and LM head: True when they take blocks
+    raw = bool(method.prepare_model(model)) if hasattr(method, "prepare_model") else False
     if fmt == "dummy":
         from lightwell.models.dummy import init_dummy_weights
 
@@ -78,7 +80,7 @@ def load_model(
             _sync(device)
             st.summary = f"initialised random weights on {device}"
     else:
-        checkpoint = _open_checkpoint(files, fmt, hf_config, method)
+        checkpoint = _open_checkpoint(files, fmt, hf_config, method, raw)
         _load_checkpoint(model, checkpoint, files.path, method, device)
     _process_after_loading(model, method, device)
     return model.eval()
@@ -121,13 +123,16 @@ def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.dev
     return get_quant_method(hf_config, quantization)
 
 
-def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any, method: Any = None) -> Any:
-    """A sized iterable of ``(source, hf_name, tensor)``."""
+def _open_checkpoint(
+    files: ModelFiles, fmt: str, hf_config: Any, method: Any = None, raw: bool = False
+) -> Any:
+    """A sized iterable of ``(source, hf_name, tensor)``; ``raw``: a GGUF file's token
+    embedding and LM head as their blocks where the CPU kernels take their type."""
     if fmt == "gguf":
         from lightwell.models.gguf_loader import GGUFCheckpoint
 
         keep = type(method).__name__ == "GGUFLinearMethod"
-        return GGUFCheckpoint(files.path, hf_config, keep_quantized=keep)
+        return GGUFCheckpoint(files.path, hf_config, keep_quantized=keep, raw_embeddings=raw)
     if files.remote is not None:
         from lightwell.models.remote_model import S3Checkpoint
 
