@@ -96,6 +96,11 @@ def gguf_tensor_to_torch(tensor: Any, path: str = "") -> torch.Tensor:
 _LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 
 
+def _read(tensor: Any) -> np.ndarray:
+    """A tensor's data in memory of its own (read, not mapped: no file pages stay resident)."""
+    return tensor.read() if hasattr(tensor, "read") else np.array(tensor.data)
+
+
 _EMBEDDINGS = ("token_embd.weight", "output.weight")
 
 
@@ -152,7 +157,7 @@ class GGUFCheckpoint:
             if self.keep_quantized and _is_quantized_linear(t) or self._raw_embedding(t):
                 from lightwell.quant.gguf import raw_tensor
 
-                w = raw_tensor(t.data, t.tensor_type)  # [rows, bytes per row]
+                w = raw_tensor(_read(t), t.tensor_type)  # [rows, bytes per row]
             else:
                 w = gguf_tensor_to_torch(t, self.path)
             qtype = getattr(w, "gguf_type", None)

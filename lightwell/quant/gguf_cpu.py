@@ -21,7 +21,7 @@ from lightwell.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lightwell.quant.base import set_weight_attrs
 
 DIRECT_MAX_ROWS = 8  # above: dequantized weight tiles + torch GEMM (faster from ~8 rows on)
-CHUNK_ROWS = 2048  # weight rows dequantized at a time for larger steps
+CHUNK_ROWS = 512  # weight rows dequantized at a time for larger steps (a 3 MB tile at K=1536)
 
 
 def supported(qtype: int | None) -> bool:
