@@ -29,8 +29,9 @@ SUPPORTED = frozenset(BLOCKS)
 
 
 def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "lightwell", "kernels")
+    from lightwell.envs import cache_home
+
+    return os.path.join(cache_home(), "lightwell", "kernels")
 
 
 def _cpu_key() -> str:
