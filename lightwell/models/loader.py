@@ -83,7 +83,22 @@ def load_model(
         checkpoint = _open_checkpoint(files, fmt, hf_config, method, raw)
         _load_checkpoint(model, checkpoint, files.path, method, device)
     _process_after_loading(model, method, device)
+    if device.type == "cpu":
+        _trim_heap()
     return model.eval()
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages (the load's scratch: blocks read, then joined or converted)
+    back to the OS, so the resident memory is the model's (glibc only; elsewhere nothing)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def _sync(device: torch.device) -> None:

@@ -4,7 +4,7 @@ activations, every weight dequantized in registers to gguf-py's exact float32 va
 
 A layer's parts (one per fused shard) that share one supported type are joined into one block
 tensor at load; a step of at most ``DIRECT_MAX_ROWS`` rows runs the blocks directly, a larger
-one (prefill) dequantizes ``CHUNK_ROWS`` weight rows at a time into float32 and multiplies them
+one (prefill) dequantizes ``TILE_FLOATS`` weights at a time into float32 and multiplies them
 with torch's GEMM. Other types keep the per-call dequantization of ``lightwell.quant.gguf``.
 """
 
@@ -21,7 +21,7 @@ from lightwell.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lightwell.quant.base import set_weight_attrs
 
 DIRECT_MAX_ROWS = 8  # above: dequantized weight tiles + torch GEMM (faster from ~8 rows on)
-CHUNK_ROWS = 512  # weight rows dequantized at a time for larger steps (a 3 MB tile at K=1536)
+TILE_FLOATS = 1 << 18  # weights dequantized at a time for larger steps (a 1 MB tile)
 
 
 def supported(qtype: int | None) -> bool:
@@ -38,8 +38,9 @@ def blocks_matmul(
     if x.shape[0] <= DIRECT_MAX_ROWS:
         kernels.gguf_mm(x, blocks, qtype, out)
         return
-    for start in range(0, N, CHUNK_ROWS):
-        ids = torch.arange(start, min(start + CHUNK_ROWS, N))
+    rows = max(64, TILE_FLOATS // K)
+    for start in range(0, N, rows):
+        ids = torch.arange(start, min(start + rows, N))
         w = kernels.gguf_dequant_rows(blocks, qtype, K, ids)  # [rows, K]
         torch.mm(x, w.T, out=out[:, start : start + ids.numel()])
 

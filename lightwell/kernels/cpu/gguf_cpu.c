@@ -172,7 +172,16 @@ int gguf_dequant_rows(const uint8_t *w, int64_t K, int64_t w_row_bytes, int qtyp
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (R > 8)
     for (int64_t r = 0; r < R; r++) {
         const uint8_t *wrow = w + idx[r] * w_row_bytes;
-        for (int64_t b = 0; b < K / QK; b++) dequant_block(wrow + b * bb, qtype, out + r * K + b * QK);
+        for (int64_t b = 0; b < K / QK; b++) {
+            float *o = out + r * K + b * QK;
+#ifdef GGUF_AVX2
+            __m256 v[4];
+            dequant_block_avx2(wrow + b * bb, qtype, v);
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(o + 8 * i, v[i]);
+#else
+            dequant_block(wrow + b * bb, qtype, o);
+#endif
+        }
     }
     return 0;
 }
