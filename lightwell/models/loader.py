@@ -67,6 +67,8 @@ def load_model(
     fmt = resolve_load_format(files, load_format)
     cls = get_model_class(hf_config)
     device = torch.device(device)
+    if quantization == "auto" and _gguf_kernels_fit(files, fmt, dtype, device):
+        quantization = "gguf"
     method = _quant_method(hf_config, quantization, fmt, device)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config, method) if method is not None else cls(hf_config)
@@ -120,6 +122,27 @@ def _process_after_loading(model: nn.Module, method: Any, device: torch.device) 
             layer.quant_method.process_after_loading(layer)
         _sync(device)
         st.summary = f"converted the weights of {len(layers)} layers ({type(method).__name__})"
+
+
+def _gguf_kernels_fit(
+    files: ModelFiles | None, fmt: str, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """``auto`` keeps a GGUF file's blocks (``quant.gguf_cpu``) on a single CPU rank in
+    float32 when the CPU kernels compiled and take every quantized tensor's type; else the
+    file is dequantized at load."""
+    from lightwell.distributed.parallel_state import get_tp_size
+    from lightwell.distributed.pipeline import get_pp_size
+
+    if fmt != "gguf" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if get_tp_size() != 1 or get_pp_size() != 1:
+        return False
+    from lightwell.models.gguf_config import open_gguf
+    from lightwell.quant.gguf_cpu import supported
+
+    float_types = (0, 1, 30)  # F32, F16, BF16
+    types = {int(t.tensor_type) for t in open_gguf(files.path).tensors} - set(float_types)
+    return all(supported(q) for q in types)
 
 
 def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.device) -> Any:

@@ -3,9 +3,10 @@ the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q8_0),
 activations, every weight dequantized in registers to gguf-py's exact float32 value.
 
 A layer's parts (one per fused shard) that share one supported type are joined into one block
-tensor at load; a step of at most ``DIRECT_MAX_ROWS`` rows runs the blocks directly, a larger
-one (prefill) dequantizes ``TILE_FLOATS`` weights at a time into float32 and multiplies them
-with torch's GEMM. Other types keep the per-call dequantization of ``lightwell.quant.gguf``.
+tensor at load (parts of different supported types stay segments of the output). A step of at
+most ``DIRECT_MAX_ROWS`` rows runs the blocks directly; a larger one (prefill) dequantizes
+``TILE_FLOATS`` weights at a time into float32 and multiplies them with torch's GEMM. Other
+types keep the per-call dequantization of ``lightwell.quant.gguf``.
 """
 
 from __future__ import annotations
@@ -46,16 +47,22 @@ def blocks_matmul(
 
 
 def prepare_cpu(layer: nn.Module) -> bool:
-    """Join the layer's parts for the CPU kernels; False (nothing changed) unless every part is
-    on the CPU in one supported type."""
-    qtypes = {q for q, _ in layer.gguf_parts}
-    if len(qtypes) != 1 or not supported(next(iter(qtypes))):
+    """Set ``layer.gguf_cpu``, its segments ``(qtype, blocks [rows, bytes], first output
+    column)`` (parts of one type joined into one); False (nothing changed) unless every part is
+    on the CPU in a supported type."""
+    parts = layer.gguf_parts
+    if not all(supported(q) and p.device.type == "cpu" for q, p in parts):
         return False
-    parts = [p for _, p in layer.gguf_parts]
-    if any(p.device.type != "cpu" for p in parts):
-        return False
-    layer.gguf_cpu = (qtypes.pop(), parts[0] if len(parts) == 1 else torch.cat(parts))
-    layer.gguf_parts = None  # the joined blocks replace them
+    if len({q for q, _ in parts}) == 1:
+        parts = [
+            (parts[0][0], parts[0][1] if len(parts) == 1 else torch.cat([p for _, p in parts]))
+        ]
+    starts = [0]
+    for _, p in parts[:-1]:
+        starts.append(starts[-1] + p.shape[0])
+    layer.gguf_cpu = [(q, p, start) for (q, p), start in zip(parts, starts)]
+    layer.gguf_out = starts[-1] + parts[-1][1].shape[0]  # output features
+    layer.gguf_parts = None  # the segments replace them
     return True
 
 
@@ -64,10 +71,10 @@ def apply_cpu(
     x: torch.Tensor,  # [T, K]
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [T, N]
-    qtype, blocks = layer.gguf_cpu
     x32 = x.float().contiguous()
-    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
-    blocks_matmul(x32, blocks, qtype, out)
+    out = torch.empty(x.shape[0], layer.gguf_out, dtype=torch.float32)
+    for qtype, blocks, start in layer.gguf_cpu:
+        blocks_matmul(x32, blocks, qtype, out[:, start : start + blocks.shape[0]])
     if bias is not None:
         out += bias
     return out.to(x.dtype)
@@ -78,8 +85,9 @@ class GGUFEmbedding(VocabParallelEmbedding):
     lookup. A float table (F32/F16, or a type the kernels lack, dequantized by the loader)
     is kept as float32."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = 64):
-        super().__init__(num_embeddings, embedding_dim, padding_size)
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
+        super().__init__(num_embeddings, embedding_dim)
+        self.dtype = dtype  # of the rows it returns (the model's activations)
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self.load_blocks, "gguf_type": None})
 
@@ -95,10 +103,11 @@ class GGUFEmbedding(VocabParallelEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         if self.weight.gguf_type is None:
-            return F.embedding(input_ids, self.weight)
-        return kernels.gguf_dequant_rows(
+            return F.embedding(input_ids, self.weight).to(self.dtype)
+        rows = kernels.gguf_dequant_rows(
             self.weight, self.weight.gguf_type, self.embedding_dim, input_ids
         )
+        return rows.to(self.dtype)
 
 
 class GGUFLMHead(GGUFEmbedding):
@@ -146,7 +155,7 @@ def _swap(child: Any) -> GGUFEmbedding | None:
     if getattr(child, "tp_size", 1) != 1:
         return None
     if type(child) is ParallelLMHead and child.bias is None:
-        return GGUFLMHead(child.org_vocab_size, child.embedding_dim)
+        return GGUFLMHead(child.org_vocab_size, child.embedding_dim, child.weight.dtype)
     if type(child) is VocabParallelEmbedding:
-        return GGUFEmbedding(child.org_vocab_size, child.embedding_dim)
+        return GGUFEmbedding(child.org_vocab_size, child.embedding_dim, child.weight.dtype)
     return None

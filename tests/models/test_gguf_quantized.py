@@ -71,7 +71,8 @@ def test_smollm2_kept_quantized_holds_a_fraction_of_the_bytes(smollm2_gguf):
     for module in ours.modules():
         parts = getattr(module, "gguf_parts", None) or []
         if getattr(module, "gguf_cpu", None) is not None:
-            parts = [module.gguf_cpu]
+            parts = [(q, blocks) for q, blocks, _ in module.gguf_cpu]
+            assert len(parts) == 1  # one type: the fused parts joined
         for _, part in parts:
             stored += part.numel() * part.element_size()
             weights += part.shape[0] * module.input_size
