@@ -22,8 +22,6 @@ import subprocess
 import sys
 import time
 
-from lightwell.bench.results import record, write_json
-
 ENGINES = ("lightwell-gguf", "llama.cpp", "lightwell-fp32")
 
 
@@ -56,7 +54,7 @@ def stream_lightwell(quantization: str, prompt: list[int], out_len: int, threads
 def stream_llama_cpp(prompt: list[int], out_len: int, threads: int):
     from llama_cpp import Llama
 
-    from lightwell.model_files import default_model_path
+    from lightwell.model_files import default_model_path  # no torch: lightwell/model_files.py
 
     llm = Llama(
         default_model_path(),
@@ -81,14 +79,15 @@ def stream_llama_cpp(prompt: list[int], out_len: int, threads: int):
 
 
 def child(engine: str, args: argparse.Namespace) -> None:
-    """One engine, one run, in this process: a JSON line on stdout."""
-    import torch
-
-    torch.set_num_threads(args.threads)
+    """One engine, one run, in this process: a JSON line on stdout. llama.cpp's process
+    imports neither torch nor the engine (its RSS is its own)."""
     prompt = random_prompt(49152, args.prompt_len, seed=0)
     if engine == "llama.cpp":
         t0, times = stream_llama_cpp(prompt, args.output_len, args.threads)
     else:
+        import torch
+
+        torch.set_num_threads(args.threads)
         quant = "gguf" if engine == "lightwell-gguf" else "none"
         t0, times = stream_lightwell(quant, prompt, args.output_len, args.threads)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -130,6 +129,8 @@ def main() -> None:
             if res is not None:
                 runs[e].append(res)
                 print(f"round {r} {e:15} " + " ".join(f"{k} {v:.1f}" for k, v in res.items()))
+    from lightwell.bench.results import write_json
+
     write_json(args.out, _records(runs, args))
     print(f"{'engine':15} {'decode tok/s':>12} {'TTFT ms':>8} {'peak RSS MB':>11}  (medians)")
     for e, rs in runs.items():
@@ -140,6 +141,8 @@ def main() -> None:
 
 
 def _records(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[dict]:
+    from lightwell.bench.results import record
+
     rows = []
     for engine, rs in runs.items():
         if not rs:
