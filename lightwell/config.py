@@ -71,12 +71,17 @@ class ModelConfig:
     quantization: str = _opt(
         "auto",
         "Weight quantization. auto: the checkpoint's quantization_config (GPTQ, AWQ, "
-        "compressed-tensors, HF fine-grained fp8), else none (a GGUF file is dequantized at "
-        "load); none: refuse a quantized checkpoint; gptq / awq / compressed-tensors: require "
-        "that checkpoint format; gguf (CPU or CUDA): keep a GGUF file's linears in its quantized "
-        "blocks, dequantized per layer as they run (less memory; on CUDA Q4_0, Q4_1, Q8_0, "
-        "Q4_K, Q5_K, Q6_K stay quantized, steps of up to 8 tokens read them through a fused "
-        "GEMV, other types are dequantized at load); int8: quantize a 16/32-bit "
+        "compressed-tensors, HF fine-grained fp8); for a GGUF file on one CPU rank in float32 "
+        "whose quantized tensors are all Q4_0/Q4_1/Q8_0, gguf (when the CPU kernels compile); "
+        "else none (a GGUF file is dequantized at load); none: refuse a quantized checkpoint "
+        "(a GGUF file is dequantized at load); gptq / awq / compressed-tensors: require that "
+        "checkpoint format; gguf: keep a GGUF file's linears in its quantized blocks (CPU: the "
+        "token embedding and LM head too; Q4_0/Q4_1/Q8_0 run on C kernels compiled at first "
+        "use, faster and about half the memory of dequantized weights, same float32 values; "
+        "other types are dequantized per layer as they run. CUDA: Q4_0, Q4_1, Q8_0, Q4_K, "
+        "Q5_K, Q6_K stay quantized, steps of up to 8 tokens read them through a fused GEMV, "
+        "other types are dequantized at load); int8: "
+        "quantize a 16/32-bit "
         "checkpoint at load to int8 weights per output channel (weight-only); fp8: quantize it "
         "to fp8 weights per channel with fp8 activations per token (W8A8), or read an HF "
         "fine-grained fp8 checkpoint.",

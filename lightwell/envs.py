@@ -44,6 +44,13 @@ VARIABLES: dict[str, EnvVar] = {
             "NCCL's own switch: set (not 0), GPUs are treated as having no peer access, and "
             "the automatic all-reduce choice takes the path for PCIe boxes without P2P.",
         ),
+        EnvVar(
+            "XDG_CACHE_HOME",
+            str,
+            "",
+            "The XDG base-directory convention: the CPU kernels compiled at first use are "
+            "cached under $XDG_CACHE_HOME/lightwell/kernels (default ~/.cache/lightwell/kernels).",
+        ),
     )
 }
 
@@ -64,3 +71,8 @@ def triton_interpret() -> bool:
 
 def nccl_p2p_disabled() -> bool:
     return get("NCCL_P2P_DISABLE") != "0"
+
+
+def cache_home() -> str:
+    """The user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
+    return get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

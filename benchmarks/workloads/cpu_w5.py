@@ -1,76 +1,112 @@
-"""W5: SmolLM2-135M-Instruct on this CPU, Lightwell against HF transformers: batch-1 decode
-(128 prompt tokens, 256 output tokens, EOS ignored) and a 32-request batch, both engines fp32
-at the same thread count, in one run of about 3 minutes on 2 idle cores:
+"""W5: SmolLM2-135M-Instruct's Q4_1 GGUF file on this CPU, batch 1: Lightwell on the file's
+blocks (``--quantization gguf``), Lightwell on weights dequantized to float32 at load
+(``--quantization none``), and llama.cpp (llama-cpp-python, not a project dependency: install
+it to compare) on the same file at the same thread count. 128 random prompt tokens, 256 output
+tokens (EOS ignored, greedy), each token timed as it is streamed. Each run is its own process
+(its peak RSS is the process's ``ru_maxrss``); the engines take turns, ``--rounds`` times, and
+the medians are written. About 4 minutes on 2 idle cores:
 
     python3 -m benchmarks.workloads.cpu_w5 --threads 2 --out benchmarks/results/W5_cpu.json
 
-``--batch 2 --output-len 8 --skip-hf`` checks the script in seconds.
+``--rounds 1 --output-len 16`` checks the script in a minute.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
+import statistics
+import subprocess
+import sys
 import time
 
-from lightwell.bench.results import record, write_json
+ENGINES = ("lightwell-gguf", "llama.cpp", "lightwell-fp32")
 
 
-def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
     import random
 
     rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
+    return [rng.randrange(100, vocab - 100) for _ in range(length)]
 
 
-def bench_lightwell(prompts: list[list[int]], out_len: int, batch: int) -> dict:
+def stream_lightwell(quantization: str, prompt: list[int], out_len: int, threads: int):
     from lightwell import LLM, SamplingParams
 
-    llm = LLM(max_num_seqs=max(batch, 1), max_num_batched_tokens=max(512, 128 * batch // 4))
+    llm = LLM(quantization=quantization, num_threads=threads, kv_cache_memory_gb=0.25)
+    engine = llm.engine
+    warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": random_prompt(49152, len(prompt), 1)}], warm)
     sp = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
-    warm = random_prompts(49152, 1, len(prompts[0]), seed=12345)[0]  # no prefix-cache hits
-    llm.generate([{"prompt_token_ids": warm}], SamplingParams(max_tokens=4), use_tqdm=False)
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:batch]], sp, use_tqdm=False)
-    wall = time.perf_counter() - t0
-    m = outs[0].metrics
-    ttft = m.first_token_time - m.arrival_time
-    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    decode_rate = (out_len - 1) / (m.last_token_time - m.first_token_time)
-    return {
-        "wall_s": wall,
-        "output_tok_s": n_out / wall,
-        "ttft_s": ttft,
-        "decode_tok_s_per_seq": decode_rate,
-    }
+    engine.add_request(None, {"prompt_token_ids": prompt}, sp)
+    times, seen = [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            n = len(out.outputs[0].token_ids)
+            times += [time.perf_counter()] * (n - seen)
+            seen = n
+    return t0, times
 
 
-def bench_hf(prompts: list[list[int]], out_len: int, batch: int) -> dict:
-    import torch
-    from transformers import AutoModelForCausalLM
+def stream_llama_cpp(prompt: list[int], out_len: int, threads: int):
+    from llama_cpp import Llama
 
-    from lightwell.model_files import default_model_path
+    from lightwell.model_files import default_model_path  # no torch: lightwell/model_files.py
 
-    folder, name = os.path.split(default_model_path())
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
-    ids = torch.tensor(prompts[:batch])
-    kw = dict(do_sample=False, min_new_tokens=out_len, max_new_tokens=out_len, pad_token_id=0)
-    with torch.inference_mode():
-        model.generate(ids[:1, :16], max_new_tokens=4, do_sample=False, pad_token_id=0)
-        t0 = time.perf_counter()
-        model.generate(ids[:, :], max_new_tokens=1, do_sample=False, pad_token_id=0)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids, **kw)
-        wall = time.perf_counter() - t0
-    n_out = (out.shape[1] - ids.shape[1]) * batch
-    return {
-        "wall_s": wall,
-        "output_tok_s": n_out / wall,
-        "ttft_s": ttft,
-        "decode_tok_s_per_seq": (out_len - 1) / max(wall - ttft, 1e-9),
-    }
+    llm = Llama(
+        default_model_path(),
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=1024,
+        n_batch=512,
+        verbose=False,
+    )
+    warm = random_prompt(49152, len(prompt), 1)
+    for i, _ in enumerate(llm.generate(warm, top_k=1, temp=0.0)):
+        if i == 3:
+            break
+    llm.reset()
+    t0 = time.perf_counter()
+    times = []
+    for _ in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) == out_len:
+            break
+    return t0, times
+
+
+def child(engine: str, args: argparse.Namespace) -> None:
+    """One engine, one run, in this process: a JSON line on stdout. llama.cpp's process
+    imports neither torch nor the engine (its RSS is its own)."""
+    prompt = random_prompt(49152, args.prompt_len, seed=0)
+    if engine == "llama.cpp":
+        t0, times = stream_llama_cpp(prompt, args.output_len, args.threads)
+    else:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        quant = "gguf" if engine == "lightwell-gguf" else "none"
+        t0, times = stream_lightwell(quant, prompt, args.output_len, args.threads)
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    decode = (len(times) - 1) / (times[-1] - times[0])
+    row = {"ttft_ms": (times[0] - t0) * 1e3, "decode_tok_s": decode, "peak_rss_mb": rss_mb}
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def run_child(engine: str, args: argparse.Namespace) -> dict | None:
+    cmd = [sys.executable, "-m", "benchmarks.workloads.cpu_w5", "--child", engine]
+    cmd += ["--threads", str(args.threads), "--prompt-len", str(args.prompt_len)]
+    cmd += ["--output-len", str(args.output_len), "--out", "-"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(f"{engine}: failed ({proc.returncode}): {proc.stderr.strip()[-400:]}")
+        return None
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def main() -> None:
@@ -78,41 +114,54 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in turn")
+    ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    import torch
+    if args.child:
+        return child(args.child, args)
+    engines = args.engines.split(",")
+    runs: dict[str, list[dict]] = {e: [] for e in engines}
+    for r in range(args.rounds):
+        for e in engines:
+            res = run_child(e, args)
+            if res is not None:
+                runs[e].append(res)
+                print(f"round {r} {e:15} " + " ".join(f"{k} {v:.1f}" for k, v in res.items()))
+    from lightwell.bench.results import write_json
 
-    torch.set_num_threads(args.threads)
-    prompts = random_prompts(49152, args.batch, args.prompt_len, seed=0)
-    rows, table = [], []
-    engines = [("lightwell", bench_lightwell)] + ([] if args.skip_hf else [("hf", bench_hf)])
-    for name, fn in engines:
-        for batch in (1, args.batch):
-            r = fn(prompts, args.output_len, batch)
-            table.append((name, batch, r))
-            common = dict(
-                workload="W5",
-                model="SmolLM2-135M-Instruct",
-                dtype="float32",
-                engine=name,
-                batch=batch,
-                threads=args.threads,
-                prompt_len=args.prompt_len,
-                output_len=args.output_len,
-            )
-            rows.append(record("output_tok_s", r["output_tok_s"], **common))
-            rows.append(record("ttft_ms", r["ttft_s"] * 1e3, **common))
-            if batch == 1:
-                rows.append(record("decode_tok_s", r["decode_tok_s_per_seq"], **common))
-    write_json(args.out, rows)
-    print(f"{'engine':10} {'batch':>5} {'out tok/s':>10} {'TTFT ms':>9} {'decode tok/s/seq':>17}")
-    for name, batch, r in table:
-        print(
-            f"{name:10} {batch:5d} {r['output_tok_s']:10.1f} {r['ttft_s'] * 1e3:9.1f} "
-            f"{r['decode_tok_s_per_seq']:17.1f}"
+    write_json(args.out, _records(runs, args))
+    print(f"{'engine':15} {'decode tok/s':>12} {'TTFT ms':>8} {'peak RSS MB':>11}  (medians)")
+    for e, rs in runs.items():
+        if rs:
+            med = {k: statistics.median(x[k] for x in rs) for k in rs[0]}
+            tok_s, ttft, rss = med["decode_tok_s"], med["ttft_ms"], med["peak_rss_mb"]
+            print(f"{e:15} {tok_s:12.1f} {ttft:8.1f} {rss:11.0f}")
+
+
+def _records(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[dict]:
+    from lightwell.bench.results import record
+
+    rows = []
+    for engine, rs in runs.items():
+        if not rs:
+            continue
+        common = dict(
+            workload="W5",
+            model="SmolLM2-135M-Instruct Q4_1 GGUF",
+            engine=engine,
+            batch=1,
+            threads=args.threads,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
+            rounds=len(rs),
+            statistic="median",
         )
+        for metric in ("decode_tok_s", "ttft_ms", "peak_rss_mb"):
+            values = [x[metric] for x in rs]
+            rows.append(record(metric, statistics.median(values), values=values, **common))
+    return rows
 
 
 if __name__ == "__main__":

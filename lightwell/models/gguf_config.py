@@ -72,17 +72,17 @@ ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
 
 def open_gguf(path: str) -> Any:
-    """A ``GGUFReader`` for ``path``, shared between config and weight loading (parsing the
-    metadata of a file with a large vocabulary takes seconds)."""
+    """A ``GGUFFile`` (``lightwell.models.gguf_file``) for ``path``, shared between config and
+    weight loading."""
     st = os.stat(path)
     return _open_gguf(os.path.abspath(path), st.st_mtime_ns, st.st_size)
 
 
 @functools.lru_cache(maxsize=2)
 def _open_gguf(path: str, mtime_ns: int, size: int) -> Any:
-    from gguf import GGUFReader
+    from lightwell.models.gguf_file import GGUFFile
 
-    return GGUFReader(path)
+    return GGUFFile(path)
 
 
 def field_value(reader: Any, key: str, default: Any = None) -> Any:
@@ -142,7 +142,7 @@ def _vocab_and_tokens(reader: Any) -> dict[str, Any]:
     if field_value(reader, f"{arch}.vocab_size") is None:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         if tokens is not None:
-            kw["vocab_size"] = len(tokens.data)
+            kw["vocab_size"] = len(tokens)
         else:
             embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
             kw["vocab_size"] = int(embd.shape[-1])

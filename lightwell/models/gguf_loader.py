@@ -96,6 +96,14 @@ def gguf_tensor_to_torch(tensor: Any, path: str = "") -> torch.Tensor:
 _LINEARS = {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
 
 
+def _read(tensor: Any) -> np.ndarray:
+    """A tensor's data in memory of its own (read, not mapped: no file pages stay resident)."""
+    return tensor.read() if hasattr(tensor, "read") else np.array(tensor.data)
+
+
+_EMBEDDINGS = ("token_embd.weight", "output.weight")
+
+
 def _is_quantized_linear(tensor: Any) -> bool:
     from gguf import GGMLQuantizationType as Q
 
@@ -110,13 +118,27 @@ class GGUFCheckpoint:
     ``keep_quantized`` the linear layers' quantized weights come as their stored blocks
     (``lightwell.quant.gguf.raw_tensor``), everything else dequantized."""
 
-    def __init__(self, path: str, hf_config: Any, keep_quantized: bool = False):
+    def __init__(
+        self,
+        path: str,
+        hf_config: Any,
+        keep_quantized: bool = False,
+        raw_embeddings: bool = False,
+    ):
         self.path, self.keep_quantized = path, keep_quantized
+        self.raw_embeddings = raw_embeddings
         self.reader = open_gguf(path)
         _, self.arch = gguf_arch(self.reader, path)
         self.num_heads = hf_config.num_attention_heads
         self.num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or self.num_heads
         self.tensors = [t for t in self.reader.tensors if t.name not in _SKIP]
+
+    def _raw_embedding(self, tensor: Any) -> bool:
+        """The token table or LM head as its blocks, for ``quant.gguf_cpu``'s modules."""
+        from lightwell.quant.gguf_cpu import supported
+
+        name = tensor.name
+        return self.raw_embeddings and name in _EMBEDDINGS and supported(tensor.tensor_type)
 
     def __len__(self) -> int:
         return len(self.tensors)
@@ -132,10 +154,10 @@ class GGUFCheckpoint:
                     yield source, f"model.layers.{parts[1]}.mlp.experts.{e}.{proj}.weight", w
                 continue
             name = gguf_to_hf_name(t.name, self.path)
-            if self.keep_quantized and _is_quantized_linear(t):
+            if self.keep_quantized and _is_quantized_linear(t) or self._raw_embedding(t):
                 from lightwell.quant.gguf import raw_tensor
 
-                w = raw_tensor(t.data, t.tensor_type)  # [rows, bytes per row]
+                w = raw_tensor(_read(t), t.tensor_type)  # [rows, bytes per row]
             else:
                 w = gguf_tensor_to_torch(t, self.path)
             qtype = getattr(w, "gguf_type", None)

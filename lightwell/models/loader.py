@@ -67,9 +67,13 @@ def load_model(
     fmt = resolve_load_format(files, load_format)
     cls = get_model_class(hf_config)
     device = torch.device(device)
+    if quantization == "auto" and _gguf_kernels_fit(files, fmt, dtype, device):
+        quantization = "gguf"
     method = _quant_method(hf_config, quantization, fmt, device)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config, method) if method is not None else cls(hf_config)
+    # a method that also swaps the embedding and LM head: True when they take blocks
+    raw = bool(method.prepare_model(model)) if hasattr(method, "prepare_model") else False
     if fmt == "dummy":
         from lightwell.models.dummy import init_dummy_weights
 
@@ -78,10 +82,25 @@ def load_model(
             _sync(device)
             st.summary = f"initialised random weights on {device}"
     else:
-        checkpoint = _open_checkpoint(files, fmt, hf_config, method)
+        checkpoint = _open_checkpoint(files, fmt, hf_config, method, raw)
         _load_checkpoint(model, checkpoint, files.path, method, device)
     _process_after_loading(model, method, device)
+    if device.type == "cpu":
+        _trim_heap()
     return model.eval()
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages (the load's scratch: blocks read, then joined or converted)
+    back to the OS, so the resident memory is the model's (glibc only; elsewhere nothing)."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):
+        pass
 
 
 def _sync(device: torch.device) -> None:
@@ -105,6 +124,27 @@ def _process_after_loading(model: nn.Module, method: Any, device: torch.device) 
         st.summary = f"converted the weights of {len(layers)} layers ({type(method).__name__})"
 
 
+def _gguf_kernels_fit(
+    files: ModelFiles | None, fmt: str, dtype: torch.dtype, device: torch.device
+) -> bool:
+    """``auto`` keeps a GGUF file's blocks (``quant.gguf_cpu``) on a single CPU rank in
+    float32 when the CPU kernels compiled and take every quantized tensor's type; else the
+    file is dequantized at load."""
+    from lightwell.distributed.parallel_state import get_tp_size
+    from lightwell.distributed.pipeline import get_pp_size
+
+    if fmt != "gguf" or device.type != "cpu" or dtype != torch.float32:
+        return False
+    if get_tp_size() != 1 or get_pp_size() != 1:
+        return False
+    from lightwell.models.gguf_config import open_gguf
+    from lightwell.quant.gguf_cpu import supported
+
+    float_types = (0, 1, 30)  # F32, F16, BF16
+    types = {int(t.tensor_type) for t in open_gguf(files.path).tensors} - set(float_types)
+    return all(supported(q) for q in types)
+
+
 def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.device) -> Any:
     """``gguf``: a GGUF file's linears stay in the file's blocks (CPU, CUDA); other values as
     ``lightwell.quant.get_quant_method`` (a GGUF file's weights arrive dequantized)."""
@@ -121,13 +161,16 @@ def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.dev
     return get_quant_method(hf_config, quantization)
 
 
-def _open_checkpoint(files: ModelFiles, fmt: str, hf_config: Any, method: Any = None) -> Any:
-    """A sized iterable of ``(source, hf_name, tensor)``."""
+def _open_checkpoint(
+    files: ModelFiles, fmt: str, hf_config: Any, method: Any = None, raw: bool = False
+) -> Any:
+    """A sized iterable of ``(source, hf_name, tensor)``; ``raw``: a GGUF file's token
+    embedding and LM head as their blocks where the CPU kernels take their type."""
     if fmt == "gguf":
         from lightwell.models.gguf_loader import GGUFCheckpoint
 
         keep = type(method).__name__ == "GGUFLinearMethod"
-        return GGUFCheckpoint(files.path, hf_config, keep_quantized=keep)
+        return GGUFCheckpoint(files.path, hf_config, keep_quantized=keep, raw_embeddings=raw)
     if files.remote is not None:
         from lightwell.models.remote_model import S3Checkpoint
 

@@ -1,7 +1,8 @@
 """``--quantization gguf`` (CPU): GGUF linears kept as the file's quantized blocks (Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K ...: whatever the ``gguf`` package dequantizes), dequantized one layer at
-a time when it runs (with gguf-py's numpy code: memory-lean, about 10x slower than weights
-dequantized at load).
+Q8_0, Q4_K, Q5_K, Q6_K ...: whatever the ``gguf`` package dequantizes). Q4_0, Q4_1 and Q8_0 run
+on the CPU kernels of ``lightwell.quant.gguf_cpu`` (as do the token embedding and LM head);
+other types are dequantized one layer at a time when it runs (with gguf-py's numpy code:
+memory-lean, about 10x slower than weights dequantized at load).
 
 The checkpoint hands a layer its tensors as the file stores them: a uint8 tensor [rows,
 bytes per row] tagged with ``gguf_type`` (quantized), or a float tensor (F32/F16/BF16). A fused
@@ -16,6 +17,7 @@ On CUDA the blocks live on the GPU and run through Triton kernels (quant/gguf_cu
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import numpy as np
@@ -23,12 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightwell.quant import gguf_cpu
 from lightwell.quant.base import WeightLoader, set_weight_attrs
 
 
 def raw_tensor(data: np.ndarray, qtype: int) -> torch.Tensor:
-    """A GGUF tensor's stored blocks: uint8 [rows, bytes per row], tagged with its type."""
-    t = torch.from_numpy(np.array(data, dtype=np.uint8))
+    """A GGUF tensor's stored blocks: uint8 [rows, bytes per row], tagged with its type. A
+    read-only memory map (GGUFReader's) is shared, not copied: nothing writes into blocks."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        t = torch.from_numpy(np.asarray(data, dtype=np.uint8))
     t.gguf_type = int(qtype)
     return t
 
@@ -120,9 +126,15 @@ class GGUFLinearMethod:
             return raw.narrow(1, start // values * nbytes, size // values * nbytes), qtype
         return dequantize_raw(raw.contiguous(), qtype).narrow(1, start, size), None
 
+    def prepare_model(self, model: nn.Module) -> bool:
+        """Before loading: the token embedding and LM head keep their blocks too (CPU);
+        whether they were swapped for modules that take blocks."""
+        return gguf_cpu.quantize_embeddings(model)
+
     def process_after_loading(self, layer: nn.Module) -> None:
         if any(p is None for p in layer.gguf_parts):
             raise ValueError("GGUF: a shard of a fused layer had no tensor in the file")
+        gguf_cpu.prepare_cpu(layer)
 
     def apply(
         self,
@@ -134,6 +146,8 @@ class GGUFLinearMethod:
             from lightwell.quant.gguf_cuda import gguf_linear
 
             return gguf_linear(layer.gguf_parts, x, bias)
+        if getattr(layer, "gguf_cpu", None) is not None:
+            return gguf_cpu.apply_cpu(layer, x, bias)
         parts = [p if q is None else dequantize_raw(p, q) for q, p in layer.gguf_parts]
         w = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, K], this call only
         return F.linear(x, w.to(x.dtype), bias)

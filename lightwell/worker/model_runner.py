@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import mmap
 import time
 
 import torch
@@ -125,7 +126,7 @@ class ModelRunner:
         self.kv_caches = []
         for layer in self.attn_layers:
             shape = self._kv_shape(layer, num_blocks)
-            cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+            cache = _zeros(shape, self.kv_dtype, self.device)
             layer.kv_cache = cache
             self.kv_caches.append(cache)
 
@@ -413,3 +414,14 @@ class ModelRunner:
                 layer.num_heads, layer.kv_cache, layer.scale, self.dtype, layer.sliding_window
             )
         return launches
+
+
+def _zeros(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV cache. On the CPU an anonymous memory map (small pages): zero without
+    being written, so the process's resident memory grows with the cache's use, not its size."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)

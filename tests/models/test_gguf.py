@@ -150,7 +150,7 @@ def test_tiny_gguf(tmp_path, variant):
     assert config.architectures == ["LlamaForCausalLM"]
     assert config.tie_word_embeddings == (variant == "tied")
     assert (config.num_key_value_heads, config.intermediate_size, config.vocab_size) == (2, 96, 300)
-    loaded = _loaded(load_ours(path))  # dequantized at load
+    loaded = _loaded(load_ours(path, quantization="none"))  # dequantized at load
     for name, want in expected.items():
         assert torch.equal(loaded[name], want), name
     q0 = "model.layers.0.self_attn.q_proj.weight"  # stored F32: exactly the original
@@ -160,12 +160,15 @@ def test_tiny_gguf(tmp_path, variant):
 
     hf.load_state_dict({**hf.state_dict(), **expected})  # the reference sees the same weights
     prompt = list(range(5, 40))
-    for quantization in ("auto", "gguf"):  # gguf: the linears keep the file's blocks
+    for quantization in ("none", "auto", "gguf"):  # auto, gguf: the file's blocks (CPU kernels)
         ours = load_ours(path, quantization=quantization)
         (logits,) = PagedRunner(ours).step([("a", prompt, 0)])
         assert rel_err(logits, hf_logits(hf, prompt)) < 1e-4
-    parts = ours.model.layers[1].mlp.gate_up_proj.gguf_parts  # Q4_0 gate, Q4_1 up: raw blocks
-    assert [(part.dtype, qtype) for qtype, part in parts] == [(torch.uint8, 2), (torch.uint8, 3)]
+    segments = ours.model.layers[1].mlp.gate_up_proj.gguf_cpu  # Q4_0 gate, Q4_1 up: raw blocks
+    assert [(b.dtype, qtype, start) for qtype, b, start in segments] == [
+        (torch.uint8, 2, 0),
+        (torch.uint8, 3, 96),
+    ]
 
 
 def test_smollm2_gguf_matches_hf(smollm2_gguf):

@@ -64,13 +64,21 @@ def test_k_quant_gguf_kept_quantized_matches_hf(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_kept_quantized_holds_a_fraction_of_the_bytes(smollm2_gguf):
-    """SmolLM2's linears hold the file's Q4_1 blocks (20 bytes per 32 weights), not fp32."""
+    """SmolLM2's linears hold the file's Q4_1 blocks (20 bytes per 32 weights), not fp32, joined
+    per layer for the CPU kernels; the tied Q8_0 embedding keeps its blocks too."""
     ours = load_ours(smollm2_gguf, quantization="gguf")
     stored = weights = 0
     for module in ours.modules():
-        for _, part in getattr(module, "gguf_parts", None) or []:
+        parts = getattr(module, "gguf_parts", None) or []
+        if getattr(module, "gguf_cpu", None) is not None:
+            parts = [(q, blocks) for q, blocks, _ in module.gguf_cpu]
+            assert len(parts) == 1  # one type: the fused parts joined
+        for _, part in parts:
             stored += part.numel() * part.element_size()
             weights += part.shape[0] * module.input_size
     assert weights > 100e6  # SmolLM2-135M's linears
     assert stored < weights * 0.65  # bytes per weight (fp32: 4)
     assert not any(p.numel() > 1e6 for n, p in ours.named_parameters() if "proj" in n)
+    table = ours.model.embed_tokens.weight
+    assert ours.lm_head.weight is table and table.dtype == torch.uint8  # Q8_0: 34 B / 32
+    assert table.gguf_type == Q.Q8_0 and table.numel() == 49152 * 576 // 32 * 34

@@ -148,12 +148,12 @@ def test_config_from_metadata(qwen_gguf):
 
 def test_weights_and_logits_equal_the_original(qwen_gguf):
     arch, path, hf, expected = qwen_gguf
-    loaded = _loaded(load_ours(path))  # dequantized at load
+    loaded = _loaded(load_ours(path, quantization="none"))  # dequantized at load
     for name, want in expected.items():
         if name != "lm_head.weight" or arch == "qwen2":
             assert torch.equal(loaded[name], want), name
     prompt = list(range(5, 40))
-    for quantization in ("auto", "gguf"):  # gguf: the linears keep the file's blocks
+    for quantization in ("none", "auto", "gguf"):  # auto, gguf: the file's blocks
         ours = load_ours(path, quantization=quantization)
         (logits,) = PagedRunner(ours).step([("a", prompt, 0)])
         assert rel_err(logits, hf_logits(hf, prompt)) < 1e-4

@@ -1,0 +1,139 @@
+"""GGUF blocks (Q4_0, Q4_1, Q8_0) times float32 activations on the CPU, in their file layout.
+
+``gguf_mm(x, w, qtype)`` is ``x @ dequantize(w).T`` without the float32 weights: each block is
+dequantized in registers (bit-exact with gguf-py's float32 values) and accumulated in float32.
+``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C source
+beside this file is compiled once per machine with the system C compiler (``cc``, ``-O3
+-march=native -fopenmp``) into a cache folder and loaded with ctypes; ``available()`` says
+whether that worked (the callers fall back to torch ops otherwise). ``*_ref`` are the torch
+references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+SOURCE = os.path.join(os.path.dirname(__file__), "gguf_cpu.c")
+# ggml type id -> (values, bytes) per block
+BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34)}  # Q4_0, Q4_1, Q8_0
+SUPPORTED = frozenset(BLOCKS)
+
+
+def _cache_dir() -> str:
+    from lightwell.envs import cache_home
+
+    return os.path.join(cache_home(), "lightwell", "kernels")
+
+
+def _cpu_key() -> str:
+    """The compiled library fits this CPU: -march=native depends on its flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _compile(target: str) -> None:
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
+    os.close(fd)
+    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", SOURCE, "-o", tmp]
+    try:
+        subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+        os.replace(tmp, target)  # atomic: a concurrent process loads a whole library or none
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def _lib() -> ctypes.CDLL | None:
+    with open(SOURCE, "rb") as f:
+        key = hashlib.sha256(f.read() + _cpu_key().encode() + sys.version.encode()).hexdigest()
+    target = os.path.join(_cache_dir(), f"gguf_cpu_{key[:16]}.so")
+    try:
+        if not os.path.exists(target):
+            _compile(target)
+        lib = ctypes.CDLL(target)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+    lib.gguf_dequant_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """Whether the compiled kernels load on this machine (a C compiler with OpenMP)."""
+    return _lib() is not None
+
+
+def gguf_mm(
+    x: torch.Tensor,  # [M, K] float32, rows contiguous
+    w: torch.Tensor,  # [N, K / 32 * block bytes] uint8, contiguous
+    qtype: int,
+    out: torch.Tensor | None = None,  # [M, N] float32 (may be a column slice of a wider one)
+) -> torch.Tensor:  # [M, N] float32
+    M, K = x.shape
+    N = w.shape[0]
+    if x.dtype != torch.float32 or x.stride(1) != 1 or not w.is_contiguous():
+        raise ValueError("gguf_mm takes float32 x with contiguous rows and contiguous blocks")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    rc = _lib().gguf_mm(
+        x.data_ptr(), M, K, x.stride(0), w.data_ptr(), N, w.shape[1], qtype,
+        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"gguf_mm: type {qtype} with K={K}, {w.shape[1]} bytes a row")
+    return out
+
+
+def gguf_dequant_rows(
+    w: torch.Tensor,  # [N, K / 32 * block bytes] uint8, contiguous
+    qtype: int,
+    K: int,
+    ids: torch.Tensor,  # [R] int64 row indices, each < N
+) -> torch.Tensor:  # [R, K] float32
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), K, dtype=torch.float32)
+    rc = _lib().gguf_dequant_rows(
+        w.data_ptr(), K, w.shape[1], qtype, ids.data_ptr(), ids.numel(), out.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc:
+        raise ValueError(f"gguf_dequant_rows: type {qtype} with K={K}, {w.shape[1]} bytes a row")
+    return out
+
+
+def dequantize_ref(w: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, B] uint8 -> [N, K] fp32
+    """Torch reference of the blocks' float32 values (gguf-py's formulas)."""
+    values, nbytes = BLOCKS[qtype]
+    blocks = w.reshape(w.shape[0], -1, nbytes)  # [N, K / 32, bytes]
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
+    if qtype == 8:
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).reshape(w.shape[0], -1)
+    start = 4 if qtype == 3 else 2
+    qs = blocks[..., start:]
+    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()  # [N, K / 32, 32]
+    if qtype == 3:
+        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+        return (d * q + m).reshape(w.shape[0], -1)
+    return (d * (q - 8)).reshape(w.shape[0], -1)
+
+
+def gguf_mm_ref(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:  # [M, N]
+    return x @ dequantize_ref(w, qtype).T
