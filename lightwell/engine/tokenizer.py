@@ -129,10 +129,13 @@ def _load_hf_tokenizer(files: ModelFiles) -> Any:
     try:
         if files.kind == "gguf":
             st = os.stat(files.path)
-            # each engine gets its own copy: a fast tokenizer is not safe to share across threads
-            return copy.deepcopy(
-                _gguf_tokenizer(os.path.abspath(files.path), st.st_mtime_ns, st.st_size)
-            )
+            built = _gguf_tokenizer(os.path.abspath(files.path), st.st_mtime_ns, st.st_size)
+            # the first engine takes the built tokenizer (one copy in memory), later ones a
+            # copy each: a fast tokenizer is not safe to share across threads
+            if not built["handed_out"]:
+                built["handed_out"] = True
+                return built["tokenizer"]
+            return copy.deepcopy(built["tokenizer"])
         if files.kind == "hf":
             return AutoTokenizer.from_pretrained(files.path, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -141,10 +144,12 @@ def _load_hf_tokenizer(files: ModelFiles) -> Any:
 
 
 @functools.lru_cache(maxsize=2)
-def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> Any:
-    """The tokenizer of a GGUF file, built once per process: transformers parses the whole file
-    and converts its vocabulary (seconds), where a copy takes a fraction of that."""
+def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
+    """The tokenizer of a GGUF file, built once per process (transformers parses the whole file
+    and converts its vocabulary: seconds; a copy takes a fraction of that), and whether an
+    engine holds it already."""
     from transformers import AutoTokenizer
 
     folder, name = os.path.split(path)
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    return {"tokenizer": tok, "handed_out": False}
