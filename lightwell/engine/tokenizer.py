@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import threading
 from typing import Any
 
 from lightwell.model_files import ModelFiles
@@ -132,15 +133,19 @@ def _load_hf_tokenizer(files: ModelFiles) -> Any:
             built = _gguf_tokenizer(os.path.abspath(files.path), st.st_mtime_ns, st.st_size)
             # the first engine takes the built tokenizer (one copy in memory), later ones a
             # copy each: a fast tokenizer is not safe to share across threads
-            if not built["handed_out"]:
-                built["handed_out"] = True
-                return built["tokenizer"]
-            return copy.deepcopy(built["tokenizer"])
+            with _HANDOUT:
+                if not built["handed_out"]:
+                    built["handed_out"] = True
+                    return built["tokenizer"]
+                return copy.deepcopy(built["tokenizer"])
         if files.kind == "hf":
             return AutoTokenizer.from_pretrained(files.path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(f"could not load a tokenizer from {files.path!r}: {e}") from e
     raise ValueError(f"unknown model files kind {files.kind!r} (expected 'hf' or 'gguf')")
+
+
+_HANDOUT = threading.Lock()  # a built GGUF tokenizer goes to one engine; the others copy it
 
 
 @functools.lru_cache(maxsize=2)

@@ -95,6 +95,16 @@ class GGUFFile:
     """``fields`` and ``tensors`` of the GGUF file at ``path`` (see the module docstring)."""
 
     def __init__(self, path: str):
+        try:
+            self._parse(path)
+        except (struct.error, OverflowError, ZeroDivisionError, KeyError, TypeError) as e:
+            raise ValueError(f"{path} is not a valid GGUF file ({type(e).__name__}: {e})") from e
+        except ValueError as e:  # numpy's "buffer is smaller than requested size", bad enums
+            if str(e).startswith(path):
+                raise
+            raise ValueError(f"{path} is not a valid GGUF file ({e})") from e
+
+    def _parse(self, path: str) -> None:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         buf = np.memmap(path, dtype=np.uint8, mode="r")
@@ -119,6 +129,8 @@ class GGUFFile:
             if "general.alignment" in self.fields
             else 32
         )  # noqa: E501
+        if not isinstance(align, int) or align <= 0:
+            raise ValueError(f"{path} is not a valid GGUF file (general.alignment {align!r})")
         base = -(-pos // align) * align
         self.tensors = []
         for name, dims, qtype, offset in infos:

@@ -128,8 +128,9 @@ def _gguf_kernels_fit(
     files: ModelFiles | None, fmt: str, dtype: torch.dtype, device: torch.device
 ) -> bool:
     """``auto`` keeps a GGUF file's blocks (``quant.gguf_cpu``) on a single CPU rank in
-    float32 when the CPU kernels compiled and take every quantized tensor's type; else the
-    file is dequantized at load."""
+    float32 when every quantized tensor's type and every layer matrix's type (none of them
+    float: those would be joined at every call) is one the compiled CPU kernels take; else
+    the file is dequantized at load."""
     from lightwell.distributed.parallel_state import get_tp_size
     from lightwell.distributed.pipeline import get_pp_size
 
@@ -140,9 +141,11 @@ def _gguf_kernels_fit(
     from lightwell.models.gguf_config import open_gguf
     from lightwell.quant.gguf_cpu import supported
 
-    float_types = (0, 1, 30)  # F32, F16, BF16
-    types = {int(t.tensor_type) for t in open_gguf(files.path).tensors} - set(float_types)
-    return all(supported(q) for q in types)
+    float_types = {0, 1, 30}  # F32, F16, BF16
+    tensors = open_gguf(files.path).tensors
+    types = {int(t.tensor_type) for t in tensors} - float_types
+    layers = {int(t.tensor_type) for t in tensors if t.name.startswith("blk.") and len(t.shape) > 1}
+    return bool(layers) and not layers & float_types and all(supported(q) for q in types)
 
 
 def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.device) -> Any:

@@ -424,4 +424,5 @@ def _zeros(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)

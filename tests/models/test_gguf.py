@@ -190,3 +190,24 @@ def test_smollm2_gguf_matches_hf(smollm2_gguf):
     (logits,) = PagedRunner(ours, block_size=16).step([("a", ids, 0)])
     assert rel_err(logits, ref) < 1e-3
     assert torch.equal(logits[-1].argmax(), ref[-1].argmax())
+
+
+def test_auto_keeps_blocks_only_when_every_layer_matrix_takes_the_kernels(tmp_path):
+    """``auto`` on the CPU keeps a file's blocks when its layers are all Q4_0 / Q4_1 / Q8_0, not
+    when float matrices sit among them (they would be joined at every call)."""
+    from types import SimpleNamespace
+
+    from lightwell.kernels.cpu import gguf_cpu
+    from lightwell.models.loader import _gguf_kernels_fit
+
+    if not gguf_cpu.available():
+        pytest.skip("no C compiler with OpenMP: auto never keeps the blocks")
+    cpu = torch.device("cpu")
+    config = tiny_config("base", intermediate_size=96, num_hidden_layers=2)
+    hf = hf_tiny_model(config, seed=1)
+    blocks = [{short: Q.Q4_0 if i % 2 else Q.Q8_0 for i, short in enumerate(HF_NAMES)}]
+    for name, types in (("mixed", LAYER_TYPES), ("blocks", blocks)):
+        path = str(tmp_path / f"{name}.gguf")
+        write_tiny_gguf(path, hf, layer_types=types)
+        fits = _gguf_kernels_fit(SimpleNamespace(path=path), "gguf", torch.float32, cpu)
+        assert fits == (name == "blocks")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import subprocess
@@ -22,6 +23,7 @@ import tempfile
 
 import torch
 
+logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(__file__), "gguf_cpu.c")
 # ggml type id -> (values, bytes) per block
 BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34)}  # Q4_0, Q4_1, Q8_0
@@ -67,7 +69,15 @@ def _lib() -> ctypes.CDLL | None:
         if not os.path.exists(target):
             _compile(target)
         lib = ctypes.CDLL(target)
-    except (OSError, subprocess.SubprocessError):
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
+        logger.warning(
+            "the GGUF CPU kernels did not compile or load (%s%s): GGUF files are dequantized "
+            "at load instead",
+            e,
+            f"; {tail[0]}" if tail else "",
+        )
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
@@ -90,8 +100,12 @@ def gguf_mm(
     N = w.shape[0]
     if x.dtype != torch.float32 or x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError("gguf_mm takes float32 x with contiguous rows and contiguous blocks")
+    if w.dtype != torch.uint8:
+        raise ValueError(f"gguf_mm takes uint8 blocks, got {w.dtype}")
     if out is None:
         out = torch.empty(M, N, dtype=torch.float32)
+    if out.dtype != torch.float32 or tuple(out.shape) != (M, N) or out.stride(1) != 1:
+        raise ValueError(f"gguf_mm: out must be float32 [{M}, {N}] with contiguous rows")
     rc = _lib().gguf_mm(
         x.data_ptr(), M, K, x.stride(0), w.data_ptr(), N, w.shape[1], qtype,
         out.data_ptr(), out.stride(0), torch.get_num_threads(),
@@ -108,6 +122,10 @@ def gguf_dequant_rows(
     ids: torch.Tensor,  # [R] int64 row indices, each < N
 ) -> torch.Tensor:  # [R, K] float32
     ids = ids.to(torch.int64).contiguous()
+    if w.dtype != torch.uint8 or not w.is_contiguous():
+        raise ValueError("gguf_dequant_rows takes contiguous uint8 blocks")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
+        raise IndexError(f"gguf_dequant_rows: row ids must be in [0, {w.shape[0]})")
     out = torch.empty(ids.numel(), K, dtype=torch.float32)
     rc = _lib().gguf_dequant_rows(
         w.data_ptr(), K, w.shape[1], qtype, ids.data_ptr(), ids.numel(), out.data_ptr(),
