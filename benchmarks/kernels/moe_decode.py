@@ -72,7 +72,7 @@ def precompile(names: list[str]) -> None:
     specs = {}  # one job a compiled form: the sizes count only by their divisibility by 16
     for name in names:
         experts, top_k, hidden, inter = SHAPES[name]
-        ints, div = (top_k, experts, hidden, inter), (hidden % 16 == 0, inter % 16 == 0)
+        ints, div = (top_k, experts, 0, hidden, inter), (hidden % 16 == 0, inter % 16 == 0)
         for kind, cfgs, k in (("gate_up", sweep(2), hidden), ("down", sweep(1), inter)):
             for cfg in cfgs:
                 specs[kind, cfg, k % cfg[1] == 0, div] = (kind, ints, cfg, k % cfg[1] == 0)

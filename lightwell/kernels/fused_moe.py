@@ -252,6 +252,7 @@ def fused_moe(
     gemv_configs: tuple[Config, Config] | None = None,  # theirs (gate/up, down); default: picked
     scales: Scales | None = None,  # fp8 experts: their block scales
     int4: Int4 | None = None,  # int4 experts: their group scales and zeros
+    num_shared: int = 0,  # the last S experts are every token's, weight 1 (GEMV path only)
 ) -> torch.Tensor:  # [T, H]
     """The grouped kernels (tiles ``block_m``/``block_n``/``block_k``) or, for a few tokens,
     kernels/moe_gemv.py's (the choice depends only on the shapes: CUDA-graph safe).
@@ -263,13 +264,17 @@ def fused_moe(
     pairs = num_tokens * top_k
     if pairs == 0:
         return torch.zeros_like(x)
-    if use_gemv(num_tokens, top_k, num_experts) if gemv is None else gemv:
+    if use_gemv(num_tokens, top_k + num_shared, num_experts) if gemv is None else gemv:
         configs = gemv_configs or (None, None)
+        if num_shared and (scales is not None or int4 is not None):
+            raise ValueError("fused_moe: shared experts are supported in 16/32-bit experts only")
         if scales is not None or int4 is not None:
             from lightwell.kernels.moe_gemv_quant import moe_gemv_quant
 
             return moe_gemv_quant(x, w13, w2, weights, ids, scales, int4, *configs)
-        return moe_gemv(x, w13, w2, weights, ids, *configs)
+        return moe_gemv(x, w13, w2, weights, ids, *configs, num_shared=num_shared)
+    if num_shared:
+        raise ValueError("fused_moe: shared experts are supported on the GEMV path only")
     if block_m is None:
         per_expert = pairs / num_experts
         block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
@@ -336,8 +341,11 @@ def fused_moe_ref(
     ids: torch.Tensor,  # [T, k]
     scales: Scales | None = None,  # fp8 experts: dequantized first
     int4: Int4 | None = None,  # int4 experts: dequantized first
+    num_shared: int = 0,  # the last S experts: every token's, weight 1
 ) -> torch.Tensor:  # [T, H]
     """Every (token, choice) pair on its own, in fp32."""
+    if num_shared:
+        weights, ids = with_shared(weights, ids, w13.shape[0], num_shared)
     if scales is not None:
         w13 = dequantize_experts(w13, scales[0], scales[2])
         w2 = dequantize_experts(w2, scales[1], scales[2])
@@ -353,3 +361,16 @@ def fused_moe_ref(
                 gate, up = (w13[e].float() @ x[t].float()).chunk(2)
                 out[t] += float(weights[t, j]) * (w2[e].float() @ (F.silu(gate) * up))
     return out.to(x.dtype)
+
+
+def with_shared(
+    weights: torch.Tensor,  # [T, k] router weights
+    ids: torch.Tensor,  # [T, k] expert ids
+    num_experts: int,  # stacked experts, the last ``num_shared`` of them shared
+    num_shared: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, k + S] weights, [T, k + S] ids)
+    """The routed choices followed by the shared experts (weight 1), as ``num_shared`` asks."""
+    shared = torch.arange(num_experts - num_shared, num_experts, device=ids.device)
+    shared = shared.to(ids.dtype).expand(ids.shape[0], num_shared)
+    ones = torch.ones(ids.shape[0], num_shared, dtype=weights.dtype, device=weights.device)
+    return torch.cat([weights, ones], 1), torch.cat([ids, shared], 1)

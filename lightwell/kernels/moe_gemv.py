@@ -17,8 +17,11 @@ divides the reduced size (rows past the end re-read the last row and store nothi
   each pair's W2 rows against its ``act`` row times its router weight, summed in fp32 in a
   fixed order (no atomics: deterministic) -> [T, H] in x's dtype.
 
-Expert ids outside ``[0, E)`` (another rank's experts under expert parallelism) are skipped:
-their weights are never read. Two launches, no host sync, shapes fixed by T: CUDA-graph safe.
+Shared experts (``num_shared`` S: DeepSeek's, split into experts of the routed size) are the
+last S of the stack: every token takes them after its k routed ones, with weight 1 (pairs are
+then ``k + S`` a token; ``ids`` holds only the routed ones). Expert ids outside ``[0, E)``
+(another rank's experts under expert parallelism) are skipped: their weights are never read.
+Two launches, no host sync, shapes fixed by T: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -34,17 +37,28 @@ MAX_TOKENS = 8
 Config = tuple[int, int, int, int]
 
 
-@triton.jit(do_not_specialize=["top_k", "num_experts"])  # no compile per k or E
+@triton.jit
+def _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared):
+    """The expert of choice ``j`` of ``token``: a routed one from ``ids`` (j < k), else shared
+    expert ``j - k``, stored after the routed ones."""
+    routed = tl.load(ids_ptr + token * top_k + tl.minimum(j, top_k - 1)).to(tl.int64)
+    shared = (num_experts - num_shared + j - top_k).to(tl.int64)
+    return tl.where(j < top_k, routed, shared)
+
+
+@triton.jit(do_not_specialize=["top_k", "num_experts", "num_shared"])  # no compile per k or E
 def _moe_gemv_gate_up(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
     ids_ptr,  # [T * k] expert ids
-    out_ptr,  # [T * k, I]
-    top_k, num_experts, hidden, inter,
+    out_ptr,  # [T * (k + S), I]
+    top_k, num_experts, num_shared, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    token = pair // (top_k + num_shared)
+    j = pair - token * (top_k + num_shared)
+    expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)
     if (expert < 0) | (expert >= num_experts):
         return  # another rank's expert
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,7 +67,7 @@ def _moe_gemv_gate_up(
     base = w_ptr + expert * 2 * inter * hidden
     gate_rows = base + rows[:, None] * hidden  # [BN, 1]
     up_rows = base + (rows + inter)[:, None] * hidden  # [BN, 1]
-    x_row = x_ptr + (pair // top_k).to(tl.int64) * hidden
+    x_row = x_ptr + token.to(tl.int64) * hidden
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
@@ -75,14 +89,14 @@ def _moe_gemv_gate_up(
     tl.store(out, act.to(out_ptr.dtype.element_ty), mask=rn < inter)
 
 
-@triton.jit(do_not_specialize=["top_k", "num_experts"])
+@triton.jit(do_not_specialize=["top_k", "num_experts", "num_shared"])
 def _moe_gemv_down(
-    a_ptr,  # [T * k, I]
+    a_ptr,  # [T * (k + S), I]
     w_ptr,  # [E, H, I]
     ids_ptr,  # [T * k] expert ids
     weight_ptr,  # [T * k] fp32 router weights
     out_ptr,  # [T, H]
-    top_k, num_experts, hidden, inter,
+    top_k, num_experts, num_shared, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0)
@@ -90,9 +104,11 @@ def _moe_gemv_down(
     rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
     rk = tl.arange(0, BLOCK_K)
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(top_k):
-        pair = token * top_k + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    for j in range(top_k + num_shared):
+        pair = token * (top_k + num_shared) + j
+        expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)
+        scale = tl.load(weight_ptr + token * top_k + tl.minimum(j, top_k - 1))
+        scale = tl.where(j < top_k, scale, 1.0)  # shared experts: weight 1
         if (expert >= 0) & (expert < num_experts):  # else: another rank's expert
             w_rows = w_ptr + expert * hidden * inter + rows[:, None] * inter  # [BN, 1]
             a_row = a_ptr + pair.to(tl.int64) * inter
@@ -106,7 +122,7 @@ def _moe_gemv_down(
                     w = tl.load(w_rows + k[None, :], mask=k[None, :] < inter, other=0.0)
                     a = tl.load(a_row + k, mask=k < inter, other=0.0)
                 acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-            total += tl.load(weight_ptr + pair) * tl.sum(acc, axis=1)
+            total += scale * tl.sum(acc, axis=1)
     out = out_ptr + token.to(tl.int64) * hidden + rn
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
 
@@ -141,25 +157,28 @@ def moe_gemv_gate_up(
     w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped, their rows left unset)
     config: Config | None = None,  # default: pick_config(H, 2, T)
-) -> torch.Tensor:  # [T * k, I] silu(gate) * up per pair, in x's dtype
+    num_shared: int = 0,  # the last S experts of w13 are every token's (after its k)
+) -> torch.Tensor:  # [T * (k + S), I] silu(gate) * up per pair, in x's dtype
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden = w13.shape
-    act = torch.empty(num_tokens * top_k, two_inter // 2, dtype=x.dtype, device=x.device)
+    pairs = num_tokens * (top_k + num_shared)
+    act = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or pick_config(hidden, 2, num_tokens)
-    _moe_gemv_gate_up[(act.shape[0], triton.cdiv(act.shape[1], block_n))](
-        x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, hidden, act.shape[1],
-        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+    _moe_gemv_gate_up[(pairs, triton.cdiv(act.shape[1], block_n))](
+        x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, num_shared, hidden,
+        act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return act
 
 
 def moe_gemv_down(
-    act: torch.Tensor,  # [T * k, I]
+    act: torch.Tensor,  # [T * (k + S), I]
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
     config: Config | None = None,  # default: pick_config(I, 1, T)
+    num_shared: int = 0,  # the last S experts of w2 are every token's, weight 1
 ) -> torch.Tensor:  # [T, H] in act's dtype
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w2.shape
@@ -167,9 +186,9 @@ def moe_gemv_down(
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
     block_n, block_k, warps, stages = config or pick_config(inter, 1, num_tokens)
     _moe_gemv_down[(num_tokens, triton.cdiv(hidden, block_n))](
-        act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts, hidden,
-        inter, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,
-        num_warps=warps, num_stages=stages,
+        act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
+        num_shared, hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=inter % block_k == 0, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -182,9 +201,11 @@ def moe_gemv(
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
     gate_up_config: Config | None = None,  # default: pick_config(H, 2, T)
     down_config: Config | None = None,  # default: pick_config(I, 1, T)
+    num_shared: int = 0,  # the last S experts: every token's, weight 1 (DeepSeek's shared)
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
     ``fused_moe``, which checks them and calls this for steps ``use_gemv`` accepts (its
-    torch reference is ``fused_moe_ref`` there)."""
-    act = moe_gemv_gate_up(x, w13, ids, gate_up_config)
-    return moe_gemv_down(act, w2, weights, ids, down_config)
+    torch reference is ``fused_moe_ref`` there). With ``num_shared`` S, each token also takes
+    the last S experts of ``w13`` / ``w2`` with weight 1 (after its k routed ones)."""
+    act = moe_gemv_gate_up(x, w13, ids, gate_up_config, num_shared)
+    return moe_gemv_down(act, w2, weights, ids, down_config, num_shared)

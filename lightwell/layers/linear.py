@@ -2,7 +2,8 @@
 
 Column-parallel layers split the output features across ranks (no communication in forward);
 row-parallel layers split the input features and all-reduce their partial sums. Fused layers
-(``MergedColumnParallelLinear`` for gate/up, ``QKVParallelLinear`` for q/k/v) hold several
+(``MergedColumnParallelLinear`` for gate/up, ``QKVParallelLinear`` for q/k/v,
+``SplitReplicatedLinear`` for column-parallel beside replicated matrices) hold several
 checkpoint tensors side by side; their ``weight_loader`` takes a ``shard_id`` saying which one
 (an index, or "q"/"k"/"v"), or ``None`` for a checkpoint that already stores the fused tensor.
 
@@ -242,6 +243,29 @@ class MergedColumnParallelLinear(_FusedColumnLinear):
         super().__init__(
             input_size, sum(output_sizes), bias, gather_output, quant_method, output_sizes
         )
+
+
+class SplitReplicatedLinear(_FusedColumnLinear):
+    """Matrices side by side in one weight, each column-parallel or replicated (``sharded``):
+    MLA's query projection (split by heads) beside its latent one (whole on every rank), which
+    read the same input; shard_id = their index."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        sharded: list[bool],
+        quant_method: QuantMethod | None = None,
+    ):
+        tp = get_tp_size()
+        self.sharded = list(sharded)
+        parts = [divide(n, tp, "output size") if cut else n
+                 for n, cut in zip(output_sizes, sharded)]  # fmt: skip
+        super().__init__(input_size, sum(output_sizes), False, False, quant_method, output_sizes,
+                         parts)  # fmt: skip
+
+    def _partition(self, index: int) -> int:
+        return self.tp_rank * self.output_partition_sizes[index] if self.sharded[index] else 0
 
 
 class QKVParallelLinear(_FusedColumnLinear):

@@ -12,7 +12,9 @@ the entry's norm, RoPE and store; the absorbed query with its RoPE; the output t
 
 Tensor parallelism splits the heads (q / kv_b / o projections); the latent and its
 projections are replicated. The query is plain (``q_proj``) or low-rank (``q_a_proj`` ->
-RMSNorm -> ``q_b_proj``, when ``q_lora_rank`` is set).
+RMSNorm -> ``q_b_proj``, when ``q_lora_rank`` is set). Its first projection and
+``kv_a_proj_with_mqa`` read the same input: unquantized and without bias they are one matmul,
+``fused_qkv_a_proj`` (this rank's query rows, then the whole latent rows).
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import get_attention_metadata
 from lightwell.attention.mla_torch import attend_latent
 from lightwell.layers.attention import Attention
-from lightwell.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from lightwell.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    SplitReplicatedLinear,
+)
 from lightwell.layers.norm import RMSNorm
 from lightwell.layers.rotary import RotaryEmbedding
-from lightwell.quant.base import QuantMethod
+from lightwell.quant.base import QuantMethod, UnquantizedLinearMethod
 
 
 class LatentAttention(Attention):
@@ -120,19 +127,12 @@ class MLAttention(nn.Module):
         qk_dim = self.nope + self.rope
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         bias = bool(getattr(config, "attention_bias", False))
+        self._make_input_projections(hidden, heads * qk_dim, bias, quant_method)
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, quant_method)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(
                 self.q_lora_rank, heads * qk_dim, False, quant_method=quant_method
             )
-        else:
-            self.q_proj = ColumnParallelLinear(
-                hidden, heads * qk_dim, False, quant_method=quant_method
-            )
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            hidden, self.rank + self.rope, bias, quant_method
-        )
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
         self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), False)
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, quant_method=quant_method)
@@ -141,10 +141,40 @@ class MLAttention(nn.Module):
         scale = mla_softmax_scale(config, qk_dim)
         self.attn = LatentAttention(self.num_heads, self.rank, self.rope, scale)
 
-    def _query(self, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, heads * qk_dim]
+    def _make_input_projections(
+        self, hidden: int, q_size: int, bias: bool, quant_method: QuantMethod | None
+    ) -> None:
+        """The query's first projection (``q_proj``, or ``q_a_proj`` with q LoRA) and the
+        latent one (``kv_a_proj_with_mqa``): unquantized and without bias, one matmul over both
+        (``fused_qkv_a_proj``, its members in ``packed_names``), else two linears."""
+        first = "q_a_proj" if self.q_lora_rank else "q_proj"
+        latent = self.rank + self.rope
+        plain = quant_method is None or isinstance(quant_method, UnquantizedLinearMethod)
+        self.packed_names = {"fused_qkv_a_proj": [first, "kv_a_proj_with_mqa"]}
+        if plain and not bias:
+            sizes, sharded = [self.q_lora_rank or q_size, latent], [not self.q_lora_rank, False]
+            self.fused_qkv_a_proj = SplitReplicatedLinear(hidden, sizes, sharded, quant_method)
+            return
+        self.packed_names = {}
         if self.q_lora_rank:
-            return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
-        return self.q_proj(hidden)
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias, quant_method)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, q_size, False, quant_method=quant_method)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, latent, bias, quant_method)
+
+    def _project(
+        self, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] -> ([T, heads * qk_dim], [T, rank + rope])
+        """The query (this rank's heads) and the latent projection, rows possibly strided."""
+        if self.packed_names:
+            fused = self.fused_qkv_a_proj
+            q, kv = fused(hidden).split(fused.output_partition_sizes, dim=-1)
+        else:
+            q = (self.q_a_proj if self.q_lora_rank else self.q_proj)(hidden)
+            kv = self.kv_a_proj_with_mqa(hidden)
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        return q, kv
 
     def attend(
         self,
@@ -154,9 +184,11 @@ class MLAttention(nn.Module):
         if self.attn.decode_only(hidden):
             return self._attend_decodes(positions, hidden)
         num_tokens, heads = hidden.shape[0], self.num_heads
-        q = self._query(hidden).view(num_tokens, heads, self.nope + self.rope)
-        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.rank, self.rope], dim=-1)
+        q, kv = self._project(hidden)
+        q_nope, q_pe = q.view(num_tokens, heads, self.nope + self.rope).split(
+            [self.nope, self.rope], dim=-1
+        )
+        c, k_pe = kv.split([self.rank, self.rope], dim=-1)
         c = self.kv_a_layernorm(c.contiguous())  # [T, rank]
         q_pe, k_pe = self.rotary_emb(
             positions, q_pe.reshape(num_tokens, heads * self.rope), k_pe.contiguous()
@@ -178,11 +210,11 @@ class MLAttention(nn.Module):
 
         rot, norm, w = self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj.weight
         slots = get_attention_metadata().slot_mapping
-        kv = self.kv_a_proj_with_mqa(hidden)
+        query, kv = self._project(hidden)
         latent_entry(positions, kv, norm.weight, norm.eps, rot.cos_sin_cache, rot.is_neox_style,
                      self.attn.kv_cache, slots)  # fmt: skip
         dims = (self.nope, self.rope, self.v_dim)
-        q = absorb_query(positions, self._query(hidden), w, dims, rot.cos_sin_cache,
+        q = absorb_query(positions, query, w, dims, rot.cos_sin_cache,
                          rot.is_neox_style)  # fmt: skip
         return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.distributed.parallel_state import get_expert_parallel, get_tp_rank, get_tp_size
+from lightwell.layers.activation import SiluAndMul
 from lightwell.layers.linear import divide
 from lightwell.quant.experts import experts_method
 
@@ -113,10 +114,11 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         quant_method: Any = None,  # the model's linear method; its experts' strategy follows
+        num_shared: int = 0,  # always-on experts of the same size, stacked after the routed
     ):
         super().__init__()
         tp, rank = get_tp_size(), get_tp_rank()
-        self.num_experts = num_experts
+        self.num_experts, self.num_shared = num_experts, num_shared
         self.expert_parallel = get_expert_parallel() and tp > 1
         if self.expert_parallel:
             if num_experts % tp:
@@ -131,6 +133,9 @@ class FusedMoE(nn.Module):
             self.num_local_experts, self.expert_start = num_experts, 0
             self.inter = divide(intermediate_size, tp, "expert intermediate size")
             self.inter_start = rank * self.inter
+        if num_shared and (self.expert_parallel or not folds_shared_experts(quant_method)):
+            raise ValueError("shared experts stack with unquantized tensor-parallel experts only")
+        self.num_stacked = self.num_local_experts + num_shared
         self.full_inter = intermediate_size
         self.quant_method = experts_method(quant_method)
         self.act_dtype = torch.get_default_dtype()  # the model's (activations, scales)
@@ -146,10 +151,10 @@ class FusedMoE(nn.Module):
         """One expert's tensor into its slot: this rank's slice of the intermediate features
         (``param.inter_dim``, ``param.inter_factor`` features an index), gate and up side by
         side; another rank's expert is skipped."""
-        if shard not in SHARDS or not 0 <= expert < self.num_experts:
+        if shard not in SHARDS or not 0 <= expert < self.num_experts + self.num_shared:
             raise ValueError(f"bad expert weight: shard {shard!r}, expert {expert}")
-        local = expert - self.expert_start
-        if not 0 <= local < self.num_local_experts:
+        local = expert - self.expert_start  # shared experts: only without expert parallelism
+        if not 0 <= local < self.num_stacked:
             return  # another rank's expert
         dim, factor = param.inter_dim, param.inter_factor
         dst = param.data[local]
@@ -173,9 +178,33 @@ class FusedMoE(nn.Module):
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, k] router weights
         ids: torch.Tensor,  # [T, k] expert ids
-    ) -> torch.Tensor:  # [T, H] this rank's partial sum
+    ) -> torch.Tensor:  # [T, H] this rank's partial sum, shared experts included
         ids = ids - self.expert_start if self.expert_start else ids
-        return self.quant_method.apply(self, x, weights, ids)
+        if not self.num_shared:
+            return self.quant_method.apply(self, x, weights, ids)
+        if self.folds_shared(x.shape[0], ids.shape[1]):  # decode: one launch a projection
+            return self.quant_method.apply(self, x, weights, ids, num_shared=self.num_shared)
+        return self.quant_method.apply(self, x, weights, ids) + self.shared_mlp(x)
+
+    def folds_shared(self, num_tokens: int, top_k: int) -> bool:
+        """Whether a step runs the shared experts as every token's extra choices, in the
+        routed experts' launches (the few-token GEMV path; the same rule on every device);
+        else ``shared_mlp`` runs them as one dense MLP."""
+        from lightwell.kernels.moe_gemv import use_gemv
+
+        return use_gemv(num_tokens, top_k + self.num_shared, self.num_stacked)
+
+    def shared_mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        """The shared experts on every token as dense matmuls over their stacked weights
+        (steps too large for ``folds_shared``): one gate/up matmul, one down matmul each."""
+        start, count, inter = self.num_local_experts, self.num_shared, self.inter
+        w13 = self.w13_weight[start:].reshape(count * 2 * inter, -1)  # [S * 2I, H]
+        gate_up = F.linear(x, w13).view(-1, 2 * inter)  # [T * S, 2I]
+        act = SiluAndMul()(gate_up).view(x.shape[0], count, inter)  # [T, S, I]
+        out = F.linear(act[:, 0], self.w2_weight[start])
+        for s in range(1, count):
+            out = out + F.linear(act[:, s], self.w2_weight[start + s])
+        return out
 
     @property
     def cuda_graph_safe(self) -> bool:
@@ -185,7 +214,8 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"experts={self.num_local_experts}/{self.num_experts}, intermediate={self.inter}, "
+            f"experts={self.num_local_experts}/{self.num_experts}, shared={self.num_shared}, "
+            f"intermediate={self.inter}, "
             f"expert_parallel={self.expert_parallel}, {type(self.quant_method).__name__}"
         )
 
@@ -196,9 +226,23 @@ def moe_loop(
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k]
     ids: torch.Tensor,  # [T, k] local expert ids (outside [0, E): another rank's, skipped)
+    num_shared: int = 0,  # the last S experts: every token's, weight 1
 ) -> torch.Tensor:  # [T, H]
     """Tokens sorted by expert, one matmul pair per expert that has tokens (torch, any device)."""
+    if num_shared:
+        num_experts, num_tokens = w13.shape[0], ids.shape[0]
+        shared = torch.arange(num_experts - num_shared, num_experts, device=ids.device)
+        ids = torch.cat([ids, shared.to(ids.dtype).expand(num_tokens, num_shared)], 1)
+        weights = torch.cat([weights, weights.new_ones(num_tokens, num_shared)], 1)
     return moe_loop_by(x, lambda e: (w13[e], w2[e]), w13.shape[0], weights, ids)
+
+
+def folds_shared_experts(linear_method: Any) -> bool:
+    """Whether a model whose linears use ``linear_method`` may stack DeepSeek's shared
+    experts with the routed ones (``FusedMoE(num_shared=...)``): its experts and its shared MLP
+    alike unquantized, and no expert parallelism (a rank holds a slice of every expert)."""
+    tp_sliced = not (get_expert_parallel() and get_tp_size() > 1)
+    return tp_sliced and type(linear_method).__name__ in ("NoneType", "UnquantizedLinearMethod")
 
 
 def moe_loop_by(

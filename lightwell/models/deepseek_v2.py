@@ -5,7 +5,9 @@ mixture-of-experts MLPs with shared experts.
 The first ``first_k_dense_replace`` layers have a dense MLP of ``intermediate_size``; the
 others (every ``moe_layer_freq``-th) route to ``num_experts_per_tok`` of ``n_routed_experts``
 experts of ``moe_intermediate_size`` plus ``n_shared_experts`` always-on ones (one MLP of
-``n_shared_experts * moe_intermediate_size``), weights times ``routed_scaling_factor``.
+``n_shared_experts * moe_intermediate_size``; unquantized, stacked after the routed experts as
+weight-1 choices of every token: ``lightwell/models/moe_blocks.py``), routed weights times
+``routed_scaling_factor``.
 Routing: V2 softmax, ``topk_method`` "greedy" or "group_limited_greedy" (the ``topk_group``
 best of ``n_group`` groups by their best expert); V3 ("noaux_tc") sigmoid scores plus
 ``e_score_correction_bias`` for the choice, groups ranked by their two best, weights
@@ -36,6 +38,7 @@ from lightwell.models.moe_blocks import (
     gated_mlp,
     hf_skip,
     load_moe_weights,
+    shared_as_experts,
 )
 from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
 from lightwell.quant import checkpoint_quant_config
@@ -76,6 +79,7 @@ class DeepseekV2DecoderLayer(MoEDecoderLayer):
             config.moe_intermediate_size,
             quant_method,
             shared=("shared_experts", shared * config.moe_intermediate_size) if shared else None,
+            shared_experts=shared,
             correction_bias=router_of(config).scoring == "sigmoid",
             router_fp32=True,
         )
@@ -103,11 +107,16 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_moe_weights(
             self,
-            self._kv_b_dequantized(self._without_mtp(weights)),
-            {"gate_up_proj": ["gate_proj", "up_proj"]},
+            shared_as_experts(self, self._kv_b_dequantized(self._without_mtp(weights))),
+            {"gate_up_proj": ["gate_proj", "up_proj"], **self._packed_attention()},
             EXPERT_NAMES,
             hf_skip(self),
         )
+
+    def _packed_attention(self) -> dict[str, list[str]]:
+        """The attention's fused projections (``MLAttention.packed_names``: every layer alike)."""
+        attn = next((m for m in self.modules() if isinstance(m, MLAttention)), None)
+        return attn.packed_names if attn is not None else {}
 
     def _without_mtp(
         self, weights: Iterable[tuple[str, torch.Tensor]]

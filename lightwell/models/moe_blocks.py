@@ -5,6 +5,12 @@ of HF's per-expert checkpoint tensors to the stacked expert weights.
 optionally a shared expert (DeepSeek's ``shared_experts``; Qwen2-MoE's ``shared_expert`` scaled
 per token by ``sigmoid(shared_expert_gate(x))``). Its ``partial`` is this rank's partial sum of
 all of them: one all-reduce for the whole block, consumed by the next norm like a dense MLP's.
+
+DeepSeek's shared MLP of ``S * I`` features is the sum of S experts of the routed size I (its
+down projection is linear over the features): with unquantized weights and no expert
+parallelism they are stacked after the routed experts (``FusedMoE(num_shared=S)``, loaded by
+``shared_as_experts``), every token's extra choices with weight 1, so a decode step runs them in
+the routed experts' launches; otherwise the shared MLP stays a module of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from torch import nn
 
 from lightwell.distributed.parallel_state import tp_all_reduce
 from lightwell.layers.linear import ReplicatedLinear
-from lightwell.layers.moe import FusedMoE, RouterConfig, select_experts
+from lightwell.layers.moe import FusedMoE, RouterConfig, folds_shared_experts, select_experts
 from lightwell.layers.norm import RMSNorm, pre_norm, reduce_norm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.models.llama import LlamaMLP
@@ -81,6 +87,7 @@ class MoEBlock(nn.Module):
         quant_method: QuantMethod | None,
         *,
         shared: tuple[str, int] | None = None,  # (attribute name, intermediate size)
+        shared_experts: int = 0,  # DeepSeek: shared experts of the routed size (with ``shared``)
         shared_gate: bool = False,  # Qwen2-MoE: sigmoid(shared_expert_gate(x)) per token
         correction_bias: bool = False,  # DeepSeek-V3: gate.e_score_correction_bias
         router_fp32: bool = False,  # the router's weight and logits in fp32 (DeepSeek)
@@ -91,7 +98,13 @@ class MoEBlock(nn.Module):
         num_experts = num_experts_of(config)
         self.router = router
         self.gate = Router(config.hidden_size, num_experts, router_fp32, correction_bias)
-        self.experts = FusedMoE(num_experts, config.hidden_size, intermediate_size, quant_method)
+        if shared_experts and folds_shared_experts(quant_method):
+            shared = None  # stacked after the routed experts, run in their launches
+        else:
+            shared_experts = 0
+        self.experts = FusedMoE(
+            num_experts, config.hidden_size, intermediate_size, quant_method, shared_experts
+        )
         self.shared_name = shared[0] if shared else None
         if shared:
             setattr(self, shared[0], gated_mlp(config, shared[1], quant_method))
@@ -221,9 +234,35 @@ def load_moe_weights(
     for target, shards in seen.items():
         module = model.get_submodule(target.rsplit(".", 1)[0])
         per_expert = 1 if target.rsplit(".", 1)[1].startswith("w2_") else 2
-        if len(shards) == per_expert * module.num_experts:
+        if len(shards) == per_expert * (module.num_experts + module.num_shared):
             loaded.add(target)
     return loaded
+
+
+_SHARED = re.compile(r"^(.*)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def shared_as_experts(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek's ``...mlp.shared_experts.{proj}.weight`` ([S * I, H]; down [H, S * I]) as S
+    per-expert tensors ``...mlp.experts.{E + s}.{proj}.weight`` where that block stacks its
+    shared experts (``FusedMoE.num_shared``); other tensors unchanged."""
+    stacked = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, FusedMoE) and module.num_shared
+    }
+    for name, tensor in weights:
+        match = _SHARED.match(name)
+        experts = stacked.get(f"{match.group(1)}.experts") if match else None
+        if experts is None:
+            yield name, tensor
+            continue
+        prefix, proj = match.group(1), match.group(2)
+        dim = 1 if proj == "down_proj" else 0
+        for s, part in enumerate(tensor.chunk(experts.num_shared, dim)):
+            yield f"{prefix}.experts.{experts.num_experts + s}.{proj}.weight", part
 
 
 IGNORED_EXPERT_TENSORS = ("g_idx", "weight_shape")

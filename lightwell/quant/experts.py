@@ -42,7 +42,7 @@ def add_expert_param(
     inter_dim: int | None,
     inter_factor: int = 1,
 ) -> nn.Parameter:
-    param = nn.Parameter(torch.empty(layer.num_local_experts, *shape, dtype=dtype), False)
+    param = nn.Parameter(torch.empty(layer.num_stacked, *shape, dtype=dtype), False)
     attrs = {"inter_dim": inter_dim, "inter_factor": inter_factor}
     set_weight_attrs(param, {**attrs, "weight_loader": layer.weight_loader})
     layer.register_parameter(name, param)
@@ -67,7 +67,7 @@ class UnquantizedExperts:
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, k]
         ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA)
+        **options: Any,  # fused_moe's tile options (CUDA); num_shared: the shared experts
     ) -> torch.Tensor:  # [T, H]
         if x.is_cuda:
             from lightwell.kernels.fused_moe import fused_moe
@@ -75,7 +75,8 @@ class UnquantizedExperts:
             return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, **options)
         from lightwell.layers.moe import moe_loop
 
-        return moe_loop(x, layer.w13_weight, layer.w2_weight, weights, ids)
+        shared = options.get("num_shared", 0)
+        return moe_loop(x, layer.w13_weight, layer.w2_weight, weights, ids, shared)
 
 
 class Fp8BlockExperts(UnquantizedExperts):

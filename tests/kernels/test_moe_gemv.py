@@ -75,3 +75,28 @@ def test_fused_moe_routes_few_tokens_to_gemv():
     assert torch.equal(routed, moe_gemv(x, w13, w2, weights, ids))
     grouped = fused_moe(x, w13, w2, weights, ids, gemv=False, block_m=16, block_n=16, block_k=16)
     assert _rel_err(routed, grouped) < TOL[x.dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP16])
+def test_shared_experts_ride_in_the_routed_launches(dtype):
+    """``num_shared`` S: the last S experts of the stack are every token's, weight 1, after
+    its k routed ones (ids hold only the routed): the same as the reference over the ids and
+    weights extended by them, and as the routed result plus each shared expert alone."""
+    from lightwell.kernels.fused_moe import with_shared
+
+    x, w13, w2, weights, ids = _case(2, 2, 10, 40, 24, dtype, seed=11)
+    ids = ids % 8  # routed experts 0-7; 8 and 9 are the shared ones
+    configs = ((8, 16, 1, 1), (16, 16, 1, 1))
+    got = fused_moe(x, w13, w2, weights, ids, gemv_configs=configs, num_shared=2)
+    wide_w, wide_ids = with_shared(weights, ids, 10, 2)
+    assert wide_ids[:, 2:].tolist() == [[8, 9]] * 2 and wide_w[:, 2:].eq(1).all()
+    want = fused_moe_ref(x, w13, w2, wide_w, wide_ids)
+    assert _rel_err(got, want) < TOL[dtype]
+    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, num_shared=2), want)
+    routed = fused_moe_ref(x, w13, w2, weights, ids)
+    ones = torch.ones(2, 1, device=DEVICE)
+    alone = [fused_moe_ref(x, w13, w2, ones, torch.full_like(ids[:, :1], e)) for e in (8, 9)]
+    assert _rel_err(got, routed.float() + alone[0].float() + alone[1].float()) < TOL[dtype]
+    assert not use_gemv(3, 2 + 2, 10)  # more pairs than experts: the grouped path refuses
+    with pytest.raises(ValueError, match="GEMV path only"):
+        fused_moe(x, w13, w2, weights, ids, gemv=False, num_shared=2)
