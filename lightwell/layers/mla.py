@@ -37,7 +37,7 @@ from lightwell.layers.linear import (
 )
 from lightwell.layers.norm import RMSNorm
 from lightwell.layers.rotary import RotaryEmbedding
-from lightwell.quant.base import QuantMethod, UnquantizedLinearMethod
+from lightwell.quant.base import QuantMethod, is_unquantized
 
 
 class LatentAttention(Attention):
@@ -149,9 +149,8 @@ class MLAttention(nn.Module):
         (``fused_qkv_a_proj``, its members in ``packed_names``), else two linears."""
         first = "q_a_proj" if self.q_lora_rank else "q_proj"
         latent = self.rank + self.rope
-        plain = quant_method is None or isinstance(quant_method, UnquantizedLinearMethod)
         self.packed_names = {"fused_qkv_a_proj": [first, "kv_a_proj_with_mqa"]}
-        if plain and not bias:
+        if is_unquantized(quant_method) and not bias:
             sizes, sharded = [self.q_lora_rank or q_size, latent], [not self.q_lora_rank, False]
             self.fused_qkv_a_proj = SplitReplicatedLinear(hidden, sizes, sharded, quant_method)
             return

@@ -32,6 +32,7 @@ from torch import nn
 from lightwell.distributed.parallel_state import get_expert_parallel, get_tp_rank, get_tp_size
 from lightwell.layers.activation import SiluAndMul
 from lightwell.layers.linear import divide
+from lightwell.quant.base import is_unquantized
 from lightwell.quant.experts import experts_method
 
 SHARDS = {"gate": 0, "up": 1, "down": 2}
@@ -242,7 +243,7 @@ def folds_shared_experts(linear_method: Any) -> bool:
     experts with the routed ones (``FusedMoE(num_shared=...)``): its experts and its shared MLP
     alike unquantized, and no expert parallelism (a rank holds a slice of every expert)."""
     tp_sliced = not (get_expert_parallel() and get_tp_size() > 1)
-    return tp_sliced and type(linear_method).__name__ in ("NoneType", "UnquantizedLinearMethod")
+    return tp_sliced and is_unquantized(linear_method)
 
 
 def moe_loop_by(

@@ -112,6 +112,12 @@ class UnquantizedLinearMethod:
         return gemv(gate_up, layer.weight, bias, silu_mul=True)
 
 
+def is_unquantized(method: Any) -> bool:
+    """Whether a layer with linear method ``method`` keeps plain model-dtype weights (None or
+    ``UnquantizedLinearMethod`` itself; its subclasses quantize online)."""
+    return method is None or type(method) is UnquantizedLinearMethod
+
+
 # A CUDA bf16/fp16 matmul of at most SKINNY_GEMM_MAX_ROWS rows (batch-1 decode) runs on
 # kernels/gemv.py instead of cuBLAS: faster than cuBLAS at one row on every llama-3-8b shape
 # (TP=1 and TP=2, the LM head included); even or slower at 2 rows and much slower at 4.

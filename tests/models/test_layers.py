@@ -11,6 +11,7 @@ from lightwell.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    SplitReplicatedLinear,
 )
 from lightwell.layers.norm import RMSNorm
 from lightwell.layers.rotary import get_rope
@@ -71,6 +72,28 @@ def test_merged_and_row_shards(ranks):
         assert torch.equal(row.bias, torch.arange(4.0))  # replicated
     with pytest.raises(ValueError, match="shape mismatch.*\\(5, 4\\)"):
         merged.weight_loader(merged.weight, torch.zeros(5, 4), 1)
+
+
+def test_split_replicated_holds_its_query_rows_and_the_whole_latent(ranks):
+    """MLA's fused q / kv_a projection: rank r of 2 holds its half of q's rows, then every
+    latent row; a checkpoint storing the fused tensor loads the same; the output is both
+    projections side by side."""
+    q, kv = torch.randn(8, 5), torch.randn(3, 5)
+    x = torch.randn(2, 5)
+    for rank in range(2):
+        layer = ranks(rank, 2, lambda: SplitReplicatedLinear(5, [8, 3], [True, False]))
+        layer.weight_loader(layer.weight, q, 0)
+        layer.weight_loader(layer.weight, kv, 1)
+        assert layer.output_partition_sizes == [4, 3]
+        assert torch.equal(layer.weight, torch.cat([q[rank * 4 : rank * 4 + 4], kv]))
+        fused = ranks(rank, 2, lambda: SplitReplicatedLinear(5, [8, 3], [True, False]))
+        fused.weight_loader(fused.weight, torch.cat([q, kv]))
+        assert torch.equal(fused.weight, layer.weight)
+        torch.testing.assert_close(layer(x), x @ layer.weight.t())
+    whole = ranks(0, 1, lambda: SplitReplicatedLinear(5, [8, 3], [True, False]))
+    assert whole.output_partition_sizes == [8, 3]
+    with pytest.raises(ValueError, match="output size \\(8\\) is not divisible by 3"):
+        ranks(0, 3, lambda: SplitReplicatedLinear(5, [8, 3], [True, False]))
 
 
 def test_vocab_shards_pad_and_zero(ranks):

@@ -64,6 +64,62 @@ def test_expert_loop_split_over_ranks_sums_to_the_whole():
     torch.testing.assert_close(whole, ref)
 
 
+def test_shared_experts_stacked_after_the_routed_equal_the_shared_mlp():
+    """DeepSeek's shared MLP of 2 x 8 features as 2 stacked experts of 8 (its checkpoint
+    tensors split by ``shared_as_experts``): a one-token step runs them as weight-1 choices
+    (``folds_shared``), a larger one as a dense MLP; both equal the routed experts plus the
+    shared MLP computed whole. Quantized linears or expert parallelism keep the shared MLP."""
+    from lightwell.distributed.parallel_state import (
+        init_tp_group,
+        reset_tp_group,
+        set_expert_parallel,
+    )
+    from lightwell.layers.moe import FusedMoE, folds_shared_experts
+    from lightwell.models.moe_blocks import shared_as_experts
+    from lightwell.quant.int8 import Int8WeightOnlyMethod
+
+    torch.manual_seed(2)
+    hidden, inter, experts, shared = 16, 8, 4, 2
+    model, moe = torch.nn.Module(), torch.nn.Module()
+    model.mlp, moe.experts = moe, FusedMoE(experts, hidden, inter, num_shared=shared)
+    w13, w2 = torch.randn(experts, 2 * inter, hidden), torch.randn(experts, hidden, inter)
+    gate, up = torch.randn(2, shared * inter, hidden).unbind(0)  # the shared MLP's tensors
+    down = torch.randn(hidden, shared * inter)
+    for e in range(experts):
+        for shard, w in (("gate", w13[e, :inter]), ("up", w13[e, inter:]), ("down", w2[e])):
+            moe.experts.weight_loader(moe.experts.w13_weight if shard != "down"
+                                      else moe.experts.w2_weight, w, shard, e)  # fmt: skip
+    names = {"gate_proj": gate, "up_proj": up, "down_proj": down}
+    split = list(
+        shared_as_experts(model, [(f"mlp.shared_experts.{n}.weight", t) for n, t in names.items()])
+    )
+    assert [n for n, _ in split][:2] == [
+        "mlp.experts.4.gate_proj.weight",
+        "mlp.experts.5.gate_proj.weight",
+    ]
+    for name, tensor in split:
+        _, _, e, proj, _ = name.split(".")
+        param = moe.experts.w2_weight if proj == "down_proj" else moe.experts.w13_weight
+        moe.experts.weight_loader(param, tensor, proj.split("_")[0], int(e))
+    for tokens in (1, 5):
+        x, weights = torch.randn(tokens, hidden), torch.rand(tokens, 2)
+        ids = torch.stack([torch.randperm(experts)[:2] for _ in range(tokens)])
+        want = moe_loop(x, w13, w2, weights, ids)
+        want += (torch.nn.functional.silu(x @ gate.t()) * (x @ up.t())) @ down.t()
+        assert moe.experts.folds_shared(tokens, 2) == (tokens == 1)
+        torch.testing.assert_close(moe.experts(x, weights, ids), want)
+    assert folds_shared_experts(None) and not folds_shared_experts(Int8WeightOnlyMethod())
+    init_tp_group(0, 2)
+    set_expert_parallel(True)
+    try:
+        assert not folds_shared_experts(None)
+        with pytest.raises(ValueError, match="shared experts stack with unquantized"):
+            FusedMoE(experts, hidden, inter, num_shared=shared)
+    finally:
+        set_expert_parallel(False)
+        reset_tp_group()
+
+
 def test_latent_cache_sizes_the_kv_blocks(tmp_path):
     """A DeepSeek layer caches kv_lora_rank + rope dims (32 + 8) a token: the block count for a
     memory budget follows from that, not from the expanded heads (4 x (24 + 20) x 2)."""
