@@ -6,8 +6,8 @@ top-k experts of one token). One device call, a few minutes:
     run(command="python3 -m benchmarks.workloads.moe --out $OUT/moe.json")
 
 ``--models`` picks presets (default mixtral-8x7b,deepseek-v2-lite); ``--w2-requests`` the
-throughput run's size (default 256 x (1,024 in, 256 out)); ``--budget-s`` skips what starts
-later. Results: benchmarks/results/W6_moe_h200.json.
+throughput run's size (default 256 x (1,024 in, 256 out); 0: W1 only); ``--budget-s`` skips
+what starts later. Results: benchmarks/results/W6_moe_h200.json.
 """
 
 from __future__ import annotations
@@ -97,6 +97,8 @@ def run_model(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
                        **common))  # fmt: skip
     _save(args, rows)
     n = args.w2_requests
+    if n == 0:  # W1 only
+        return
     t0 = time.perf_counter()
     outs = llm.generate(prompts(n, 1024, vocab, 7), sp, use_tqdm=False)
     wall = time.perf_counter() - t0

@@ -5,6 +5,9 @@
 (block FP8, packed int4 with group scales): its ``quant_method`` (``lightwell/quant/experts.py``)
 creates them from the model's linear method and runs the experts. Its ``weight_loader`` takes
 HF's per-expert tensors (``experts.{e}.gate_proj.weight`` ...) with ``(shard, expert)``.
+With ``num_shared`` S (DeepSeek's shared experts, unquantized, tensor parallel only) the stack
+holds S more experts after the routed ones, which every token uses with weight 1: in the routed
+experts' launches when the step takes the few-token GEMV path, as a dense MLP otherwise.
 
 Parallelism, over the tensor-parallel ranks (every rank sees every token, as in the attention):
   - tensor parallel (default): each rank holds a slice ``I / tp`` of every expert;

@@ -28,7 +28,7 @@ from torch import nn
 
 from lightwell.distributed.pipeline import is_last_stage
 from lightwell.layers.mla import MLAttention
-from lightwell.layers.moe import RouterConfig
+from lightwell.layers.moe import FusedMoE, RouterConfig
 from lightwell.layers.rotary import get_rope
 from lightwell.models.hf_config import get_rope_config
 from lightwell.models.llama import LlamaForCausalLM, LlamaModel
@@ -38,7 +38,6 @@ from lightwell.models.moe_blocks import (
     gated_mlp,
     hf_skip,
     load_moe_weights,
-    shared_as_experts,
 )
 from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
 from lightwell.quant import checkpoint_quant_config
@@ -65,6 +64,32 @@ def router_of(config: Any) -> RouterConfig:
         group_score="top2" if method == "noaux_tc" else "max",
         scaling=float(getattr(config, "routed_scaling_factor", 1.0) or 1.0),
     )
+
+
+_SHARED = re.compile(r"^(.*)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def shared_as_experts(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """DeepSeek's ``...mlp.shared_experts.{proj}.weight`` ([S * I, H]; down [H, S * I]) as S
+    per-expert tensors ``...mlp.experts.{E + s}.{proj}.weight`` where that block stacks its
+    shared experts (``FusedMoE.num_shared``); other tensors unchanged."""
+    stacked = {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, FusedMoE) and module.num_shared
+    }
+    for name, tensor in weights:
+        match = _SHARED.match(name)
+        experts = stacked.get(f"{match.group(1)}.experts") if match else None
+        if experts is None:
+            yield name, tensor
+            continue
+        prefix, proj = match.group(1), match.group(2)
+        dim = 1 if proj == "down_proj" else 0
+        for s, part in enumerate(tensor.chunk(experts.num_shared, dim)):
+            yield f"{prefix}.experts.{experts.num_experts + s}.{proj}.weight", part
 
 
 class DeepseekV2DecoderLayer(MoEDecoderLayer):

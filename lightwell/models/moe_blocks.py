@@ -6,11 +6,8 @@ optionally a shared expert (DeepSeek's ``shared_experts``; Qwen2-MoE's ``shared_
 per token by ``sigmoid(shared_expert_gate(x))``). Its ``partial`` is this rank's partial sum of
 all of them: one all-reduce for the whole block, consumed by the next norm like a dense MLP's.
 
-DeepSeek's shared MLP of ``S * I`` features is the sum of S experts of the routed size I (its
-down projection is linear over the features): with unquantized weights and no expert
-parallelism they are stacked after the routed experts (``FusedMoE(num_shared=S)``, loaded by
-``shared_as_experts``), every token's extra choices with weight 1, so a decode step runs them in
-the routed experts' launches; otherwise the shared MLP stays a module of its own.
+DeepSeek's shared experts (``shared_experts``) are stacked after the routed ones where
+``folds_shared_experts`` allows (``FusedMoE(num_shared=S)``; ``lightwell/models/deepseek_v2.py``).
 """
 
 from __future__ import annotations
@@ -237,32 +234,6 @@ def load_moe_weights(
         if len(shards) == per_expert * (module.num_experts + module.num_shared):
             loaded.add(target)
     return loaded
-
-
-_SHARED = re.compile(r"^(.*)\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def shared_as_experts(
-    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """DeepSeek's ``...mlp.shared_experts.{proj}.weight`` ([S * I, H]; down [H, S * I]) as S
-    per-expert tensors ``...mlp.experts.{E + s}.{proj}.weight`` where that block stacks its
-    shared experts (``FusedMoE.num_shared``); other tensors unchanged."""
-    stacked = {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, FusedMoE) and module.num_shared
-    }
-    for name, tensor in weights:
-        match = _SHARED.match(name)
-        experts = stacked.get(f"{match.group(1)}.experts") if match else None
-        if experts is None:
-            yield name, tensor
-            continue
-        prefix, proj = match.group(1), match.group(2)
-        dim = 1 if proj == "down_proj" else 0
-        for s, part in enumerate(tensor.chunk(experts.num_shared, dim)):
-            yield f"{prefix}.experts.{experts.num_experts + s}.{proj}.weight", part
 
 
 IGNORED_EXPERT_TENSORS = ("g_idx", "weight_shape")

@@ -75,7 +75,7 @@ def test_shared_experts_stacked_after_the_routed_equal_the_shared_mlp():
         set_expert_parallel,
     )
     from lightwell.layers.moe import FusedMoE, folds_shared_experts
-    from lightwell.models.moe_blocks import shared_as_experts
+    from lightwell.models.deepseek_v2 import shared_as_experts
     from lightwell.quant.int8 import Int8WeightOnlyMethod
 
     torch.manual_seed(2)
