@@ -1,5 +1,6 @@
-"""MLA's per-token work around the latent attention of a decode step, in three launches
-(lightwell/layers/mla.py runs them on CUDA for decode-only steps; torch ops otherwise):
+"""MLA's per-token work around the latent attention of a decode step, in two launches
+(lightwell/layers/mla.py runs ``prepare_decode`` and ``absorb_output`` on CUDA for decode-only
+steps; torch ops otherwise):
 
 - ``latent_entry``: the kv_a projection's output ``[T, L + P]`` becomes the cache entry: the
   latent through kv_a_layernorm (kernels/rmsnorm.py's rounding) and RoPE on ``k_pe``
@@ -10,6 +11,9 @@
   ``q_pe``. Grid (heads, token tiles, L chunks): many programs even for one token.
 - ``absorb_output``: the latent output ``[T, H, L]`` becomes ``[T, H * V]``: ``o @ W_UV^T`` per
   head; grid (heads, token tiles, 32-wide value chunks).
+
+- ``prepare_decode``: ``absorb_query``'s programs, then one program a token doing
+  ``latent_entry``'s work (its store only): both in one launch.
 
 ``W_UK`` and ``W_UV`` are read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]`` (head
 h's rows: N key rows, then V value rows). Products accumulate in fp32 and round once.
@@ -55,6 +59,41 @@ def _pairs(HALF_PAD: tl.constexpr, ROPE: tl.constexpr, IS_NEOX: tl.constexpr):
 
 
 @triton.jit
+def _entry_row(
+    t, kv_ptr, w_ptr, pos_ptr, cs_ptr, entry_ptr, cache_ptr, slot_ptr, stride_kv, stride_e,
+    stride_cs, eps, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
+    HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, STORE: tl.constexpr, ENTRY: tl.constexpr,
+):  # fmt: skip
+    """Token ``t``'s latent entry: written to ``entry`` (ENTRY) and its cache slot (STORE)."""
+    t = t.to(tl.int64)
+    lat = tl.arange(0, BLOCK_L)
+    lat_ok = lat < LATENT
+    c = tl.load(kv_ptr + t * stride_kv + lat, mask=lat_ok, other=0.0)
+    w = tl.load(w_ptr + lat, mask=lat_ok, other=0.0).to(tl.float32)
+    c = norm_row(c, w, eps, LATENT).to(kv_ptr.dtype.element_ty)
+    pos = tl.load(pos_ptr + t + tl.arange(0, 1))  # [1]
+    cos, sin, ok = _cos_sin(cs_ptr, pos, stride_cs, pos >= 0, ROPE, HALF_PAD)
+    off1, off2 = _pairs(HALF_PAD, ROPE, IS_NEOX)
+    pe = kv_ptr + t * stride_kv + LATENT
+    x1 = tl.load(pe + off1[None, :], mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(pe + off2[None, :], mask=ok, other=0.0).to(tl.float32)
+    o1 = (x1 * cos - x2 * sin).to(kv_ptr.dtype.element_ty)
+    o2 = (x2 * cos + x1 * sin).to(kv_ptr.dtype.element_ty)
+    if ENTRY:
+        row = entry_ptr + t * stride_e
+        tl.store(row + lat, c, mask=lat_ok)
+        tl.store(row + LATENT + off1[None, :], o1, mask=ok)
+        tl.store(row + LATENT + off2[None, :], o2, mask=ok)
+    if STORE:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        if slot >= 0:
+            dst = cache_ptr + slot * (LATENT + ROPE)
+            tl.store(dst + lat, c.to(cache_ptr.dtype.element_ty), mask=lat_ok)
+            tl.store(dst + LATENT + off1[None, :], o1.to(cache_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + LATENT + off2[None, :], o2.to(cache_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _latent_entry_kernel(
     kv_ptr,  # [T, L + P]
     w_ptr,  # [L] kv_a_layernorm's weight
@@ -74,31 +113,45 @@ def _latent_entry_kernel(
     IS_NEOX: tl.constexpr,
     STORE: tl.constexpr,
 ):
-    t = tl.program_id(0).to(tl.int64)
-    lat = tl.arange(0, BLOCK_L)
-    lat_ok = lat < LATENT
-    c = tl.load(kv_ptr + t * stride_kv + lat, mask=lat_ok, other=0.0)
-    w = tl.load(w_ptr + lat, mask=lat_ok, other=0.0).to(tl.float32)
-    c = norm_row(c, w, eps, LATENT).to(entry_ptr.dtype.element_ty)
-    pos = tl.load(pos_ptr + t + tl.arange(0, 1))  # [1]
-    cos, sin, ok = _cos_sin(cs_ptr, pos, stride_cs, pos >= 0, ROPE, HALF_PAD)
-    off1, off2 = _pairs(HALF_PAD, ROPE, IS_NEOX)
-    pe = kv_ptr + t * stride_kv + LATENT
-    x1 = tl.load(pe + off1[None, :], mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(pe + off2[None, :], mask=ok, other=0.0).to(tl.float32)
-    o1 = (x1 * cos - x2 * sin).to(entry_ptr.dtype.element_ty)
-    o2 = (x2 * cos + x1 * sin).to(entry_ptr.dtype.element_ty)
-    row = entry_ptr + t * stride_e
-    tl.store(row + lat, c, mask=lat_ok)
-    tl.store(row + LATENT + off1[None, :], o1, mask=ok)
-    tl.store(row + LATENT + off2[None, :], o2, mask=ok)
-    if STORE:
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            dst = cache_ptr + slot * (LATENT + ROPE)
-            tl.store(dst + lat, c.to(cache_ptr.dtype.element_ty), mask=lat_ok)
-            tl.store(dst + LATENT + off1[None, :], o1.to(cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(dst + LATENT + off2[None, :], o2.to(cache_ptr.dtype.element_ty), mask=ok)
+    _entry_row(tl.program_id(0), kv_ptr, w_ptr, pos_ptr, cs_ptr, entry_ptr, cache_ptr, slot_ptr,
+               stride_kv, stride_e, stride_cs, eps, LATENT, ROPE, BLOCK_L, HALF_PAD, IS_NEOX,
+               STORE, True)  # fmt: skip
+
+
+@triton.jit
+def _query_tile(
+    h, tile, chunk, q_ptr, w_ptr, pos_ptr, cs_ptr, out_ptr, T, stride_q, stride_cs, stride_o,
+    NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, LATENT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Head ``h``'s absorbed query for token tile ``tile``, latent chunk ``chunk`` (chunk 0
+    also its RoPE part)."""
+    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    n = tl.arange(0, BLOCK_N)
+    n_ok = n < NOPE
+    q_rows = q_ptr + t.to(tl.int64)[:, None] * stride_q + h * (NOPE + ROPE)  # [BT, 1]
+    qn = tl.load(q_rows + n[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+    o_rows = out_ptr + t.to(tl.int64)[:, None] * stride_o + h * (LATENT + ROPE)
+    r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_ok = r < LATENT
+    w_head = w_ptr + h * (NOPE + VDIM) * LATENT
+    w = tl.load(w_head + n[:, None] * LATENT + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
+                other=0.0)  # fmt: skip
+    acc = tl.dot(qn, w, input_precision=PREC)  # [BT, BR]
+    tl.store(o_rows + r[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & r_ok[None, :])  # fmt: skip
+    if chunk == 0:
+        pos = tl.load(pos_ptr + t, mask=t_ok, other=0)
+        cos, sin, ok = _cos_sin(cs_ptr, pos, stride_cs, t_ok, ROPE, HALF_PAD)
+        off1, off2 = _pairs(HALF_PAD, ROPE, IS_NEOX)
+        x1 = tl.load(q_rows + NOPE + off1[None, :], mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(q_rows + NOPE + off2[None, :], mask=ok, other=0.0).to(tl.float32)
+        tl.store(o_rows + LATENT + off1[None, :],
+                 (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
+        tl.store(o_rows + LATENT + off2[None, :],
+                 (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=ok)  # fmt: skip
 
 
 @triton.jit
@@ -123,33 +176,41 @@ def _absorb_query_kernel(
     IS_NEOX: tl.constexpr,
     PREC: tl.constexpr,
 ):
-    h, tile, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    n = tl.arange(0, BLOCK_N)
-    n_ok = n < NOPE
-    q_rows = q_ptr + t.to(tl.int64)[:, None] * stride_q + h * (NOPE + ROPE)  # [BT, 1]
-    qn = tl.load(q_rows + n[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-    o_rows = out_ptr + t.to(tl.int64)[:, None] * stride_o + h * (LATENT + ROPE)
-    r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
-    r_ok = r < LATENT
-    w_head = w_ptr + h * (NOPE + VDIM) * LATENT
-    w = tl.load(w_head + n[:, None] * LATENT + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
-                other=0.0)  # fmt: skip
-    acc = tl.dot(qn, w, input_precision=PREC)  # [BT, BR]
-    tl.store(o_rows + r[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & r_ok[None, :])  # fmt: skip
-    if chunk > 0:
-        return
-    pos = tl.load(pos_ptr + t, mask=t_ok, other=0)
-    cos, sin, ok = _cos_sin(cs_ptr, pos, stride_cs, t_ok, ROPE, HALF_PAD)
-    off1, off2 = _pairs(HALF_PAD, ROPE, IS_NEOX)
-    x1 = tl.load(q_rows + NOPE + off1[None, :], mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(q_rows + NOPE + off2[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(o_rows + LATENT + off1[None, :], (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty),
-             mask=ok)  # fmt: skip
-    tl.store(o_rows + LATENT + off2[None, :], (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty),
-             mask=ok)  # fmt: skip
+    _query_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, w_ptr, pos_ptr,
+                cs_ptr, out_ptr, T, stride_q, stride_cs, stride_o, NOPE, ROPE, VDIM, LATENT,
+                BLOCK_N, BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC)  # fmt: skip
+
+
+@triton.jit
+def _prepare_kernel(
+    q_ptr,  # [T, H * (N + P)]
+    kv_ptr,  # [T, L + P]
+    norm_ptr,  # [L] kv_a_layernorm's weight
+    w_ptr,  # [H * (N + V), L] kv_b_proj's weight
+    pos_ptr,  # [T]
+    cs_ptr,  # [max_pos, P]
+    out_ptr,  # [T, H, L + P]
+    cache_ptr,  # [num_slots, L + P]
+    slot_ptr,  # [T]; < 0: not stored
+    T, stride_q, stride_kv, stride_cs, stride_o, eps,
+    HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr,
+    LATENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_L: tl.constexpr, HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """``absorb_query``'s programs (heads x token tiles x latent chunks, flattened, heads
+    fastest), then one program a token storing its latent entry (``latent_entry``'s work)."""
+    pid = tl.program_id(0)
+    tiles = tl.cdiv(T, BLOCK_T)
+    queries = HEADS * tiles * tl.cdiv(LATENT, BLOCK_R)
+    if pid < queries:
+        rest = pid // HEADS
+        _query_tile(pid % HEADS, rest % tiles, rest // tiles, q_ptr, w_ptr, pos_ptr, cs_ptr,
+                    out_ptr, T, stride_q, stride_cs, stride_o, NOPE, ROPE, VDIM, LATENT, BLOCK_N,
+                    BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC)  # fmt: skip
+    else:
+        _entry_row(pid - queries, kv_ptr, norm_ptr, pos_ptr, cs_ptr, out_ptr, cache_ptr,
+                   slot_ptr, stride_kv, 0, stride_cs, eps, LATENT, ROPE, BLOCK_L, HALF_PAD,
+                   IS_NEOX, True, False)  # fmt: skip
 
 
 @triton.jit
@@ -251,6 +312,43 @@ def absorb_query(
             LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=block_t,
             BLOCK_R=block_r, HALF_PAD=_half_pad(rope), IS_NEOX=is_neox_style,
             PREC=_prec(q.dtype),
+        )  # fmt: skip
+    return out
+
+
+def prepare_decode(
+    positions: torch.Tensor,  # [T]
+    q: torch.Tensor,  # [T, H * (N + P)]
+    kv: torch.Tensor,  # [T, L + P] kv_a_proj_with_mqa's output
+    norm: tuple[torch.Tensor, float],  # kv_a_layernorm's weight [L] and eps
+    kv_b_weight: torch.Tensor,  # [H * (N + V), L]
+    dims: tuple[int, int, int],  # (N, P, V)
+    rope: tuple[torch.Tensor, bool],  # cos_sin_cache [max_pos, P], is_neox_style
+    kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
+    slot_mapping: torch.Tensor,  # [T]; < 0: not stored
+) -> torch.Tensor:  # [T, H, L + P] the absorbed queries
+    """``latent_entry`` (stored into the cache, not returned) and ``absorb_query`` in one
+    launch: the same values, bit for bit."""
+    nope, rope_dim, vdim = dims
+    num_tokens, width = kv.shape
+    heads, latent = kv_b_weight.shape[0] // (nope + vdim), kv_b_weight.shape[1]
+    bad_q = q.shape[1] != heads * (nope + rope_dim) or q.stride(1) != 1
+    if bad_q or not kv_b_weight.is_contiguous() or kv.stride(1) != 1:
+        raise ValueError(f"prepare_decode: q {tuple(q.shape)} does not fit {heads} heads")
+    if width != latent + rope_dim or kv_cache.shape[-1] != width or rope[0].shape[1] != rope_dim:
+        raise ValueError(f"prepare_decode: kv {tuple(kv.shape)} does not fit the latent cache")
+    out = q.new_empty(num_tokens, heads, width)
+    if num_tokens:
+        block_r = min(BLOCK_R, max(16, triton.next_power_of_2(latent)))
+        block_t = _block_t(num_tokens)
+        queries = heads * triton.cdiv(num_tokens, block_t) * triton.cdiv(latent, block_r)
+        _prepare_kernel[(queries + num_tokens,)](
+            q, kv, norm[0], kv_b_weight, positions, rope[0], out, kv_cache.view(-1, width),
+            slot_mapping, num_tokens, q.stride(0), kv.stride(0), rope[0].stride(0),
+            out.stride(0), norm[1], HEADS=heads, NOPE=nope, ROPE=rope_dim, VDIM=vdim,
+            LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=block_t,
+            BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(latent),
+            HALF_PAD=_half_pad(rope_dim), IS_NEOX=rope[1], PREC=_prec(q.dtype),
         )  # fmt: skip
     return out
 

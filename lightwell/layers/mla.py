@@ -6,8 +6,8 @@ RoPE key ``k_pe`` shared by every head; ``kv_b_proj`` would expand ``c`` into pe
 token and layer for DeepSeek-V2/V3), and attention runs on it with the up-projections absorbed:
 the query's no-RoPE part goes through ``W_UK`` into latent space, the latent output through
 ``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``). A decode-only step on the
-kernels runs that work around the attention in three launches (``kernels/mla_prepare.py``:
-the entry's norm, RoPE and store; the absorbed query with its RoPE; the output through
+kernels runs that work around the attention in two launches (``kernels/mla_prepare.py``:
+the entry's norm, RoPE and store with the absorbed query and its RoPE; the output through
 ``W_UV``) plus the split-KV decode kernel.
 
 Tensor parallelism splits the heads (q / kv_b / o projections); the latent and its
@@ -204,17 +204,17 @@ class MLAttention(nn.Module):
         positions: torch.Tensor,  # [T]
         hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, heads * v_dim / tp]
-        """``attend`` for a decode-only step in four launches around the projections."""
-        from lightwell.kernels.mla_prepare import absorb_output, absorb_query, latent_entry
+        """``attend`` for a decode-only step after the projections: the entry and the query
+        in one launch, the split-KV attention (one or two), the output through ``W_UV``."""
+        from lightwell.kernels.mla_prepare import absorb_output, prepare_decode
 
         rot, norm, w = self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj.weight
         slots = get_attention_metadata().slot_mapping
         query, kv = self._project(hidden)
-        latent_entry(positions, kv, norm.weight, norm.eps, rot.cos_sin_cache, rot.is_neox_style,
-                     self.attn.kv_cache, slots)  # fmt: skip
         dims = (self.nope, self.rope, self.v_dim)
-        q = absorb_query(positions, query, w, dims, rot.cos_sin_cache,
-                         rot.is_neox_style)  # fmt: skip
+        rope = (rot.cos_sin_cache, rot.is_neox_style)
+        norm_eps = (norm.weight, norm.eps)
+        q = prepare_decode(positions, query, kv, norm_eps, w, dims, rope, self.attn.kv_cache, slots)
         return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]

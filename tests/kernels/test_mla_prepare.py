@@ -1,14 +1,20 @@
 """The kernels around MLA's decode attention (kernels/mla_prepare.py) vs the layer's torch ops:
 RMSNorm + RoPE of the latent entry (and its store, padding slots skipped), the absorbed query
 (q_nope @ W_UK, RoPE on q_pe) and the absorbed output (o @ W_UV^T), both RoPE styles, token
-counts of one and of two tiles. CPU under TRITON_INTERPRET=1 (fp32), compiled on CUDA."""
+counts of one and of two tiles; the entry and the query in one launch (``prepare_decode``)
+against the two. CPU under TRITON_INTERPRET=1 (fp32/fp16), compiled on CUDA."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightwell.kernels.mla_prepare import absorb_output, absorb_query, latent_entry
+from lightwell.kernels.mla_prepare import (
+    absorb_output,
+    absorb_query,
+    latent_entry,
+    prepare_decode,
+)
 from lightwell.layers.norm import RMSNorm
 from lightwell.layers.rotary import RotaryEmbedding
 from tests.kernels.interpreter import DEVICE
@@ -59,3 +65,36 @@ def test_prepare_kernels_match_the_torch_ops(neox, tokens):
     assert got_q.shape == (tokens, HEADS, LATENT + ROPE) and _rel(got_q.cpu(), want_q) < TOL
     got_o = absorb_output(dev[4], dev[3], (NOPE, VDIM))
     assert got_o.shape == (tokens, HEADS * VDIM) and _rel(got_o.cpu(), want_o) < TOL
+
+
+LONG_LATENT = 160  # two latent chunks of absorb_query (128 + a masked 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 70])
+def test_prepare_decode_is_the_entry_and_query_launches_in_one(dtype, tokens):
+    """``prepare_decode``: the cache rows ``latent_entry`` stores (padding slots untouched) and
+    the queries ``absorb_query`` makes, bit for bit, from q and kv with strided rows (views of
+    one fused projection's output), over one and two token tiles and two latent chunks."""
+    latent = LONG_LATENT
+    gen = torch.Generator().manual_seed(30 + tokens)
+    rot = RotaryEmbedding(ROPE, ROPE, 64, 10000.0, False)
+    weight = (torch.rand(latent, generator=gen) + 0.5).to(DEVICE, dtype)
+    positions = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
+    fused = torch.randn(tokens, HEADS * (NOPE + ROPE) + latent + ROPE, generator=gen)
+    q, kv = fused.to(DEVICE, dtype).split([HEADS * (NOPE + ROPE), latent + ROPE], dim=-1)
+    w = (torch.randn(HEADS * (NOPE + VDIM), latent, generator=gen) / 8).to(DEVICE, dtype)
+    cs, dims = rot.cos_sin_cache.to(DEVICE), (NOPE, ROPE, VDIM)
+    slots = (torch.arange(tokens) * 5 % 80).to(DEVICE)
+    slots[-1] = -1 if tokens > 1 else slots[-1]  # padding: not stored
+    caches = [torch.full((1, 20, 4, 1, latent + ROPE), 7.0, device=DEVICE, dtype=dtype)
+              for _ in range(2)]  # fmt: skip
+    latent_entry(positions, kv, weight, 1e-6, cs, False, caches[0], slots)
+    want = absorb_query(positions, q, w, dims, cs, False)
+    got = prepare_decode(positions, q, kv, (weight, 1e-6), w, dims, (cs, False), caches[1], slots)
+    assert torch.equal(got, want)
+    assert torch.equal(caches[1], caches[0])
+    assert (caches[1].view(-1, latent + ROPE)[slots[slots >= 0]] != 7.0).any()
+    with pytest.raises(ValueError, match="does not fit the latent cache"):
+        prepare_decode(positions, q, kv[:, 1:], (weight, 1e-6), w, dims, (cs, False),
+                       caches[1], slots)  # fmt: skip
