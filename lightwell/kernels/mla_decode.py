@@ -189,6 +189,18 @@ def pick_num_splits(num_reqs: int, num_heads: int, max_seq_len: int, sms: int = 
     return max(1, min(MAX_SPLITS, 2 * sms // max(programs, 1), tiles))
 
 
+def _check(q, kv_cache, block_table, num_splits) -> None:
+    width = q.shape[2]
+    if kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1 or kv_cache.shape[-1] != width:
+        raise ValueError(f"latent cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
+    if (
+        not q.is_contiguous()
+        or block_table.shape[0] != q.shape[0]
+        or not 0 < num_splits <= MAX_SPLITS
+    ):
+        raise ValueError("mla_decode wants a contiguous q, a block table row per request")
+
+
 def mla_decode(
     q: torch.Tensor,  # [R, H, L + P]: one absorbed query per request
     kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
@@ -201,44 +213,66 @@ def mla_decode(
     config: Config | None = None,
 ) -> torch.Tensor:  # [R, H, L] in q.dtype
     num_reqs, num_heads, width = q.shape
-    block_size = kv_cache.shape[2]
-    if kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1 or kv_cache.shape[-1] != width:
-        raise ValueError(f"latent cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
-    if (
-        not q.is_contiguous()
-        or block_table.shape[0] != num_reqs
-        or not 0 < num_splits <= MAX_SPLITS
-    ):
-        raise ValueError("mla_decode wants a contiguous q, a block table row per request")
+    _check(q, kv_cache, block_table, num_splits)
     if out is None:
         out = q.new_empty(num_reqs, num_heads, kv_lora_rank)
     if out.shape != (num_reqs, num_heads, kv_lora_rank) or out.stride(2) != 1:
         raise ValueError(f"mla_decode: out {tuple(out.shape)} does not fit the query")
     if num_reqs == 0:
         return out
+    part, lse = _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
+                        out, config)  # fmt: skip
+    if num_splits > 1:
+        _combine_kernel[(num_reqs, num_heads)](
+            part, lse, out, num_heads, out.stride(0), out.stride(1), num_splits,
+            LATENT=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
+        )  # fmt: skip
+    return out
+
+
+def mla_decode_partials(
+    q: torch.Tensor,  # [R, H, L + P]: one absorbed query per request (contiguous)
+    kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
+    block_table: torch.Tensor,  # [R, max_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int,  # 2 or more
+    config: Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, S, H, L] fp32 partials, [R, S, H] fp32 lse)
+    """``mla_decode``'s split partials, uncombined (kernels/mla_output.py's
+    ``absorb_output_splits`` combines them in its own launch)."""
+    if not 1 < num_splits <= MAX_SPLITS or q.shape[0] == 0:
+        raise ValueError(f"mla_decode_partials: {num_splits} splits of {q.shape[0]} requests")
+    _check(q, kv_cache, block_table, num_splits)
+    return _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits, None,
+                   config)  # fmt: skip
+
+
+def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits, out, config):
+    """The decode kernel's launch: with one split it writes ``out``; with more it returns the
+    partials and their log-sum-exps."""
+    num_reqs, num_heads, width = q.shape
     block_h, block_s, warps, stages = config or pick_config(num_heads)
     rope = width - kv_lora_rank
-    block_l = max(16, triton.next_power_of_2(kv_lora_rank))
     part = lse = out  # (unread with one split)
     if num_splits > 1:
         part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
         lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
+    out = part if out is None else out  # (unwritten with several splits)
     grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_kernel[grid](
         q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, out, scale, num_heads,
-        block_table.stride(0), out.stride(0), out.stride(1), BLOCK_SIZE=block_size,
+        block_table.stride(0), out.stride(0), out.stride(1), BLOCK_SIZE=kv_cache.shape[2],
         LATENT=kv_lora_rank, ROPE=rope,
         # (tl.dot needs K >= 16: small test shapes pad the latent and RoPE tiles, masked)
-        BLOCK_L=block_l, BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
+        BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
         BLOCK_S=block_s, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
         SPLIT=num_splits > 1, num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    if num_splits > 1:
-        _combine_kernel[(num_reqs, num_heads)](
-            part, lse, out, num_heads, out.stride(0), out.stride(1), num_splits,
-            LATENT=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_L=block_l,
-        )  # fmt: skip
-    return out
+    return part, lse
 
 
 def mla_decode_ref(

@@ -1,6 +1,6 @@
-"""MLA's per-token work around the latent attention of a decode step, in two launches
-(lightwell/layers/mla.py runs ``prepare_decode`` and ``absorb_output`` on CUDA for decode-only
-steps; torch ops otherwise):
+"""MLA's per-token work before the latent attention of a decode step (lightwell/layers/mla.py
+runs ``prepare_decode`` on CUDA for decode-only steps, then the attention and
+kernels/mla_output.py's ``absorb_output``; torch ops otherwise):
 
 - ``latent_entry``: the kv_a projection's output ``[T, L + P]`` becomes the cache entry: the
   latent through kv_a_layernorm (kernels/rmsnorm.py's rounding) and RoPE on ``k_pe``
@@ -9,14 +9,11 @@ steps; torch ops otherwise):
 - ``absorb_query``: ``q [T, H * (N + P)]`` becomes the absorbed query ``[T, H, L + P]``:
   ``q_nope @ W_UK`` per head (tl.dot on 16- or 64-token tiles, L in 128-wide chunks) and RoPE on
   ``q_pe``. Grid (heads, token tiles, L chunks): many programs even for one token.
-- ``absorb_output``: the latent output ``[T, H, L]`` becomes ``[T, H * V]``: ``o @ W_UV^T`` per
-  head; grid (heads, token tiles, 32-wide value chunks).
-
 - ``prepare_decode``: ``absorb_query``'s programs, then one program a token doing
   ``latent_entry``'s work (its store only): both in one launch.
 
-``W_UK`` and ``W_UV`` are read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]`` (head
-h's rows: N key rows, then V value rows). Products accumulate in fp32 and round once.
+``W_UK`` is read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]`` (head h's rows: N key
+rows, then V value rows). Products accumulate in fp32 and round once.
 """
 
 from __future__ import annotations
@@ -35,7 +32,6 @@ def _block_t(num_tokens: int) -> int:
 
 
 BLOCK_R = 128  # latent values a chunk (absorb_query: a program each)
-BLOCK_V = 32  # value dims a program (absorb_output)
 
 
 @triton.jit
@@ -213,42 +209,6 @@ def _prepare_kernel(
                    IS_NEOX, True, False)  # fmt: skip
 
 
-@triton.jit
-def _absorb_output_kernel(
-    o_ptr,  # [T, H, L]
-    w_ptr,  # [H * (N + V), L]
-    out_ptr,  # [T, H * V]
-    T,
-    stride_ot,
-    stride_oh,
-    stride_y,
-    NOPE: tl.constexpr,
-    VDIM: tl.constexpr,
-    LATENT: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    h, tile, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = v < VDIM
-    o_rows = o_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh
-    w_head = w_ptr + (h * (NOPE + VDIM) + NOPE) * LATENT
-    acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
-    for r0 in tl.static_range(0, LATENT, BLOCK_R):
-        r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = r < LATENT
-        o = tl.load(o_rows + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        w_ok = v_ok[:, None] & r_ok[None, :]
-        w = tl.load(w_head + v[:, None] * LATENT + r[None, :], mask=w_ok, other=0.0)  # [BV, BR]
-        acc = tl.dot(o, tl.trans(w), acc, input_precision=PREC)  # [BT, BV]
-    y = out_ptr + t.to(tl.int64)[:, None] * stride_y + h * VDIM + v[None, :]
-    tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
-
-
 def _prec(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -349,27 +309,5 @@ def prepare_decode(
             LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=block_t,
             BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(latent),
             HALF_PAD=_half_pad(rope_dim), IS_NEOX=rope[1], PREC=_prec(q.dtype),
-        )  # fmt: skip
-    return out
-
-
-def absorb_output(
-    o: torch.Tensor,  # [T, H, L] (rows contiguous in L)
-    kv_b_weight: torch.Tensor,  # [H * (N + V), L]
-    dims: tuple[int, int],  # (N, V)
-) -> torch.Tensor:  # [T, H * V]
-    nope, vdim = dims
-    num_tokens, heads, latent = o.shape
-    if o.stride(2) != 1 or kv_b_weight.shape != (heads * (nope + vdim), latent):
-        raise ValueError(f"absorb_output: o {tuple(o.shape)} does not fit kv_b_proj's weight")
-    out = o.new_empty(num_tokens, heads * vdim)
-    if num_tokens:
-        block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))
-        block_t = _block_t(num_tokens)
-        grid = (heads, triton.cdiv(num_tokens, block_t), triton.cdiv(vdim, block_v))
-        _absorb_output_kernel[grid](
-            o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
-            NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=block_t,
-            BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))), PREC=_prec(o.dtype),
         )  # fmt: skip
     return out

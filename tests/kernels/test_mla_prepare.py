@@ -9,12 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightwell.kernels.mla_prepare import (
-    absorb_output,
-    absorb_query,
-    latent_entry,
-    prepare_decode,
-)
+from lightwell.kernels.mla_output import absorb_output
+from lightwell.kernels.mla_prepare import absorb_query, latent_entry, prepare_decode
 from lightwell.layers.norm import RMSNorm
 from lightwell.layers.rotary import RotaryEmbedding
 from tests.kernels.interpreter import DEVICE
