@@ -1,0 +1,122 @@
+"""The fused launches around DeepSeek-V2-Lite's MLA decode attention against the separate ones,
+bf16, one layer (16 heads, kv_lora_rank 512, RoPE 64, nope 128, v 128), at 1, 4 and 16 requests
+of a 1,024-token context:
+
+- ``prepare_decode`` (latent entry + absorbed query, one launch) vs ``latent_entry`` then
+  ``absorb_query``: checked bit for bit (queries and cache rows) first;
+- the split-KV attention then ``absorb_output_splits`` (the combine inside the output launch)
+  vs ``mla_decode`` (decode + combine) then ``absorb_output``: checked first (largest error over
+  the largest value < 2e-2), at the split count the engine picks.
+
+One command, under a minute:
+
+    python3 -m benchmarks.kernels.mla_fused --out $OUT/mla_fused.json
+
+Times: CUDA graphs, median of 20 replays (benchmarks/kernels/timing.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from benchmarks.kernels.timing import graph_replay_us
+from lightwell.bench.results import record
+from lightwell.kernels.mla_decode import mla_decode, mla_decode_partials, pick_num_splits
+from lightwell.kernels.mla_output import absorb_output, absorb_output_splits
+from lightwell.kernels.mla_prepare import absorb_query, latent_entry, prepare_decode
+
+HEADS, RANK, ROPE, NOPE, VDIM, BLOCK, CTX = 16, 512, 64, 128, 128, 16, 1024
+DEVICE, BF16 = "cuda", torch.bfloat16
+
+
+def _inputs(batch: int) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(batch)
+    blocks = batch * CTX // BLOCK
+
+    def randn(*shape, dtype=BF16):
+        return torch.randn(*shape, device=DEVICE, dtype=dtype, generator=gen)
+
+    table = torch.randperm(blocks, device=DEVICE, generator=gen).to(torch.int32)
+    table = table.view(batch, -1)
+    fused = randn(batch, HEADS * (NOPE + ROPE) + RANK + ROPE)  # one projection's output
+    q, kv = fused.split([HEADS * (NOPE + ROPE), RANK + ROPE], dim=-1)
+    angles = torch.rand(4096, ROPE // 2, device=DEVICE, generator=gen) * 6.28
+    return dict(
+        q=q,
+        kv=kv,
+        cache=randn(1, blocks, BLOCK, 1, RANK + ROPE),
+        table=table,
+        lens=torch.full((batch,), CTX, device=DEVICE, dtype=torch.int32),
+        positions=torch.full((batch,), CTX - 1, device=DEVICE),
+        w=randn(HEADS * (NOPE + VDIM), RANK) / 16,
+        norm=randn(RANK).abs() + 0.5,
+        cs=torch.cat([angles.cos(), angles.sin()], dim=-1),
+        slots=table[:, -1].long() * BLOCK + BLOCK - 1,  # the last key of each request
+    )
+
+
+def _prepare(x: dict, batch: int) -> tuple[float, float, torch.Tensor]:
+    dims, cache2 = (NOPE, ROPE, VDIM), x["cache"].clone()
+    latent_entry(x["positions"], x["kv"], x["norm"], 1e-6, x["cs"], False, x["cache"], x["slots"])
+    want = absorb_query(x["positions"], x["q"], x["w"], dims, x["cs"], False)
+    got = prepare_decode(x["positions"], x["q"], x["kv"], (x["norm"], 1e-6), x["w"], dims,
+                         (x["cs"], False), cache2, x["slots"])  # fmt: skip
+    if not (torch.equal(got, want) and torch.equal(cache2, x["cache"])):
+        raise AssertionError(f"batch {batch}: prepare_decode differs from the two launches")
+
+    def separate():
+        latent_entry(x["positions"], x["kv"], x["norm"], 1e-6, x["cs"], False, x["cache"],
+                     x["slots"])  # fmt: skip
+        absorb_query(x["positions"], x["q"], x["w"], dims, x["cs"], False)
+
+    def fused():
+        prepare_decode(x["positions"], x["q"], x["kv"], (x["norm"], 1e-6), x["w"], dims,
+                       (x["cs"], False), cache2, x["slots"])  # fmt: skip
+
+    return graph_replay_us(separate), graph_replay_us(fused), got
+
+
+def _output(x: dict, q: torch.Tensor, batch: int) -> tuple[float, float, float, int]:
+    scale = (NOPE + ROPE) ** -0.5
+    splits = pick_num_splits(batch, HEADS, CTX)
+    args = (q, x["cache"], x["table"], x["lens"], scale, RANK)
+
+    def separate():
+        return absorb_output(mla_decode(*args, splits), x["w"], (NOPE, VDIM))
+
+    def fused():
+        return absorb_output_splits(*mla_decode_partials(*args, splits), x["w"], (NOPE, VDIM))
+
+    want, got = separate().float(), fused().float()
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    if not err < 2e-2:
+        raise AssertionError(f"batch {batch}: split output differs by {err:.3g}")
+    return graph_replay_us(separate), graph_replay_us(fused), err, splits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    rows = []
+    for batch in (1, 4, 16):
+        x = _inputs(batch)
+        sep_prep, fused_prep, q = _prepare(x, batch)
+        sep_out, fused_out, err, splits = _output(x, q, batch)
+        print(f"batch {batch}: prepare {sep_prep:.1f} -> {fused_prep:.1f} us; attention + "
+              f"output ({splits} splits) {sep_out:.1f} -> {fused_out:.1f} us")  # fmt: skip
+        common = dict(batch=batch, context=CTX, heads=HEADS, splits=splits)
+        rows.append(record("mla_prepare_fused_us", fused_prep, separate_us=round(sep_prep, 1),
+                           **common))  # fmt: skip
+        rows.append(record("mla_attend_output_fused_us", fused_out, rel_err=round(err, 5),
+                           separate_us=round(sep_out, 1), **common))  # fmt: skip
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
