@@ -174,6 +174,7 @@ class MLAttention(nn.Module):
         hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, heads * v_dim / tp]
         """``attend`` for a decode-only step in four launches around the projections."""
+        # imported here: Triton kernels load on the kernel path only (the CPU image has no Triton)
         from lightwell.kernels.mla_prepare import absorb_output, absorb_query, latent_entry
 
         rot, norm, w = self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj.weight
