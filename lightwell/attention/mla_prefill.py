@@ -1,0 +1,192 @@
+"""MLA prefill in the expanded form, every prefill request of a step at once, through the
+paged attention kernel (``kernels/paged_attention.py``).
+
+The latent cache (``attention/mla_torch.py``) holds ``[c | k_pe]`` per token. For prefill the
+keys are expanded rather than the queries absorbed: the prefill requests' entries (cached
+prefix and new tokens, all stored by then) are gathered block by block into one contiguous
+buffer, ``c`` goes through ``kv_b_proj`` in one GEMM (per head ``K_nope`` and ``V``), and
+``K = [K_nope | k_pe]`` (``k_pe`` broadcast over the heads) meets the plain queries
+``[q_nope | q_pe]``: causal after each request's cached prefix, the buffer read as a paged
+cache whose block table numbers each request's blocks in order. A score then costs
+``nope + rope`` products per head and key (192 for DeepSeek-V2/V3) rather than
+``kv_lora_rank + rope`` (576), in the model dtype on tensor cores.
+
+V is not copied: the kernel reads V with q's head dim (``nope + rope >= v``), and V is a
+strided view of the GEMM output ``[keys, heads, nope + v]`` from each head's V columns on. Its
+columns past ``v`` read the next head's ``K_nope`` (a zeroed tail after the last); they reach
+only output columns past ``v``, which are dropped.
+
+Memory: a pass holds the gathered entries, the GEMM output and K, at most ``PASS_BYTES``.
+Requests are grouped into passes in order; a pass whose keys do not fit with every head
+expands a group of heads at a time. Only a single request whose keys with one head exceed the
+bound makes a pass larger than it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightwell.attention.metadata import AttentionMetadata
+
+# The expanded keys and values one pass holds at once (as much as the torch path's chunk of
+# fp32 scores, attention/mla_torch.SCORES_PER_CHUNK).
+PASS_BYTES = 256 << 20
+
+
+def leading_decodes(meta: AttentionMetadata) -> int:
+    """How many requests at the front of the batch have one query token each (the decode
+    kernel's; a single-token request after a longer one is left to the prefill path)."""
+    qsl, n = meta.query_start_loc_cpu, 0
+    while n < min(meta.num_decodes, meta.num_reqs) and qsl[n + 1] == n + 1:
+        n += 1
+    return n
+
+
+def plan_groups(
+    key_blocks: list[int],  # per request: cache blocks holding its keys
+    block_size: int,
+    key_bytes: int,  # per key, whatever the heads: the gathered entry
+    head_key_bytes: int,  # per key and head: the GEMM output and K
+    num_heads: int,
+    budget: int = PASS_BYTES,
+) -> list[tuple[int, int, int]]:
+    """Passes as ``(first, end, heads)``: requests ``first:end`` (relative to ``key_blocks``),
+    expanded ``heads`` heads at a time."""
+    groups, r0 = [], 0
+    per_key = key_bytes + num_heads * head_key_bytes
+    while r0 < len(key_blocks):
+        r1, keys = r0 + 1, key_blocks[r0] * block_size
+        while r1 < len(key_blocks) and (keys + key_blocks[r1] * block_size) * per_key <= budget:
+            keys, r1 = keys + key_blocks[r1] * block_size, r1 + 1
+        fit = (budget // max(keys, 1) - key_bytes) // head_key_bytes
+        groups.append((r0, r1, max(1, min(num_heads, fit))))
+        r0 = r1
+    return groups
+
+
+@dataclass
+class PrefillPass:
+    """One pass: the step's requests ``reqs`` (their query rows ``tokens``, counted from the
+    first prefill token), expanded ``heads`` heads at a time."""
+
+    reqs: tuple[int, int]
+    tokens: tuple[int, int]
+    heads: int
+    rows: torch.Tensor  # [nb] int64: each gathered block's row in the step's block table
+    cols: torch.Tensor  # [nb] int64: and its column
+    meta: AttentionMetadata  # the pass's requests over the buffer (block i = gathered block i)
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # (no wait for the stream to drain)
+
+
+def _build_pass(
+    meta: AttentionMetadata, first: int, r0: int, r1: int, heads: int, block_size: int
+) -> PrefillPass:
+    qsl, lens, dev = meta.query_start_loc_cpu, meta.seq_lens_cpu[r0:r1], meta.seq_lens.device
+    nblocks = torch.tensor([-(-n // block_size) for n in lens], dtype=torch.int64)  # [R']
+    starts = torch.cumsum(nblocks, 0) - nblocks
+    rows = torch.repeat_interleave(torch.arange(r0, r1), nblocks)  # [nb]
+    cols = torch.arange(int(nblocks.sum())) - torch.repeat_interleave(starts, nblocks)
+    width = max(1, int(nblocks.max()))
+    table = starts[:, None] + torch.arange(width)[None, :]  # [R', width]
+    table = torch.where(torch.arange(width)[None, :] < nblocks[:, None], table, 0)
+    sub_qsl = [qsl[i] - qsl[r0] for i in range(r0, r1 + 1)]
+    sub = AttentionMetadata(
+        query_start_loc=_to(torch.tensor(sub_qsl, dtype=torch.int32), dev),
+        seq_lens=meta.seq_lens[r0:r1],
+        block_table=_to(table.to(torch.int32), dev),
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=dev),
+        max_query_len=max(b - a for a, b in zip(sub_qsl, sub_qsl[1:])),
+        max_seq_len=max(lens),
+        query_start_loc_cpu=sub_qsl,
+        seq_lens_cpu=list(lens),
+    )
+    tokens = (qsl[r0] - qsl[first], qsl[r1] - qsl[first])
+    return PrefillPass((r0, r1), tokens, heads, _to(rows, dev), _to(cols, dev), sub)
+
+
+def plan_passes(
+    meta: AttentionMetadata,
+    first: int,  # the first prefill request
+    block_size: int,
+    key_bytes: int,
+    head_key_bytes: int,
+    num_heads: int,
+    budget: int = PASS_BYTES,
+) -> list[PrefillPass]:
+    """The passes over requests ``first:`` of the step, planned once per step (every layer
+    of the step reuses them through ``meta.backend_cache``)."""
+    key = ("mla_prefill", first, block_size, key_bytes, head_key_bytes, num_heads, budget)
+    if key not in meta.backend_cache:
+        blocks = [-(-n // block_size) for n in meta.seq_lens_cpu[first:]]
+        groups = plan_groups(blocks, block_size, key_bytes, head_key_bytes, num_heads, budget)
+        meta.backend_cache[key] = [
+            _build_pass(meta, first, first + a, first + b, h, block_size) for a, b, h in groups
+        ]
+    return meta.backend_cache[key]
+
+
+def expand_keys(
+    latent: torch.Tensor,  # [nb * B, rank + rope]: gathered entries, whole blocks
+    w_kvb: torch.Tensor,  # [H * (nope + v), rank]: kv_b_proj's weight
+    dims: tuple[int, int, int],  # nope, rope, v
+    heads: tuple[int, int],  # the heads h0:h1 to expand
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # K, V as paged caches [nb, B, h, nope + rope]
+    """K = [c @ W_UK^T | k_pe] and V = c @ W_UV^T of heads h0:h1, in one GEMM; V as a view
+    (see the module docstring)."""
+    nope, rope, v = dims
+    rank, width = latent.shape[1] - rope, nope + v
+    h, keys = heads[1] - heads[0], latent.shape[0]
+    w = w_kvb.view(-1, width, rank)[heads[0] : heads[1]].reshape(h * width, rank)
+    size = keys * h * width
+    flat = latent.new_empty(size + nope + rope - v)
+    torch.mm(latent[:, :rank], w.t(), out=flat[:size].view(keys, h * width))  # [keys, h * width]
+    flat[size:].zero_()
+    k = latent.new_empty(keys, h, nope + rope)
+    k[..., :nope] = flat[:size].view(keys, h, width)[..., :nope]
+    k[..., nope:] = latent[:, None, rank:]
+    nb = keys // block_size
+    shape = (nb, block_size, h, nope + rope)
+    v_view = flat.as_strided(shape, (block_size * h * width, h * width, width, 1), nope)
+    return k.view(shape), v_view
+
+
+def expanded_prefill(
+    q: torch.Tensor,  # [P, H, nope + rope]: [q_nope | rotated q_pe] of the prefill tokens
+    kv_cache: torch.Tensor,  # [1, N, B, 1, rank + rope]: the step's entries stored
+    meta: AttentionMetadata,
+    first: int,  # the prefill requests are first.. (their tokens qsl[first]..)
+    w_kvb: torch.Tensor,  # [H * (nope + v), rank]
+    dims: tuple[int, int, int],  # nope, rope, v
+    scale: float,
+    budget: int = PASS_BYTES,
+) -> torch.Tensor:  # [P, H, v] (a view)
+    """Causal attention of every prefill request's queries over its ``seq_lens[i]`` keys,
+    expanded from the latent cache (module docstring)."""
+    from lightwell.kernels.paged_attention import paged_attention
+
+    nope, rope, v = dims
+    heads, width = q.shape[1], kv_cache.shape[-1]
+    if q.shape[2] != nope + rope or v > nope + rope or width != w_kvb.shape[1] + rope:
+        raise ValueError(f"queries {tuple(q.shape)} / dims {dims} do not fit the cache {width}")
+    block_size, elt = kv_cache.shape[2], kv_cache.element_size()
+    passes = plan_passes(meta, first, block_size, width * elt, (2 * nope + v + rope) * elt,
+                         heads, budget)  # fmt: skip
+    blocks = kv_cache.view(kv_cache.shape[1], block_size * width)
+    out = torch.empty_like(q)
+    for p in passes:
+        ids = meta.block_table[p.rows, p.cols].long()  # [nb]
+        latent = blocks.index_select(0, ids).view(-1, width)  # [nb * B, rank + rope]
+        (t0, t1), step = p.tokens, p.heads
+        for h0 in range(0, heads, step):
+            h1 = min(heads, h0 + step)
+            k, v_view = expand_keys(latent, w_kvb, dims, (h0, h1), block_size)
+            paged_attention(q[t0:t1, h0:h1], (k, v_view), p.meta, scale, out=out[t0:t1, h0:h1])
+    return out[..., :v]

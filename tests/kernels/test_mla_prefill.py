@@ -1,0 +1,114 @@
+"""The expanded MLA prefill (attention/mla_prefill.py: latents through kv_b_proj, the paged
+attention kernel) vs the absorbed torch path (attend_latent, then W_UV) on a tiny latent
+layer: a leading decode, a fresh prompt, a chunk after a cached prefix, a single-token request
+after them; scattered blocks, a NaN-poisoned cache outside the requests' entries; one pass,
+and passes split by requests and by heads. CPU under TRITON_INTERPRET=1 (fp32, fp16), compiled
+on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightwell.attention.metadata import forward_context
+from lightwell.attention.mla_prefill import expanded_prefill, leading_decodes, plan_groups
+from lightwell.attention.mla_torch import attend_latent
+from lightwell.layers.mla import LatentAttention
+from tests.kernels.interpreter import DEVICE
+from tests.models.paged import build_metadata
+
+RANK, ROPE, NOPE, VDIM, HEADS, BLOCK = 32, 8, 16, 12, 3, 4
+DIMS = (NOPE, ROPE, VDIM)
+SCALE = 0.3
+TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 5e-3}
+# (query_len, seq_len): a decode, a fresh prompt, a chunk after 9 cached, one token after 10
+REQUESTS = [(1, 6), (7, 7), (5, 14), (1, 11)]
+
+
+def _step(dtype: torch.dtype, seed: int):
+    """A step's metadata, queries, entries, kv_b weight and a cache holding every request's
+    cached prefix (NaN elsewhere)."""
+    gen = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(24, generator=gen).tolist()
+    tables, used = [], 0
+    for _, length in REQUESTS:
+        n = -(-length // BLOCK)
+        tables.append(perm[used : used + n])
+        used += n
+    meta, _ = build_metadata([q for q, _ in REQUESTS], [s for _, s in REQUESTS], tables, BLOCK,
+                             torch.device(DEVICE))  # fmt: skip
+    cache = torch.full((1, 24, BLOCK, 1, RANK + ROPE), float("nan"))
+    flat = cache.view(-1, RANK + ROPE)
+    for (q_len, length), blocks in zip(REQUESTS, tables):
+        for pos in range(length - q_len):
+            flat[blocks[pos // BLOCK] * BLOCK + pos % BLOCK] = torch.randn(RANK + ROPE, generator=gen)
+    tokens = meta.num_tokens
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)  # noqa: E731
+    q_nope, q_pe, entry = rnd(tokens, HEADS, NOPE), rnd(tokens, HEADS, ROPE), rnd(tokens, RANK + ROPE)
+    w = (torch.randn(HEADS * (NOPE + VDIM), RANK, generator=gen) / 4).to(dtype).to(DEVICE)
+    return meta, q_nope, q_pe, entry, w, cache.to(dtype).to(DEVICE)
+
+
+def _absorbed(meta, q_nope, q_pe, entry, w, cache) -> torch.Tensor:  # [T, H, v]
+    w_uk, w_uv = w.view(HEADS, NOPE + VDIM, RANK).split([NOPE, VDIM], dim=1)
+    q = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
+    out = attend_latent(q, entry, cache, meta, SCALE, RANK)
+    return torch.einsum("thr,hvr->thv", out, w_uv)
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_expanded_step_matches_the_absorbed_path(dtype):
+    """The layer's kernel path for a step with prefill tokens: entries stored, the leading
+    decode through the decode kernel, the rest (the single-token request included) expanded."""
+    meta, q_nope, q_pe, entry, w, cache = _step(dtype, 1)
+    want = _absorbed(meta, q_nope, q_pe, entry, w, cache.clone())
+    layer = LatentAttention(HEADS, RANK, ROPE, SCALE)
+    layer.decode_kernel, layer.kv_cache = True, cache
+    with forward_context(meta):
+        assert leading_decodes(meta) == 1 and layer.expanded(q_nope)
+        got = layer.forward_expanded(q_nope, q_pe, entry, w, DIMS)
+    assert got.shape == (meta.num_tokens, HEADS, VDIM) and not got.isnan().any()
+    assert _rel(got, want) < TOL[dtype]
+    slots = meta.slot_mapping
+    assert torch.equal(cache.view(-1, RANK + ROPE)[slots], entry)
+
+
+def test_passes_split_by_requests_and_heads_give_the_same_output():
+    """A budget that fits one request at a time, with two heads (the 8-key fresh prompt) or
+    one (the 16-key chunk, the 12-key single token) per expansion."""
+    meta, q_nope, q_pe, entry, w, cache = _step(torch.float32, 2)
+    want = _absorbed(meta, q_nope, q_pe, entry, w, cache)  # (stores the entries)
+    q = torch.cat([q_nope, q_pe], dim=-1)[1:]
+    elt = 4
+    budget = 16 * ((RANK + ROPE) * elt + (2 * NOPE + VDIM + ROPE) * elt)
+    with forward_context(meta):
+        got = expanded_prefill(q, cache, meta, 1, w, DIMS, SCALE, budget)
+    key = next(k for k in meta.backend_cache if k[-1] == budget)
+    assert [(p.reqs, p.heads) for p in meta.backend_cache[key]] == [
+        ((1, 2), 2), ((2, 3), 1), ((3, 4), 1)
+    ]
+    assert _rel(got, want[1:]) < TOL[torch.float32]
+
+
+def test_plan_groups_bounds_each_pass():
+    # 10 bytes a key + 5 per head and key, 4 heads: 30 bytes a key with every head
+    # (blocks of 4 keys): 16 keys fit 480 bytes with every head; 32 keys, one head at a time
+    assert plan_groups([1, 1, 2, 8], 4, 10, 5, 4, budget=480) == [(0, 3, 4), (3, 4, 1)]
+    assert plan_groups([1, 1, 2, 8], 4, 10, 5, 4, budget=479) == [(0, 2, 4), (2, 3, 4), (3, 4, 1)]
+    assert plan_groups([8], 4, 10, 5, 4, budget=640) == [(0, 1, 2)]
+    # one request past the bound even with one head: alone, one head at a time
+    assert plan_groups([2, 100], 4, 10, 5, 4, budget=300) == [(0, 1, 4), (1, 2, 1)]
+
+
+def test_leading_decodes_stop_at_the_first_longer_request():
+    meta, *_ = build_metadata([3, 1, 1], [9, 5, 6], [[0, 1, 2], [3, 4], [5, 6]], 4,
+                              torch.device("cpu"))  # fmt: skip
+    meta.num_decodes = 2  # (the model runner counts every single-token request)
+    assert leading_decodes(meta) == 0
+    meta, *_ = build_metadata([1, 1, 4], [9, 5, 6], [[0, 1, 2], [3, 4], [5, 6]], 4,
+                              torch.device("cpu"))  # fmt: skip
+    assert leading_decodes(meta) == 2
