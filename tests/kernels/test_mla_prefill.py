@@ -112,3 +112,31 @@ def test_leading_decodes_stop_at_the_first_longer_request():
     meta, *_ = build_metadata([1, 1, 4], [9, 5, 6], [[0, 1, 2], [3, 4], [5, 6]], 4,
                               torch.device("cpu"))  # fmt: skip
     assert leading_decodes(meta) == 2
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="a CPU model through the interpreter")
+def test_deepseek_v2_prefill_through_the_kernels_matches_the_torch_path(tmp_path):
+    """A tiny DeepSeek-V2 (plain q, YaRN mscale) on the kernel path gives the torch path's
+    logits: fresh prompts; a chunk after its cached prefix ahead of two decodes (the
+    scheduler's running order: all through the expanded prefill); decodes then a last chunk."""
+    from tests.models.families import deepseek_v2
+    from tests.models.paged import PagedRunner
+    from tests.models.tiny import load_ours, rel_err
+
+    torch.set_num_threads(1)
+    deepseek_v2(str(tmp_path), 3, num_hidden_layers=2)
+    logits = {}
+    for kernel in (False, True):
+        model = load_ours(str(tmp_path))
+        for layer in model.modules():
+            if isinstance(layer, LatentAttention):
+                layer.decode_kernel = kernel
+        runner = PagedRunner(model, block_size=4, num_blocks=32, seed=2)
+        a, b, c = list(range(3, 12)), list(range(20, 26)), list(range(40, 54))
+        out = runner.step([("a", a, 0), ("b", b, 0), ("c", c[:5], 0)])
+        ta, tb = int(out[0][-1].argmax()), int(out[1][-1].argmax())
+        out += runner.step([("c", c[5:11], 5), ("a", [ta], 9), ("b", [tb], 6)])
+        ta, tb = int(out[-2][-1].argmax()), int(out[-1][-1].argmax())
+        out += runner.step([("a", [ta], 10), ("b", [tb], 7), ("c", c[11:], 11)])
+        logits[kernel] = torch.cat(out)
+    assert rel_err(logits[True], logits[False]) < 1e-4
