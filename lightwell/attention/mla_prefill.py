@@ -25,10 +25,14 @@ bound makes a pass larger than it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightwell.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:  # (triton is imported when a kernel runs)
+    from lightwell.kernels.attention_tiles import AttentionConfig
 
 # The expanded keys and values one pass holds at once (as much as the torch path's chunk of
 # fp32 scores, attention/mla_torch.SCORES_PER_CHUNK).
@@ -167,6 +171,7 @@ def expanded_prefill(
     dims: tuple[int, int, int],  # nope, rope, v
     scale: float,
     budget: int = PASS_BYTES,
+    config: AttentionConfig | None = None,  # the paged attention kernel's tile (tuning)
 ) -> torch.Tensor:  # [P, H, v] (a view)
     """Causal attention of every prefill request's queries over its ``seq_lens[i]`` keys,
     expanded from the latent cache (module docstring)."""
@@ -188,5 +193,6 @@ def expanded_prefill(
         for h0 in range(0, heads, step):
             h1 = min(heads, h0 + step)
             k, v_view = expand_keys(latent, w_kvb, dims, (h0, h1), block_size)
-            paged_attention(q[t0:t1, h0:h1], (k, v_view), p.meta, scale, out=out[t0:t1, h0:h1])
+            paged_attention(q[t0:t1, h0:h1], (k, v_view), p.meta, scale,
+                            out=out[t0:t1, h0:h1], config=config)  # fmt: skip
     return out[..., :v]

@@ -41,10 +41,12 @@ def _step(dtype: torch.dtype, seed: int):
     flat = cache.view(-1, RANK + ROPE)
     for (q_len, length), blocks in zip(REQUESTS, tables):
         for pos in range(length - q_len):
-            flat[blocks[pos // BLOCK] * BLOCK + pos % BLOCK] = torch.randn(RANK + ROPE, generator=gen)
+            slot = blocks[pos // BLOCK] * BLOCK + pos % BLOCK
+            flat[slot] = torch.randn(RANK + ROPE, generator=gen)
     tokens = meta.num_tokens
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(DEVICE)  # noqa: E731
-    q_nope, q_pe, entry = rnd(tokens, HEADS, NOPE), rnd(tokens, HEADS, ROPE), rnd(tokens, RANK + ROPE)
+    q_nope, q_pe = rnd(tokens, HEADS, NOPE), rnd(tokens, HEADS, ROPE)
+    entry = rnd(tokens, RANK + ROPE)
     w = (torch.randn(HEADS * (NOPE + VDIM), RANK, generator=gen) / 4).to(dtype).to(DEVICE)
     return meta, q_nope, q_pe, entry, w, cache.to(dtype).to(DEVICE)
 
@@ -88,9 +90,8 @@ def test_passes_split_by_requests_and_heads_give_the_same_output():
     with forward_context(meta):
         got = expanded_prefill(q, cache, meta, 1, w, DIMS, SCALE, budget)
     key = next(k for k in meta.backend_cache if k[-1] == budget)
-    assert [(p.reqs, p.heads) for p in meta.backend_cache[key]] == [
-        ((1, 2), 2), ((2, 3), 1), ((3, 4), 1)
-    ]
+    got_passes = [(p.reqs, p.heads) for p in meta.backend_cache[key]]
+    assert got_passes == [((1, 2), 2), ((2, 3), 1), ((3, 4), 1)]
     assert _rel(got, want[1:]) < TOL[torch.float32]
 
 
