@@ -116,14 +116,22 @@ def test_leading_decodes_stop_at_the_first_longer_request():
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU model through the interpreter")
-def test_deepseek_v2_prefill_through_the_kernels_matches_the_torch_path(tmp_path):
+def test_deepseek_v2_prefill_through_the_kernels_matches_the_torch_path(tmp_path, monkeypatch):
     """A tiny DeepSeek-V2 (plain q, YaRN mscale) on the kernel path gives the torch path's
     logits: fresh prompts; a chunk after its cached prefix ahead of two decodes (the
-    scheduler's running order: all through the expanded prefill); decodes then a last chunk."""
+    scheduler's running order: all through the expanded prefill); decodes then a last chunk.
+    ``num_decodes`` counts every single-token request, as the model runner's does."""
+    import tests.models.paged as paged
     from tests.models.families import deepseek_v2
     from tests.models.paged import PagedRunner
     from tests.models.tiny import load_ours, rel_err
 
+    def runner_metadata(query_lens, *args):
+        meta, positions = build_metadata(query_lens, *args)
+        meta.num_decodes = sum(n == 1 for n in query_lens)
+        return meta, positions
+
+    monkeypatch.setattr(paged, "build_metadata", runner_metadata)
     torch.set_num_threads(1)
     deepseek_v2(str(tmp_path), 3, num_hidden_layers=2)
     logits = {}
