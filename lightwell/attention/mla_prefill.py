@@ -196,3 +196,35 @@ def expanded_prefill(
             paged_attention(q[t0:t1, h0:h1], (k, v_view), p.meta, scale,
                             out=out[t0:t1, h0:h1], config=config)  # fmt: skip
     return out[..., :v]
+
+
+def compile_variants(
+    kv_cache: torch.Tensor,  # [1, N, B, 1, rank + rope]: a layer's real cache (block 0 read)
+    w_kvb: torch.Tensor,  # [H * (nope + v), rank]
+    dims: tuple[int, int, int],  # nope, rope, v
+    num_heads: int,
+) -> int:
+    """Start-up: launch once each paged attention variant the expanded prefill can meet (a
+    request within one query tile, one over several, a single-token request without and with
+    split-KV), so that no step compiles one mid-serving. Returns the launches made."""
+    from lightwell.kernels.attention_tiles import default_config
+    from lightwell.kernels.split_kv import MIN_KEYS_PER_SPLIT
+
+    nope, rope, _ = dims
+    dev, block_size = kv_cache.device, kv_cache.shape[2]
+    block_q = default_config(nope + rope, decode=False).block_m  # (one query head per row)
+    cases = ((2, 2), (block_q + 1, block_q + 1), (1, 1), (1, 4 * MIN_KEYS_PER_SPLIT))
+    for q_len, seq_len in cases:
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev),
+            block_table=torch.zeros((1, -(-seq_len // block_size)), dtype=torch.int32, device=dev),
+            slot_mapping=torch.empty(0, dtype=torch.int64, device=dev),
+            max_query_len=q_len,
+            max_seq_len=seq_len,
+            query_start_loc_cpu=[0, q_len],
+            seq_lens_cpu=[seq_len],
+        )
+        q = torch.zeros((q_len, num_heads, nope + rope), dtype=kv_cache.dtype, device=dev)
+        expanded_prefill(q, kv_cache, meta, 0, w_kvb, dims, 1.0)
+    return len(cases)

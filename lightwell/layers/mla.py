@@ -29,7 +29,7 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, get_attention_metadata
-from lightwell.attention.mla_prefill import expanded_prefill, leading_decodes
+from lightwell.attention.mla_prefill import compile_variants, expanded_prefill, leading_decodes
 from lightwell.attention.mla_torch import attend_latent
 from lightwell.layers.attention import Attention
 from lightwell.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -240,6 +240,14 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.o_proj(self.attend(positions, hidden))
+
+    def compile_kernel_variants(self) -> int:
+        """Start-up on CUDA: the expanded prefill's attention kernel variants, compiled before
+        serving (attention/mla_prefill.compile_variants). Returns the launches made."""
+        cache, dims = self.attn.kv_cache, (self.nope, self.rope, self.v_dim)
+        if cache is None or not self.attn._kernel(cache) or self.v_dim > self.nope + self.rope:
+            return 0
+        return compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
 
     def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H]: this rank's o_proj partial sum, not all-reduced."""

@@ -95,6 +95,17 @@ def test_passes_split_by_requests_and_heads_give_the_same_output():
     assert _rel(got, want[1:]) < TOL[torch.float32]
 
 
+def test_compile_variants_reads_the_cache_only():
+    from lightwell.attention.mla_prefill import compile_variants
+
+    gen = torch.Generator().manual_seed(5)
+    cache = torch.randn(1, 4, BLOCK, 1, RANK + ROPE, generator=gen).to(DEVICE)
+    w = torch.randn(HEADS * (NOPE + VDIM), RANK, generator=gen).to(DEVICE)
+    before = cache.clone()
+    assert compile_variants(cache, w, DIMS, HEADS) == 4
+    assert torch.equal(cache, before)
+
+
 def test_plan_groups_bounds_each_pass():
     # 10 bytes a key + 5 per head and key, 4 heads: 30 bytes a key with every head
     # (blocks of 4 keys): 16 keys fit 480 bytes with every head; 32 keys, one head at a time
