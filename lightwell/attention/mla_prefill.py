@@ -78,8 +78,7 @@ class PrefillPass:
     reqs: tuple[int, int]
     tokens: tuple[int, int]
     heads: int
-    rows: torch.Tensor  # [nb] int64: each gathered block's row in the step's block table
-    cols: torch.Tensor  # [nb] int64: and its column
+    blocks: torch.Tensor  # [nb] int64: the cache blocks to gather, request by request
     meta: AttentionMetadata  # the pass's requests over the buffer (block i = gathered block i)
 
 
@@ -112,7 +111,8 @@ def _build_pass(
         seq_lens_cpu=list(lens),
     )
     tokens = (qsl[r0] - qsl[first], qsl[r1] - qsl[first])
-    return PrefillPass((r0, r1), tokens, heads, _to(rows, dev), _to(cols, dev), sub)
+    blocks = meta.block_table[_to(rows, dev), _to(cols, dev)].long()
+    return PrefillPass((r0, r1), tokens, heads, blocks, sub)
 
 
 def plan_passes(
@@ -187,8 +187,7 @@ def expanded_prefill(
     blocks = kv_cache.view(kv_cache.shape[1], block_size * width)
     out = torch.empty_like(q)
     for p in passes:
-        ids = meta.block_table[p.rows, p.cols].long()  # [nb]
-        latent = blocks.index_select(0, ids).view(-1, width)  # [nb * B, rank + rope]
+        latent = blocks.index_select(0, p.blocks).view(-1, width)  # [nb * B, rank + rope]
         (t0, t1), step = p.tokens, p.heads
         for h0 in range(0, heads, step):
             h1 = min(heads, h0 + step)
