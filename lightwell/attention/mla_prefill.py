@@ -9,7 +9,8 @@ buffer, ``c`` goes through ``kv_b_proj`` in one GEMM (per head ``K_nope`` and ``
 ``[q_nope | q_pe]``: causal after each request's cached prefix, the buffer read as a paged
 cache whose block table numbers each request's blocks in order. A score then costs
 ``nope + rope`` products per head and key (192 for DeepSeek-V2/V3) rather than
-``kv_lora_rank + rope`` (576), in the model dtype on tensor cores.
+``kv_lora_rank + rope`` (576), in the model dtype on tensor cores. (The kernel's tiles are
+powers of two: 192 dims run as 256, for the scores and for the values alike.)
 
 V is not copied: the kernel reads V with q's head dim (``nope + rope >= v``), and V is a
 strided view of the GEMM output ``[keys, heads, nope + v]`` from each head's V columns on. Its
