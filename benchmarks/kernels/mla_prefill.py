@@ -4,7 +4,8 @@ queries and latent entries to the heads' values, the absorbed torch path (``atte
 request, fp32 einsums, then ``W_UV``) against the expanded prefill
 (``lightwell/attention/mla_prefill.py``: one ``kv_b_proj`` GEMM, the paged attention kernel).
 Cases: 8 requests x 1,024 fresh tokens; a 512-token chunk after 1,536 cached tokens; a mixed
-step of 32 decodes at 2,048 tokens of context and a 1,024-token chunk after 1,024 cached.
+step of 32 decodes at 2,048 tokens of context and a 1,024-token chunk after 1,024 cached, in
+either order (the scheduler's running order can put a chunk first).
 Under a minute:
 
     run(command="python3 -m benchmarks.kernels.mla_prefill --out $OUT/mla_prefill.json")
@@ -31,7 +32,7 @@ from types import SimpleNamespace
 import torch
 
 from lightwell.attention.metadata import AttentionMetadata, forward_context
-from lightwell.attention.mla_prefill import expanded_prefill, leading_decodes
+from lightwell.attention.mla_prefill import expanded_prefill, split_step
 from lightwell.bench.results import make_record, provenance, script_command, write_json
 from lightwell.layers.mla import LatentAttention, mla_softmax_scale
 
@@ -39,11 +40,12 @@ HEADS, RANK, ROPE, NOPE, VDIM, BLOCK = 16, 512, 64, 128, 128, 16
 DIMS = (NOPE, ROPE, VDIM)
 DEVICE = "cuda"
 YARN = {"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 0.707}
-# name: [(query_len, seq_len)] in batch order (decodes first, as the engine's leading decodes)
+# name: [(query_len, seq_len)] in batch order
 CASES = {
     "fresh_8x1024": [(1024, 1024)] * 8,
     "chunk_512_after_1536": [(512, 2048)],
     "mixed_32_decodes_chunk_1024": [(1, 2048)] * 32 + [(1024, 2048)],
+    "mixed_chunk_1024_then_32_decodes": [(1024, 2048)] + [(1, 2048)] * 32,
 }
 
 
@@ -167,9 +169,10 @@ def sweep(name: str, common: dict) -> list[dict]:
     found = []
     with forward_context(meta):
         layer.forward_expanded(q_nope, q_pe, entry, w, DIMS)  # (stores the entries)
-        n = leading_decodes(meta)
-        q = torch.cat([q_nope[n:], q_pe[n:]], dim=-1)
-        run = lambda c: expanded_prefill(q, cache, meta, n, w, DIMS, layer.scale, config=c)  # noqa: E731
+        split = split_step(meta)
+        q = torch.cat([q_nope[split.prefill_rows], q_pe[split.prefill_rows]], dim=-1)
+        pre = split.prefill
+        run = lambda c: expanded_prefill(q, cache, pre, w, DIMS, layer.scale, config=c)  # noqa: E731
         want = run(None).float()
         tiles = [AttentionConfig(m, b, nw, st) for m in (32, 64, 128) for b in (32, 64)
                  for nw in (4, 8) for st in (1, 2, 3)]  # fmt: skip

@@ -1,6 +1,9 @@
 """MLA prefill in the expanded form, every prefill request of a step at once, through the
 paged attention kernel (``kernels/paged_attention.py``).
 
+A step's single-token requests, wherever they sit in the batch, go to the decode kernel
+(absorbed queries, ``kernels/mla_decode.py``); ``split_step`` separates them from the rest.
+
 The latent cache (``attention/mla_torch.py``) holds ``[c | k_pe]`` per token. For prefill the
 keys are expanded rather than the queries absorbed: the prefill requests' entries (cached
 prefix and new tokens, all stored by then) are gathered block by block into one contiguous
@@ -40,13 +43,77 @@ if TYPE_CHECKING:  # (triton is imported when a kernel runs)
 PASS_BYTES = 256 << 20
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # (no wait for the stream to drain)
+
+
 def leading_decodes(meta: AttentionMetadata) -> int:
-    """How many requests at the front of the batch have one query token each (the decode
-    kernel's; a single-token request after a longer one is left to the prefill path)."""
+    """How many requests at the front of the batch have one query token each (``num_decodes``
+    counts every single-token request, wherever it sits)."""
     qsl, n = meta.query_start_loc_cpu, 0
     while n < min(meta.num_decodes, meta.num_reqs) and qsl[n + 1] == n + 1:
         n += 1
     return n
+
+
+@dataclass
+class StepSplit:
+    """A step's single-token requests (the decode kernel's, wherever they sit in the batch)
+    and the rest (the expanded prefill's); a slice where they are contiguous."""
+
+    decode_rows: slice | torch.Tensor  # [nd]: their token rows
+    decode_table: torch.Tensor  # [nd, max_blocks]: their block-table rows
+    decode_lens: torch.Tensor  # [nd]: their seq_lens
+    prefill_rows: slice | torch.Tensor  # [P]: the other requests' token rows
+    prefill: AttentionMetadata | None  # those requests alone, None without any
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_lens.shape[0]
+
+
+def split_step(meta: AttentionMetadata) -> StepSplit:
+    """The step's split, made once per step (``meta.backend_cache``)."""
+    if "mla_split" in meta.backend_cache:
+        return meta.backend_cache["mla_split"]
+    qsl, dev = meta.query_start_loc_cpu, meta.seq_lens.device
+    dec = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+    pre = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] != 1]
+    if dec == list(range(len(dec))):  # leading decodes (the common order): views
+        d_req, d_rows = slice(0, len(dec)), slice(0, len(dec))
+        p_req, p_rows = slice(len(dec), meta.num_reqs), slice(len(dec), meta.num_tokens)
+    else:
+        d_req = _to(torch.tensor(dec, dtype=torch.int64), dev)
+        d_rows = _to(torch.tensor([qsl[i] for i in dec], dtype=torch.int64), dev)
+        p_req = _to(torch.tensor(pre, dtype=torch.int64), dev)
+        rows = [t for i in pre for t in range(qsl[i], qsl[i + 1])]
+        p_rows = _to(torch.tensor(rows, dtype=torch.int64), dev)
+    prefill = _select(meta, pre, p_req) if pre else None
+    split = StepSplit(d_rows, meta.block_table[d_req], meta.seq_lens[d_req], p_rows, prefill)
+    meta.backend_cache["mla_split"] = split
+    return split
+
+
+def _select(
+    meta: AttentionMetadata, reqs: list[int], index: slice | torch.Tensor
+) -> AttentionMetadata:
+    """The metadata of requests ``reqs`` alone (``index``: them on the device)."""
+    qsl, lens = meta.query_start_loc_cpu, [meta.seq_lens_cpu[i] for i in reqs]
+    sub_qsl = [0]
+    for i in reqs:
+        sub_qsl.append(sub_qsl[-1] + qsl[i + 1] - qsl[i])
+    return AttentionMetadata(
+        query_start_loc=_to(torch.tensor(sub_qsl, dtype=torch.int32), meta.seq_lens.device),
+        seq_lens=meta.seq_lens[index],
+        block_table=meta.block_table[index],
+        slot_mapping=meta.slot_mapping[:0],
+        max_query_len=max(b - a for a, b in zip(sub_qsl, sub_qsl[1:])),
+        max_seq_len=max(lens),
+        query_start_loc_cpu=sub_qsl,
+        seq_lens_cpu=lens,
+    )
 
 
 def plan_groups(
@@ -73,8 +140,8 @@ def plan_groups(
 
 @dataclass
 class PrefillPass:
-    """One pass: the step's requests ``reqs`` (their query rows ``tokens``, counted from the
-    first prefill token), expanded ``heads`` heads at a time."""
+    """One pass: requests ``reqs`` (their query rows ``tokens``), expanded ``heads`` heads at
+    a time."""
 
     reqs: tuple[int, int]
     tokens: tuple[int, int]
@@ -83,14 +150,8 @@ class PrefillPass:
     meta: AttentionMetadata  # the pass's requests over the buffer (block i = gathered block i)
 
 
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)  # (no wait for the stream to drain)
-
-
 def _build_pass(
-    meta: AttentionMetadata, first: int, r0: int, r1: int, heads: int, block_size: int
+    meta: AttentionMetadata, r0: int, r1: int, heads: int, block_size: int
 ) -> PrefillPass:
     qsl, lens, dev = meta.query_start_loc_cpu, meta.seq_lens_cpu[r0:r1], meta.seq_lens.device
     nblocks = torch.tensor([-(-n // block_size) for n in lens], dtype=torch.int64)  # [R']
@@ -111,29 +172,26 @@ def _build_pass(
         query_start_loc_cpu=sub_qsl,
         seq_lens_cpu=list(lens),
     )
-    tokens = (qsl[r0] - qsl[first], qsl[r1] - qsl[first])
+    tokens = (qsl[r0], qsl[r1])
     blocks = meta.block_table[_to(rows, dev), _to(cols, dev)].long()
     return PrefillPass((r0, r1), tokens, heads, blocks, sub)
 
 
 def plan_passes(
     meta: AttentionMetadata,
-    first: int,  # the first prefill request
     block_size: int,
     key_bytes: int,
     head_key_bytes: int,
     num_heads: int,
     budget: int = PASS_BYTES,
 ) -> list[PrefillPass]:
-    """The passes over requests ``first:`` of the step, planned once per step (every layer
-    of the step reuses them through ``meta.backend_cache``)."""
-    key = ("mla_prefill", first, block_size, key_bytes, head_key_bytes, num_heads, budget)
+    """The passes over the requests of ``meta``, planned once per step (every layer of the
+    step reuses them through ``meta.backend_cache``)."""
+    key = ("mla_prefill", block_size, key_bytes, head_key_bytes, num_heads, budget)
     if key not in meta.backend_cache:
-        blocks = [-(-n // block_size) for n in meta.seq_lens_cpu[first:]]
+        blocks = [-(-n // block_size) for n in meta.seq_lens_cpu]
         groups = plan_groups(blocks, block_size, key_bytes, head_key_bytes, num_heads, budget)
-        meta.backend_cache[key] = [
-            _build_pass(meta, first, first + a, first + b, h, block_size) for a, b, h in groups
-        ]
+        meta.backend_cache[key] = [_build_pass(meta, a, b, h, block_size) for a, b, h in groups]
     return meta.backend_cache[key]
 
 
@@ -164,18 +222,17 @@ def expand_keys(
 
 
 def expanded_prefill(
-    q: torch.Tensor,  # [P, H, nope + rope]: [q_nope | rotated q_pe] of the prefill tokens
+    q: torch.Tensor,  # [P, H, nope + rope]: [q_nope | rotated q_pe]
     kv_cache: torch.Tensor,  # [1, N, B, 1, rank + rope]: the step's entries stored
-    meta: AttentionMetadata,
-    first: int,  # the prefill requests are first.. (their tokens qsl[first]..)
+    meta: AttentionMetadata,  # the prefill requests (StepSplit.prefill)
     w_kvb: torch.Tensor,  # [H * (nope + v), rank]
     dims: tuple[int, int, int],  # nope, rope, v
     scale: float,
     budget: int = PASS_BYTES,
     config: AttentionConfig | None = None,  # the paged attention kernel's tile (tuning)
 ) -> torch.Tensor:  # [P, H, v] (a view)
-    """Causal attention of every prefill request's queries over its ``seq_lens[i]`` keys,
-    expanded from the latent cache (module docstring)."""
+    """Causal attention of every request's queries over its ``seq_lens[i]`` keys, expanded
+    from the latent cache (module docstring)."""
     from lightwell.kernels.paged_attention import paged_attention
 
     nope, rope, v = dims
@@ -183,7 +240,7 @@ def expanded_prefill(
     if q.shape[2] != nope + rope or v > nope + rope or width != w_kvb.shape[1] + rope:
         raise ValueError(f"queries {tuple(q.shape)} / dims {dims} do not fit the cache {width}")
     block_size, elt = kv_cache.shape[2], kv_cache.element_size()
-    passes = plan_passes(meta, first, block_size, width * elt, (2 * nope + v + rope) * elt,
+    passes = plan_passes(meta, block_size, width * elt, (2 * nope + v + rope) * elt,
                          heads, budget)  # fmt: skip
     blocks = kv_cache.view(kv_cache.shape[1], block_size * width)
     out = torch.empty_like(q)
@@ -226,5 +283,5 @@ def compile_variants(
             seq_lens_cpu=[seq_len],
         )
         q = torch.zeros((q_len, num_heads, nope + rope), dtype=kv_cache.dtype, device=dev)
-        expanded_prefill(q, kv_cache, meta, 0, w_kvb, dims, 1.0)
+        expanded_prefill(q, kv_cache, meta, w_kvb, dims, 1.0)
     return len(cases)

@@ -8,8 +8,8 @@ the query's no-RoPE part goes through ``W_UK`` into latent space, the latent out
 ``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``). A decode-only step on the
 kernels runs that work around the attention in three launches (``kernels/mla_prepare.py``:
 the entry's norm, RoPE and store; the absorbed query with its RoPE; the output through
-``W_UV``) plus the split-KV decode kernel. A step with prefill tokens on the kernels runs its
-leading decodes the absorbed way and every prefill request at once in the expanded form
+``W_UV``) plus the split-KV decode kernel. Any other step on the kernels runs its single-token
+requests the absorbed way and every other request at once in the expanded form
 (``lightwell/attention/mla_prefill.py``: the cached latents through ``kv_b_proj``, plain
 queries, the paged attention kernel); the output means the same: per head, softmax-weighted
 values ``c @ W_UV^T``.
@@ -29,7 +29,12 @@ from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
 from lightwell.attention.metadata import AttentionMetadata, get_attention_metadata
-from lightwell.attention.mla_prefill import compile_variants, expanded_prefill, leading_decodes
+from lightwell.attention.mla_prefill import (
+    compile_variants,
+    expanded_prefill,
+    leading_decodes,
+    split_step,
+)
 from lightwell.attention.mla_torch import attend_latent
 from lightwell.layers.attention import Attention
 from lightwell.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -40,9 +45,10 @@ from lightwell.quant.base import QuantMethod
 
 class LatentAttention(Attention):
     """Owns one layer's latent cache ``[1, N, B, 1, kv_lora_rank + rope_dim]``. On the
-    kernels (``decode_kernel``: on CUDA by default) the step's leading decodes go through the
-    split-KV Triton kernel (absorbed queries) and its prefill requests through the expanded
-    prefill (``forward_expanded``); otherwise everything runs in torch (``attend_latent``).
+    kernels (``decode_kernel``: on CUDA by default) the step's single-token requests go
+    through the split-KV Triton kernel (absorbed queries) and its prefill requests through the
+    expanded prefill (``forward_expanded``); otherwise everything runs in torch
+    (``attend_latent``).
     Steps with prefill tokens run eagerly: both prefill paths plan on the host."""
 
     decode_kernel: bool | None = None  # None: on CUDA
@@ -76,10 +82,9 @@ class LatentAttention(Attention):
         return self._kernel(x) and self.kv_cache is not None and one_each and meta.num_reqs > 0
 
     def expanded(self, x: torch.Tensor) -> bool:
-        """The step has prefill tokens and runs through the kernels (``forward_expanded``)."""
+        """The step runs through the kernels, not as all decodes (``forward_expanded``)."""
         meta = get_attention_metadata()
-        prefill = meta.num_reqs > leading_decodes(meta)
-        return self._kernel(x) and self.kv_cache is not None and prefill
+        return self._kernel(x) and self.kv_cache is not None and meta.num_reqs > 0
 
     def forward_expanded(
         self,
@@ -89,21 +94,27 @@ class LatentAttention(Attention):
         w_kvb: torch.Tensor,  # [H * (nope + v), kv_lora_rank]: kv_b_proj's weight
         dims: tuple[int, int, int],  # nope, rope, v
     ) -> torch.Tensor:  # [T, H, v]: the heads' values
-        """Store the entries; the leading decodes absorbed through the decode kernel, the
-        prefill requests expanded (attention/mla_prefill.py)."""
-        from lightwell.kernels.mla_decode import store_latent
+        """Store the entries; the single-token requests absorbed through the decode kernel,
+        the others expanded (attention/mla_prefill.py)."""
+        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits, store_latent
 
         meta, (nope, _, v) = get_attention_metadata(), dims
-        n, heads = leading_decodes(meta), q_nope.shape[1]
+        split, heads = split_step(meta), q_nope.shape[1]
         store_latent(entry, self.kv_cache, meta.slot_mapping)
         out = q_nope.new_empty(q_nope.shape[0], heads, v)
-        if n:
+        if split.num_decodes:
             w_uk, w_uv = w_kvb.view(heads, nope + v, -1).split([nope, v], dim=1)
-            q_latent = torch.einsum("thn,hnr->thr", q_nope[:n], w_uk)  # [n, H, rank]
-            latent = self._decode(torch.cat([q_latent, q_pe[:n]], dim=-1), meta, n)
-            out[:n] = torch.einsum("thr,hvr->thv", latent, w_uv)
-        q = torch.cat([q_nope[n:], q_pe[n:]], dim=-1)  # [T - n, H, nope + rope]
-        out[n:] = expanded_prefill(q, self.kv_cache, meta, n, w_kvb, dims, self.scale)
+            rows = split.decode_rows
+            q_latent = torch.einsum("thn,hnr->thr", q_nope[rows], w_uk)  # [nd, H, rank]
+            q = torch.cat([q_latent, q_pe[rows]], dim=-1)
+            splits = pick_num_splits(split.num_decodes, heads, meta.max_seq_len)
+            latent = mla_decode(q, self.kv_cache, split.decode_table, split.decode_lens,
+                                self.scale, self.kv_lora_rank, splits)  # fmt: skip
+            out[rows] = torch.einsum("thr,hvr->thv", latent, w_uv)
+        if split.prefill is not None:
+            rows = split.prefill_rows
+            q = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [P, H, nope + rope]
+            out[rows] = expanded_prefill(q, self.kv_cache, split.prefill, w_kvb, dims, self.scale)
         return out
 
     def _decode(

@@ -1,7 +1,7 @@
 """The expanded MLA prefill (attention/mla_prefill.py: latents through kv_b_proj, the paged
 attention kernel) vs the absorbed torch path (attend_latent, then W_UV) on a tiny latent
-layer: a leading decode, a fresh prompt, a chunk after a cached prefix, a single-token request
-after them; scattered blocks, a NaN-poisoned cache outside the requests' entries; one pass,
+layer: a decode, a fresh prompt, a chunk after a cached prefix, a single-token request after
+them (the decode kernel's, as the first); scattered blocks, a NaN-poisoned cache outside the requests' entries; one pass,
 and passes split by requests and by heads. CPU under TRITON_INTERPRET=1 (fp32, fp16), compiled
 on CUDA."""
 
@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from lightwell.attention.metadata import forward_context
-from lightwell.attention.mla_prefill import expanded_prefill, leading_decodes, plan_groups
+from lightwell.attention.mla_prefill import (
+    expanded_prefill,
+    leading_decodes,
+    plan_groups,
+    split_step,
+)
 from lightwell.attention.mla_torch import attend_latent
 from lightwell.layers.mla import LatentAttention
 from tests.kernels.interpreter import DEVICE
@@ -64,14 +69,15 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_expanded_step_matches_the_absorbed_path(dtype):
-    """The layer's kernel path for a step with prefill tokens: entries stored, the leading
-    decode through the decode kernel, the rest (the single-token request included) expanded."""
+    """The layer's kernel path for a step with prefill tokens: entries stored, the two
+    single-token requests (one leading, one after the chunks) through the decode kernel, the
+    fresh prompt and the chunk expanded."""
     meta, q_nope, q_pe, entry, w, cache = _step(dtype, 1)
     want = _absorbed(meta, q_nope, q_pe, entry, w, cache.clone())
     layer = LatentAttention(HEADS, RANK, ROPE, SCALE)
     layer.decode_kernel, layer.kv_cache = True, cache
     with forward_context(meta):
-        assert leading_decodes(meta) == 1 and layer.expanded(q_nope)
+        assert layer.expanded(q_nope)
         got = layer.forward_expanded(q_nope, q_pe, entry, w, DIMS)
     assert got.shape == (meta.num_tokens, HEADS, VDIM) and not got.isnan().any()
     assert _rel(got, want) < TOL[dtype]
@@ -81,18 +87,20 @@ def test_expanded_step_matches_the_absorbed_path(dtype):
 
 def test_passes_split_by_requests_and_heads_give_the_same_output():
     """A budget that fits one request at a time, with two heads (the 8-key fresh prompt) or
-    one (the 16-key chunk, the 12-key single token) per expansion."""
+    one (the 16-key chunk) per expansion."""
     meta, q_nope, q_pe, entry, w, cache = _step(torch.float32, 2)
     want = _absorbed(meta, q_nope, q_pe, entry, w, cache)  # (stores the entries)
-    q = torch.cat([q_nope, q_pe], dim=-1)[1:]
+    split = split_step(meta)
+    assert split.num_decodes == 2 and split.prefill.seq_lens_cpu == [7, 14]
+    rows = split.prefill_rows
+    q = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)
     elt = 4
     budget = 16 * ((RANK + ROPE) * elt + (2 * NOPE + VDIM + ROPE) * elt)
-    with forward_context(meta):
-        got = expanded_prefill(q, cache, meta, 1, w, DIMS, SCALE, budget)
-    key = next(k for k in meta.backend_cache if k[-1] == budget)
-    got_passes = [(p.reqs, p.heads) for p in meta.backend_cache[key]]
-    assert got_passes == [((1, 2), 2), ((2, 3), 1), ((3, 4), 1)]
-    assert _rel(got, want[1:]) < TOL[torch.float32]
+    got = expanded_prefill(q, cache, split.prefill, w, DIMS, SCALE, budget)
+    cached = split.prefill.backend_cache
+    passes = next(v for k, v in cached.items() if k[-1] == budget)
+    assert [(p.reqs, p.heads) for p in passes] == [((0, 1), 2), ((1, 2), 1)]
+    assert _rel(got, want[rows]) < TOL[torch.float32]
 
 
 def test_compile_variants_reads_the_cache_only():
@@ -130,8 +138,8 @@ def test_leading_decodes_stop_at_the_first_longer_request():
 def test_deepseek_v2_prefill_through_the_kernels_matches_the_torch_path(tmp_path, monkeypatch):
     """A tiny DeepSeek-V2 (plain q, YaRN mscale) on the kernel path gives the torch path's
     logits: fresh prompts; a chunk after its cached prefix ahead of two decodes (the
-    scheduler's running order: all through the expanded prefill); decodes then a last chunk.
-    ``num_decodes`` counts every single-token request, as the model runner's does."""
+    scheduler's running order); decodes then a last chunk. ``num_decodes`` counts every
+    single-token request, as the model runner's does."""
     import tests.models.paged as paged
     from tests.models.families import deepseek_v2
     from tests.models.paged import PagedRunner
