@@ -61,7 +61,8 @@ def leading_decodes(meta: AttentionMetadata) -> int:
 @dataclass
 class StepSplit:
     """A step's single-token requests (the decode kernel's, wherever they sit in the batch)
-    and the rest (the expanded prefill's); a slice where they are contiguous."""
+    and the rest (the expanded prefill's): slices when the single-token requests lead the
+    batch, index tensors otherwise."""
 
     decode_rows: slice | torch.Tensor  # [nd]: their token rows
     decode_table: torch.Tensor  # [nd, max_blocks]: their block-table rows
