@@ -1,9 +1,9 @@
 """The expanded MLA prefill (attention/mla_prefill.py: latents through kv_b_proj, the paged
 attention kernel) vs the absorbed torch path (attend_latent, then W_UV) on a tiny latent
 layer: a decode, a fresh prompt, a chunk after a cached prefix, a single-token request after
-them (the decode kernel's, as the first); scattered blocks, a NaN-poisoned cache outside the requests' entries; one pass,
-and passes split by requests and by heads. CPU under TRITON_INTERPRET=1 (fp32, fp16), compiled
-on CUDA."""
+them (the decode kernel's, as the first); scattered blocks, a NaN-poisoned cache outside the
+requests' entries; one pass, and passes split by requests and by heads. CPU under
+TRITON_INTERPRET=1 (fp32, fp16), compiled on CUDA."""
 
 from __future__ import annotations
 
