@@ -18,7 +18,7 @@ from lightwell.cli_args import (
     engine_config_from_args,
     sampling_overrides_from_args,
 )
-from lightwell.config import ModelConfig
+from lightwell.config import ModelConfig, is_preset_dummy
 from lightwell.engine.interrupts import StepGuard
 
 logger = logging.getLogger("lightwell")
@@ -129,6 +129,12 @@ def _make_engine(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     overrides = sampling_overrides_from_args(args)
     check_sampling({**CLI_FALLBACK_SAMPLING, **overrides})
     check_engine_config(cfg)
+    m = cfg.model
+    if m.skip_tokenizer_init or (is_preset_dummy(m) and m.tokenizer is None):
+        raise ValueError(
+            f"{args.command} needs a tokenizer: this configuration loads none "
+            "(--skip-tokenizer-init, or a dummy model from --hf-config-json); pass --tokenizer"
+        )
     from lightwell.engine.llm_engine import LLMEngine
 
     name = cfg.model.model or "SmolLM2-135M-Instruct (the default model)"

@@ -16,10 +16,11 @@ Checks (the script exits non-zero when one fails):
 
 Times: decode attention (one layer's launch, ``paged_attention`` with the engine's automatic
 split-KV), µs per call, median of 20 CUDA-graph replays, for the bf16, fp8 and int8 caches at
-batch 1 and 64 and contexts 1k, 4k, 8k; ``speedup`` = bf16 time / 8-bit time; then the fp8
-cache with the other decode tiles of ``SWEEP`` (``kv_cache_dtype`` "fp8 (block_m, block_n,
-warps, stages)"). The 8-bit cache
-reads ``(D + 4) / 2D`` = 0.52x the bytes of bf16 per key.
+batch 1 and 64 and contexts 1k, 4k, 8k, and batch 128 at 4k; ``speedup`` = bf16 time / 8-bit
+time; then the fp8 cache with the other decode tiles of ``SWEEP`` (``kv_cache_dtype`` "fp8
+(block_m, block_n, warps, stages)"); then 8 prompt chunks of 512 tokens after 3,584 cached
+(``prefill_attention_us``). The 8-bit cache reads ``(D + 4) / 2D`` = 0.52x the bytes of bf16
+per key.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ CONTEXTS = (1024, 4096, 8192)
 BATCHES = (1, 64)
 CHECK_BOUND = 2e-2  # relative to max |ref|
 # decode tiles (block_m, block_n, warps, stages) also timed on the fp8 cache (the default for
-# 8-bit caches is (16, 64, 8, 3); 4 warps spill on sm_90)
-SWEEP = ((16, 64, 4, 3), (16, 32, 4, 3), (16, 64, 8, 2), (16, 32, 8, 3))
+# 8-bit caches: attention_tiles.default_config)
+SWEEP = ((16, 64, 4, 3), (16, 128, 8, 2), (16, 256, 4, 2), (16, 128, 4, 4))
+BATCHES_TIMED = ((1, CONTEXTS), (64, CONTEXTS), (128, (4096,)))
 
 
 def _meta(qlens: list[int], ctxs: list[int], gen: torch.Generator) -> AttentionMetadata:
@@ -161,6 +163,26 @@ def time_decode(batch: int, ctx: int, common: dict) -> list[dict]:
     return rows
 
 
+def time_prefill(reqs: int, chunk: int, cached: int, common: dict) -> list[dict]:
+    """Prompt chunks after cached prefixes (the prefill tiles), per cache dtype."""
+    gen = torch.Generator(device="cuda").manual_seed(reqs * chunk)
+    meta = _meta([chunk] * reqs, [cached] * reqs, gen)
+    caches = _caches(meta, gen)
+    q = torch.randn(reqs * chunk, HQ, D, device="cuda", generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    times = {
+        name: graph_replay_us(lambda c=cache: paged_attention(q, c, meta, D**-0.5, out))
+        for name, cache in caches.items()
+    }
+    rows = []
+    for name, us in times.items():
+        row = dict(kv_cache_dtype=name, requests=reqs, chunk=chunk, cached=cached,
+                   speedup=round(times["bf16"] / us, 3))  # fmt: skip
+        print("time prefill", row, f"{us:.1f} us", flush=True)
+        rows.append(make_record("prefill_attention_us", us, common, **row))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results here (JSON)")
@@ -179,9 +201,10 @@ def main() -> None:
         found, good = check_attention(label, qlens, ctxs, common)
         rows += found
         ok = ok and good
-    for batch in BATCHES:
-        for ctx in CONTEXTS:
+    for batch, contexts in BATCHES_TIMED:
+        for ctx in contexts:
             rows += time_decode(batch, ctx, common)
+    rows += time_prefill(8, 512, 3584, common)
     if args.out:
         write_json(args.out, rows)
     if not ok:

@@ -6,7 +6,10 @@ values, after its RMSNorm) followed by the rotated shared RoPE key ``k_pe`` (rop
 The query comes absorbed: ``[q_nope @ W_UK | q_pe]`` per head (``[T, H, kv_lora_rank +
 rope_dim]``), so a score is ``q . entry`` and the output is ``softmax(scores) @ c`` (``[T, H,
 kv_lora_rank]``), which the layer maps through ``W_UV``. Prefill chunks and decodes take the
-same path: one request at a time, causal over its cached prefix plus its new tokens.
+same path: one request at a time, causal over its cached prefix plus its new tokens. This is
+the CPU path; on the kernels decodes run through ``kernels/mla_decode.py`` and prefill requests
+in the expanded form (``attention/mla_prefill.py``), this path serving only a layer whose value
+head dim exceeds its query head dim.
 """
 
 from __future__ import annotations

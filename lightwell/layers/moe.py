@@ -39,6 +39,8 @@ from lightwell.quant.base import is_unquantized
 from lightwell.quant.experts import experts_method
 
 SHARDS = {"gate": 0, "up": 1, "down": 2}
+# kernels/moe_gemv.py's MAX_TOKENS (its use_gemv rule restated here: the CPU path loads no Triton)
+GEMV_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -192,11 +194,10 @@ class FusedMoE(nn.Module):
 
     def folds_shared(self, num_tokens: int, top_k: int) -> bool:
         """Whether a step runs the shared experts as every token's extra choices, in the
-        routed experts' launches (the few-token GEMV path; the same rule on every device);
-        else ``shared_mlp`` runs them as one dense MLP."""
-        from lightwell.kernels.moe_gemv import use_gemv
-
-        return use_gemv(num_tokens, top_k + self.num_shared, self.num_stacked)
+        routed experts' launches (the few-token GEMV path, ``kernels/moe_gemv.use_gemv``; the
+        same rule on every device); else ``shared_mlp`` runs them as one dense MLP."""
+        pairs = num_tokens * (top_k + self.num_shared)
+        return 0 < num_tokens <= GEMV_MAX_TOKENS and pairs <= self.num_stacked
 
     def shared_mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """The shared experts on every token as dense matmuls over their stacked weights
@@ -233,12 +234,7 @@ def moe_loop(
     num_shared: int = 0,  # the last S experts: every token's, weight 1
 ) -> torch.Tensor:  # [T, H]
     """Tokens sorted by expert, one matmul pair per expert that has tokens (torch, any device)."""
-    if num_shared:
-        num_experts, num_tokens = w13.shape[0], ids.shape[0]
-        shared = torch.arange(num_experts - num_shared, num_experts, device=ids.device)
-        ids = torch.cat([ids, shared.to(ids.dtype).expand(num_tokens, num_shared)], 1)
-        weights = torch.cat([weights, weights.new_ones(num_tokens, num_shared)], 1)
-    return moe_loop_by(x, lambda e: (w13[e], w2[e]), w13.shape[0], weights, ids)
+    return moe_loop_by(x, lambda e: (w13[e], w2[e]), w13.shape[0], weights, ids, num_shared)
 
 
 def folds_shared_experts(linear_method: Any) -> bool:
@@ -255,9 +251,15 @@ def moe_loop_by(
     num_experts: int,
     weights: torch.Tensor,  # [T, k]
     ids: torch.Tensor,  # [T, k] local expert ids (outside [0, E): another rank's, skipped)
+    num_shared: int = 0,  # the last S experts: every token's, weight 1
 ) -> torch.Tensor:  # [T, H]
     """``moe_loop`` with each expert's weights from ``expert(e)``, asked only for the experts
     that have tokens (a quantized layer dequantizes them there, one at a time)."""
+    if num_shared:
+        num_tokens = ids.shape[0]
+        shared = torch.arange(num_experts - num_shared, num_experts, device=ids.device)
+        ids = torch.cat([ids, shared.to(ids.dtype).expand(num_tokens, num_shared)], 1)
+        weights = torch.cat([weights, weights.new_ones(num_tokens, num_shared)], 1)
     top_k = ids.shape[1]
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)  # [T * k]

@@ -67,7 +67,7 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] in the weight's dtype
-        if x.is_cuda:
+        if x.is_cuda:  # Triton kernels load on CUDA only (the CPU image has no Triton)
             from lightwell.kernels.gemv import MAX_M, gemv
 
             if x.shape[0] <= MAX_M:  # decode: one launch, x not cast

@@ -16,8 +16,10 @@ slices the rank's intermediate features through these and places gate and up sid
   ``w2_weight_scale_inv`` [E, ceil(H / bn), I / bk]; the intermediate size per rank must be whole
   blocks. Weight-only: activations stay in the model dtype, each [bn, bk] block is dequantized
   (``q * scale``) where it is used: per used expert in the CPU loop, per K chunk in the kernels.
-- ``kernels``-facing: ``apply`` calls ``fused_moe`` on CUDA (with the block scales for FP8) and
-  ``moe_loop_by`` elsewhere, which dequantizes one expert at a time (never all of them).
+- Running them: each strategy gives ``kernel_inputs`` (``fused_moe``'s weights and keyword
+  arguments: the block scales for FP8) and ``expert_weights`` (expert e's weights in x's dtype,
+  dequantized when asked); its ``apply`` is ``apply_experts``: ``fused_moe`` on CUDA,
+  ``moe_loop_by`` elsewhere, which asks only for the experts with tokens (one at a time).
 W4A16 formats (GPTQ, AWQ) are in ``quant/experts_wna16.py``.
 """
 
@@ -49,6 +51,28 @@ def add_expert_param(
     return param
 
 
+def apply_experts(
+    method: Any,  # the experts' strategy: kernel_inputs(layer), expert_weights(layer, x)
+    layer: nn.Module,
+    x: torch.Tensor,  # [T, H]
+    weights: torch.Tensor,  # [T, k]
+    ids: torch.Tensor,  # [T, k] local expert ids
+    **options: Any,  # fused_moe's tile options (CUDA); num_shared: the stack's shared experts
+) -> torch.Tensor:  # [T, H]
+    """Every format's experts: ``fused_moe`` on the format's kernel inputs on CUDA, elsewhere
+    ``moe_loop_by`` over its per-expert weights (a quantized expert dequantized when it has
+    tokens, one at a time)."""
+    w13, w2, quant = method.kernel_inputs(layer)
+    if x.is_cuda:
+        from lightwell.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, w13, w2, weights, ids, **quant, **options)
+    from lightwell.layers.moe import moe_loop_by  # layers.moe imports this module
+
+    shared = options.get("num_shared", 0)
+    return moe_loop_by(x, method.expert_weights(layer, x), w13.shape[0], weights, ids, shared)
+
+
 class UnquantizedExperts:
     """Experts in the model dtype (``w13_weight``, ``w2_weight``)."""
 
@@ -61,22 +85,23 @@ class UnquantizedExperts:
     def process_after_loading(self, layer: nn.Module) -> None:
         return None
 
+    def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, fused_moe's keyword arguments) of the fused kernels."""
+        return layer.w13_weight, layer.w2_weight, {}
+
+    def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        return lambda e: (w13[e], w2[e])
+
     def apply(
         self,
         layer: nn.Module,
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, k]
         ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA); num_shared: the shared experts
+        **options: Any,  # fused_moe's tile options (CUDA)
     ) -> torch.Tensor:  # [T, H]
-        if x.is_cuda:
-            from lightwell.kernels.fused_moe import fused_moe
-
-            return fused_moe(x, layer.w13_weight, layer.w2_weight, weights, ids, **options)
-        from lightwell.layers.moe import moe_loop
-
-        shared = options.get("num_shared", 0)
-        return moe_loop(x, layer.w13_weight, layer.w2_weight, weights, ids, shared)
+        return apply_experts(self, layer, x, weights, ids, **options)
 
 
 class Fp8BlockExperts(UnquantizedExperts):
@@ -107,29 +132,18 @@ class Fp8BlockExperts(UnquantizedExperts):
         s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
         return layer.w13_weight, layer.w2_weight, {"scales": (s13, s2, self.block)}
 
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,  # [T, H]
-        weights: torch.Tensor,  # [T, k]
-        ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA)
-    ) -> torch.Tensor:  # [T, H]
+    def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
+        """Expert e's weights dequantized (``q * scale`` per block) to x's dtype."""
+        from lightwell.quant.fp8 import dequantize_blocks
+
         w13, w2 = layer.w13_weight, layer.w2_weight
         s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
-        if x.is_cuda:
-            from lightwell.kernels.fused_moe import fused_moe
-
-            w13, w2, quant = self.kernel_inputs(layer)
-            return fused_moe(x, w13, w2, weights, ids, **quant, **options)
-        from lightwell.layers.moe import moe_loop_by
-        from lightwell.quant.fp8 import dequantize_blocks
 
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             gate_up = dequantize_blocks(w13[e], s13[e], self.block).to(x.dtype)  # [2I, H]
             return gate_up, dequantize_blocks(w2[e], s2[e], self.block).to(x.dtype)  # [H, I]
 
-        return moe_loop_by(x, expert, w13.shape[0], weights, ids)
+        return expert
 
 
 # linear methods whose experts stay in the model dtype: online quantization of a 16/32-bit

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightwell.quant.experts import add_expert_param
+from lightwell.quant.experts import ExpertWeights, add_expert_param, apply_experts
 from lightwell.quant.utils import pack_int32, replace_params, unpack_int32
 from lightwell.quant.wna16 import dequantize, group_index
 
@@ -136,22 +136,9 @@ class WNA16Experts:
         int4 = (layer.w13_scales, layer.w13_zeros, layer.w2_scales, layer.w2_zeros, *groups)
         return q13, q2, {"int4": int4}
 
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,  # [T, H]
-        weights: torch.Tensor,  # [T, k]
-        ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA)
-    ) -> torch.Tensor:  # [T, H]
+    def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
+        """Expert e's weights dequantized (``(q - zero) * scale`` per group) to x's dtype."""
         q13, q2 = layer.w13_qweight, layer.w2_qweight  # [E, 2I, H / 8], [E, H, I / 8]
-        if x.is_cuda:
-            from lightwell.kernels.fused_moe import fused_moe
-
-            _, _, quant = self.kernel_inputs(layer)
-            return fused_moe(x, q13, q2, weights, ids, **quant, **options)
-        from lightwell.layers.moe import moe_loop_by
-
         g13 = group_index(q13.shape[2] * 8, self.group_size, x.device)
         g2 = group_index(q2.shape[2] * 8, self.group_size, x.device)
 
@@ -160,4 +147,14 @@ class WNA16Experts:
             w2 = dequantize(q2[e], layer.w2_scales[e], layer.w2_zeros[e], g2, 4)
             return w13.to(x.dtype), w2.to(x.dtype)
 
-        return moe_loop_by(x, expert, q13.shape[0], weights, ids)
+        return expert
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k]
+        ids: torch.Tensor,  # [T, k] local expert ids
+        **options: Any,  # fused_moe's tile options (CUDA)
+    ) -> torch.Tensor:  # [T, H]
+        return apply_experts(self, layer, x, weights, ids, **options)

@@ -88,6 +88,8 @@ def _busy_port() -> socket.socket:
         (["generate", "--num-threads", "0"], "num_threads must be >= 1"),
         (["serve", "--port", "70000"], "--port 70000"),
         (["generate", "--generation-config", "/nonexistent"], "no generation_config.json"),
+        (["generate", "--skip-tokenizer-init"], "generate needs a tokenizer"),
+        (["chat", "--load-format", "dummy", "--hf-config-json", "llama-3-8b"], "needs a tokenizer"),
     ],
 )
 def test_bad_options_fail_before_loading(argv, message, capsys):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightwell.kernels.cpu import gguf_cpu
+from lightwell.kernels.gguf_blocks import BLOCKS, gguf_dequantize_ref
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not gguf_cpu.available(), reason="no C compiler with OpenMP")
@@ -19,7 +20,7 @@ TYPES = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
 def random_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> torch.Tensor:
     """[rows, cols / 32 * block bytes] uint8: random bytes, fp16 scales (and Q4_1 minimums) of
     sane sizes, signs included."""
-    values, nbytes = gguf_cpu.BLOCKS[qtype]
+    values, nbytes = BLOCKS[qtype]
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (rows, cols // values, nbytes), dtype=torch.uint8, generator=g)
     d = (torch.rand(rows, cols // values, 1, generator=g) - 0.3) * 0.02
@@ -34,7 +35,7 @@ def random_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> torch.Tens
 def test_dequantize_is_bit_exact_with_gguf(qtype):
     w = random_blocks(37, 96, qtype)
     expected = torch.from_numpy(gguf.dequantize(w.numpy(), gguf.GGMLQuantizationType(qtype)))
-    assert torch.equal(gguf_cpu.dequantize_ref(w, qtype), expected)
+    assert torch.equal(gguf_dequantize_ref(w, qtype), expected)
     ids = torch.tensor([5, 0, 36, 5, 17])
     assert torch.equal(gguf_cpu.gguf_dequant_rows(w, qtype, 96, ids), expected[ids])
 
@@ -45,7 +46,7 @@ def test_mm_matches_float64_on_dequantized_weights(qtype, rows):
     torch.set_num_threads(2)
     w = random_blocks(70, 160, qtype, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
-    expected = x.double() @ gguf_cpu.dequantize_ref(w, qtype).double().T
+    expected = x.double() @ gguf_dequantize_ref(w, qtype).double().T
     out = gguf_cpu.gguf_mm(x, w, qtype)
     scale = expected.abs().max().item()
     assert (out.double() - expected).abs().max().item() < 1e-5 * scale

@@ -100,3 +100,16 @@ def test_shared_experts_ride_in_the_routed_launches(dtype):
     assert not use_gemv(3, 2 + 2, 10)  # more pairs than experts: the grouped path refuses
     with pytest.raises(ValueError, match="GEMV path only"):
         fused_moe(x, w13, w2, weights, ids, gemv=False, num_shared=2)
+
+
+def test_fused_moe_folds_shared_experts_exactly_where_the_gemv_path_runs():
+    """``FusedMoE.folds_shared`` restates ``use_gemv`` (the CPU path imports no Triton)."""
+    from lightwell.kernels.moe_gemv import MAX_TOKENS
+    from lightwell.layers.moe import GEMV_MAX_TOKENS, FusedMoE
+
+    assert GEMV_MAX_TOKENS == MAX_TOKENS
+    for experts, top_k, shared in ((64, 6, 2), (8, 2, 2), (4, 2, 1), (256, 8, 1)):
+        moe = FusedMoE(experts, 16, 8, num_shared=shared)
+        for tokens in range(0, 12):
+            want = use_gemv(tokens, top_k + shared, experts + shared)
+            assert moe.folds_shared(tokens, top_k) == want, (experts, top_k, shared, tokens)

@@ -4,7 +4,8 @@ Every package and top-level module of ``lightwell`` has a rule: the layers it mu
 import. The control plane (server -> engine -> scheduler -> kvcache) has no torch; the data
 plane goes executor -> worker -> models -> layers / attention / quant -> kernels; the leaves
 (config, types, envs, progress, model_files, storage) import nothing of Lightwell's but themselves
-(model_files and storage: each other, pure Python).
+(model_files and storage: each other, pure Python). Triton kernels are imported where a CUDA
+path launches them, never when a module loads (the CPU path runs without Triton).
 """
 
 from __future__ import annotations
@@ -128,4 +129,50 @@ def test_package_respects_import_boundaries(package):
             for prefix in forbidden:
                 if name == prefix or name.startswith(prefix + "."):
                     bad.append(f"{path.relative_to(ROOT.parent)} imports {name}")
+    assert not bad, "\n".join(bad)
+
+
+# Triton kernels load on the CUDA path only (the CPU image has no Triton): outside kernels/, no
+# module imports one when it loads (inside the function that launches it instead), except these,
+# which are themselves imported only when a CUDA path is chosen
+CUDA_ONLY = ["lightwell.attention.triton_backend", "lightwell.quant.gguf_cuda"]
+TRITON_FREE_KERNELS = ["lightwell.kernels.cpu", "lightwell.kernels.gguf_blocks"]
+
+
+def _load_time_imports(path: pathlib.Path) -> list[str]:
+    """Imports that run when the module loads: not in a function, not under TYPE_CHECKING."""
+    names, todo = [], list(ast.parse(path.read_text()).body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo += node.orelse
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        todo += [c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt)]
+    return names
+
+
+def _under(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_triton_loads_only_on_the_cuda_path():
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if _under(module, CUDA_ONLY) or (
+            _under(module, ["lightwell.kernels"]) and not _under(module, TRITON_FREE_KERNELS)
+        ):
+            continue
+        for name in _load_time_imports(path):
+            triton_kernels = _under(name, ["lightwell.kernels"]) and not (
+                _under(name, TRITON_FREE_KERNELS) or name == "lightwell.kernels"
+            )
+            if _under(name, ["triton", *CUDA_ONLY]) or triton_kernels:
+                bad.append(f"{path.relative_to(ROOT.parent)} imports {name} when it loads")
     assert not bad, "\n".join(bad)

@@ -5,8 +5,8 @@ dequantized in registers (bit-exact with gguf-py's float32 values) and accumulat
 ``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C source
 beside this file is compiled once per machine with the system C compiler (``cc``, ``-O3
 -march=native -fopenmp``) into a cache folder and loaded with ctypes; ``available()`` says
-whether that worked (the callers fall back to torch ops otherwise). ``*_ref`` are the torch
-references.
+whether that worked (the callers fall back to torch ops otherwise). ``gguf_mm_ref`` is the
+torch reference, on ``kernels/gguf_blocks.py``'s block layouts and dequantize reference.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import tempfile
 
 import torch
 
+from lightwell.kernels.gguf_blocks import Q4_0, Q4_1, Q8_0, gguf_dequantize_ref
+
 logger = logging.getLogger(__name__)
 SOURCE = os.path.join(os.path.dirname(__file__), "gguf_cpu.c")
-# ggml type id -> (values, bytes) per block
-BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34)}  # Q4_0, Q4_1, Q8_0
-SUPPORTED = frozenset(BLOCKS)
+SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0))  # the types gguf_cpu.c reads
 
 
 def _cache_dir() -> str:
@@ -136,22 +136,5 @@ def gguf_dequant_rows(
     return out
 
 
-def dequantize_ref(w: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, B] uint8 -> [N, K] fp32
-    """Torch reference of the blocks' float32 values (gguf-py's formulas)."""
-    values, nbytes = BLOCKS[qtype]
-    blocks = w.reshape(w.shape[0], -1, nbytes)  # [N, K / 32, bytes]
-    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [N, K / 32, 1]
-    if qtype == 8:
-        q = blocks[..., 2:].contiguous().view(torch.int8).float()
-        return (q * d).reshape(w.shape[0], -1)
-    start = 4 if qtype == 3 else 2
-    qs = blocks[..., start:]
-    q = torch.cat([qs & 0xF, qs >> 4], dim=-1).float()  # [N, K / 32, 32]
-    if qtype == 3:
-        m = blocks[..., 2:4].contiguous().view(torch.float16).float()
-        return (d * q + m).reshape(w.shape[0], -1)
-    return (d * (q - 8)).reshape(w.shape[0], -1)
-
-
 def gguf_mm_ref(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:  # [M, N]
-    return x @ dequantize_ref(w, qtype).T
+    return x @ gguf_dequantize_ref(w, qtype).T
