@@ -75,7 +75,7 @@ def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
     return tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # (a per-step count: no variant each)
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2 * I, H] (int4: [E, 2 * I, H / 8] int32 words)
@@ -134,7 +134,7 @@ def _gate_up_kernel(
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])  # (a per-step count: no variant each)
 def _down_kernel(
     a_ptr,  # [T * k, I]
     w_ptr,  # [E, H, I] (int4: [E, H, I / 8] int32 words)

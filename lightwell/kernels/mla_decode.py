@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# (per-step integers are not specialised: no variant compiles in the middle of serving)
+@triton.jit(do_not_specialize=["stride_bt"])
 def _mla_decode_kernel(
     q_ptr,  # [R, H, L + P]
     cache_ptr,  # [num_slots, L + P]
@@ -97,7 +98,7 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + base, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     part_ptr,  # [R, S, H, L] float32
     lse_ptr,  # [R, S, H] float32

@@ -308,12 +308,24 @@ class MLAttention(nn.Module):
         return self.o_proj(self.attend(positions, hidden))
 
     def compile_kernel_variants(self) -> int:
-        """Start-up on CUDA: the expanded prefill's attention kernel variants, compiled before
-        serving (attention/mla_prefill.compile_variants). Returns the launches made."""
+        """Start-up on CUDA: the expanded prefill's attention kernel variants
+        (attention/mla_prefill.compile_variants) and the decode kernel at each split-count
+        variant (eager mixed steps pick splits by their batch), compiled before serving.
+        Returns the launches made."""
         cache, dims = self.attn.kv_cache, (self.nope, self.rope, self.v_dim)
-        if cache is None or not self.attn._kernel(cache) or self.v_dim > self.nope + self.rope:
+        if cache is None or not self.attn._kernel(cache):
             return 0
-        return compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
+        from lightwell.kernels.mla_decode import MAX_SPLITS, mla_decode  # (Triton: lazily)
+
+        q = cache.new_zeros(1, self.num_heads, cache.shape[-1])  # one request, one key
+        table = torch.zeros(1, 1, dtype=torch.int32, device=cache.device)
+        lens = torch.ones(1, dtype=torch.int32, device=cache.device)
+        splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= MAX_SPLITS]
+        for s in splits:
+            mla_decode(q, cache, table, lens, 1.0, self.rank, s)
+        if self.v_dim > self.nope + self.rope:
+            return len(splits)
+        return len(splits) + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
 
     def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H]: this rank's o_proj partial sum, not all-reduced."""

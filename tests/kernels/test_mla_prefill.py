@@ -18,7 +18,7 @@ from lightwell.attention.mla_prefill import (
     split_step,
 )
 from lightwell.attention.mla_torch import attend_latent
-from lightwell.layers.mla import LatentAttention
+from lightwell.layers.mla import LatentAttention, MLAttention
 from tests.kernels.interpreter import DEVICE
 from tests.models.paged import build_metadata
 
@@ -167,4 +167,8 @@ def test_deepseek_v2_prefill_through_the_kernels_matches_the_torch_path(tmp_path
         ta, tb = int(out[-2][-1].argmax()), int(out[-1][-1].argmax())
         out += runner.step([("a", [ta], 10), ("b", [tb], 7), ("c", c[11:], 11)])
         logits[kernel] = torch.cat(out)
+    (mla,) = [m for m in model.modules() if isinstance(m, MLAttention)]
+    before = mla.attn.kv_cache.clone()
+    assert mla.compile_kernel_variants() == 6 + 4  # decode splits 1..32, prefill variants
+    torch.testing.assert_close(mla.attn.kv_cache, before, rtol=0, atol=0, equal_nan=True)
     assert rel_err(logits[True], logits[False]) < 1e-4
