@@ -52,7 +52,8 @@ def _combined(part_ptr, lse_ptr, rows, t_ok, r, r_ok, top, total, num_splits, nu
     return acc / total[:, None]
 
 
-@triton.jit
+# (per-step integers are not specialised: no variant compiles in the middle of serving)
+@triton.jit(do_not_specialize=["T", "num_splits", "num_heads"])
 def _absorb_output_kernel(
     o_ptr,  # [T, H, L] (not SPLIT)
     part_ptr,  # [T, S, H, L] fp32 partials (SPLIT)

@@ -177,7 +177,7 @@ def _absorb_query_kernel(
                 BLOCK_N, BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # (a per-step count: no variant compiles mid-serving)
 def _prepare_kernel(
     q_ptr,  # [T, H * (N + P)]
     kv_ptr,  # [T, L + P]
