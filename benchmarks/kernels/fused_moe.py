@@ -83,21 +83,76 @@ def bench(name: str, tokens: int, common: dict) -> list[dict]:
     return [make_record("fused_moe_graph_us", graph, common, **row)]
 
 
+SWEEP_TOKENS = (2048, 8192)
+# (block_m, block_n, block_k, warps, stages) of the grouped kernels, --sweep
+SWEEP_TILES = [(bm, bn, bk, w, st) for bm in (64, 128) for bn in (64, 128) for bk in (64, 128)
+               for w in (4, 8) for st in (3, 4)]  # fmt: skip
+
+
+def sweep(name: str, tokens: int, common: dict, deadline: float, out: str | None) -> list[dict]:
+    """The grouped kernels at each tile of ``SWEEP_TILES`` (checked against the loop; those
+    that fail to compile or exceed shared memory are skipped), CUDA-graph µs and TFLOP/s."""
+    import time
+
+    experts, top_k, hidden, inter = SHAPES[name]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dt, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", dtype=dt, generator=gen) * 0.02
+    w2 = torch.randn(experts, hidden, inter, device="cuda", dtype=dt, generator=gen) * 0.02
+    weights, ids = (
+        torch.randn(tokens, experts, device="cuda", generator=gen).softmax(-1).topk(top_k, dim=-1)
+    )
+    loop = moe_loop(x, w13, w2, weights, ids).float()
+    flops = 2 * tokens * top_k * 3 * hidden * inter
+    rows = []
+    for bm, bn, bk, warps, stages in SWEEP_TILES:
+        if time.monotonic() > deadline:
+            break
+        opts = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                    gemv=False)  # fmt: skip
+        try:
+            got = fused_moe(x, w13, w2, weights, ids, **opts).float()
+            us = _graph_us(lambda o=opts: fused_moe(x, w13, w2, weights, ids, **o))
+        except Exception as e:  # noqa: BLE001 (out of resources: skipped, said)
+            print(name, tokens, opts, "skipped:", str(e).splitlines()[0][:120], flush=True)
+            continue
+        err = ((got - loop).abs().max() / loop.abs().max()).item()
+        row = dict(shape=name, tokens=tokens, tile=[bm, bn, bk, warps, stages],
+                   rel_err_vs_loop=round(err, 6), tflops=round(flops / us / 1e6, 1))  # fmt: skip
+        print(row, round(us, 1), flush=True)
+        rows.append(make_record("fused_moe_tile_us", us, common, **row))
+        if out:
+            write_json(out, rows)  # (each tile as it comes: a later one may crash the process)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results here (JSON)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated names")
     parser.add_argument("--decode", action="store_true", help="the GEMV path at 1-8 tokens")
     parser.add_argument("--budget-s", type=float, default=200.0,
-                        help="--decode: stop sweeping tiles after this many seconds")  # fmt: skip
+                        help="--decode, --sweep: stop sweeping tiles after this long")  # fmt: skip
+    parser.add_argument("--sweep", action="store_true",
+                        help="the grouped kernels' tiles at 2,048 and 8,192 tokens")  # fmt: skip
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
     rows = []
+    if args.sweep:
+        import time
+
+        deadline = time.monotonic() + args.budget_s
+        for name in args.shapes.split(","):
+            for tokens in SWEEP_TOKENS:
+                rows += sweep(
+                    name, tokens, common, deadline, args.out and f"{args.out}.{name}.{tokens}"
+                )
     if args.decode:
         from benchmarks.kernels.moe_decode import run_decode
 
         rows = run_decode(args.shapes.split(","), common, args.budget_s)
-    for name in args.shapes.split(",") if not args.decode else []:
+    for name in args.shapes.split(",") if not (args.decode or args.sweep) else []:
         for tokens in TOKENS:
             rows += bench(name, tokens, common)
     if args.out:

@@ -239,20 +239,44 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights, ids, s
     return num_experts, hidden, two_inter // 2
 
 
+def pick_block_m(per_expert: float, quantized: bool) -> int:
+    """Rows an expert block holds, from the mean (token, expert) pairs an expert gets;
+    128-row blocks for unquantized experts only (the quantized kernels are not sized for
+    them)."""
+    if per_expert <= 16:
+        return 16
+    if per_expert <= 64:
+        return 32
+    return 64 if per_expert <= 128 or quantized else 128
+
+
+def grouped_tiles(block_m: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, warps, stages) of the grouped kernels for ``block_m`` rows: the
+    fastest of an H200 sweep at Mixtral-8x7B and DeepSeek-V2-Lite shapes, 2,048 and 8,192
+    tokens, for 128 rows (``python3 -m benchmarks.kernels.fused_moe --sweep``)."""
+    if block_m >= 128:
+        return 128, 64, 8, 3
+    if block_m >= 64:
+        return 128, 64, 4, 4
+    return 64, 64, 4, 3
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows (16/32-bit, fp8, int4 words)
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
-    block_m: int | None = None,  # default: from the mean tokens per expert (16 to 64)
-    block_n: int = 64,
-    block_k: int = 64,
+    block_m: int | None = None,  # default: from the mean tokens per expert (16 to 128)
+    block_n: int | None = None,  # default (and the launch options): grouped_tiles(block_m)
+    block_k: int | None = None,
     gemv: bool | None = None,  # the few-token GEMV kernels; default: moe_gemv.use_gemv
     gemv_configs: tuple[Config, Config] | None = None,  # theirs (gate/up, down); default: picked
     scales: Scales | None = None,  # fp8 experts: their block scales
     int4: Int4 | None = None,  # int4 experts: their group scales and zeros
     num_shared: int = 0,  # the last S experts are every token's, weight 1 (GEMV path only)
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:  # [T, H]
     """The grouped kernels (tiles ``block_m``/``block_n``/``block_k``) or, for a few tokens,
     kernels/moe_gemv.py's (the choice depends only on the shapes: CUDA-graph safe).
@@ -275,9 +299,12 @@ def fused_moe(
         return moe_gemv(x, w13, w2, weights, ids, *configs, num_shared=num_shared)
     if num_shared:
         raise ValueError("fused_moe: shared experts are supported on the GEMV path only")
+    quantized = scales is not None or int4 is not None
     if block_m is None:
-        per_expert = pairs / num_experts
-        block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
+        block_m = pick_block_m(pairs / num_experts, quantized)
+    tiles = grouped_tiles(block_m)
+    block_n, block_k = block_n or tiles[0], block_k or tiles[1]
+    num_warps, num_stages = num_warps or tiles[2], num_stages or tiles[3]
     if int4 is not None:
         s13, z13, s2, z2, g13, g2 = int4
         block_k = min(block_k, g13 & -g13, g2 & -g2)  # a K tile inside one group
@@ -298,7 +325,7 @@ def fused_moe(
     _gate_up_kernel[grid](
         x, w13, act, sorted_ids, block_expert, s13, z13, pairs, TOP_K=top_k, HIDDEN=hidden,
         INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SBN=sb13[0],
-        SBK=sb13[1], **quant,
+        SBK=sb13[1], **quant, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)  # skipped pairs stay 0
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
@@ -306,7 +333,7 @@ def fused_moe(
     _down_kernel[grid](
         act, w2, flat_weights, out, sorted_ids, block_expert, s2, z2, pairs, HIDDEN=hidden,
         INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SBN=sb2[0],
-        SBK=sb2[1], **quant,
+        SBK=sb2[1], **quant, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out.view(num_tokens, top_k, hidden).sum(dim=1)
 

@@ -30,6 +30,7 @@ from lightwell.models.llama import LlamaMLP
 from lightwell.models.pipeline import skip_missing
 from lightwell.models.weight_utils import load_packed_weights
 from lightwell.quant.base import QuantMethod
+from lightwell.quant.experts import UnquantizedExperts
 
 
 def num_experts_of(config: Any) -> int:
@@ -124,8 +125,8 @@ class MoEBlock(nn.Module):
         return tp_all_reduce(self.partial(x))
 
     def compile_kernel_variants(self) -> int:
-        """Compile the grouped expert kernels at every row-block size steps can pick (16, 32
-        and 64 rows an expert block) and the few-token path, so no step compiles while
+        """Compile the grouped expert kernels at every row-block size steps can pick
+        (kernels/fused_moe.pick_block_m) and the few-token path, so no step compiles while
         serving; a no-op off CUDA. Returns the launches made."""
         experts = self.experts
         if not experts.cuda_graph_safe:
@@ -138,10 +139,12 @@ class MoEBlock(nn.Module):
         ids = ids % experts.num_local_experts
         weights = torch.ones(num_tokens, k, dtype=torch.float32, device=first.device)
         method = experts.quant_method
-        for block_m in (16, 32, 64):
+        quantized = not isinstance(method, UnquantizedExperts)
+        blocks = (16, 32, 64) if quantized else (16, 32, 64, 128)
+        for block_m in blocks:
             method.apply(experts, x, weights, ids, block_m=block_m, gemv=False)
         method.apply(experts, x[:1], weights[:1], ids[:1])
-        return 4
+        return len(blocks) + 1
 
 
 class MoEDecoderLayer(nn.Module):
