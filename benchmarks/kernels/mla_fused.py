@@ -1,12 +1,7 @@
-"""The fused launches around DeepSeek-V2-Lite's MLA decode attention against the separate ones,
+"""The fused launch before DeepSeek-V2-Lite's MLA decode attention against the separate ones,
 bf16, one layer (16 heads, kv_lora_rank 512, RoPE 64, nope 128, v 128), at 1, 4 and 16 requests
-of a 1,024-token context:
-
-- ``prepare_decode`` (latent entry + absorbed query, one launch) vs ``latent_entry`` then
-  ``absorb_query``: checked bit for bit (queries and cache rows) first;
-- the split-KV attention then ``absorb_output_splits`` (the combine inside the output launch)
-  vs ``mla_decode`` (decode + combine) then ``absorb_output``: checked first (largest error over
-  the largest value < 2e-2), at the split count the engine picks.
+of a 1,024-token context: ``prepare_decode`` (latent entry + absorbed query, one launch) vs
+``latent_entry`` then ``absorb_query``, checked bit for bit (queries and cache rows) first.
 
 One command, under a minute:
 
@@ -24,8 +19,6 @@ import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record
-from lightwell.kernels.mla_decode import mla_decode, mla_decode_partials, pick_num_splits
-from lightwell.kernels.mla_output import absorb_output, absorb_output_splits
 from lightwell.kernels.mla_prepare import absorb_query, latent_entry, prepare_decode
 
 HEADS, RANK, ROPE, NOPE, VDIM, BLOCK, CTX = 16, 512, 64, 128, 128, 16, 1024
@@ -79,24 +72,6 @@ def _prepare(x: dict, batch: int) -> tuple[float, float, torch.Tensor]:
     return graph_replay_us(separate), graph_replay_us(fused), got
 
 
-def _output(x: dict, q: torch.Tensor, batch: int) -> tuple[float, float, float, int]:
-    scale = (NOPE + ROPE) ** -0.5
-    splits = pick_num_splits(batch, HEADS, CTX)
-    args = (q, x["cache"], x["table"], x["lens"], scale, RANK)
-
-    def separate():
-        return absorb_output(mla_decode(*args, splits), x["w"], (NOPE, VDIM))
-
-    def fused():
-        return absorb_output_splits(*mla_decode_partials(*args, splits), x["w"], (NOPE, VDIM))
-
-    want, got = separate().float(), fused().float()
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    if not err < 2e-2:
-        raise AssertionError(f"batch {batch}: split output differs by {err:.3g}")
-    return graph_replay_us(separate), graph_replay_us(fused), err, splits
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
@@ -104,15 +79,11 @@ def main() -> None:
     rows = []
     for batch in (1, 4, 16):
         x = _inputs(batch)
-        sep_prep, fused_prep, q = _prepare(x, batch)
-        sep_out, fused_out, err, splits = _output(x, q, batch)
-        print(f"batch {batch}: prepare {sep_prep:.1f} -> {fused_prep:.1f} us; attention + "
-              f"output ({splits} splits) {sep_out:.1f} -> {fused_out:.1f} us")  # fmt: skip
-        common = dict(batch=batch, context=CTX, heads=HEADS, splits=splits)
+        sep_prep, fused_prep, _ = _prepare(x, batch)
+        print(f"batch {batch}: prepare {sep_prep:.1f} -> {fused_prep:.1f} us")
+        common = dict(batch=batch, context=CTX, heads=HEADS)
         rows.append(record("mla_prepare_fused_us", fused_prep, separate_us=round(sep_prep, 1),
                            **common))  # fmt: skip
-        rows.append(record("mla_attend_output_fused_us", fused_out, rel_err=round(err, 5),
-                           separate_us=round(sep_out, 1), **common))  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

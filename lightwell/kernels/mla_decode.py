@@ -232,28 +232,9 @@ def mla_decode(
     return out
 
 
-def mla_decode_partials(
-    q: torch.Tensor,  # [R, H, L + P]: one absorbed query per request (contiguous)
-    kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
-    block_table: torch.Tensor,  # [R, max_blocks] int32
-    seq_lens: torch.Tensor,  # [R] int32
-    scale: float,
-    kv_lora_rank: int,
-    num_splits: int,  # 2 or more
-    config: Config | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, S, H, L] fp32 partials, [R, S, H] fp32 lse)
-    """``mla_decode``'s split partials, uncombined (kernels/mla_output.py's
-    ``absorb_output_splits`` combines them in its own launch)."""
-    if not 1 < num_splits <= MAX_SPLITS or q.shape[0] == 0:
-        raise ValueError(f"mla_decode_partials: {num_splits} splits of {q.shape[0]} requests")
-    _check(q, kv_cache, block_table, num_splits)
-    return _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits, None,
-                   config)  # fmt: skip
-
-
 def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits, out, config):
     """The decode kernel's launch: with one split it writes ``out``; with more it returns the
-    partials and their log-sum-exps."""
+    partials and their log-sum-exps (for the combine kernel)."""
     num_reqs, num_heads, width = q.shape
     block_h, block_s, warps, stages = config or pick_config(num_heads)
     rope = width - kv_lora_rank

@@ -8,7 +8,7 @@ the query's no-RoPE part goes through ``W_UK`` into latent space, the latent out
 ``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``). A decode-only step on the
 kernels runs that work around the attention in two launches (``kernels/mla_prepare.py``:
 the entry's norm, RoPE and store with the absorbed query and its RoPE; ``kernels/mla_output.py``:
-the output through ``W_UV``, combining the split-KV kernel's partials where it loads them).
+the output through ``W_UV``) around the split-KV decode kernel.
 Any other step on the kernels runs its single-token requests the absorbed way and every other
 request at once in the expanded form (``lightwell/attention/mla_prefill.py``: the cached
 latents through ``kv_b_proj``, plain queries, the paged attention kernel); the output means the
@@ -87,24 +87,6 @@ class LatentAttention(Attention):
         meta = get_attention_metadata()
         one_each = meta.num_decodes == meta.num_reqs == meta.num_tokens
         return self._kernel(x) and self.kv_cache is not None and one_each and meta.num_reqs > 0
-
-    def decode_partials(
-        self,
-        q: torch.Tensor,  # [T, H, kv_lora_rank + rope_dim], a decode-only step's
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # ([T, S, H, rank], [T, S, H]) fp32
-        """A decode-only step's split-KV partials and log-sum-exps, uncombined (the caller
-        folds the combine into the output's launch); None where one split serves or the step
-        is too large for the fold (``mla_output.SPLITS_MAX_TOKENS``)."""
-        from lightwell.kernels.mla_decode import mla_decode_partials, pick_num_splits
-        from lightwell.kernels.mla_output import SPLITS_MAX_TOKENS
-
-        meta = get_attention_metadata()
-        splits = pick_num_splits(meta.num_reqs, q.shape[1], meta.max_seq_len)
-        if splits == 1 or q.shape[0] > SPLITS_MAX_TOKENS:
-            return None
-        table, lens = meta.block_table[: q.shape[0]], meta.seq_lens[: q.shape[0]]
-        return mla_decode_partials(q, self.kv_cache, table, lens, self.scale, self.kv_lora_rank,
-                                   splits)  # fmt: skip
 
     def expanded(self, x: torch.Tensor) -> bool:
         """The step runs through the kernels, not as all decodes (``forward_expanded``)."""
@@ -286,10 +268,9 @@ class MLAttention(nn.Module):
         hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, heads * v_dim / tp]
         """``attend`` for a decode-only step after the projections: the entry and the query
-        in one launch, the split-KV attention, the output through ``W_UV`` (combining the
-        splits' partials as it loads them)."""
+        in one launch, the split-KV attention, the output through ``W_UV``."""
         # imported here: Triton kernels load on the kernel path only (the CPU image has no Triton)
-        from lightwell.kernels.mla_output import absorb_output, absorb_output_splits
+        from lightwell.kernels.mla_output import absorb_output
         from lightwell.kernels.mla_prepare import prepare_decode
 
         rot, norm, w = self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj.weight
@@ -299,9 +280,6 @@ class MLAttention(nn.Module):
         rope = (rot.cos_sin_cache, rot.is_neox_style)
         norm_eps = (norm.weight, norm.eps)
         q = prepare_decode(positions, query, kv, norm_eps, w, dims, rope, self.attn.kv_cache, slots)
-        partials = self.attn.decode_partials(q)
-        if partials is not None:
-            return absorb_output_splits(*partials, w, (self.nope, self.v_dim))
         return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]

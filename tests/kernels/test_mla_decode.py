@@ -43,39 +43,12 @@ def test_mla_decode_matches_reference(dtype, splits):
     assert err < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-def test_output_from_the_split_partials_equals_combine_then_output(dtype):
-    """``absorb_output_splits`` over ``mla_decode_partials`` (8 splits of 16-key tiles: the
-    1- and 5-key requests leave splits empty) gives ``absorb_output`` of ``mla_decode``'s
-    combined output, one launch fewer."""
-    from lightwell.kernels.mla_decode import mla_decode_partials
-    from lightwell.kernels.mla_output import absorb_output, absorb_output_splits
-
-    gen = torch.Generator().manual_seed(4)
-    rank, rope, heads, block, nope, vdim = 32, 8, 3, 4, 16, 24
-    seq_lens = torch.tensor([5, 37, 1], dtype=torch.int32, device=DEVICE)
-    cache = torch.randn(1, 30, block, 1, rank + rope, generator=gen).to(DEVICE, dtype)
-    table = torch.randperm(30, generator=gen).view(3, 10).to(DEVICE, torch.int32)
-    q = torch.randn(3, heads, rank + rope, generator=gen).to(DEVICE, dtype)
-    w = (torch.randn(heads * (nope + vdim), rank, generator=gen) / 4).to(DEVICE, dtype)
-    args, config = (q, cache, table, seq_lens, 0.2, rank, 8), (16, 16, 4, 1)
-    want = absorb_output(mla_decode(*args, config=config), w, (nope, vdim))
-    part, lse = mla_decode_partials(*args, config=config)
-    assert part.shape == (3, 8, heads, rank) and lse[2, 1:].isinf().all()  # 1 key: 1 split
-    got = absorb_output_splits(part, lse, w, (nope, vdim))
-    assert got.dtype == dtype
-    err = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    assert err < (1e-5 if dtype == torch.float32 else 2e-3)
-    with pytest.raises(ValueError, match="splits"):
-        mla_decode_partials(*args[:-1], 1)
-
-
 @CPU_MODEL
 def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path, monkeypatch):
     """A tiny DeepSeek-V3 with its decodes through the kernel (mixed with a prefill chunk in
     the same steps, then decode-only steps through the fused path) gives the torch path's
-    logits; three key splits (all but one empty at these lengths), so the decode-only steps'
-    output combines the partials in its own launch (``absorb_output_splits``)."""
+    logits; three key splits (all but one empty at these lengths), combined by the combine
+    kernel."""
     import lightwell.kernels.mla_decode as mla_decode_module
     from lightwell.layers.mla import LatentAttention
 
