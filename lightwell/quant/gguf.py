@@ -1,8 +1,8 @@
 """``--quantization gguf`` (CPU): GGUF linears kept as the file's quantized blocks (Q4_0, Q4_1,
-Q8_0, Q4_K, Q5_K, Q6_K ...: whatever the ``gguf`` package dequantizes). Q4_0, Q4_1 and Q8_0 run
-on the CPU kernels of ``lightwell.quant.gguf_cpu`` (as do the token embedding and LM head);
-other types are dequantized one layer at a time when it runs (with gguf-py's numpy code:
-memory-lean, about 10x slower than weights dequantized at load).
+Q8_0, Q4_K, Q5_K, Q6_K ...: whatever the ``gguf`` package dequantizes). Q4_0, Q4_1, Q8_0,
+Q4_K, Q5_K and Q6_K run on the CPU kernels of ``lightwell.quant.gguf_cpu`` (as do the token
+embedding and LM head); other types are dequantized one layer at a time when it runs (with
+gguf-py's numpy code: memory-lean, about 10x slower than weights dequantized at load).
 
 The checkpoint hands a layer its tensors as the file stores them: a uint8 tensor [rows,
 bytes per row] tagged with ``gguf_type`` (quantized), or a float tensor (F32/F16/BF16). A fused

@@ -1,6 +1,7 @@
 """The CPU side of ``--quantization gguf``: linears, the token embedding and the LM head run on
-the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q8_0), float32
-activations, every weight dequantized in registers to gguf-py's exact float32 value.
+the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q8_0) and
+``lightwell.kernels.cpu.gguf_kquant`` (Q4_K, Q5_K, Q6_K), float32 activations, every weight
+dequantized in registers to gguf-py's exact float32 value.
 
 A layer's parts (one per fused shard) that share one supported type are joined into one block
 tensor at load (parts of different supported types stay segments of the output). A step of at
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.kernels.cpu import gguf_cpu as kernels
+from lightwell.kernels.cpu import gguf_kquant
 from lightwell.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lightwell.quant.base import set_weight_attrs
 
@@ -25,8 +27,14 @@ DIRECT_MAX_ROWS = 8  # above: dequantized weight tiles + torch GEMM (faster from
 TILE_FLOATS = 1 << 18  # weights dequantized at a time for larger steps (a 1 MB tile)
 
 
+def _ops(qtype: int | None) -> Any:
+    """The kernel module that reads blocks of this type."""
+    return gguf_kquant if qtype in gguf_kquant.SUPPORTED else kernels
+
+
 def supported(qtype: int | None) -> bool:
-    return qtype in kernels.SUPPORTED and kernels.available()
+    ops = _ops(qtype)
+    return qtype in ops.SUPPORTED and ops.available()
 
 
 def blocks_matmul(
@@ -37,12 +45,12 @@ def blocks_matmul(
 ) -> None:
     K, N = x.shape[1], blocks.shape[0]
     if x.shape[0] <= DIRECT_MAX_ROWS:
-        kernels.gguf_mm(x, blocks, qtype, out)
+        _ops(qtype).gguf_mm(x, blocks, qtype, out)
         return
     rows = max(64, TILE_FLOATS // K)
     for start in range(0, N, rows):
         ids = torch.arange(start, min(start + rows, N))
-        w = kernels.gguf_dequant_rows(blocks, qtype, K, ids)  # [rows, K]
+        w = _ops(qtype).gguf_dequant_rows(blocks, qtype, K, ids)  # [rows, K]
         torch.mm(x, w.T, out=out[:, start : start + ids.numel()])
 
 
@@ -104,9 +112,8 @@ class GGUFEmbedding(VocabParallelEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         if self.weight.gguf_type is None:
             return F.embedding(input_ids, self.weight).to(self.dtype)
-        rows = kernels.gguf_dequant_rows(
-            self.weight, self.weight.gguf_type, self.embedding_dim, input_ids
-        )
+        qtype = self.weight.gguf_type
+        rows = _ops(qtype).gguf_dequant_rows(self.weight, qtype, self.embedding_dim, input_ids)
         return rows.to(self.dtype)
 
 

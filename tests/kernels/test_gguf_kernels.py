@@ -12,30 +12,10 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from lightwell.kernels import gguf_dequant as gd  # noqa: E402
+from tests.kernels.gguf_random import SCALES, gguf_py, random_blocks  # noqa: E402
 from tests.kernels.interpreter import DEVICE  # noqa: E402
 
-# where each type keeps its fp16 scales (d, and m / dmin where it has one)
-SCALES = {gd.Q4_0: (0,), gd.Q4_1: (0, 2), gd.Q8_0: (0,), gd.Q4_K: (0, 2), gd.Q5_K: (0, 2),
-          gd.Q6_K: (208,)}  # fmt: skip
 TYPES = list(SCALES)
-
-
-def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:  # [n, B] uint8
-    """Random bytes with fp16 scales of either sign between 1e-3 and 4e-3."""
-    values, nbytes = gd.BLOCKS[qtype]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n, k // values, nbytes), dtype=np.uint8)
-    for offset in SCALES[qtype]:
-        scale = rng.uniform(1e-3, 4e-3, (n, k // values)) * rng.choice([-1, 1], (n, k // values))
-        blocks[:, :, offset : offset + 2] = (
-            scale.astype(np.float16).view(np.uint8).reshape(n, -1, 2)
-        )
-    return torch.from_numpy(blocks.reshape(n, -1))
-
-
-def gguf_py(w: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, K] fp32
-    out = gguf.quants.dequantize(w.cpu().numpy(), gguf.GGMLQuantizationType(qtype))
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
 
 
 @pytest.mark.parametrize("qtype", TYPES)

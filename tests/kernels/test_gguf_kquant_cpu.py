@@ -9,8 +9,9 @@ import torch
 
 from lightwell.kernels.cpu import gguf_kquant
 from lightwell.kernels.gguf_blocks import Q4_K, Q5_K, Q6_K, gguf_dequantize_ref
-from tests.kernels.test_gguf_kernels import gguf_py, random_blocks
+from tests.kernels.gguf_random import gguf_py, random_blocks
 
+gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not gguf_kquant.available(), reason="no C compiler with OpenMP")
 
 TYPES = [Q4_K, Q5_K, Q6_K]

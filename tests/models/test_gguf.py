@@ -55,6 +55,7 @@ def write_tiny_gguf(
     rope_freqs: np.ndarray | None = None,
     layer_types: list[dict] = LAYER_TYPES,
     make=quantize_roundtrip,
+    embed_type=Q.Q8_0,
 ) -> dict:
     """Write ``hf_model`` as a llama GGUF; return the weights a perfect loader must produce
     (HF names, dequantized, original row order). ``make(array, qtype)`` gives a tensor's stored
@@ -82,7 +83,8 @@ def write_tiny_gguf(
         stored = llama_cpp_permute(blocks, heads) if heads else blocks
         w.add_tensor(name, stored, raw_dtype=qtype)
 
-    put("token_embd.weight", "model.embed_tokens.weight", sd["model.embed_tokens.weight"], Q.Q8_0)
+    embed = "model.embed_tokens.weight"
+    put("token_embd.weight", embed, sd[embed], embed_type)
     for i in range(cfg.num_hidden_layers):
         types = layer_types[i % len(layer_types)]
         for short, qtype in types.items():
@@ -193,8 +195,9 @@ def test_smollm2_gguf_matches_hf(smollm2_gguf):
 
 
 def test_auto_keeps_blocks_only_when_every_layer_matrix_takes_the_kernels(tmp_path):
-    """``auto`` on the CPU keeps a file's blocks when its layers are all Q4_0 / Q4_1 / Q8_0, not
-    when float matrices sit among them (they would be joined at every call)."""
+    """``auto`` on the CPU keeps a file's blocks when its layers are all in types the CPU
+    kernels take (here Q4_0 / Q8_0; K-quants: test_gguf_quantized.py), not when float matrices
+    sit among them (they would be joined at every call)."""
     from types import SimpleNamespace
 
     from lightwell.kernels.cpu import gguf_cpu

@@ -4,10 +4,14 @@ ones, against HF transformers running what gguf-py dequantizes them to; and the 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
+from lightwell.kernels.cpu import gguf_kquant
+from lightwell.models.loader import _gguf_kernels_fit
 from tests.models.paged import PagedRunner
 from tests.models.test_gguf import Q, gguf, write_tiny_gguf
 from tests.models.tiny import hf_logits, hf_tiny_model, load_ours, rel_err, tiny_config
@@ -42,15 +46,29 @@ def random_blocks(array: np.ndarray, qtype, seed: int = 0) -> tuple[np.ndarray, 
 def test_k_quant_gguf_kept_quantized_matches_hf(tmp_path):
     torch.set_num_threads(1)
     config = tiny_config(
-        "base", hidden_size=256, intermediate_size=512, head_dim=64, num_hidden_layers=2
+        "base",
+        hidden_size=256,
+        intermediate_size=512,
+        head_dim=64,
+        num_hidden_layers=2,
+        tie_word_embeddings=True,  # the Q6_K table is the LM head too
     )
     hf = hf_tiny_model(config, seed=2)
     path = str(tmp_path / "k.gguf")
-    expected = write_tiny_gguf(path, hf, layer_types=K_TYPES, make=random_blocks)
+    expected = write_tiny_gguf(path, hf, layer_types=K_TYPES, make=random_blocks, embed_type=Q.Q6_K)
     hf.load_state_dict({**hf.state_dict(), **expected})
     ours = load_ours(path, quantization="gguf")
     attn = ours.model.layers[0].self_attn.qkv_proj
-    assert [qtype for qtype, _ in attn.gguf_parts] == [Q.Q4_K, Q.Q6_K, Q.Q5_K]
+    if gguf_kquant.available():  # every layer on the C kernels, the tied Q6_K table too
+        assert [qtype for qtype, _, _ in attn.gguf_cpu] == [Q.Q4_K, Q.Q6_K, Q.Q5_K]
+        linears = [m for m in ours.modules() if hasattr(m, "gguf_parts")]
+        assert len(linears) == 8 and all(m.gguf_cpu is not None for m in linears)
+        assert ours.model.embed_tokens.weight.gguf_type == Q.Q6_K
+        assert ours.lm_head.weight is ours.model.embed_tokens.weight
+        files = SimpleNamespace(path=path)  # so auto keeps this file's blocks too
+        assert _gguf_kernels_fit(files, "gguf", torch.float32, torch.device("cpu"))
+    else:
+        assert [qtype for qtype, _ in attn.gguf_parts] == [Q.Q4_K, Q.Q6_K, Q.Q5_K]
     prompt = list(range(5, 30))
     runner = PagedRunner(ours, block_size=4)
     (logits,) = runner.step([("a", prompt, 0)])
@@ -58,7 +76,9 @@ def test_k_quant_gguf_kept_quantized_matches_hf(tmp_path):
     seq = prompt + [int(logits[-1].argmax())]
     for _ in range(4):
         (step,) = runner.step([("a", seq[-1:], len(seq) - 1)])
-        assert rel_err(step[0], hf_logits(hf, seq)[-1]) < 1e-4
+        ref = hf_logits(hf, seq)[-1]
+        assert rel_err(step[0], ref) < 1e-4
+        assert int(step[0].argmax()) == int(ref.argmax())  # the same greedy token
         seq.append(int(step[0].argmax()))
 
 
