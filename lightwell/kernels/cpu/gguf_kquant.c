@@ -69,44 +69,88 @@ static inline void scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     }
 }
 
-static void unpack_q6k(const uint8_t *b, unpacked *u) {
-    float d = rd16(b + 208);
-    const int8_t *sc = (const int8_t *)(b + 192);
-    for (int t = 0; t < 16; t++) {
-        u->d[t] = d * (float)sc[t];
-        u->m[t] = -32.0f * u->d[t];
-    }
-    for (int j = 0; j < 8; j++) { /* j = 4a + g */
-        const uint8_t *ql = b + 64 * (j >> 2) + 32 * (j & 1), *qh = b + 128 + 32 * (j >> 2);
-        int sl = 4 * ((j & 3) >> 1), sh = 2 * (j & 3);
-        uint8_t *q = u->q + 32 * j;
-        for (int i = 0; i < 32; i++)
-            q[i] = (uint8_t)(((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4));
-    }
-}
-
-static void unpack(const uint8_t *b, int qtype, unpacked *u) {
+/* The 6-bit scales and mins of Q4_K / Q5_K (D, M per 16 values) or Q6_K's scales. */
+static inline void unpack_scales(const uint8_t *b, int qtype, unpacked *u) {
     if (qtype == Q6_K) {
-        unpack_q6k(b, u);
+        float d = rd16(b + 208);
+        const int8_t *sc = (const int8_t *)(b + 192);
+        for (int t = 0; t < 16; t++) {
+            u->d[t] = d * (float)sc[t];
+            u->m[t] = -32.0f * u->d[t];
+        }
         return;
     }
     float d = rd16(b), dmin = rd16(b + 2);
-    const uint8_t *qs = b + (qtype == Q4_K ? 16 : 48), *qh = b + 16;
     for (int j = 0; j < 8; j++) {
         int sc, mn;
         scale_min(b + 4, j, &sc, &mn);
         u->d[2 * j] = u->d[2 * j + 1] = d * (float)sc;
         u->m[2 * j] = u->m[2 * j + 1] = -(dmin * (float)mn);
-        const uint8_t *src = qs + 32 * (j >> 1);
-        int sl = 4 * (j & 1);
-        uint8_t *q = u->q + 32 * j;
-        if (qtype == Q4_K) {
-            for (int i = 0; i < 32; i++) q[i] = (uint8_t)((src[i] >> sl) & 15);
-        } else {
-            for (int i = 0; i < 32; i++)
-                q[i] = (uint8_t)(((src[i] >> sl) & 15) | (((qh[i] >> j) & 1) << 4));
-        }
     }
+}
+
+#ifdef KQ_AVX2
+static inline __m256i ld32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void st32(uint8_t *p, __m256i v) { _mm256_storeu_si256((__m256i *)p, v); }
+
+/* The quants of sub-blocks j = 0..7 (32 values each) into u->q. */
+static inline void unpack_q(const uint8_t *b, int qtype, unpacked *u) {
+    const __m256i m4 = _mm256_set1_epi8(15), m30 = _mm256_set1_epi8(0x30);
+    if (qtype == Q6_K) {
+        for (int a = 0; a < 2; a++) { /* j = 4a + g */
+            __m256i l0 = ld32(b + 64 * a), l1 = ld32(b + 64 * a + 32), h = ld32(b + 128 + 32 * a);
+            uint8_t *q = u->q + 128 * a;
+            st32(q, _mm256_or_si256(_mm256_and_si256(l0, m4),
+                                    _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)));
+            st32(q + 32, _mm256_or_si256(_mm256_and_si256(l1, m4),
+                                         _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)));
+            st32(q + 64, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
+                                         _mm256_and_si256(h, m30)));
+            st32(q + 96, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                         _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)));
+        }
+        return;
+    }
+    const uint8_t *qs = b + (qtype == Q4_K ? 16 : 48);
+    __m256i h = qtype == Q5_K ? ld32(b + 16) : _mm256_setzero_si256();
+    for (int p = 0; p < 4; p++) { /* sub-blocks 2p (low nibbles) and 2p + 1 (high) */
+        __m256i v = ld32(qs + 32 * p);
+        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        if (qtype == Q5_K) { /* bit j of qh[i] is bit 4 of sub-block j's value i */
+            const __m256i b0 = _mm256_set1_epi8((char)(1 << 2 * p));
+            const __m256i b1 = _mm256_set1_epi8((char)(1 << (2 * p + 1)));
+            const __m256i v16 = _mm256_set1_epi8(16);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(
+                _mm256_cmpeq_epi8(_mm256_and_si256(h, b0), b0), v16));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(
+                _mm256_cmpeq_epi8(_mm256_and_si256(h, b1), b1), v16));
+        }
+        st32(u->q + 64 * p, lo);
+        st32(u->q + 64 * p + 32, hi);
+    }
+}
+#else
+static void unpack_q(const uint8_t *b, int qtype, unpacked *u) {
+    for (int j = 0; j < 8; j++) {
+        uint8_t *q = u->q + 32 * j;
+        if (qtype == Q6_K) { /* j = 4a + g */
+            const uint8_t *ql = b + 64 * (j >> 2) + 32 * (j & 1), *qh = b + 128 + 32 * (j >> 2);
+            int sl = 4 * ((j & 3) >> 1), sh = 2 * (j & 3);
+            for (int i = 0; i < 32; i++)
+                q[i] = (uint8_t)(((ql[i] >> sl) & 15) | (((qh[i] >> sh) & 3) << 4));
+            continue;
+        }
+        const uint8_t *src = b + (qtype == Q4_K ? 16 : 48) + 32 * (j >> 1), *qh = b + 16;
+        int sl = 4 * (j & 1), hb = qtype == Q5_K;
+        for (int i = 0; i < 32; i++)
+            q[i] = (uint8_t)(((src[i] >> sl) & 15) | (hb * ((qh[i] >> j) & 1) << 4));
+    }
+}
+#endif
+
+static inline void unpack(const uint8_t *b, int qtype, unpacked *u) {
+    unpack_scales(b, qtype, u);
+    unpack_q(b, qtype, u);
 }
 
 #ifdef KQ_AVX2
@@ -117,9 +161,11 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* out[r * ldo] for r < R: row wrow (nb super-blocks) against R rows of x (stride ldx). */
-static void row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
-                    int64_t ldx, int R, float *out, int64_t ldo) {
+/* out[r * ldo] for r < R: row wrow (nb super-blocks) against R rows of x (stride ldx).
+ * Inlined per constant R, so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void row_dot_r(
+    const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x, int64_t ldx, int R,
+    float *out, int64_t ldo) {
     __m256 acc[4][2];
     for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     unpacked u;
@@ -140,6 +186,16 @@ static void row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const fl
         }
     }
     for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
+}
+
+static void row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
+                    int64_t ldx, int R, float *out, int64_t ldo) {
+    switch (R) {
+    case 1: row_dot_r(wrow, nb, qtype, bb, x, ldx, 1, out, ldo); break;
+    case 2: row_dot_r(wrow, nb, qtype, bb, x, ldx, 2, out, ldo); break;
+    case 3: row_dot_r(wrow, nb, qtype, bb, x, ldx, 3, out, ldo); break;
+    default: row_dot_r(wrow, nb, qtype, bb, x, ldx, 4, out, ldo); break;
+    }
 }
 #else
 static void row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
