@@ -95,6 +95,7 @@ def _attend_tile(
     DOT_PREC: tl.constexpr,
     KV_QUANT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
@@ -127,9 +128,10 @@ def _attend_tile(
     v = load_tile(v_base + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
     if KV_QUANT:
         v_scale = load_scales(v_base + v_off, n_ok, MASKED, HEAD_DIM) * _V_LIFT  # [BLOCK_N]
-        pv = p * v_scale[None, :]
-        if q.dtype == tl.float16:
-            pv = _to_f16(pv)
+        if F16_DOT:
+            pv = _to_f16(p * v_scale[None, :])
+        else:
+            pv = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PREC)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
@@ -162,6 +164,7 @@ def _paged_attention_kernel(
     ONE_TILE_PER_REQ: tl.constexpr, PAD_D: tl.constexpr, DOT_PREC: tl.constexpr,
     PDL_SIGNAL: tl.constexpr,  # let a PDL-launched next kernel start now (kernels/pdl.py)
     KV_QUANT: tl.constexpr,  # an 8-bit cache: rows of D values + an fp32 scale
+    F16_DOT: tl.constexpr,  # KV_QUANT with 16-bit queries: the products run in fp16
 ):  # fmt: skip
     if PDL_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -193,8 +196,8 @@ def _paged_attention_kernel(
     q_rows = (q_start + q_idx).to(tl.int64)
     q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if KV_QUANT and q_ptr.dtype.element_ty != tl.float32:
-        q = _to_f16(q.to(tl.float32))  # (the 8-bit tiles convert to fp16 in one instruction)
+    if F16_DOT:  # (the 8-bit tiles convert to fp16 in one instruction)
+        q = _to_f16(q.to(tl.float32))
 
     # this program's keys: [lo, hi) within [kv_start, kv_end), the keys some row can see
     kv_end = tl.minimum(seq_len, ctx + t0 + BLOCK_Q)
@@ -234,18 +237,21 @@ def _paged_attention_kernel(
                 acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
                 stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
                 window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
+                F16_DOT,
             )  # fmt: skip
     for start_n in range(win_end, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
             window, BLOCK_SIZE, BLOCK_N, False, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
+            F16_DOT,
         )  # fmt: skip
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
             window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
+            F16_DOT,
         )  # fmt: skip
 
     if KV_QUANT:
@@ -349,6 +355,7 @@ def _launch(
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
         PDL_SIGNAL=decode and use_pdl(q.device), KV_QUANT=is_quantized(k_cache.dtype),
+        F16_DOT=is_quantized(k_cache.dtype) and q.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -10,6 +10,7 @@ Tiny dummy weights (a preset's shapes cut down) keep the start-up short.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -77,14 +78,18 @@ def _run(tmp_path) -> tuple[int, str, str]:
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         text=True, start_new_session=True,
     )  # fmt: skip
-    deadline, lines = time.time() + 300, []
-    while not (lines and lines[-1].startswith("ready")) and time.time() < deadline:
-        lines.append(proc.stdout.readline().strip())
-        if proc.poll() is not None:
-            break
-    time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
-    out, err = proc.communicate(timeout=120)
+    try:
+        deadline, lines = time.time() + 300, []
+        while not (lines and lines[-1].startswith("ready")) and time.time() < deadline:
+            lines.append(proc.stdout.readline().strip())
+            if proc.poll() is not None:
+                break
+        time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group
+        out, err = proc.communicate(timeout=120)
+    finally:  # a failed run leaves no process behind (they would spin on the shared cores)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
     return proc.returncode, "\n".join(lines) + "\n" + out, err
 
 
@@ -158,17 +163,21 @@ def test_sigterm_ends_a_tp_script_and_all_its_workers(tmp_path):
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         text=True, start_new_session=True,
     )  # fmt: skip
-    ready = proc.stdout.readline().split()
-    assert ready[:1] == ["ready"], proc.communicate(timeout=60)[1][-3000:]
-    time.sleep(0.5)  # generating
-    proc.send_signal(signal.SIGTERM)  # `kill PID`: the script's process only
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143, err[-3000:]
-    for bad in ("Traceback", "leaked", "terminate called", "Error", "unexpectedly"):
-        assert bad not in err, err[-3000:]
-    workers = [int(p) for p in ready[1:]]
-    assert len(workers) == 1 and all(_gone(p) for p in workers)
-    deadline = time.time() + 10  # the resource tracker ends when it sees the script gone
-    while _session_processes(proc.pid) and time.time() < deadline:
-        time.sleep(0.1)
-    assert _session_processes(proc.pid) == []
+    try:
+        ready = proc.stdout.readline().split()
+        assert ready[:1] == ["ready"], proc.communicate(timeout=60)[1][-3000:]
+        time.sleep(0.5)  # generating
+        proc.send_signal(signal.SIGTERM)  # `kill PID`: the script's process only
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode == 143, err[-3000:]
+        for bad in ("Traceback", "leaked", "terminate called", "Error", "unexpectedly"):
+            assert bad not in err, err[-3000:]
+        workers = [int(p) for p in ready[1:]]
+        assert len(workers) == 1 and all(_gone(p) for p in workers)
+        deadline = time.time() + 10  # the resource tracker ends when it sees the script gone
+        while _session_processes(proc.pid) and time.time() < deadline:
+            time.sleep(0.1)
+        assert _session_processes(proc.pid) == []
+    finally:  # a failed run leaves no process behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -748,7 +748,7 @@ out["attention"] = ops(pa._paged_attention_kernel, dict(b16, qk_scale="fp32", **
     "qsl_ptr", "seq_lens_ptr", "block_table_ptr")}), dict(GQA=4, HEAD_DIM=128,
     HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1, BLOCK_N=64, SPLIT_KV=True,
     SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False,
-    DOT_PREC="tf32", PDL_SIGNAL=on), num_warps=4, num_stages=1)
+    DOT_PREC="tf32", PDL_SIGNAL=on, KV_QUANT=False, F16_DOT=False), num_warps=4, num_stages=1)
 print(json.dumps(out))
 """
 
