@@ -5,7 +5,6 @@ application's own handler left alone. A real signal to this process, handled in 
 
 from __future__ import annotations
 
-import os
 import signal
 
 import pytest
@@ -25,8 +24,8 @@ def test_sigterm_exits_143_between_steps_and_the_default_comes_back():
     assert sigterm.install()
     try:
         with StepGuard((signal.SIGINT, signal.SIGTERM)) as guard:
-            os.kill(os.getpid(), signal.SIGTERM)  # "inside a step": only noted
-            os.kill(os.getpid(), signal.SIGTERM)  # a second one changes nothing
+            signal.raise_signal(signal.SIGTERM)  # "inside a step": only noted
+            signal.raise_signal(signal.SIGTERM)  # a second one changes nothing
             assert guard.pending is not None
             with pytest.raises(SystemExit) as e:
                 guard.check()  # between steps
@@ -57,7 +56,7 @@ def test_an_application_handler_is_left_alone():
     signal.signal(signal.SIGTERM, lambda *a: seen.append(a[0]))
     assert not sigterm.install()
     with StepGuard((signal.SIGINT, signal.SIGTERM)) as guard:
-        os.kill(os.getpid(), signal.SIGTERM)  # not deferred: the application's handler runs
+        signal.raise_signal(signal.SIGTERM)  # not deferred: the application's handler runs
     assert seen == [signal.SIGTERM] and guard.pending is None
 
 
@@ -69,6 +68,6 @@ def test_default_sigterm_is_not_taken_over_by_a_step_guard():
 def test_ctrl_c_is_still_a_keyboard_interrupt_between_steps():
     with pytest.raises(KeyboardInterrupt):
         with StepGuard() as guard:
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
             assert guard.pending is not None
             guard.check()
