@@ -340,6 +340,14 @@ class DeviceConfig:
         "weight tile before waiting for its input); the same results, a faster batch-1 "
         "decode. Ignored elsewhere.",
     )
+    fused_cpu_decode: bool = _opt(
+        True,
+        "CPU: a decode step of 1-8 requests (one token each) of a Llama-shaped model whose "
+        "linears run on GGUF blocks (--quantization gguf) with a float32 KV cache runs as one "
+        "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention in one "
+        "OpenMP region (the same float32 arithmetic, summed in another order). "
+        "--no-fused-cpu-decode: layer by layer through torch. Ignored elsewhere.",
+    )
     attention_backend: str = _opt(
         "auto",
         "Attention implementation: auto (triton on GPU, torch on CPU), torch, triton.",

@@ -2,8 +2,9 @@
 
 ``gguf_mm(x, w, qtype)`` is ``x @ dequantize(w).T`` without the float32 weights: each block is
 dequantized in registers (bit-exact with gguf-py's float32 values) and accumulated in float32.
-``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C source
-beside this file is compiled once per machine with the system C compiler (``cc``, ``-O3
+``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C
+sources beside this file (this one's and ``llama_decode.c``, which ``llama_decode.py`` calls)
+are compiled into one library once per machine with the system C compiler (``cc``, ``-O3
 -march=native -fopenmp``) into a cache folder and loaded with ctypes; ``available()`` says
 whether that worked (the callers fall back to torch ops otherwise). ``*_ref`` are the torch
 references.
@@ -24,7 +25,9 @@ import tempfile
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCE = os.path.join(os.path.dirname(__file__), "gguf_cpu.c")
+_HERE = os.path.dirname(__file__)
+SOURCES = [os.path.join(_HERE, f) for f in ("gguf_cpu.c", "llama_decode.c")]  # one library
+HEADERS = [os.path.join(_HERE, "gguf_blocks.h")]
 # ggml type id -> (values, bytes) per block
 BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34)}  # Q4_0, Q4_1, Q8_0
 SUPPORTED = frozenset(BLOCKS)
@@ -51,7 +54,7 @@ def _compile(target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
-    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", SOURCE, "-o", tmp]
+    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *SOURCES, "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent process loads a whole library or none
@@ -62,8 +65,11 @@ def _compile(target: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + _cpu_key().encode() + sys.version.encode()).hexdigest()
+    digest = hashlib.sha256(_cpu_key().encode() + sys.version.encode())
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    key = digest.hexdigest()
     target = os.path.join(_cache_dir(), f"gguf_cpu_{key[:16]}.so")
     try:
         if not os.path.exists(target):
@@ -82,6 +88,7 @@ def _lib() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
     lib.gguf_dequant_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
+    lib.lw_llama_decode.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int]  # llama_decode.py
     return lib
 
 

@@ -1,0 +1,191 @@
+/* A Llama-shaped model's decode step in one call, for lightwell/kernels/cpu/llama_decode.py.
+ *
+ * R requests (R <= 8), one new token each: for every layer, the residual add + RMSNorm, the
+ * fused QKV matmul on GGUF blocks (gguf_blocks.h), RoPE (neox halves, from the model's cos/sin
+ * table), the K/V store into the paged float32 cache, attention over each request's cached keys
+ * (its block table; GQA; an online softmax), the output matmul, the residual add + RMSNorm, the
+ * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm.
+ * The whole step is one OpenMP parallel region: the matmuls split their output rows and the
+ * attention its (request, head) pairs over the threads; the small vector steps run on one
+ * thread between barriers. Arithmetic is float32 as in the torch layers (the same block dot
+ * products; sums of norms and softmax in another order).
+ */
+#include <math.h>
+
+#include "gguf_blocks.h"
+
+typedef struct {
+    const uint8_t *w; /* [rows, row_bytes] GGUF blocks */
+    int64_t rows, row_bytes, qtype;
+} lw_linear;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [H] */
+    lw_linear qkv, o, gate_up, down;  /* [(Hq + 2 Hkv) D, H], [H, Hq D], [2 I, H], [H, I] */
+    float *kv_cache;                  /* [2, num_blocks, block_size, Hkv, D] */
+} lw_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
+    float eps, scale;
+    const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
+    const float *final_norm; /* [H] */
+    const lw_layer *layers;  /* [num_layers] */
+} lw_model;
+
+typedef struct { /* one step's inputs and the scratch rows it works in */
+    int64_t R, ld_table;
+    const int64_t *positions, *slots; /* [R] */
+    const int32_t *block_table;       /* [R, ld_table] */
+    const int32_t *seq_lens;          /* [R]: cached tokens + this one */
+    float *residual, *normed, *qkv, *attn, *act, *partial; /* [R, width of each] */
+} lw_step;
+
+#define MAX_ROWS 8
+#define MAX_HEAD_DIM 256
+
+/* out[r * ldo + n] = x[r] . W[n] for every row n this thread gets (a work-shared loop). */
+static void matmul(const lw_linear *L, const float *x, int64_t ldx, int64_t R, float *out,
+                   int64_t ldo) {
+    int bb = block_bytes((int)L->qtype), nb = (int)(L->row_bytes / bb);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < L->rows; n++) {
+        const uint8_t *wrow = L->w + n * L->row_bytes;
+        for (int64_t m = 0; m < R; m += 4) {
+            int rows = R - m < 4 ? (int)(R - m) : 4;
+            row_dot(wrow, nb, (int)L->qtype, bb, x + m * ldx, ldx, rows, out + m * ldo + n, ldo);
+        }
+    }
+}
+
+/* act[r, i] = silu(gate[r, i]) * up[r, i], gate rows 0..I-1 and up rows I..2I-1 of W. */
+static void gate_up_silu(const lw_linear *L, const float *x, int64_t ldx, int64_t R, int64_t I,
+                         float *act) {
+    int bb = block_bytes((int)L->qtype), nb = (int)(L->row_bytes / bb);
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < I; i++) {
+        float g[MAX_ROWS], u[MAX_ROWS];
+        for (int64_t m = 0; m < R; m += 4) {
+            int rows = R - m < 4 ? (int)(R - m) : 4;
+            const float *xm = x + m * ldx;
+            row_dot(L->w + i * L->row_bytes, nb, (int)L->qtype, bb, xm, ldx, rows, g + m, 1);
+            row_dot(L->w + (I + i) * L->row_bytes, nb, (int)L->qtype, bb, xm, ldx, rows, u + m, 1);
+        }
+        for (int64_t r = 0; r < R; r++) act[r * I + i] = g[r] / (1.0f + expf(-g[r])) * u[r];
+    }
+}
+
+/* residual += partial (first: residual = partial), normed = rmsnorm(residual) * w. */
+static void add_norm(const lw_model *m, const lw_step *s, const float *w, int first) {
+    int64_t H = m->hidden;
+    for (int64_t r = 0; r < s->R; r++) {
+        float *res = s->residual + r * H, *out = s->normed + r * H;
+        const float *p = s->partial + r * H;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; i++) {
+            res[i] = first ? p[i] : res[i] + p[i];
+            ss += res[i] * res[i];
+        }
+        float inv = 1.0f / sqrtf(ss / (float)H + m->eps);
+        for (int64_t i = 0; i < H; i++) out[i] = res[i] * inv * w[i];
+    }
+}
+
+/* RoPE on each request's q and k heads (neox halves), then k and v into the cache. */
+static void rope_store(const lw_model *m, const lw_step *s, float *cache) {
+    int64_t D = m->head_dim, half = D / 2, Hq = m->heads, Hkv = m->kv_heads;
+    int64_t width = (Hq + 2 * Hkv) * D, plane = m->num_blocks * m->block_size * Hkv * D;
+    for (int64_t r = 0; r < s->R; r++) {
+        float *row = s->qkv + r * width;
+        const float *cs = m->cos_sin + s->positions[r] * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x = row + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half], c = cs[i], sn = cs[half + i];
+                x[i] = x1 * c - x2 * sn;
+                x[i + half] = x2 * c + x1 * sn;
+            }
+        }
+        float *k = cache + s->slots[r] * Hkv * D;
+        memcpy(k, row + Hq * D, Hkv * D * sizeof(float));
+        memcpy(k + plane, row + (Hq + Hkv) * D, Hkv * D * sizeof(float));
+    }
+}
+
+/* One (request, head) pair: softmax(q . K * scale) . V over the request's seq_len keys. */
+static void attend_head(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
+                        int64_t h) {
+    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size;
+    int64_t kvh = h / (m->heads / Hkv), plane = m->num_blocks * B * Hkv * D;
+    const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + h * D;
+    const int32_t *table = s->block_table + r * s->ld_table;
+    float acc[MAX_HEAD_DIM] = {0}, mx = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < s->seq_lens[r]; j++) {
+        const float *k = cache + (((int64_t)table[j / B] * B + j % B) * Hkv + kvh) * D;
+        const float *v = k + plane;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
+        float score = dot * m->scale, p = 1.0f;
+        if (score > mx) { /* a new maximum: rescale what came before */
+            float c = expf(mx - score);
+            sum *= c;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) acc[i] *= c;
+            mx = score;
+        } else {
+            p = expf(score - mx);
+        }
+        sum += p;
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) acc[i] += p * v[i];
+    }
+    float *out = s->attn + r * m->heads * D + h * D;
+    for (int64_t i = 0; i < D; i++) out[i] = acc[i] / sum;
+}
+
+static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, int first) {
+    int64_t H = m->hidden, D = m->head_dim, R = s->R;
+#pragma omp single
+    add_norm(m, s, L->in_norm, first);
+    matmul(&L->qkv, s->normed, H, R, s->qkv, L->qkv.rows);
+#pragma omp single
+    rope_store(m, s, L->kv_cache);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < R * m->heads; t++) attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
+    matmul(&L->o, s->attn, m->heads * D, R, s->partial, H);
+#pragma omp single
+    add_norm(m, s, L->post_norm, 0);
+    gate_up_silu(&L->gate_up, s->normed, H, R, m->inter, s->act);
+    matmul(&L->down, s->act, m->inter, R, s->partial, H);
+}
+
+static int check(const lw_model *m, const lw_step *s) {
+    if (s->R < 1 || s->R > MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->head_dim % 2) return -1;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const lw_linear *ls[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gate_up,
+                                  &m->layers[l].down};
+        for (int i = 0; i < 4; i++) {
+            int bb = block_bytes((int)ls[i]->qtype);
+            if (bb == 0 || ls[i]->row_bytes % bb) return -2;
+        }
+    }
+    return 0;
+}
+
+/* out [R, H] = the final norm of the last layer's output; x [R, H]: the token embeddings. */
+int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *out,
+                    int nthreads) {
+    int rc = check(m, s);
+    if (rc) return rc;
+    memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
+#pragma omp parallel num_threads(nthreads)
+    {
+        for (int64_t l = 0; l < m->num_layers; l++) layer_step(m, s, &m->layers[l], l == 0);
+#pragma omp single
+        add_norm(m, s, m->final_norm, 0);
+    }
+    memcpy(out, s->normed, s->R * m->hidden * sizeof(float));
+    return 0;
+}
