@@ -348,6 +348,14 @@ class DeviceConfig:
         "OpenMP region (the same float32 arithmetic, summed in another order). "
         "--no-fused-cpu-decode: layer by layer through torch. Ignored elsewhere.",
     )
+    cpu_int8_activations: bool = _opt(
+        False,
+        "CPU, GGUF blocks (--quantization gguf): steps of up to 8 tokens round each linear's "
+        "input to int8 by blocks of 32 (scale max|x| / 127, as llama.cpp does) and multiply "
+        "with integer dot products: faster decode, logits within about 1 % of the float32 "
+        "ones (greedy text may differ after some tokens). The LM head, prefill and the "
+        "attention stay float32. Ignored elsewhere.",
+    )
     attention_backend: str = _opt(
         "auto",
         "Attention implementation: auto (triton on GPU, torch on CPU), torch, triton.",

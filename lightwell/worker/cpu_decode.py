@@ -20,6 +20,7 @@ from lightwell.kernels.cpu import gguf_cpu
 from lightwell.kernels.cpu.llama_decode import MAX_ROWS, LayerWeights, LlamaDecoder, Shape
 from lightwell.layers.norm import RMSNorm
 from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from lightwell.quant.gguf_cpu import int8_activations
 
 
 class CpuDecode:
@@ -61,7 +62,10 @@ class CpuDecode:
             return None
         cos_sin = rotary.cos_sin_cache.float().contiguous()
         weights = [_weights(layer) for layer in layers]
-        return cls(inner, LlamaDecoder(weights, inner.norm.weight, cos_sin, shape))
+        int8 = int8_activations()
+        if int8 and shape.head_dim % 32:
+            return None
+        return cls(inner, LlamaDecoder(weights, inner.norm.weight, cos_sin, shape, int8))
 
     @staticmethod
     def applies(meta: AttentionMetadata) -> bool:

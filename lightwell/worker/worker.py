@@ -128,6 +128,10 @@ class Worker:
             threads = 1  # OpenMP threads spin-wait on each other on busy cores (--num-threads)
         if threads:
             torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            from lightwell.quant import gguf_cpu
+
+            gguf_cpu.set_int8_activations(config.device.cpu_int8_activations)
         if self.device.type == "cuda":
             from lightwell.kernels import pdl
 

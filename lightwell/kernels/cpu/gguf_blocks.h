@@ -9,6 +9,7 @@
  */
 #ifndef LIGHTWELL_GGUF_BLOCKS_H
 #define LIGHTWELL_GGUF_BLOCKS_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -145,6 +146,133 @@ static inline void row_dot(const uint8_t *wrow, int nb, int qtype, int bb, const
         for (int j = 0; j < QK; j++) s += acc[r][j];
         out[r * ldo] = s;
     }
+}
+#endif
+
+/* ---- int8 activations (llama.cpp's Q8_1 rows) --------------------------------------------
+ * A float32 row quantized by blocks of 32: q = round(x / d) in [-127, 127], d = max|x| / 127,
+ * kept with s = d * sum(q). A block of weights against it is one integer dot product:
+ * Q4_1: d_w * d * sum(q_w q) + m_w * s; Q4_0: m_w = -8 d_w; Q8_0: d_w * d * sum(q_w q). */
+typedef struct {
+    const int8_t *q; /* [R, ldq] */
+    const float *ds; /* [R, ldd]: (d, s) of each block */
+    int64_t ldq, ldd;
+} q8_rows;
+
+static inline void quantize_row_q8(const float *x, int64_t K, int8_t *q, float *ds) {
+    for (int64_t b = 0; b < K / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fabsf(xb[j]) > amax ? fabsf(xb[j]) : amax;
+        float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)lrintf(xb[j] * id);
+            v = v > 127 ? 127 : v < -127 ? -127 : v;
+            q[b * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        ds[2 * b] = d;
+        ds[2 * b + 1] = d * (float)sum;
+    }
+}
+
+#ifdef GGUF_AVX2
+/* One block's weights as bytes for maddubs: Q4 values 0..15 (unsigned), Q8_0's |w|; *sw: the
+ * signs to put on x (Q8_0), *dw / *mw: the block's scale and offset (Q4_0: -8 d). */
+static inline __attribute__((always_inline)) __m256i q8_weights(const uint8_t *blk, int qtype,
+                                                                __m256i *sw, float *dw,
+                                                                float *mw) {
+    *dw = _cvtsh_ss((uint16_t)(blk[0] | blk[1] << 8));
+    if (qtype == Q8_0) {
+        *sw = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        *mw = 0.0f;
+        return _mm256_sign_epi8(*sw, *sw);
+    }
+    *mw = qtype == Q4_1 ? _cvtsh_ss((uint16_t)(blk[2] | blk[3] << 8)) : -8.0f * *dw;
+    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2)));
+    __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0xf));
+}
+
+/* sum(w * x) of a block as 8 float lanes (exact integer sums converted). */
+static inline __attribute__((always_inline)) __m256 q8_block_dot(__m256i w, __m256i sw,
+                                                                 const int8_t *q, int qtype) {
+    __m256i xv = _mm256_loadu_si256((const __m256i *)q);
+    if (qtype == Q8_0) xv = _mm256_sign_epi8(xv, sw);
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xv), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(p);
+}
+
+static inline __attribute__((always_inline)) void row_dot_q8_typed(
+    const uint8_t *wrow, int nb, int qtype, int bb, const q8_rows *x, int R, float *out,
+    int64_t ldo) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    float macc[4] = {0};
+    if (R == 1) { /* two blocks a step, two accumulators */
+        int b = 0;
+        for (; b < nb; b += 2) {
+            for (int u = 0; u < 2 && b + u < nb; u++) {
+                __m256i sw;
+                float dw, mw;
+                __m256i w = q8_weights(wrow + (int64_t)(b + u) * bb, qtype, &sw, &dw, &mw);
+                const float *ds = x->ds + 2 * (b + u);
+                __m256 f = q8_block_dot(w, sw, x->q + (b + u) * QK, qtype);
+                acc[u] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ds[0]), f, acc[u]);
+                macc[u] += mw * ds[1];
+            }
+        }
+        out[0] = hsum(_mm256_add_ps(acc[0], acc[1])) + macc[0] + macc[1];
+        return;
+    }
+    for (int b = 0; b < nb; b++) {
+        __m256i sw;
+        float dw, mw;
+        __m256i w = q8_weights(wrow + (int64_t)b * bb, qtype, &sw, &dw, &mw);
+        for (int r = 0; r < R; r++) {
+            const float *ds = x->ds + r * x->ldd + 2 * b;
+            __m256 f = q8_block_dot(w, sw, x->q + r * x->ldq + b * QK, qtype);
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * ds[0]), f, acc[r]);
+            macc[r] += mw * ds[1];
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * ldo] = hsum(acc[r]) + macc[r];
+}
+
+/* out[r * ldo] for r < R (<= 4): row n of W (nb blocks) against R int8 rows. */
+static inline void row_dot_q8(const uint8_t *wrow, int nb, int qtype, int bb, const q8_rows *x,
+                              int R, float *out, int64_t ldo) {
+    switch (qtype) { /* one specialised loop per type */
+    case Q4_0: row_dot_q8_typed(wrow, nb, Q4_0, bb, x, R, out, ldo); break;
+    case Q4_1: row_dot_q8_typed(wrow, nb, Q4_1, bb, x, R, out, ldo); break;
+    default: row_dot_q8_typed(wrow, nb, Q8_0, bb, x, R, out, ldo); break;
+    }
+}
+#else
+static inline void row_dot_q8(const uint8_t *wrow, int nb, int qtype, int bb, const q8_rows *x,
+                              int R, float *out, int64_t ldo) {
+    float acc[4] = {0};
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = wrow + (int64_t)b * bb;
+        float dw = fp16_to_fp32((uint16_t)(blk[0] | blk[1] << 8)), mw = -8.0f * dw;
+        int wq[QK];
+        if (qtype == Q8_0) {
+            for (int j = 0; j < QK; j++) wq[j] = ((const int8_t *)(blk + 2))[j];
+        } else {
+            if (qtype == Q4_1) mw = fp16_to_fp32((uint16_t)(blk[2] | blk[3] << 8));
+            const uint8_t *n = blk + (qtype == Q4_1 ? 4 : 2);
+            for (int j = 0; j < 16; j++) wq[j] = n[j] & 0xf, wq[j + 16] = n[j] >> 4;
+        }
+        for (int r = 0; r < R; r++) {
+            const int8_t *q = x->q + r * x->ldq + b * QK;
+            const float *ds = x->ds + r * x->ldd + 2 * b;
+            int dot = 0;
+            for (int j = 0; j < QK; j++) dot += wq[j] * q[j];
+            acc[r] += dw * ds[0] * (float)dot + (qtype == Q8_0 ? 0.0f : mw * ds[1]);
+        }
+    }
+    for (int r = 0; r < R; r++) out[r * ldo] = acc[r];
 }
 #endif
 

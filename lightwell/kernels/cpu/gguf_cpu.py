@@ -86,7 +86,8 @@ def _lib() -> ctypes.CDLL | None:
         )
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+    c_int = ctypes.c_int
+    lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, c_int, ptr, i64, c_int, c_int]
     lib.gguf_dequant_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
     lib.lw_llama_decode.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int]  # llama_decode.py
     return lib
@@ -102,6 +103,7 @@ def gguf_mm(
     w: torch.Tensor,  # [N, K / 32 * block bytes] uint8, contiguous
     qtype: int,
     out: torch.Tensor | None = None,  # [M, N] float32 (may be a column slice of a wider one)
+    int8_act: bool = False,  # x rounded to int8 by blocks of 32 first (``quantize_q8_ref``)
 ) -> torch.Tensor:  # [M, N] float32
     M, K = x.shape
     N = w.shape[0]
@@ -115,8 +117,10 @@ def gguf_mm(
         raise ValueError(f"gguf_mm: out must be float32 [{M}, {N}] with contiguous rows")
     rc = _lib().gguf_mm(
         x.data_ptr(), M, K, x.stride(0), w.data_ptr(), N, w.shape[1], qtype,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(int8_act),
     )  # fmt: skip
+    if rc == -2:
+        raise MemoryError("gguf_mm: no memory for the int8 activations")
     if rc:
         raise ValueError(f"gguf_mm: type {qtype} with K={K}, {w.shape[1]} bytes a row")
     return out
@@ -160,5 +164,17 @@ def dequantize_ref(w: torch.Tensor, qtype: int) -> torch.Tensor:  # [N, B] uint8
     return (d * (q - 8)).reshape(w.shape[0], -1)
 
 
-def gguf_mm_ref(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:  # [M, N]
-    return x @ dequantize_ref(w, qtype).T
+def quantize_q8_ref(x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, K] float32
+    """x as the int8 activations represent it: per block of 32, q = round(x / d) with
+    d = max|x| / 127 (ties to even), returned as q * d."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)  # [M, K / 32, 32]
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def gguf_mm_ref(
+    x: torch.Tensor, w: torch.Tensor, qtype: int, int8_act: bool = False
+) -> torch.Tensor:  # [M, N]
+    return (quantize_q8_ref(x) if int8_act else x) @ dequantize_ref(w, qtype).T

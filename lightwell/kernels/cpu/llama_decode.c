@@ -27,6 +27,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
+    int64_t int8_act; /* the matmuls' inputs rounded to int8 by blocks (gguf_blocks.h) */
     float eps, scale;
     const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
     const float *final_norm; /* [H] */
@@ -39,39 +40,69 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
     const int32_t *block_table;       /* [R, ld_table] */
     const int32_t *seq_lens;          /* [R]: cached tokens + this one */
     float *residual, *normed, *qkv, *attn, *act, *partial; /* [R, width of each] */
+    int8_t *q_normed, *q_attn, *q_act;   /* int8_act: the matmul inputs as int8, [R, width] */
+    float *ds_normed, *ds_attn, *ds_act; /* and their (d, s) per block, [R, width / 32 * 2] */
 } lw_step;
 
 #define MAX_ROWS 8
 #define MAX_HEAD_DIM 256
 
-/* out[r * ldo + n] = x[r] . W[n] for every row n this thread gets (a work-shared loop). */
-static void matmul(const lw_linear *L, const float *x, int64_t ldx, int64_t R, float *out,
-                   int64_t ldo) {
+/* A matmul's input rows [R, K]: float32, and (int8_act) as int8 blocks. */
+typedef struct {
+    const float *x;
+    int64_t K;
+    q8_rows q;
+    int int8;
+} lw_input;
+
+static lw_input input_of(const lw_model *m, const float *x, const int8_t *q, const float *ds,
+                         int64_t K) {
+    lw_input in = {x, K, {q, ds, K, K / QK * 2}, (int)m->int8_act};
+    return in;
+}
+
+/* out[r] = in rows m..m+R (R <= 4) against row wrow of W. */
+static inline void dot_rows(const lw_linear *L, const uint8_t *wrow, const lw_input *in,
+                            int64_t m, int R, float *out, int64_t ldo) {
     int bb = block_bytes((int)L->qtype), nb = (int)(L->row_bytes / bb);
+    if (in->int8) {
+        q8_rows q = {in->q.q + m * in->q.ldq, in->q.ds + m * in->q.ldd, in->q.ldq, in->q.ldd};
+        row_dot_q8(wrow, nb, (int)L->qtype, bb, &q, R, out, ldo);
+    } else {
+        row_dot(wrow, nb, (int)L->qtype, bb, in->x + m * in->K, in->K, R, out, ldo);
+    }
+}
+
+/* out[r * ldo + n] = x[r] . W[n] for every row n this thread gets (a work-shared loop). */
+static void matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo) {
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < L->rows; n++) {
-        const uint8_t *wrow = L->w + n * L->row_bytes;
         for (int64_t m = 0; m < R; m += 4) {
             int rows = R - m < 4 ? (int)(R - m) : 4;
-            row_dot(wrow, nb, (int)L->qtype, bb, x + m * ldx, ldx, rows, out + m * ldo + n, ldo);
+            dot_rows(L, L->w + n * L->row_bytes, in, m, rows, out + m * ldo + n, ldo);
         }
     }
 }
 
-/* act[r, i] = silu(gate[r, i]) * up[r, i], gate rows 0..I-1 and up rows I..2I-1 of W. */
-static void gate_up_silu(const lw_linear *L, const float *x, int64_t ldx, int64_t R, int64_t I,
-                         float *act) {
-    int bb = block_bytes((int)L->qtype), nb = (int)(L->row_bytes / bb);
+/* act[r, i] = silu(gate[r, i]) * up[r, i], gate rows 0..I-1 and up rows I..2I-1 of W; by
+ * blocks of 32 i, each (int8_act) rounded to int8 where it is computed. */
+static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I) {
+    int64_t R = s->R;
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < I; i++) {
-        float g[MAX_ROWS], u[MAX_ROWS];
-        for (int64_t m = 0; m < R; m += 4) {
-            int rows = R - m < 4 ? (int)(R - m) : 4;
-            const float *xm = x + m * ldx;
-            row_dot(L->w + i * L->row_bytes, nb, (int)L->qtype, bb, xm, ldx, rows, g + m, 1);
-            row_dot(L->w + (I + i) * L->row_bytes, nb, (int)L->qtype, bb, xm, ldx, rows, u + m, 1);
+    for (int64_t ib = 0; ib < I / QK; ib++) {
+        for (int64_t i = ib * QK; i < (ib + 1) * QK; i++) {
+            float g[MAX_ROWS], u[MAX_ROWS];
+            for (int64_t m = 0; m < R; m += 4) {
+                int rows = R - m < 4 ? (int)(R - m) : 4;
+                dot_rows(L, L->w + i * L->row_bytes, in, m, rows, g + m, 1);
+                dot_rows(L, L->w + (I + i) * L->row_bytes, in, m, rows, u + m, 1);
+            }
+            for (int64_t r = 0; r < R; r++) s->act[r * I + i] = g[r] / (1.0f + expf(-g[r])) * u[r];
         }
-        for (int64_t r = 0; r < R; r++) act[r * I + i] = g[r] / (1.0f + expf(-g[r])) * u[r];
+        if (in->int8)
+            for (int64_t r = 0; r < R; r++)
+                quantize_row_q8(s->act + r * I + ib * QK, QK, s->q_act + r * I + ib * QK,
+                                s->ds_act + (r * I + ib * QK) / QK * 2);
     }
 }
 
@@ -89,6 +120,7 @@ static void add_norm(const lw_model *m, const lw_step *s, const float *w, int fi
         }
         float inv = 1.0f / sqrtf(ss / (float)H + m->eps);
         for (int64_t i = 0; i < H; i++) out[i] = res[i] * inv * w[i];
+        if (m->int8_act) quantize_row_q8(out, H, s->q_normed + r * H, s->ds_normed + r * H / QK * 2);
     }
 }
 
@@ -141,28 +173,33 @@ static void attend_head(const lw_model *m, const lw_step *s, const float *cache,
 #pragma omp simd
         for (int64_t i = 0; i < D; i++) acc[i] += p * v[i];
     }
-    float *out = s->attn + r * m->heads * D + h * D;
-    for (int64_t i = 0; i < D; i++) out[i] = acc[i] / sum;
+    int64_t at = r * m->heads * D + h * D;
+    for (int64_t i = 0; i < D; i++) s->attn[at + i] = acc[i] / sum;
+    if (m->int8_act) quantize_row_q8(s->attn + at, D, s->q_attn + at, s->ds_attn + at / QK * 2);
 }
 
 static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, int first) {
     int64_t H = m->hidden, D = m->head_dim, R = s->R;
+    lw_input normed = input_of(m, s->normed, s->q_normed, s->ds_normed, H);
+    lw_input attn = input_of(m, s->attn, s->q_attn, s->ds_attn, m->heads * D);
+    lw_input act = input_of(m, s->act, s->q_act, s->ds_act, m->inter);
 #pragma omp single
     add_norm(m, s, L->in_norm, first);
-    matmul(&L->qkv, s->normed, H, R, s->qkv, L->qkv.rows);
+    matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows);
 #pragma omp single
     rope_store(m, s, L->kv_cache);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < R * m->heads; t++) attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
-    matmul(&L->o, s->attn, m->heads * D, R, s->partial, H);
+    matmul(&L->o, &attn, R, s->partial, H);
 #pragma omp single
     add_norm(m, s, L->post_norm, 0);
-    gate_up_silu(&L->gate_up, s->normed, H, R, m->inter, s->act);
-    matmul(&L->down, s->act, m->inter, R, s->partial, H);
+    gate_up_silu(&L->gate_up, &normed, s, m->inter);
+    matmul(&L->down, &act, R, s->partial, H);
 }
 
 static int check(const lw_model *m, const lw_step *s) {
     if (s->R < 1 || s->R > MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->head_dim % 2) return -1;
+    if (m->hidden % QK || m->inter % QK || (m->int8_act && m->head_dim % QK)) return -1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const lw_linear *ls[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gate_up,
                                   &m->layers[l].down};

@@ -35,16 +35,20 @@ class _Model(ctypes.Structure):
     _fields_ = [
         (n, _i64)
         for n in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter")
-        + ("num_blocks", "block_size")
+        + ("num_blocks", "block_size", "int8_act")
     ]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     _fields_ += [("cos_sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
 
 
+_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "q_normed", "q_attn", "q_act")
+_SCRATCH += ("ds_normed", "ds_attn", "ds_act")
+
+
 class _Step(ctypes.Structure):
     _fields_ = [("R", _i64), ("ld_table", _i64), ("positions", _ptr), ("slots", _ptr)]
     _fields_ += [("block_table", _ptr), ("seq_lens", _ptr)]
-    _fields_ += [(n, _ptr) for n in ("residual", "normed", "qkv", "attn", "act", "partial")]
+    _fields_ += [(n, _ptr) for n in _SCRATCH]
 
 
 @dataclass
@@ -92,10 +96,11 @@ class LlamaDecoder:
         final_norm: torch.Tensor,  # [H] float32
         cos_sin: torch.Tensor,  # [positions, D] float32: D / 2 cosines, then D / 2 sines
         shape: Shape,
+        int8_act: bool = False,  # the matmuls' inputs rounded to int8 by blocks of 32
     ):
         s = self.shape = shape
         H, D, Hq, Hkv, inter = s.hidden, s.head_dim, s.heads, s.kv_heads, s.inter
-        if D > MAX_HEAD_DIM or D % 2 or Hq % Hkv or not layers:
+        if D > MAX_HEAD_DIM or D % 2 or Hq % Hkv or not layers or (int8_act and D % 32):
             raise ValueError(f"llama_decode: unsupported heads {Hq}/{Hkv} x {D}")
         cache_shape = tuple(layers[0].kv_cache.shape)
         if len(cache_shape) != 5 or cache_shape[0] != 2 or cache_shape[3:] != (Hkv, D):
@@ -117,12 +122,16 @@ class LlamaDecoder:
             )
         self._table = table
         self._model = _Model(
-            len(layers), H, Hq, Hkv, D, inter, cache_shape[1], cache_shape[2], s.eps, s.scale,
+            len(layers), H, Hq, Hkv, D, inter, cache_shape[1], cache_shape[2], int(int8_act),
+            s.eps, s.scale,
             cos_sin.data_ptr(), _f32(final_norm, (H,), "final_norm").data_ptr(), table,
         )  # fmt: skip
         widths = {"residual": H, "normed": H, "qkv": (Hq + 2 * Hkv) * D, "attn": Hq * D}
         widths.update(act=inter, partial=H)
         self._scratch = {n: torch.empty(MAX_ROWS, w) for n, w in widths.items()}
+        for n in ("normed", "attn", "act"):  # int8 rows and their (d, s) per block of 32
+            self._scratch["q_" + n] = torch.empty(MAX_ROWS, widths[n], dtype=torch.int8)
+            self._scratch["ds_" + n] = torch.empty(MAX_ROWS, widths[n] // 32 * 2)
 
     def __call__(
         self,
@@ -138,7 +147,7 @@ class LlamaDecoder:
         step = _Step(
             R, block_table.stride(0), positions.data_ptr(), slots.data_ptr(),
             block_table.data_ptr(), seq_lens.data_ptr(),
-            *(sc[n].data_ptr() for n in ("residual", "normed", "qkv", "attn", "act", "partial")),
+            *(sc[n].data_ptr() for n in _SCRATCH),
         )  # fmt: skip
         out = torch.empty(R, self.shape.hidden)
         lib = gguf_cpu._lib()
