@@ -5,12 +5,18 @@
  * table), the K/V store into the paged float32 cache, attention over each request's cached keys
  * (its block table; GQA; an online softmax), the output matmul, the residual add + RMSNorm, the
  * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm.
- * The whole step is one OpenMP parallel region: the matmuls split their output rows and the
- * attention its (request, head) pairs over the threads; the small vector steps run on one
- * thread between barriers. Arithmetic is float32 as in the torch layers (the same block dot
+ * The whole step is one OpenMP parallel region: the threads take the matmuls' output rows and
+ * the attention's (request, head) pairs in chunks from a shared counter (a thread the OS has
+ * paused leaves its chunks to the others); the small vector steps run on thread 0; the phases
+ * are separated by a barrier that spins, then yields the core (on cores shared with other
+ * processes, sleeping in a barrier costs a scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block dot
  * products; sums of norms and softmax in another order).
  */
 #include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
 
 #include "gguf_blocks.h"
 
@@ -46,6 +52,33 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
 
 #define MAX_ROWS 8
 #define MAX_HEAD_DIM 256
+#define PHASES 5 /* work-shared phases a layer: qkv, attention, o, gate_up, down */
+#define SPINS 2000
+
+typedef struct { /* the threads' meeting points, one call's */
+    atomic_int arrived, generation;
+    int nthreads;
+    atomic_int *next; /* [layers * PHASES]: the next chunk of each phase */
+} lw_sync;
+
+static void barrier(lw_sync *y) {
+    if (y->nthreads == 1) return;
+    int gen = atomic_load_explicit(&y->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&y->arrived, 1, memory_order_acq_rel) == y->nthreads - 1) {
+        atomic_store_explicit(&y->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&y->generation, 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&y->generation, memory_order_acquire) == gen;) {
+        if (++spins > SPINS) sched_yield();
+    }
+}
+
+/* Chunk indices [0, n) for this thread, taken from the phase's counter until none is left. */
+#define FOR_CHUNKS(c, n, counter)                                                               \
+    for (int64_t c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed); c < (n);   \
+         c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed))
+#define ROWS_A_CHUNK 16
 
 /* A matmul's input rows [R, K]: float32, and (int8_act) as int8 blocks. */
 typedef struct {
@@ -73,23 +106,26 @@ static inline void dot_rows(const lw_linear *L, const uint8_t *wrow, const lw_in
     }
 }
 
-/* out[r * ldo + n] = x[r] . W[n] for every row n this thread gets (a work-shared loop). */
-static void matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo) {
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < L->rows; n++) {
-        for (int64_t m = 0; m < R; m += 4) {
-            int rows = R - m < 4 ? (int)(R - m) : 4;
-            dot_rows(L, L->w + n * L->row_bytes, in, m, rows, out + m * ldo + n, ldo);
+/* out[r * ldo + n] = x[r] . W[n] for the rows n of the chunks this thread takes. */
+static void matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo,
+                   atomic_int *counter) {
+    FOR_CHUNKS(c, (L->rows + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK, counter) {
+        int64_t end = (c + 1) * ROWS_A_CHUNK < L->rows ? (c + 1) * ROWS_A_CHUNK : L->rows;
+        for (int64_t n = c * ROWS_A_CHUNK; n < end; n++) {
+            for (int64_t m = 0; m < R; m += 4) {
+                int rows = R - m < 4 ? (int)(R - m) : 4;
+                dot_rows(L, L->w + n * L->row_bytes, in, m, rows, out + m * ldo + n, ldo);
+            }
         }
     }
 }
 
 /* act[r, i] = silu(gate[r, i]) * up[r, i], gate rows 0..I-1 and up rows I..2I-1 of W; by
  * blocks of 32 i, each (int8_act) rounded to int8 where it is computed. */
-static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I) {
+static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I,
+                         atomic_int *counter) {
     int64_t R = s->R;
-#pragma omp for schedule(static)
-    for (int64_t ib = 0; ib < I / QK; ib++) {
+    FOR_CHUNKS(ib, I / QK, counter) {
         for (int64_t i = ib * QK; i < (ib + 1) * QK; i++) {
             float g[MAX_ROWS], u[MAX_ROWS];
             for (int64_t m = 0; m < R; m += 4) {
@@ -178,23 +214,29 @@ static void attend_head(const lw_model *m, const lw_step *s, const float *cache,
     if (m->int8_act) quantize_row_q8(s->attn + at, D, s->q_attn + at, s->ds_attn + at / QK * 2);
 }
 
-static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, int first) {
+/* One layer, on every thread (tid: this one's index); next: the layer's phase counters. */
+static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, int first,
+                       lw_sync *y, atomic_int *next, int tid) {
     int64_t H = m->hidden, D = m->head_dim, R = s->R;
     lw_input normed = input_of(m, s->normed, s->q_normed, s->ds_normed, H);
     lw_input attn = input_of(m, s->attn, s->q_attn, s->ds_attn, m->heads * D);
     lw_input act = input_of(m, s->act, s->q_act, s->ds_act, m->inter);
-#pragma omp single
-    add_norm(m, s, L->in_norm, first);
-    matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows);
-#pragma omp single
-    rope_store(m, s, L->kv_cache);
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < R * m->heads; t++) attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
-    matmul(&L->o, &attn, R, s->partial, H);
-#pragma omp single
-    add_norm(m, s, L->post_norm, 0);
-    gate_up_silu(&L->gate_up, &normed, s, m->inter);
-    matmul(&L->down, &act, R, s->partial, H);
+    if (tid == 0) add_norm(m, s, L->in_norm, first);
+    barrier(y);
+    matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &next[0]);
+    barrier(y);
+    if (tid == 0) rope_store(m, s, L->kv_cache);
+    barrier(y);
+    FOR_CHUNKS(t, R * m->heads, &next[1]) attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
+    barrier(y);
+    matmul(&L->o, &attn, R, s->partial, H, &next[2]);
+    barrier(y);
+    if (tid == 0) add_norm(m, s, L->post_norm, 0);
+    barrier(y);
+    gate_up_silu(&L->gate_up, &normed, s, m->inter, &next[3]);
+    barrier(y);
+    matmul(&L->down, &act, R, s->partial, H, &next[4]);
+    barrier(y);
 }
 
 static int check(const lw_model *m, const lw_step *s) {
@@ -217,12 +259,22 @@ int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *
     int rc = check(m, s);
     if (rc) return rc;
     memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
-#pragma omp parallel num_threads(nthreads)
+    lw_sync y = {0, 0, nthreads < 1 ? 1 : nthreads, calloc(m->num_layers * PHASES, sizeof(atomic_int))};
+    if (!y.next) return -3;
+#pragma omp parallel num_threads(y.nthreads)
     {
-        for (int64_t l = 0; l < m->num_layers; l++) layer_step(m, s, &m->layers[l], l == 0);
-#pragma omp single
-        add_norm(m, s, m->final_norm, 0);
+        int tid = omp_get_thread_num();
+        if (omp_get_num_threads() != y.nthreads) { /* fewer threads than asked: run alone */
+            if (tid == 0) y.nthreads = 1;
+#pragma omp barrier
+        }
+        if (tid < y.nthreads) {
+            for (int64_t l = 0; l < m->num_layers; l++)
+                layer_step(m, s, &m->layers[l], l == 0, &y, y.next + l * PHASES, tid);
+            if (tid == 0) add_norm(m, s, m->final_norm, 0);
+        }
     }
+    free(y.next);
     memcpy(out, s->normed, s->R * m->hidden * sizeof(float));
     return 0;
 }
