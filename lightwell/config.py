@@ -352,9 +352,9 @@ class DeviceConfig:
         False,
         "CPU, GGUF blocks (--quantization gguf): steps of up to 8 tokens round each linear's "
         "input to int8 by blocks of 32 (scale max|x| / 127, as llama.cpp does) and multiply "
-        "with integer dot products: faster decode, logits within about 1 % of the float32 "
-        "ones (greedy text may differ after some tokens). The LM head, prefill and the "
-        "attention stay float32. Ignored elsewhere.",
+        "with integer dot products: a faster decode, logits a few hundredths off the float32 "
+        "ones (greedy text drifts from them after some tokens). The LM head, prefill and "
+        "the attention stay float32. Ignored elsewhere.",
     )
     attention_backend: str = _opt(
         "auto",

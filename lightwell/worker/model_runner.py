@@ -129,6 +129,7 @@ class ModelRunner:
         for K and V; one latent entry a token for MLA layers) and bind it."""
         self.batch.num_blocks = num_blocks
         self.kv_caches = []
+        self.cpu_decode = None  # it points into the caches: built again after them
         for layer in self.attn_layers:
             shape = self._kv_shape(layer, num_blocks)
             cache = _zeros(shape, self.kv_dtype, self.device)
