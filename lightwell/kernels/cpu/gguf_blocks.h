@@ -108,7 +108,8 @@ static inline void row_dot(const uint8_t *wrow, int nb, int qtype, int bb, const
             __m256 w[4];
             dequant_block_avx2(wrow + (int64_t)b * bb, qtype, w);
             const float *xb = x + (int64_t)b * QK;
-            for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), a[i]);
+            for (int i = 0; i < 4; i++)
+                a[i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), a[i]);
         }
         out[0] = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
         return;

@@ -9,8 +9,9 @@
  * the attention's (request, head) pairs in chunks from a shared counter (a thread the OS has
  * paused leaves its chunks to the others); the small vector steps run on thread 0; the phases
  * are separated by a barrier that spins, then yields the core (on cores shared with other
- * processes, sleeping in a barrier costs a scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block dot
- * products; sums of norms and softmax in another order).
+ * processes, sleeping in a barrier costs a scheduler wake-up each time). Arithmetic is float32
+ * as in the torch layers (the same block dot products; sums of norms and softmax in another
+ * order); with int8_act the matmul inputs are rounded to int8 as gguf_cpu.c's gguf_mm does.
  */
 #include <math.h>
 #include <omp.h>
@@ -156,7 +157,8 @@ static void add_norm(const lw_model *m, const lw_step *s, const float *w, int fi
         }
         float inv = 1.0f / sqrtf(ss / (float)H + m->eps);
         for (int64_t i = 0; i < H; i++) out[i] = res[i] * inv * w[i];
-        if (m->int8_act) quantize_row_q8(out, H, s->q_normed + r * H, s->ds_normed + r * H / QK * 2);
+        if (m->int8_act)
+            quantize_row_q8(out, H, s->q_normed + r * H, s->ds_normed + r * H / QK * 2);
     }
 }
 
@@ -227,7 +229,9 @@ static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, i
     barrier(y);
     if (tid == 0) rope_store(m, s, L->kv_cache);
     barrier(y);
-    FOR_CHUNKS(t, R * m->heads, &next[1]) attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
+    FOR_CHUNKS(t, R * m->heads, &next[1]) {
+        attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
+    }
     barrier(y);
     matmul(&L->o, &attn, R, s->partial, H, &next[2]);
     barrier(y);
@@ -259,7 +263,8 @@ int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *
     int rc = check(m, s);
     if (rc) return rc;
     memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
-    lw_sync y = {0, 0, nthreads < 1 ? 1 : nthreads, calloc(m->num_layers * PHASES, sizeof(atomic_int))};
+    lw_sync y = {0, 0, nthreads < 1 ? 1 : nthreads, NULL};
+    y.next = calloc(m->num_layers * PHASES, sizeof(atomic_int));
     if (!y.next) return -3;
 #pragma omp parallel num_threads(y.nthreads)
     {
