@@ -342,6 +342,22 @@ class DeviceConfig:
         "weight tile before waiting for its input); the same results, a faster batch-1 "
         "decode. Ignored elsewhere.",
     )
+    fused_cpu_decode: bool = _opt(
+        True,
+        "CPU: a decode step of 1-8 requests (one token each) of a Llama-shaped model whose "
+        "linears run on GGUF blocks (--quantization gguf) with a float32 KV cache runs as one "
+        "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention in one "
+        "OpenMP region (the same float32 arithmetic, summed in another order). "
+        "--no-fused-cpu-decode: layer by layer through torch. Ignored elsewhere.",
+    )
+    cpu_int8_activations: bool = _opt(
+        False,
+        "CPU, GGUF blocks (--quantization gguf): steps of up to 8 tokens round each linear's "
+        "input to int8 by blocks of 32 (scale max|x| / 127, as llama.cpp does) and multiply "
+        "with integer dot products: a faster decode, logits a few hundredths off the float32 "
+        "ones (greedy text drifts from them after some tokens). The LM head, prefill and "
+        "the attention stay float32. Ignored elsewhere.",
+    )
     attention_backend: str = _opt(
         "auto",
         "Attention implementation: auto (triton on GPU, torch on CPU), torch, triton.",

@@ -1,7 +1,8 @@
 """W5: SmolLM2-135M-Instruct's Q4_1 GGUF file on this CPU, batch 1: Lightwell on the file's
 blocks (``--quantization gguf``), Lightwell on weights dequantized to float32 at load
-(``--quantization none``), and llama.cpp (llama-cpp-python, not a project dependency: install
-it to compare) on the same file at the same thread count. 128 random prompt tokens, 256 output
+(``--quantization none``), llama.cpp (llama-cpp-python, not a project dependency: install
+it to compare) on the same file at the same thread count, and Lightwell on the blocks with
+int8 activations (``--cpu-int8-activations``). 128 random prompt tokens, 256 output
 tokens (EOS ignored, greedy), each token timed as it is streamed. Each run is its own process
 (its peak RSS is the process's ``ru_maxrss``); the engines take turns, ``--rounds`` times, and
 the medians are written. About 4 minutes on 2 idle cores:
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import time
 
-ENGINES = ("lightwell-gguf", "llama.cpp", "lightwell-fp32")
+ENGINES = ("lightwell-gguf", "llama.cpp", "lightwell-fp32", "lightwell-gguf-int8")
 
 
 def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
@@ -32,10 +33,17 @@ def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
     return [rng.randrange(100, vocab - 100) for _ in range(length)]
 
 
-def stream_lightwell(quantization: str, prompt: list[int], out_len: int, threads: int):
+def stream_lightwell(
+    quantization: str, prompt: list[int], out_len: int, threads: int, int8: bool = False
+):
     from lightwell import LLM, SamplingParams
 
-    llm = LLM(quantization=quantization, num_threads=threads, kv_cache_memory_gb=0.25)
+    llm = LLM(
+        quantization=quantization,
+        num_threads=threads,
+        kv_cache_memory_gb=0.25,
+        cpu_int8_activations=int8,
+    )
     engine = llm.engine
     warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([{"prompt_token_ids": random_prompt(49152, len(prompt), 1)}], warm)
@@ -88,8 +96,9 @@ def child(engine: str, args: argparse.Namespace) -> None:
         import torch
 
         torch.set_num_threads(args.threads)
-        quant = "gguf" if engine == "lightwell-gguf" else "none"
-        t0, times = stream_lightwell(quant, prompt, args.output_len, args.threads)
+        quant = "none" if engine == "lightwell-fp32" else "gguf"
+        int8 = engine == "lightwell-gguf-int8"
+        t0, times = stream_lightwell(quant, prompt, args.output_len, args.threads, int8)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     decode = (len(times) - 1) / (times[-1] - times[0])
     row = {"ttft_ms": (times[0] - t0) * 1e3, "decode_tok_s": decode, "peak_rss_mb": rss_mb}

@@ -25,6 +25,18 @@ from lightwell.quant.base import set_weight_attrs
 
 DIRECT_MAX_ROWS = 8  # above: dequantized weight tiles + torch GEMM (faster from ~8 rows on)
 TILE_FLOATS = 1 << 18  # weights dequantized at a time for larger steps (a 1 MB tile)
+_int8_activations = False  # DeviceConfig.cpu_int8_activations, set once by the worker
+
+
+def set_int8_activations(enabled: bool) -> None:
+    """Round the linears' inputs to int8 (by blocks of 32) in the direct steps of this process
+    from now on (start-up only); the LM head keeps float32 inputs."""
+    global _int8_activations
+    _int8_activations = bool(enabled)
+
+
+def int8_activations() -> bool:
+    return _int8_activations
 
 
 def _ops(qtype: int | None) -> Any:
@@ -42,10 +54,14 @@ def blocks_matmul(
     blocks: torch.Tensor,  # [N, bytes per row] uint8
     qtype: int,
     out: torch.Tensor,  # [T, N] float32, possibly a column slice of a wider output
+    int8_act: bool = False,  # a direct step rounds x to int8 by blocks of 32
 ) -> None:
     K, N = x.shape[1], blocks.shape[0]
     if x.shape[0] <= DIRECT_MAX_ROWS:
-        _ops(qtype).gguf_mm(x, blocks, qtype, out)
+        if qtype in kernels.SUPPORTED:
+            kernels.gguf_mm(x, blocks, qtype, out, int8_act=int8_act)
+        else:  # (the K-quant kernels take float32 inputs)
+            _ops(qtype).gguf_mm(x, blocks, qtype, out)
         return
     rows = max(64, TILE_FLOATS // K)
     for start in range(0, N, rows):
@@ -82,7 +98,9 @@ def apply_cpu(
     x32 = x.float().contiguous()
     out = torch.empty(x.shape[0], layer.gguf_out, dtype=torch.float32)
     for qtype, blocks, start in layer.gguf_cpu:
-        blocks_matmul(x32, blocks, qtype, out[:, start : start + blocks.shape[0]])
+        blocks_matmul(
+            x32, blocks, qtype, out[:, start : start + blocks.shape[0]], _int8_activations
+        )
     if bias is not None:
         out += bias
     return out.to(x.dtype)

@@ -7,6 +7,7 @@ import logging
 import math
 import mmap
 import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ from lightwell.worker.pooling import Pooler, take_pooled
 from lightwell.worker.sampler import Sampler, SamplerOutput, compute_prompt_logprobs
 from lightwell.worker.sampling_metadata import build_sampling_metadata, plain_greedy
 from lightwell.worker.structured_output import grammar_mask
+
+if TYPE_CHECKING:
+    from lightwell.worker.cpu_decode import CpuDecode
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +77,7 @@ class ModelRunner:
             )
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
+        self.cpu_decode: CpuDecode | None = None  # set by the worker (--fused-cpu-decode)
         self.overlap: DualStream | None = None  # set by the worker (--dual-stream)
         # Async scheduling under tensor parallelism: rank 0 broadcasts its sampled tokens so
         # every rank can feed a token still in flight to the next step (set by the worker).
@@ -124,6 +129,7 @@ class ModelRunner:
         for K and V; one latent entry a token for MLA layers) and bind it."""
         self.batch.num_blocks = num_blocks
         self.kv_caches = []
+        self.cpu_decode = None  # it points into the caches: built again after them
         for layer in self.attn_layers:
             shape = self._kv_shape(layer, num_blocks)
             cache = _zeros(shape, self.kv_dtype, self.device)
@@ -162,6 +168,9 @@ class ModelRunner:
             args = (inp.input_ids, inp.positions, inp.meta, key)
             hidden = self.stage.replay(self.graphs, *args) if self.stage else self.graphs.run(*args)
             path = f"graph {key[0]} {key[1]}"
+        elif self.cpu_decode is not None and self.cpu_decode.applies(inp.meta):
+            hidden = self.cpu_decode.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+            path = "fused cpu"
         elif context_parallel.applies(inp.meta):  # this rank's chunk, then all of them
             hidden = context_parallel.forward(self, inp.input_ids, inp.positions, inp.meta)
             path = "eager context-parallel"

@@ -128,6 +128,10 @@ class Worker:
             threads = 1  # OpenMP threads spin-wait on each other on busy cores (--num-threads)
         if threads:
             torch.set_num_threads(threads)
+        if self.device.type == "cpu":
+            from lightwell.quant import gguf_cpu
+
+            gguf_cpu.set_int8_activations(config.device.cpu_int8_activations)
         if self.device.type == "cuda":
             from lightwell.kernels import pdl
 
@@ -272,6 +276,14 @@ class Worker:
             self.runner.init_kv_cache(num_blocks)
             gib = num_blocks * self.runner.kv_bytes_per_block() / 2**30
             st.summary = f"allocated the KV cache ({num_blocks} blocks, {gib:.2f} GiB)"
+        if (
+            self.device.type == "cpu"
+            and self.config.device.fused_cpu_decode
+            and self.world_size == 1
+        ):
+            from lightwell.worker.cpu_decode import CpuDecode
+
+            self.runner.cpu_decode = CpuDecode.build(self.runner.model, self.runner.dtype)
         on_gpu = self.device.type == "cuda"
         with progress.stage(f"Warming up{' (compiling Triton kernels)' if on_gpu else ''}") as st:
             self.runner.warmup()

@@ -90,3 +90,21 @@ def test_lean_reader_matches_gguf_reader(tmp_path):
         assert (a.name, a.tensor_type, list(a.shape)) == (b.name, b.tensor_type, list(b.shape))
         assert np.array_equal(a.data, b.data) and a.data.dtype == b.data.dtype
         assert np.array_equal(b.read(), b.data)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_mm_with_int8_activations_matches_its_reference(qtype, rows):
+    torch.set_num_threads(2)
+    w = random_blocks(70, 160, qtype, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    x[0, :32] = 0  # an all-zero block: scale 0, no NaN
+    q = gguf_cpu.quantize_q8_ref(x)
+    step = x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127  # [rows, 5, 1]
+    assert ((q - x).reshape(rows, -1, 32).abs() <= step / 2 + 1e-7).all()
+    expected = q.double() @ gguf_dequantize_ref(w, qtype).double().T
+    out = gguf_cpu.gguf_mm(x, w, qtype, int8_act=True)
+    scale = expected.abs().max().item()
+    assert (out.double() - expected).abs().max().item() < 2e-6 * scale
+    exact = x.double() @ gguf_dequantize_ref(w, qtype).double().T
+    assert (out.double() - exact).abs().max().item() > 1e-4 * scale  # really rounded

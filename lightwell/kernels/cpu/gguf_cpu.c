@@ -1,166 +1,49 @@
 /* GGUF blocks x float32 activations on the CPU, for lightwell/kernels/cpu/gguf_cpu.py.
  *
  * out[m, n] = sum_k x[m, k] * W[n, k], W kept as a GGUF file stores it: row n is K / 32 blocks
- * of Q4_0 (fp16 d, 16 bytes of nibbles: w = (q - 8) * d), Q4_1 (fp16 d, fp16 m, 16 bytes:
- * w = q * d + m) or Q8_0 (fp16 d, 32 int8: w = q * d). Low nibbles are values 0..15 of a block,
- * high nibbles 16..31. Each weight is dequantized in registers with one fused multiply-add,
- * which gives exactly gguf-py's float32 value (q * d is exact in float32), and accumulated in
- * float32. Up to 4 rows of x share one dequantization; output rows are split over OpenMP
- * threads. AVX2 + FMA + F16C where the compiler targets them, portable C otherwise.
+ * (gguf_blocks.h). Up to 4 rows of x share one dequantization; output rows are split over
+ * OpenMP threads. Optionally x is rounded to int8 first (integer dot products).
  */
-#include <stdint.h>
-#include <string.h>
+#include <stdlib.h>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define GGUF_AVX2 1
-#endif
+#include "gguf_blocks.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
-#define QK 32
-
-static inline float fp16_to_fp32(uint16_t h) {
-#ifdef GGUF_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
-static inline int block_bytes(int qtype) {
-    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
-}
-
-/* One block's 32 weights as float32, exactly as gguf-py dequantizes them. */
-static inline void dequant_block(const uint8_t *b, int qtype, float *w) {
-    float d = fp16_to_fp32((uint16_t)(b[0] | b[1] << 8));
-    if (qtype == Q8_0) {
-        const int8_t *q = (const int8_t *)(b + 2);
-        for (int j = 0; j < QK; j++) w[j] = (float)q[j] * d;
-        return;
-    }
-    float m = qtype == Q4_1 ? fp16_to_fp32((uint16_t)(b[2] | b[3] << 8)) : -8.0f * d;
-    const uint8_t *q = b + (qtype == Q4_1 ? 4 : 2);
-    for (int j = 0; j < 16; j++) {
-        w[j] = (float)(q[j] & 0xf) * d + m;
-        w[j + 16] = (float)(q[j] >> 4) * d + m;
-    }
-}
-
-#ifdef GGUF_AVX2
-static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
-
-/* A block's 32 weights in four vectors of 8. */
-static inline void dequant_block_avx2(const uint8_t *b, int qtype, __m256 w[4]) {
-    __m256 vd = _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[0] | b[1] << 8)));
-    if (qtype == Q8_0) {
-        const uint8_t *q = b + 2;
-        for (int i = 0; i < 4; i++) {
-            __m128i v = _mm_loadl_epi64((const __m128i *)(q + 8 * i));
-            w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), vd);
-        }
-        return;
-    }
-    __m256 vm = qtype == Q4_1 ? _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[2] | b[3] << 8)))
-                              : _mm256_mul_ps(vd, _mm256_set1_ps(-8.0f));
-    __m128i raw = _mm_loadu_si128((const __m128i *)(b + (qtype == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0xf);
-    __m128i lo = _mm_and_si128(raw, mask);
-    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    w[0] = _mm256_fmadd_ps(u8x8_to_ps(lo), vd, vm);
-    w[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_unpackhi_epi64(lo, lo)), vd, vm);
-    w[2] = _mm256_fmadd_ps(u8x8_to_ps(hi), vd, vm);
-    w[3] = _mm256_fmadd_ps(u8x8_to_ps(_mm_unpackhi_epi64(hi, hi)), vd, vm);
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* out[r * ldo] for r < R: row n of W (nb blocks) against R rows of x (stride ldx). */
-static inline void row_dot(const uint8_t *wrow, int nb, int qtype, int bb, const float *x,
-                           int64_t ldx, int R, float *out, int64_t ldo) {
-    if (R == 1) { /* one row: four independent accumulators */
-        __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                       _mm256_setzero_ps()};
-        for (int b = 0; b < nb; b++) {
-            __m256 w[4];
-            dequant_block_avx2(wrow + (int64_t)b * bb, qtype, w);
-            const float *xb = x + (int64_t)b * QK;
-            for (int i = 0; i < 4; i++) a[i] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), a[i]);
-        }
-        out[0] = hsum(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])));
-        return;
-    }
-    __m256 acc[4][2];
-    for (int r = 0; r < 4; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        __m256 w[4];
-        dequant_block_avx2(wrow + (int64_t)b * bb, qtype, w);
-        const float *xb = x + (int64_t)b * QK;
-        for (int r = 0; r < R; r++) {
-            const float *xr = xb + r * ldx;
-            acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), acc[r][1]);
-            acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), acc[r][1]);
-        }
-    }
-    for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
-}
-#else
-static inline void row_dot(const uint8_t *wrow, int nb, int qtype, int bb, const float *x,
-                           int64_t ldx, int R, float *out, int64_t ldo) {
-    float acc[4][QK] = {{0}};
-    for (int b = 0; b < nb; b++) {
-        float w[QK];
-        dequant_block(wrow + (int64_t)b * bb, qtype, w);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * ldx + (int64_t)b * QK;
-            for (int j = 0; j < QK; j++) acc[r][j] += w[j] * xr[j];
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float s = 0;
-        for (int j = 0; j < QK; j++) s += acc[r][j];
-        out[r * ldo] = s;
-    }
-}
-#endif
-
-/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ W.T, W [N, K / 32 blocks]. */
+/* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ W.T, W [N, K / 32 blocks]; with
+ * int8_act, x's rows are first quantized to int8 by blocks (gguf_blocks.h) and each block of
+ * the product is an integer dot product. */
 int gguf_mm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
-            int64_t w_row_bytes, int qtype, float *out, int64_t ldo, int nthreads) {
+            int64_t w_row_bytes, int qtype, float *out, int64_t ldo, int nthreads,
+            int int8_act) {
     int bb = block_bytes(qtype);
     if (bb == 0 || K % QK || w_row_bytes != K / QK * bb) return -1;
     int nb = (int)(K / QK);
+    int8_t *q = NULL;
+    float *ds = NULL;
+    if (int8_act) {
+        q = malloc(M * K);
+        ds = malloc(M * nb * 2 * sizeof(float));
+        if (!q || !ds) {
+            free(q);
+            free(ds);
+            return -2;
+        }
+        for (int64_t m = 0; m < M; m++) quantize_row_q8(x + m * ldx, K, q + m * K, ds + m * nb * 2);
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *wrow = w + n * w_row_bytes;
         for (int64_t m = 0; m < M; m += 4) {
             int R = M - m < 4 ? (int)(M - m) : 4;
-            row_dot(wrow, nb, qtype, bb, x + m * ldx, ldx, R, out + m * ldo + n, ldo);
+            if (int8_act) {
+                q8_rows rows = {q + m * K, ds + m * nb * 2, K, nb * 2};
+                row_dot_q8(wrow, nb, qtype, bb, &rows, R, out + m * ldo + n, ldo);
+            } else {
+                row_dot(wrow, nb, qtype, bb, x + m * ldx, ldx, R, out + m * ldo + n, ldo);
+            }
         }
     }
+    free(q);
+    free(ds);
     return 0;
 }
 

@@ -2,8 +2,9 @@
 
 ``gguf_mm(x, w, qtype)`` is ``x @ dequantize(w).T`` without the float32 weights: each block is
 dequantized in registers (bit-exact with gguf-py's float32 values) and accumulated in float32.
-``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C source
-beside this file is compiled once per machine with the system C compiler (``cc``, ``-O3
+``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C
+sources beside this file (this one's and ``llama_decode.c``, which ``llama_decode.py`` calls)
+are compiled into one library once per machine with the system C compiler (``cc``, ``-O3
 -march=native -fopenmp``) into a cache folder and loaded with ctypes; ``available()`` says
 whether that worked (the callers fall back to torch ops otherwise). ``gguf_mm_ref`` is the
 torch reference, on ``kernels/gguf_blocks.py``'s block layouts and dequantize reference.
@@ -26,7 +27,9 @@ import torch
 from lightwell.kernels.gguf_blocks import Q4_0, Q4_1, Q8_0, gguf_dequantize_ref
 
 logger = logging.getLogger(__name__)
-SOURCE = os.path.join(os.path.dirname(__file__), "gguf_cpu.c")
+_HERE = os.path.dirname(__file__)
+SOURCES = [os.path.join(_HERE, f) for f in ("gguf_cpu.c", "llama_decode.c")]  # one library
+HEADERS = [os.path.join(_HERE, "gguf_blocks.h")]
 SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0))  # the types gguf_cpu.c reads
 
 
@@ -51,7 +54,7 @@ def _compile(target: str) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
-    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", SOURCE, "-o", tmp]
+    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *SOURCES, "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent process loads a whole library or none
@@ -62,8 +65,11 @@ def _compile(target: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _lib() -> ctypes.CDLL | None:
-    with open(SOURCE, "rb") as f:
-        key = hashlib.sha256(f.read() + _cpu_key().encode() + sys.version.encode()).hexdigest()
+    digest = hashlib.sha256(_cpu_key().encode() + sys.version.encode())
+    for path in SOURCES + HEADERS:
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    key = digest.hexdigest()
     target = os.path.join(_cache_dir(), f"gguf_cpu_{key[:16]}.so")
     try:
         if not os.path.exists(target):
@@ -80,8 +86,10 @@ def _lib() -> ctypes.CDLL | None:
         )
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, ctypes.c_int, ptr, i64, ctypes.c_int]
+    c_int = ctypes.c_int
+    lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, c_int, ptr, i64, c_int, c_int]
     lib.gguf_dequant_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
+    lib.lw_llama_decode.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int]  # llama_decode.py
     return lib
 
 
@@ -95,6 +103,7 @@ def gguf_mm(
     w: torch.Tensor,  # [N, K / 32 * block bytes] uint8, contiguous
     qtype: int,
     out: torch.Tensor | None = None,  # [M, N] float32 (may be a column slice of a wider one)
+    int8_act: bool = False,  # x rounded to int8 by blocks of 32 first (``quantize_q8_ref``)
 ) -> torch.Tensor:  # [M, N] float32
     M, K = x.shape
     N = w.shape[0]
@@ -108,8 +117,10 @@ def gguf_mm(
         raise ValueError(f"gguf_mm: out must be float32 [{M}, {N}] with contiguous rows")
     rc = _lib().gguf_mm(
         x.data_ptr(), M, K, x.stride(0), w.data_ptr(), N, w.shape[1], qtype,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(int8_act),
     )  # fmt: skip
+    if rc == -2:
+        raise MemoryError("gguf_mm: no memory for the int8 activations")
     if rc:
         raise ValueError(f"gguf_mm: type {qtype} with K={K}, {w.shape[1]} bytes a row")
     return out
@@ -136,5 +147,17 @@ def gguf_dequant_rows(
     return out
 
 
-def gguf_mm_ref(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor:  # [M, N]
-    return x @ gguf_dequantize_ref(w, qtype).T
+def quantize_q8_ref(x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, K] float32
+    """x as the int8 activations represent it: per block of 32, q = round(x / d) with
+    d = max|x| / 127 (ties to even), returned as q * d."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)  # [M, K / 32, 32]
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape)
+
+
+def gguf_mm_ref(
+    x: torch.Tensor, w: torch.Tensor, qtype: int, int8_act: bool = False
+) -> torch.Tensor:  # [M, N]
+    return (quantize_q8_ref(x) if int8_act else x) @ gguf_dequantize_ref(w, qtype).T

@@ -1,0 +1,285 @@
+/* A Llama-shaped model's decode step in one call, for lightwell/kernels/cpu/llama_decode.py.
+ *
+ * R requests (R <= 8), one new token each: for every layer, the residual add + RMSNorm, the
+ * fused QKV matmul on GGUF blocks (gguf_blocks.h), RoPE (neox halves, from the model's cos/sin
+ * table), the K/V store into the paged float32 cache, attention over each request's cached keys
+ * (its block table; GQA; an online softmax), the output matmul, the residual add + RMSNorm, the
+ * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm.
+ * The whole step is one OpenMP parallel region: the threads take the matmuls' output rows and
+ * the attention's (request, head) pairs in chunks from a shared counter (a thread the OS has
+ * paused leaves its chunks to the others); the small vector steps run on thread 0; the phases
+ * are separated by a barrier that spins, then yields the core (on cores shared with other
+ * processes, sleeping in a barrier costs a scheduler wake-up each time). Arithmetic is float32
+ * as in the torch layers (the same block dot products; sums of norms and softmax in another
+ * order); with int8_act the matmul inputs are rounded to int8 as gguf_cpu.c's gguf_mm does.
+ */
+#include <math.h>
+#include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+
+#include "gguf_blocks.h"
+
+typedef struct {
+    const uint8_t *w; /* [rows, row_bytes] GGUF blocks */
+    int64_t rows, row_bytes, qtype;
+} lw_linear;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [H] */
+    lw_linear qkv, o, gate_up, down;  /* [(Hq + 2 Hkv) D, H], [H, Hq D], [2 I, H], [H, I] */
+    float *kv_cache;                  /* [2, num_blocks, block_size, Hkv, D] */
+} lw_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
+    int64_t int8_act; /* the matmuls' inputs rounded to int8 by blocks (gguf_blocks.h) */
+    float eps, scale;
+    const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
+    const float *final_norm; /* [H] */
+    const lw_layer *layers;  /* [num_layers] */
+} lw_model;
+
+typedef struct { /* one step's inputs and the scratch rows it works in */
+    int64_t R, ld_table;
+    const int64_t *positions, *slots; /* [R] */
+    const int32_t *block_table;       /* [R, ld_table] */
+    const int32_t *seq_lens;          /* [R]: cached tokens + this one */
+    float *residual, *normed, *qkv, *attn, *act, *partial; /* [R, width of each] */
+    int8_t *q_normed, *q_attn, *q_act;   /* int8_act: the matmul inputs as int8, [R, width] */
+    float *ds_normed, *ds_attn, *ds_act; /* and their (d, s) per block, [R, width / 32 * 2] */
+} lw_step;
+
+#define MAX_ROWS 8
+#define MAX_HEAD_DIM 256
+#define PHASES 5 /* work-shared phases a layer: qkv, attention, o, gate_up, down */
+#define SPINS 2000
+
+typedef struct { /* the threads' meeting points, one call's */
+    atomic_int arrived, generation;
+    int nthreads;
+    atomic_int *next; /* [layers * PHASES]: the next chunk of each phase */
+} lw_sync;
+
+static void barrier(lw_sync *y) {
+    if (y->nthreads == 1) return;
+    int gen = atomic_load_explicit(&y->generation, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&y->arrived, 1, memory_order_acq_rel) == y->nthreads - 1) {
+        atomic_store_explicit(&y->arrived, 0, memory_order_relaxed);
+        atomic_fetch_add_explicit(&y->generation, 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&y->generation, memory_order_acquire) == gen;) {
+        if (++spins > SPINS) sched_yield();
+    }
+}
+
+/* Chunk indices [0, n) for this thread, taken from the phase's counter until none is left. */
+#define FOR_CHUNKS(c, n, counter)                                                               \
+    for (int64_t c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed); c < (n);   \
+         c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed))
+#define ROWS_A_CHUNK 16
+
+/* A matmul's input rows [R, K]: float32, and (int8_act) as int8 blocks. */
+typedef struct {
+    const float *x;
+    int64_t K;
+    q8_rows q;
+    int int8;
+} lw_input;
+
+static lw_input input_of(const lw_model *m, const float *x, const int8_t *q, const float *ds,
+                         int64_t K) {
+    lw_input in = {x, K, {q, ds, K, K / QK * 2}, (int)m->int8_act};
+    return in;
+}
+
+/* out[r] = in rows m..m+R (R <= 4) against row wrow of W. */
+static inline void dot_rows(const lw_linear *L, const uint8_t *wrow, const lw_input *in,
+                            int64_t m, int R, float *out, int64_t ldo) {
+    int bb = block_bytes((int)L->qtype), nb = (int)(L->row_bytes / bb);
+    if (in->int8) {
+        q8_rows q = {in->q.q + m * in->q.ldq, in->q.ds + m * in->q.ldd, in->q.ldq, in->q.ldd};
+        row_dot_q8(wrow, nb, (int)L->qtype, bb, &q, R, out, ldo);
+    } else {
+        row_dot(wrow, nb, (int)L->qtype, bb, in->x + m * in->K, in->K, R, out, ldo);
+    }
+}
+
+/* out[r * ldo + n] = x[r] . W[n] for the rows n of the chunks this thread takes. */
+static void matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo,
+                   atomic_int *counter) {
+    FOR_CHUNKS(c, (L->rows + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK, counter) {
+        int64_t end = (c + 1) * ROWS_A_CHUNK < L->rows ? (c + 1) * ROWS_A_CHUNK : L->rows;
+        for (int64_t n = c * ROWS_A_CHUNK; n < end; n++) {
+            for (int64_t m = 0; m < R; m += 4) {
+                int rows = R - m < 4 ? (int)(R - m) : 4;
+                dot_rows(L, L->w + n * L->row_bytes, in, m, rows, out + m * ldo + n, ldo);
+            }
+        }
+    }
+}
+
+/* act[r, i] = silu(gate[r, i]) * up[r, i], gate rows 0..I-1 and up rows I..2I-1 of W; by
+ * blocks of 32 i, each (int8_act) rounded to int8 where it is computed. */
+static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I,
+                         atomic_int *counter) {
+    int64_t R = s->R;
+    FOR_CHUNKS(ib, I / QK, counter) {
+        for (int64_t i = ib * QK; i < (ib + 1) * QK; i++) {
+            float g[MAX_ROWS], u[MAX_ROWS];
+            for (int64_t m = 0; m < R; m += 4) {
+                int rows = R - m < 4 ? (int)(R - m) : 4;
+                dot_rows(L, L->w + i * L->row_bytes, in, m, rows, g + m, 1);
+                dot_rows(L, L->w + (I + i) * L->row_bytes, in, m, rows, u + m, 1);
+            }
+            for (int64_t r = 0; r < R; r++) s->act[r * I + i] = g[r] / (1.0f + expf(-g[r])) * u[r];
+        }
+        if (in->int8)
+            for (int64_t r = 0; r < R; r++)
+                quantize_row_q8(s->act + r * I + ib * QK, QK, s->q_act + r * I + ib * QK,
+                                s->ds_act + (r * I + ib * QK) / QK * 2);
+    }
+}
+
+/* residual += partial (first: residual = partial), normed = rmsnorm(residual) * w. */
+static void add_norm(const lw_model *m, const lw_step *s, const float *w, int first) {
+    int64_t H = m->hidden;
+    for (int64_t r = 0; r < s->R; r++) {
+        float *res = s->residual + r * H, *out = s->normed + r * H;
+        const float *p = s->partial + r * H;
+        float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < H; i++) {
+            res[i] = first ? p[i] : res[i] + p[i];
+            ss += res[i] * res[i];
+        }
+        float inv = 1.0f / sqrtf(ss / (float)H + m->eps);
+        for (int64_t i = 0; i < H; i++) out[i] = res[i] * inv * w[i];
+        if (m->int8_act)
+            quantize_row_q8(out, H, s->q_normed + r * H, s->ds_normed + r * H / QK * 2);
+    }
+}
+
+/* RoPE on each request's q and k heads (neox halves), then k and v into the cache. */
+static void rope_store(const lw_model *m, const lw_step *s, float *cache) {
+    int64_t D = m->head_dim, half = D / 2, Hq = m->heads, Hkv = m->kv_heads;
+    int64_t width = (Hq + 2 * Hkv) * D, plane = m->num_blocks * m->block_size * Hkv * D;
+    for (int64_t r = 0; r < s->R; r++) {
+        float *row = s->qkv + r * width;
+        const float *cs = m->cos_sin + s->positions[r] * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x = row + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = x[i], x2 = x[i + half], c = cs[i], sn = cs[half + i];
+                x[i] = x1 * c - x2 * sn;
+                x[i + half] = x2 * c + x1 * sn;
+            }
+        }
+        float *k = cache + s->slots[r] * Hkv * D;
+        memcpy(k, row + Hq * D, Hkv * D * sizeof(float));
+        memcpy(k + plane, row + (Hq + Hkv) * D, Hkv * D * sizeof(float));
+    }
+}
+
+/* One (request, head) pair: softmax(q . K * scale) . V over the request's seq_len keys. */
+static void attend_head(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
+                        int64_t h) {
+    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size;
+    int64_t kvh = h / (m->heads / Hkv), plane = m->num_blocks * B * Hkv * D;
+    const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + h * D;
+    const int32_t *table = s->block_table + r * s->ld_table;
+    float acc[MAX_HEAD_DIM] = {0}, mx = -INFINITY, sum = 0.0f;
+    for (int64_t j = 0; j < s->seq_lens[r]; j++) {
+        const float *k = cache + (((int64_t)table[j / B] * B + j % B) * Hkv + kvh) * D;
+        const float *v = k + plane;
+        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
+        float score = dot * m->scale, p = 1.0f;
+        if (score > mx) { /* a new maximum: rescale what came before */
+            float c = expf(mx - score);
+            sum *= c;
+#pragma omp simd
+            for (int64_t i = 0; i < D; i++) acc[i] *= c;
+            mx = score;
+        } else {
+            p = expf(score - mx);
+        }
+        sum += p;
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) acc[i] += p * v[i];
+    }
+    int64_t at = r * m->heads * D + h * D;
+    for (int64_t i = 0; i < D; i++) s->attn[at + i] = acc[i] / sum;
+    if (m->int8_act) quantize_row_q8(s->attn + at, D, s->q_attn + at, s->ds_attn + at / QK * 2);
+}
+
+/* One layer, on every thread (tid: this one's index); next: the layer's phase counters. */
+static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, int first,
+                       lw_sync *y, atomic_int *next, int tid) {
+    int64_t H = m->hidden, D = m->head_dim, R = s->R;
+    lw_input normed = input_of(m, s->normed, s->q_normed, s->ds_normed, H);
+    lw_input attn = input_of(m, s->attn, s->q_attn, s->ds_attn, m->heads * D);
+    lw_input act = input_of(m, s->act, s->q_act, s->ds_act, m->inter);
+    if (tid == 0) add_norm(m, s, L->in_norm, first);
+    barrier(y);
+    matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &next[0]);
+    barrier(y);
+    if (tid == 0) rope_store(m, s, L->kv_cache);
+    barrier(y);
+    FOR_CHUNKS(t, R * m->heads, &next[1]) {
+        attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
+    }
+    barrier(y);
+    matmul(&L->o, &attn, R, s->partial, H, &next[2]);
+    barrier(y);
+    if (tid == 0) add_norm(m, s, L->post_norm, 0);
+    barrier(y);
+    gate_up_silu(&L->gate_up, &normed, s, m->inter, &next[3]);
+    barrier(y);
+    matmul(&L->down, &act, R, s->partial, H, &next[4]);
+    barrier(y);
+}
+
+static int check(const lw_model *m, const lw_step *s) {
+    if (s->R < 1 || s->R > MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->head_dim % 2) return -1;
+    if (m->hidden % QK || m->inter % QK || (m->int8_act && m->head_dim % QK)) return -1;
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const lw_linear *ls[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gate_up,
+                                  &m->layers[l].down};
+        for (int i = 0; i < 4; i++) {
+            int bb = block_bytes((int)ls[i]->qtype);
+            if (bb == 0 || ls[i]->row_bytes % bb) return -2;
+        }
+    }
+    return 0;
+}
+
+/* out [R, H] = the final norm of the last layer's output; x [R, H]: the token embeddings. */
+int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *out,
+                    int nthreads) {
+    int rc = check(m, s);
+    if (rc) return rc;
+    memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
+    lw_sync y = {0, 0, nthreads < 1 ? 1 : nthreads, NULL};
+    y.next = calloc(m->num_layers * PHASES, sizeof(atomic_int));
+    if (!y.next) return -3;
+#pragma omp parallel num_threads(y.nthreads)
+    {
+        int tid = omp_get_thread_num();
+        if (omp_get_num_threads() != y.nthreads) { /* fewer threads than asked: run alone */
+            if (tid == 0) y.nthreads = 1;
+#pragma omp barrier
+        }
+        if (tid < y.nthreads) {
+            for (int64_t l = 0; l < m->num_layers; l++)
+                layer_step(m, s, &m->layers[l], l == 0, &y, y.next + l * PHASES, tid);
+            if (tid == 0) add_norm(m, s, m->final_norm, 0);
+        }
+    }
+    free(y.next);
+    memcpy(out, s->normed, s->R * m->hidden * sizeof(float));
+    return 0;
+}

@@ -1,0 +1,188 @@
+"""A Llama-shaped model's decode step (up to ``MAX_ROWS`` requests, one token each) in one C call
+(``llama_decode.c``, compiled with ``gguf_cpu.c``): every layer's norms, GGUF-block matmuls,
+RoPE, paged float32 KV-cache store and attention, and the final norm, in one OpenMP region.
+
+``LlamaDecoder`` holds the ctypes description of the model (built once, the tensors it points
+into kept alive) and scratch rows for ``MAX_ROWS`` requests; calling it runs one step. Its torch
+reference is the model's own forward (``tests/kernels/test_llama_decode_cpu.py``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from lightwell.kernels.cpu import gguf_cpu
+from lightwell.kernels.gguf_blocks import BLOCKS
+
+MAX_ROWS = 8  # requests a step (llama_decode.c's MAX_ROWS)
+MAX_HEAD_DIM = 256
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("w", _ptr), ("rows", _i64), ("row_bytes", _i64), ("qtype", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr)]
+    _fields_ += [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("kv_cache", _ptr)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        (n, _i64)
+        for n in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter")
+        + ("num_blocks", "block_size", "int8_act")
+    ]
+    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [("cos_sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
+
+
+_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "q_normed", "q_attn", "q_act")
+_SCRATCH += ("ds_normed", "ds_attn", "ds_act")
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("R", _i64), ("ld_table", _i64), ("positions", _ptr), ("slots", _ptr)]
+    _fields_ += [("block_table", _ptr), ("seq_lens", _ptr)]
+    _fields_ += [(n, _ptr) for n in _SCRATCH]
+
+
+@dataclass
+class LayerWeights:
+    in_norm: torch.Tensor  # [H] float32
+    post_norm: torch.Tensor  # [H] float32
+    qkv: tuple[int, torch.Tensor]  # (ggml type, [(Hq + 2 Hkv) D, bytes] uint8 blocks)
+    o: tuple[int, torch.Tensor]  # [H, bytes]
+    gate_up: tuple[int, torch.Tensor]  # [2 I, bytes]: gate rows, then up rows
+    down: tuple[int, torch.Tensor]  # [H, bytes]
+    kv_cache: torch.Tensor  # [2, N, B, Hkv, D] float32
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+    scale: float
+
+
+def _linear(part: tuple[int, torch.Tensor], rows: int, cols: int) -> _Linear:
+    qtype, blocks = part
+    values, nbytes = BLOCKS[qtype] if qtype in gguf_cpu.SUPPORTED else (0, 0)
+    ok = values and blocks.dtype == torch.uint8 and blocks.is_contiguous()
+    if not ok or tuple(blocks.shape) != (rows, cols // values * nbytes) or cols % values:
+        raise ValueError(f"llama_decode: blocks of type {qtype} {tuple(blocks.shape)} do not "
+                         f"hold a [{rows}, {cols}] matrix")  # fmt: skip
+    return _Linear(blocks.data_ptr(), rows, blocks.shape[1], qtype)
+
+
+def _f32(t: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
+    if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
+        raise ValueError(f"llama_decode: {what} must be contiguous float32 {list(shape)}")
+    return t
+
+
+class LlamaDecoder:
+    def __init__(
+        self,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,  # [H] float32
+        cos_sin: torch.Tensor,  # [positions, D] float32: D / 2 cosines, then D / 2 sines
+        shape: Shape,
+        int8_act: bool = False,  # the matmuls' inputs rounded to int8 by blocks of 32
+    ):
+        s = self.shape = shape
+        H, D, Hq, Hkv, inter = s.hidden, s.head_dim, s.heads, s.kv_heads, s.inter
+        if D > MAX_HEAD_DIM or D % 2 or Hq % Hkv or not layers or (int8_act and D % 32):
+            raise ValueError(f"llama_decode: unsupported heads {Hq}/{Hkv} x {D}")
+        cache_shape = tuple(layers[0].kv_cache.shape)
+        if len(cache_shape) != 5 or cache_shape[0] != 2 or cache_shape[3:] != (Hkv, D):
+            raise ValueError(
+                f"llama_decode: KV cache {list(cache_shape)} is not [2, N, B, {Hkv}, {D}]"
+            )
+        self.max_positions = cos_sin.shape[0]
+        self._keep = [final_norm, _f32(cos_sin, (cos_sin.shape[0], D), "cos_sin"), layers]
+        table = (_Layer * len(layers))()
+        for i, w in enumerate(layers):
+            table[i] = _Layer(
+                _f32(w.in_norm, (H,), "in_norm").data_ptr(),
+                _f32(w.post_norm, (H,), "post_norm").data_ptr(),
+                _linear(w.qkv, (Hq + 2 * Hkv) * D, H),
+                _linear(w.o, H, Hq * D),
+                _linear(w.gate_up, 2 * inter, H),
+                _linear(w.down, H, inter),
+                _f32(w.kv_cache, cache_shape, "kv_cache").data_ptr(),
+            )
+        self._table = table
+        self._model = _Model(
+            len(layers), H, Hq, Hkv, D, inter, cache_shape[1], cache_shape[2], int(int8_act),
+            s.eps, s.scale,
+            cos_sin.data_ptr(), _f32(final_norm, (H,), "final_norm").data_ptr(), table,
+        )  # fmt: skip
+        widths = {"residual": H, "normed": H, "qkv": (Hq + 2 * Hkv) * D, "attn": Hq * D}
+        widths.update(act=inter, partial=H)
+        self._scratch = {n: torch.empty(MAX_ROWS, w) for n, w in widths.items()}
+        for n in ("normed", "attn", "act"):  # int8 rows and their (d, s) per block of 32
+            self._scratch["q_" + n] = torch.empty(MAX_ROWS, widths[n], dtype=torch.int8)
+            self._scratch["ds_" + n] = torch.empty(MAX_ROWS, widths[n] // 32 * 2)
+
+    def __call__(
+        self,
+        x: torch.Tensor,  # [R, H] float32: the token embeddings
+        positions: torch.Tensor,  # [R] int64
+        slots: torch.Tensor,  # [R] int64: block_id * B + offset of each new token
+        block_table: torch.Tensor,  # [R, W] int32
+        seq_lens: torch.Tensor,  # [R] int32: cached tokens + the new one
+    ) -> torch.Tensor:  # [R, H] float32: the final norm's output
+        R = x.shape[0]
+        self._check(x, positions, slots, block_table, seq_lens)
+        sc = self._scratch
+        step = _Step(
+            R, block_table.stride(0), positions.data_ptr(), slots.data_ptr(),
+            block_table.data_ptr(), seq_lens.data_ptr(),
+            *(sc[n].data_ptr() for n in _SCRATCH),
+        )  # fmt: skip
+        out = torch.empty(R, self.shape.hidden)
+        lib = gguf_cpu._lib()
+        rc = lib.lw_llama_decode(
+            ctypes.byref(self._model), ctypes.byref(step), x.data_ptr(), out.data_ptr(),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if rc:
+            raise ValueError(f"llama_decode: the kernel refused the step ({rc})")
+        return out
+
+    def _check(self, x, positions, slots, block_table, seq_lens) -> None:
+        R = x.shape[0]
+        if not 1 <= R <= MAX_ROWS:
+            raise ValueError(f"llama_decode: {R} requests, at most {MAX_ROWS}")
+        _f32(x, (R, self.shape.hidden), "x")
+        for t, dtype, name in ((positions, torch.int64, "positions"), (slots, torch.int64,
+                               "slots"), (seq_lens, torch.int32, "seq_lens")):  # fmt: skip
+            if t.dtype != dtype or tuple(t.shape) != (R,) or not t.is_contiguous():
+                raise ValueError(f"llama_decode: {name} must be contiguous {dtype} [{R}]")
+        if (
+            block_table.dtype != torch.int32
+            or block_table.shape[0] != R
+            or block_table.stride(1) != 1
+        ):
+            raise ValueError(f"llama_decode: block_table must be int32 [{R}, W], rows contiguous")
+        cache = self._keep[2][0].kv_cache
+        capacity = block_table.shape[1] * cache.shape[2]
+        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > capacity:
+            raise ValueError(f"llama_decode: seq_lens must lie in [1, {capacity}]")
+        if int(positions.max()) >= self.max_positions or int(positions.min()) < 0:
+            raise ValueError(f"llama_decode: positions must lie in [0, {self.max_positions})")
+        num_slots = cache.shape[1] * cache.shape[2]
+        if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
+            raise ValueError(f"llama_decode: slots must lie in [0, {num_slots})")
+        if int(block_table.min()) < 0 or int(block_table.max()) >= cache.shape[1]:
+            raise ValueError(f"llama_decode: block ids must lie in [0, {cache.shape[1]})")

@@ -1,0 +1,139 @@
+"""Decode steps of a Llama-shaped GGUF model on the CPU as one C call (``--fused-cpu-decode``).
+
+``CpuDecode.build`` takes a model whose every layer is the plain Llama block (``LlamaAttention``
+without biases, sliding window or q/k norm; ``LlamaMLP``; RMSNorms) with all four linears on
+one GGUF block tensor each (``quant/gguf_cpu.py``), neox RoPE over the whole head, a float32
+KV cache, one rank; anything else keeps the layer-by-layer forward (``build`` returns None).
+A step of 1..``MAX_ROWS`` requests that each bring one token then runs through
+``kernels/cpu/llama_decode``: the token embeddings, then every layer and the final norm in one
+call. The LM head and sampling stay as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lightwell.attention.metadata import AttentionMetadata
+from lightwell.distributed.parallel_state import get_tp_size
+from lightwell.kernels.cpu import gguf_cpu
+from lightwell.kernels.cpu.llama_decode import MAX_ROWS, LayerWeights, LlamaDecoder, Shape
+from lightwell.layers.norm import RMSNorm
+from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
+from lightwell.quant.gguf_cpu import int8_activations
+
+
+class CpuDecode:
+    def __init__(self, inner: LlamaModel, decoder: LlamaDecoder):
+        self.inner = inner  # the model's LlamaModel (its embedding)
+        self.decoder = decoder
+
+    @classmethod
+    def build(cls, model: nn.Module, dtype: torch.dtype) -> CpuDecode | None:
+        """The fused decode for ``model`` (activations in ``dtype``, its KV caches bound), or
+        None where it does not apply."""
+        inner = getattr(model, "model", None)
+        if type(inner) is not LlamaModel or get_tp_size() != 1 or dtype != torch.float32:
+            return None
+        if not gguf_cpu.available():
+            return None
+        layers = list(inner.layers)
+        if not layers or not all(_plain(layer) for layer in layers):
+            return None
+        if type(inner.norm) is not RMSNorm or not _f32(inner.norm.weight):
+            return None
+        attn = layers[0].self_attn
+        rotary = attn.rotary_emb
+        if not rotary.is_neox_style or rotary.rotary_dim != attn.head_dim:
+            return None
+        if not all(layer.self_attn.rotary_emb is rotary for layer in layers):
+            return None
+        inner_attn, mlp = attn.attn, layers[0].mlp
+        shape = Shape(
+            hidden=layers[0].input_layernorm.hidden_size,
+            heads=inner_attn.num_heads,
+            kv_heads=inner_attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            inter=mlp.gate_up_proj.gguf_out // 2,
+            eps=layers[0].input_layernorm.eps,
+            scale=inner_attn.scale,
+        )
+        if any(_shape_of(layer) != shape for layer in layers) or inner.norm.eps != shape.eps:
+            return None
+        cos_sin = rotary.cos_sin_cache.float().contiguous()
+        weights = [_weights(layer) for layer in layers]
+        int8 = int8_activations()
+        if int8 and shape.head_dim % 32:
+            return None
+        return cls(inner, LlamaDecoder(weights, inner.norm.weight, cos_sin, shape, int8))
+
+    @staticmethod
+    def applies(meta: AttentionMetadata) -> bool:
+        """A step of 1..MAX_ROWS requests, one token each."""
+        one_each = meta.max_query_len == 1 and meta.num_tokens == meta.num_reqs
+        return one_each and 1 <= meta.num_tokens <= MAX_ROWS and meta.cp_slot_mapping is None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H] float32: the final norm's output
+        x = self.inner.embed(input_ids).float().contiguous()  # [T, H]
+        return self.decoder(x, positions, meta.slot_mapping, meta.block_table, meta.seq_lens)
+
+
+def _f32(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _one_part(linear: nn.Module) -> tuple[int, torch.Tensor] | None:
+    """(ggml type, blocks) of a linear held as one GGUF block tensor, without a bias."""
+    parts = getattr(linear, "gguf_cpu", None)
+    if parts is None or len(parts) != 1 or getattr(linear, "bias", None) is not None:
+        return None
+    qtype, blocks, _ = parts[0]
+    return qtype, blocks
+
+
+def _plain(layer: nn.Module) -> bool:
+    """The plain Llama block, on GGUF blocks, with a float32 cache."""
+    if type(layer) is not LlamaDecoderLayer:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+        return False
+    if type(attn).norm_qk is not LlamaAttention.norm_qk or attn.attn.sliding_window is not None:
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not all(type(n) is RMSNorm and _f32(n.weight) and n.eps == norms[0].eps for n in norms):
+        return False
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    cache = attn.attn.kv_cache
+    return all(_one_part(x) is not None for x in linears) and cache is not None and _f32(cache)
+
+
+def _shape_of(layer: LlamaDecoderLayer) -> Shape:
+    attn = layer.self_attn
+    return Shape(
+        hidden=layer.input_layernorm.hidden_size,
+        heads=attn.attn.num_heads,
+        kv_heads=attn.attn.num_kv_heads,
+        head_dim=attn.head_dim,
+        inter=layer.mlp.gate_up_proj.gguf_out // 2,
+        eps=layer.input_layernorm.eps,
+        scale=attn.attn.scale,
+    )
+
+
+def _weights(layer: LlamaDecoderLayer) -> LayerWeights:
+    attn, mlp = layer.self_attn, layer.mlp
+    return LayerWeights(
+        in_norm=layer.input_layernorm.weight.data,
+        post_norm=layer.post_attention_layernorm.weight.data,
+        qkv=_one_part(attn.qkv_proj),
+        o=_one_part(attn.o_proj),
+        gate_up=_one_part(mlp.gate_up_proj),
+        down=_one_part(mlp.down_proj),
+        kv_cache=attn.attn.kv_cache,
+    )

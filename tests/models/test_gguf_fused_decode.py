@@ -1,0 +1,136 @@
+"""The fused CPU decode (``worker/cpu_decode.py`` over ``kernels/cpu/llama_decode.c``) against
+the model's own layer-by-layer forward: a tiny Llama GGUF (Q4_1, Q4_0 and Q8_0 layers, GQA,
+block tables out of order, a NaN-poisoned cache), three requests of different lengths decoding
+together; float32 activations and int8 ones; and through the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightwell.attention.metadata import get_attention_metadata
+from lightwell.kernels.cpu import gguf_cpu as kernels
+from lightwell.quant import gguf_cpu
+from lightwell.worker.cpu_decode import CpuDecode
+from tests.models.paged import PagedRunner, build_metadata
+from tests.models.test_gguf import Q, write_tiny_gguf
+from tests.models.tiny import hf_tiny_model, load_ours, rel_err, tiny_config
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler with OpenMP")
+ONE_TYPE = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LAYERS = [{name: qtype for name in ONE_TYPE} for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_0)]
+PROMPTS = {"a": [5, 17, 33, 2, 90], "b": list(range(40, 51)), "c": [7, 8]}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    config = tiny_config(hidden_size=128, intermediate_size=96, num_hidden_layers=3)
+    path = str(tmp_path_factory.mktemp("fused") / "tiny.gguf")
+    write_tiny_gguf(path, hf_tiny_model(config, seed=5), layer_types=LAYERS)
+    return path
+
+
+class Fused:
+    """A stand-in for the model in PagedRunner: the fused decode, then the model's LM head."""
+
+    def __init__(self, model, cpu: CpuDecode):
+        self.model, self.cpu = model, cpu
+
+    def __call__(self, input_ids, positions):
+        return self.cpu.forward(input_ids, positions, get_attention_metadata())
+
+    def compute_logits(self, hidden):
+        return self.model.compute_logits(hidden)
+
+
+def _decode(path: str, fused: bool, steps: int = 6) -> list[torch.Tensor]:
+    """Prefill PROMPTS layer by layer, then ``steps`` decode steps of all three (fed the
+    same tokens whatever comes out); each step's logits [3, V]."""
+    torch.set_num_threads(2)
+    model = load_ours(path, quantization="gguf")
+    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=1)
+    runner.step([(r, ids, 0) for r, ids in PROMPTS.items()])
+    cpu = CpuDecode.build(model, torch.float32)
+    assert cpu is not None
+    if fused:
+        runner.model = Fused(model, cpu)
+    lens = {r: len(ids) for r, ids in PROMPTS.items()}
+    out = []
+    for step in range(steps):
+        batch = [(r, [(11 * step + 3 * i) % 300], lens[r]) for i, r in enumerate(PROMPTS)]
+        out.append(torch.cat(runner.step(batch)))
+        lens = {r: n + 1 for r, n in lens.items()}
+    return out
+
+
+def test_fused_decode_matches_the_layer_by_layer_forward(tiny_gguf):
+    ref, got = _decode(tiny_gguf, fused=False), _decode(tiny_gguf, fused=True)
+    for want, have in zip(ref, got):
+        assert rel_err(have, want) < 5e-6  # ~5e-7: float32 sums in another order
+        assert torch.equal(have.argmax(-1), want.argmax(-1))
+
+
+def test_int8_activations_stay_near_float32(tiny_gguf):
+    exact = _decode(tiny_gguf, fused=False)
+    gguf_cpu.set_int8_activations(True)
+    try:
+        layerwise, fused = _decode(tiny_gguf, fused=False), _decode(tiny_gguf, fused=True)
+    finally:
+        gguf_cpu.set_int8_activations(False)
+    for want, a, b in zip(exact, layerwise, fused):
+        assert 1e-3 < rel_err(a, want) < 4e-2  # rounded (~2e-2 here), and not by much
+        assert rel_err(b, a) < 1e-5  # the same rounding in both paths (~5e-7)
+
+
+def test_applies_to_small_decode_steps_only(tiny_gguf):
+    def meta(query_lens, seq_lens):
+        tables = [[i] * 4 for i in range(len(query_lens))]
+        return build_metadata(query_lens, seq_lens, tables, 4, torch.device("cpu"))[0]
+
+    assert CpuDecode.applies(meta([1], [9]))
+    assert CpuDecode.applies(meta([1] * 8, [5] * 8))
+    assert not CpuDecode.applies(meta([1] * 9, [5] * 9))  # more rows than the kernel takes
+    assert not CpuDecode.applies(meta([1, 3], [4, 6]))  # a prefill chunk in the step
+    assert not CpuDecode.applies(meta([2], [6]))
+
+
+def test_build_declines_what_the_kernel_does_not_run(tiny_gguf, tmp_path):
+    model = load_ours(tiny_gguf, quantization="none")  # float32 weights
+    PagedRunner(model)
+    assert CpuDecode.build(model, torch.float32) is None
+    model = load_ours(tiny_gguf, quantization="gguf")
+    assert CpuDecode.build(model, torch.float32) is None  # no KV cache bound yet
+    PagedRunner(model)
+    assert CpuDecode.build(model, torch.float32) is not None
+    PagedRunner(model, kv_cache_dtype="int8")
+    assert CpuDecode.build(model, torch.float32) is None  # an 8-bit cache
+
+
+def _generate(path: str, fused: bool) -> tuple[list[list[int]], set[str]]:
+    """Greedy tokens of PROMPTS through the engine, and the paths its steps took."""
+    from lightwell import LLM, SamplingParams
+
+    llm = LLM(
+        model=path, skip_tokenizer_init=True, num_threads=2, fused_cpu_decode=fused,
+        num_kv_blocks=64,
+    )  # fmt: skip
+    runner, seen = llm.engine.executor.worker.runner, []
+    execute = runner.execute_model
+
+    def traced(sched):
+        out = execute(sched)
+        seen.append(out.path)
+        return out
+
+    runner.execute_model = traced
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": ids} for ids in PROMPTS.values()]
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], set(seen)
+
+
+def test_engine_takes_the_fused_path_with_the_same_tokens(tiny_gguf):
+    tokens, paths = _generate(tiny_gguf, fused=True)
+    want, plain_paths = _generate(tiny_gguf, fused=False)
+    assert tokens == want
+    assert "fused cpu" in paths and "fused cpu" not in plain_paths
