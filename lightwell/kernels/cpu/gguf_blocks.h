@@ -1,4 +1,4 @@
-/* GGUF blocks in registers: the helpers shared by gguf_cpu.c and llama_decode.c.
+/* GGUF blocks in registers: the helpers shared by gguf_cpu.c, gguf_kquant.c and llama_decode.c.
  *
  * Q4_0 (fp16 d, 16 bytes of nibbles: w = (q - 8) * d), Q4_1 (fp16 d, fp16 m, 16 bytes:
  * w = q * d + m) or Q8_0 (fp16 d, 32 int8: w = q * d), 32 weights a block. Low nibbles are

@@ -3,11 +3,12 @@
 ``gguf_mm(x, w, qtype)`` is ``x @ dequantize(w).T`` without the float32 weights: each block is
 dequantized in registers (bit-exact with gguf-py's float32 values) and accumulated in float32.
 ``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C
-sources beside this file (this one's and ``llama_decode.c``, which ``llama_decode.py`` calls)
-are compiled into one library once per machine with the system C compiler (``cc``, ``-O3
--march=native -fopenmp``) into a cache folder and loaded with ctypes; ``available()`` says
-whether that worked (the callers fall back to torch ops otherwise). ``gguf_mm_ref`` is the
-torch reference, on ``kernels/gguf_blocks.py``'s block layouts and dequantize reference.
+sources beside this file (this one's, ``gguf_kquant.c`` and ``llama_decode.c``, which
+``gguf_kquant.py`` and ``llama_decode.py`` call) are compiled into one library once per machine
+with the system C compiler (``cc``, ``-O3 -march=native -fopenmp``) into a cache folder and
+loaded with ctypes; ``available()`` says whether that worked (the callers fall back to torch
+ops otherwise). ``gguf_mm_ref`` is the torch reference, on ``kernels/gguf_blocks.py``'s block
+layouts and dequantize reference.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from lightwell.kernels.gguf_blocks import Q4_0, Q4_1, Q8_0, gguf_dequantize_ref
 
 logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(__file__)
-SOURCES = [os.path.join(_HERE, f) for f in ("gguf_cpu.c", "llama_decode.c")]  # one library
+SOURCES = [os.path.join(_HERE, f) for f in ("gguf_cpu.c", "gguf_kquant.c", "llama_decode.c")]
 HEADERS = [os.path.join(_HERE, "gguf_blocks.h")]
 SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0))  # the types gguf_cpu.c reads
 
@@ -90,12 +91,38 @@ def _lib() -> ctypes.CDLL | None:
     lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, c_int, ptr, i64, c_int, c_int]
     lib.gguf_dequant_rows.argtypes = [ptr, i64, i64, ctypes.c_int, ptr, i64, ptr, ctypes.c_int]
     lib.lw_llama_decode.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int]  # llama_decode.py
+    lib.gguf_kq_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, c_int, ptr, i64, c_int]
+    lib.gguf_kq_dequant_rows.argtypes = [ptr, i64, i64, c_int, ptr, i64, ptr, c_int]  # kquant
     return lib
 
 
 def available() -> bool:
     """Whether the compiled kernels load on this machine (a C compiler with OpenMP)."""
     return _lib() is not None
+
+
+def check_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The arguments of a block matmul (this module's or gguf_kquant's), and its output."""
+    M, N = x.shape[0], w.shape[0]
+    if x.dtype != torch.float32 or x.stride(1) != 1 or not w.is_contiguous():
+        raise ValueError("gguf_mm takes float32 x with contiguous rows and contiguous blocks")
+    if w.dtype != torch.uint8:
+        raise ValueError(f"gguf_mm takes uint8 blocks, got {w.dtype}")
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.float32)
+    if out.dtype != torch.float32 or tuple(out.shape) != (M, N) or out.stride(1) != 1:
+        raise ValueError(f"gguf_mm: out must be float32 [{M}, {N}] with contiguous rows")
+    return out
+
+
+def check_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [R] int64, contiguous
+    """The arguments of a row dequantization (this module's or gguf_kquant's)."""
+    ids = ids.to(torch.int64).contiguous()
+    if w.dtype != torch.uint8 or not w.is_contiguous():
+        raise ValueError("gguf_dequant_rows takes contiguous uint8 blocks")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
+        raise IndexError(f"gguf_dequant_rows: row ids must be in [0, {w.shape[0]})")
+    return ids
 
 
 def gguf_mm(
@@ -107,14 +134,7 @@ def gguf_mm(
 ) -> torch.Tensor:  # [M, N] float32
     M, K = x.shape
     N = w.shape[0]
-    if x.dtype != torch.float32 or x.stride(1) != 1 or not w.is_contiguous():
-        raise ValueError("gguf_mm takes float32 x with contiguous rows and contiguous blocks")
-    if w.dtype != torch.uint8:
-        raise ValueError(f"gguf_mm takes uint8 blocks, got {w.dtype}")
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.float32)
-    if out.dtype != torch.float32 or tuple(out.shape) != (M, N) or out.stride(1) != 1:
-        raise ValueError(f"gguf_mm: out must be float32 [{M}, {N}] with contiguous rows")
+    out = check_mm(x, w, out)
     rc = _lib().gguf_mm(
         x.data_ptr(), M, K, x.stride(0), w.data_ptr(), N, w.shape[1], qtype,
         out.data_ptr(), out.stride(0), torch.get_num_threads(), int(int8_act),
@@ -132,11 +152,7 @@ def gguf_dequant_rows(
     K: int,
     ids: torch.Tensor,  # [R] int64 row indices, each < N
 ) -> torch.Tensor:  # [R, K] float32
-    ids = ids.to(torch.int64).contiguous()
-    if w.dtype != torch.uint8 or not w.is_contiguous():
-        raise ValueError("gguf_dequant_rows takes contiguous uint8 blocks")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
-        raise IndexError(f"gguf_dequant_rows: row ids must be in [0, {w.shape[0]})")
+    ids = check_rows(w, ids)
     out = torch.empty(ids.numel(), K, dtype=torch.float32)
     rc = _lib().gguf_dequant_rows(
         w.data_ptr(), K, w.shape[1], qtype, ids.data_ptr(), ids.numel(), out.data_ptr(),

@@ -11,44 +11,18 @@
  * one unpacking; output rows are split over OpenMP threads. AVX2 + FMA + F16C where the
  * compiler targets them, portable C otherwise.
  */
-#include <stdint.h>
-#include <string.h>
+#include "gguf_blocks.h" /* fp16_to_fp32, the AVX2 + FMA + F16C test (GGUF_AVX2) */
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
+#ifdef GGUF_AVX2
 #define KQ_AVX2 1
 #endif
 
 enum { Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 #define QK_K 256
 
-static inline float fp16_to_fp32(uint16_t h) {
-#ifdef KQ_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7f800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
-
 static inline float rd16(const uint8_t *p) { return fp16_to_fp32((uint16_t)(p[0] | p[1] << 8)); }
 
-static inline int block_bytes(int qtype) {
+static inline int kq_block_bytes(int qtype) {
     return qtype == Q4_K ? 144 : qtype == Q5_K ? 176 : qtype == Q6_K ? 210 : 0;
 }
 
@@ -154,16 +128,9 @@ static inline void unpack(const uint8_t *b, int qtype, unpacked *u) {
 }
 
 #ifdef KQ_AVX2
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
 /* out[r * ldo] for r < R: row wrow (nb super-blocks) against R rows of x (stride ldx).
  * Inlined per constant R, so that the accumulators stay in registers. */
-static inline __attribute__((always_inline)) void row_dot_r(
+static inline __attribute__((always_inline)) void kq_row_dot_r(
     const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x, int64_t ldx, int R,
     float *out, int64_t ldo) {
     __m256 acc[4][2];
@@ -188,17 +155,17 @@ static inline __attribute__((always_inline)) void row_dot_r(
     for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-static void row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
+static void kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
                     int64_t ldx, int R, float *out, int64_t ldo) {
     switch (R) {
-    case 1: row_dot_r(wrow, nb, qtype, bb, x, ldx, 1, out, ldo); break;
-    case 2: row_dot_r(wrow, nb, qtype, bb, x, ldx, 2, out, ldo); break;
-    case 3: row_dot_r(wrow, nb, qtype, bb, x, ldx, 3, out, ldo); break;
-    default: row_dot_r(wrow, nb, qtype, bb, x, ldx, 4, out, ldo); break;
+    case 1: kq_row_dot_r(wrow, nb, qtype, bb, x, ldx, 1, out, ldo); break;
+    case 2: kq_row_dot_r(wrow, nb, qtype, bb, x, ldx, 2, out, ldo); break;
+    case 3: kq_row_dot_r(wrow, nb, qtype, bb, x, ldx, 3, out, ldo); break;
+    default: kq_row_dot_r(wrow, nb, qtype, bb, x, ldx, 4, out, ldo); break;
     }
 }
 #else
-static void row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
+static void kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
                     int64_t ldx, int R, float *out, int64_t ldo) {
     float acc[4][16] = {{0}};
     unpacked u;
@@ -220,13 +187,13 @@ static void row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const fl
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ W.T, W [N, K / 256 blocks]. */
 int gguf_kq_mm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                int64_t w_row_bytes, int qtype, float *out, int64_t ldo, int nthreads) {
-    int bb = block_bytes(qtype);
+    int bb = kq_block_bytes(qtype);
     if (bb == 0 || K % QK_K || w_row_bytes != K / QK_K * bb) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         for (int64_t m = 0; m < M; m += 4) {
             int R = M - m < 4 ? (int)(M - m) : 4;
-            row_dot(w + n * w_row_bytes, K / QK_K, qtype, bb, x + m * ldx, ldx, R,
+            kq_row_dot(w + n * w_row_bytes, K / QK_K, qtype, bb, x + m * ldx, ldx, R,
                     out + m * ldo + n, ldo);
         }
     }
@@ -236,7 +203,7 @@ int gguf_kq_mm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t 
 /* out [R, K] float32 = rows idx[0..R) of W [N, K / 256 blocks] dequantized. */
 int gguf_kq_dequant_rows(const uint8_t *w, int64_t K, int64_t w_row_bytes, int qtype,
                          const int64_t *idx, int64_t R, float *out, int nthreads) {
-    int bb = block_bytes(qtype);
+    int bb = kq_block_bytes(qtype);
     if (bb == 0 || K % QK_K || w_row_bytes != K / QK_K * bb) return -1;
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (R > 8)
     for (int64_t r = 0; r < R; r++) {
