@@ -352,11 +352,12 @@ class DeviceConfig:
     )
     cpu_int8_activations: bool = _opt(
         False,
-        "CPU, GGUF blocks (--quantization gguf): steps of up to 8 tokens round each linear's "
-        "input to int8 by blocks of 32 (scale max|x| / 127, as llama.cpp does) and multiply "
-        "with integer dot products: a faster decode, logits a few hundredths off the float32 "
-        "ones (greedy text drifts from them after some tokens). The LM head, prefill and "
-        "the attention stay float32. Ignored elsewhere.",
+        "CPU, GGUF blocks (--quantization gguf): steps of up to 8 tokens round the input of "
+        "each Q4_0 / Q4_1 / Q8_0 linear to int8 by blocks of 32 (scale max|x| / 127, as "
+        "llama.cpp does) and multiply with integer dot products: a faster decode, logits a "
+        "few hundredths off the float32 ones (greedy text drifts from them after some "
+        "tokens). The LM head, K-quant linears, larger steps and the attention stay float32. "
+        "Ignored elsewhere.",
     )
     attention_backend: str = _opt(
         "auto",

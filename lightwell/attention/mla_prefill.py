@@ -263,15 +263,14 @@ def compile_variants(
     num_heads: int,
 ) -> int:
     """Start-up: launch once each paged attention variant the expanded prefill can meet (a
-    request within one query tile, one over several, a single-token request without and with
-    split-KV), so that no step compiles one mid-serving. Returns the launches made."""
+    request within one query tile, one over several; single-token requests go to the decode
+    kernel), so that no step compiles one mid-serving. Returns the launches made."""
     from lightwell.kernels.attention_tiles import default_config
-    from lightwell.kernels.split_kv import MIN_KEYS_PER_SPLIT
 
     nope, rope, _ = dims
     dev, block_size = kv_cache.device, kv_cache.shape[2]
     block_q = default_config(nope + rope, decode=False).block_m  # (one query head per row)
-    cases = ((2, 2), (block_q + 1, block_q + 1), (1, 1), (1, 4 * MIN_KEYS_PER_SPLIT))
+    cases = ((2, 2), (block_q + 1, block_q + 1))
     for q_len, seq_len in cases:
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=dev),

@@ -25,8 +25,8 @@ MAX_HEAD_DIM = 256
 def default_config(head_dim: int, decode: bool, kv_quant: bool = False) -> AttentionConfig:
     """Tile shape for decode (query_len 1: 16 rows hold the query heads of one group) or for
     prefill (128 rows), sized for Hopper's shared memory. Decode over an 8-bit cache reads
-    128-key tiles (half the bytes of a 16-bit tile; the fastest in the H200 sweep of
-    benchmarks/kernels/kv_quant.py)."""
+    128-key tiles (the bytes of a 64-key 16-bit tile); benchmarks/kernels/kv_quant.py times
+    the alternatives."""
     if decode:
         if kv_quant and head_dim <= 128:
             return AttentionConfig(16, 128, 4, 3)

@@ -239,21 +239,20 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights, ids, s
     return num_experts, hidden, two_inter // 2
 
 
-def pick_block_m(per_expert: float, quantized: bool) -> int:
+def pick_block_m(per_expert: float, small_tiles: bool) -> int:
     """Rows an expert block holds, from the mean (token, expert) pairs an expert gets;
-    128-row blocks for unquantized experts only (the quantized kernels are not sized for
-    them)."""
+    128-row blocks only where the larger tiles apply (16-bit unquantized experts)."""
     if per_expert <= 16:
         return 16
     if per_expert <= 64:
         return 32
-    return 64 if per_expert <= 128 or quantized else 128
+    return 64 if per_expert <= 128 or small_tiles else 128
 
 
 def grouped_tiles(block_m: int) -> tuple[int, int, int, int]:
-    """(block_n, block_k, warps, stages) of the grouped kernels for ``block_m`` rows: the
-    fastest of an H200 sweep at Mixtral-8x7B and DeepSeek-V2-Lite shapes, 2,048 and 8,192
-    tokens, for 128 rows (``python3 -m benchmarks.kernels.fused_moe --sweep``)."""
+    """(block_n, block_k, warps, stages) of the grouped kernels for ``block_m`` rows of 16-bit
+    unquantized experts (other experts take (64, 64, 4, 3)); ``python3 -m
+    benchmarks.kernels.fused_moe --sweep`` times the alternatives."""
     if block_m >= 128:
         return 128, 64, 8, 3
     if block_m >= 64:
@@ -299,10 +298,11 @@ def fused_moe(
         return moe_gemv(x, w13, w2, weights, ids, *configs, num_shared=num_shared)
     if num_shared:
         raise ValueError("fused_moe: shared experts are supported on the GEMV path only")
-    quantized = scales is not None or int4 is not None
+    # the larger tiles are sized for 16-bit unquantized experts (shared memory, registers)
+    large = scales is None and int4 is None and x.element_size() == 2
     if block_m is None:
-        block_m = pick_block_m(pairs / num_experts, quantized)
-    tiles = grouped_tiles(block_m)
+        block_m = pick_block_m(pairs / num_experts, not large)
+    tiles = grouped_tiles(block_m) if large else (64, 64, 4, 3)
     block_n, block_k = block_n or tiles[0], block_k or tiles[1]
     num_warps, num_stages = num_warps or tiles[2], num_stages or tiles[3]
     if int4 is not None:

@@ -242,7 +242,6 @@ def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
     if num_splits > 1:
         part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
         lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
-    out = part if out is None else out  # (unwritten with several splits)
     grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_kernel[grid](
         q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, out, scale, num_heads,

@@ -16,10 +16,10 @@ program writes a partial (max, sum, acc), and ``split_kv.reduce_splits`` combine
 
 An 8-bit cache (fp8 e4m3 or int8, ``KV_QUANT``; rows of D values and their fp32 scale,
 kernels/kv_quant.py) is read as is: the two products run in fp16 for 16-bit queries (bf16
-queries convert exactly within fp16's range, the tiles always) and in fp32 for fp32 queries;
-each key's scale multiplies its scores, and each value's scale its probabilities (times
-``_V_LIFT``, undone at the end, so fp16 probabilities keep their precision); fp16 operands are
-clamped to fp16's finite range.
+queries convert exactly at fp16's normal magnitudes, the tiles always) and in fp32 for fp32
+queries; each key's scale multiplies its scores, and each value's scale its probabilities
+(times ``_V_LIFT``, undone at the end, so fp16 probabilities keep their precision); fp16
+operands are clamped to fp16's finite range.
 
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);

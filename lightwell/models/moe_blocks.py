@@ -139,8 +139,9 @@ class MoEBlock(nn.Module):
         ids = ids % experts.num_local_experts
         weights = torch.ones(num_tokens, k, dtype=torch.float32, device=first.device)
         method = experts.quant_method
-        quantized = not isinstance(method, UnquantizedExperts)
-        blocks = (16, 32, 64) if quantized else (16, 32, 64, 128)
+        # 128-row blocks: 16-bit unquantized experts only (FP8 block experts subclass them)
+        large = type(method) is UnquantizedExperts and experts.act_dtype.itemsize == 2
+        blocks = (16, 32, 64, 128) if large else (16, 32, 64)
         for block_m in blocks:
             method.apply(experts, x, weights, ids, block_m=block_m, gemv=False)
         method.apply(experts, x[:1], weights[:1], ids[:1])

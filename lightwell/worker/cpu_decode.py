@@ -88,12 +88,13 @@ def _f32(t: torch.Tensor) -> bool:
 
 
 def _one_part(linear: nn.Module) -> tuple[int, torch.Tensor] | None:
-    """(ggml type, blocks) of a linear held as one GGUF block tensor, without a bias."""
+    """(ggml type, blocks) of a linear held as one GGUF block tensor of a type the fused kernel
+    reads (Q4_0, Q4_1, Q8_0), without a bias."""
     parts = getattr(linear, "gguf_cpu", None)
     if parts is None or len(parts) != 1 or getattr(linear, "bias", None) is not None:
         return None
     qtype, blocks, _ = parts[0]
-    return qtype, blocks
+    return (qtype, blocks) if qtype in gguf_cpu.SUPPORTED else None
 
 
 def _plain(layer: nn.Module) -> bool:
