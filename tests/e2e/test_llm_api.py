@@ -204,7 +204,7 @@ def test_cli_reports_bad_input_cleanly():
 def test_step_trace_writes_a_line_per_step(tmp_path):
     """--step-trace: a JSON line per step that ran tokens; the tokens add up to every prompt
     token plus every output token but each request's last (never fed back), within the step
-    budget, eager on CPU."""
+    budget, on the CPU's paths."""
     path = tmp_path / "steps.jsonl"
     traced = LLM(max_num_batched_tokens=16, num_threads=2, step_trace=str(path))
     prompts = [{"prompt_token_ids": list(range(100, 120))}, {"prompt_token_ids": [7] * 7}]
@@ -219,7 +219,8 @@ def test_step_trace_writes_a_line_per_step(tmp_path):
     assert (rows[0]["tokens"], rows[0]["new_requests"], rows[0]["waiting"]) == (16, 2, 0)
     assert sum(r["new_requests"] for r in rows) == 2
     assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})
-    assert {r["path"] for r in rows} == {"eager"} and all(r["ms"] >= 0 for r in rows)
+    # prompt steps run eagerly, decode-only steps through the fused CPU decode (the default)
+    assert {r["path"] for r in rows} == {"eager", "fused cpu"} and all(r["ms"] >= 0 for r in rows)
     assert rows[-1]["one_token_rows"] >= 1 and rows[-1]["running"] <= 2
     with pytest.raises(ValueError, match="step_trace: cannot write"):  # before the model loads
         LLM(step_trace=str(tmp_path / "missing" / "steps.jsonl"))
