@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -16,6 +17,12 @@ def _cuda_visible() -> bool:
     except Exception:
         return False
 
+
+# A suite started in the background (`cmd &` in a script) inherits SIGINT ignored, and so would
+# every process it starts; the Ctrl-C tests need Python's own handler (a Python handler is
+# reset to the default at exec, where an ignored signal would stay ignored).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Triton runs on CPU only as its interpreter, which must be chosen before triton is imported.
 if not _cuda_visible():
