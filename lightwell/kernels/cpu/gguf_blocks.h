@@ -7,8 +7,8 @@
  * and accumulated in float32. AVX2 + FMA + F16C where the compiler targets them, portable C
  * otherwise.
  */
-#ifndef LIGHTWELL_GGUF_BLOCKS_H
-#define LIGHTWELL_GGUF_BLOCKS_H
+#ifndef GGUF_BLOCKS_H_
+#define GGUF_BLOCKS_H_
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
