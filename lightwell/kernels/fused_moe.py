@@ -11,8 +11,8 @@ up products over H for the block's expert, ``silu(gate) * up`` in the epilogue -
 pair's router weight in the epilogue -> [T * k, H], then summed over the k choices. Blocks past
 the experts' runs exit at once, so a batch of one token reads only its chosen experts' weights.
 Expert ids outside ``[0, E)`` (another rank's experts under expert parallelism) are skipped.
-Steps of a few tokens (``moe_gemv.use_gemv``: decode) skip the sort and take the GEMV kernels of
-kernels/moe_gemv.py instead.
+Steps of a few tokens (``moe_gemv_rule.use_gemv``: decode) skip the sort and take the GEMV
+kernels of kernels/moe_gemv.py instead.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lightwell.kernels.moe_gemv import Config, moe_gemv, use_gemv
+from lightwell.kernels.moe_gemv import Config, moe_gemv
+from lightwell.kernels.moe_gemv_rule import use_gemv
 from lightwell.kernels.w4a16 import _unpack
 
 
@@ -269,7 +270,7 @@ def fused_moe(
     block_m: int | None = None,  # default: from the mean tokens per expert (16 to 128)
     block_n: int | None = None,  # default (and the launch options): grouped_tiles(block_m)
     block_k: int | None = None,
-    gemv: bool | None = None,  # the few-token GEMV kernels; default: moe_gemv.use_gemv
+    gemv: bool | None = None,  # the few-token GEMV kernels; default: moe_gemv_rule.use_gemv
     gemv_configs: tuple[Config, Config] | None = None,  # theirs (gate/up, down); default: picked
     scales: Scales | None = None,  # fp8 experts: their block scales
     int4: Int4 | None = None,  # int4 experts: their group scales and zeros

@@ -30,9 +30,6 @@ import torch
 import triton
 import triton.language as tl
 
-# The decode path serves steps of at most this many tokens and (token, choice) pairs.
-MAX_TOKENS = 8
-
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 Config = tuple[int, int, int, int]
 
@@ -127,15 +124,6 @@ def _moe_gemv_down(
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
 
 
-def use_gemv(num_tokens: int, top_k: int, num_experts: int) -> bool:
-    """Whether a step of ``num_tokens`` tokens takes this path (fused_moe's default): at most
-    ``MAX_TOKENS`` tokens and no more (token, expert) pairs than experts. Each pair streams its
-    expert's rows, so with more pairs than experts the grouped kernels, which read an expert
-    once for all its tokens, read fewer bytes (on the H200: Mixtral's 8 experts, 8 tokens x 2
-    lose to the grouped path, 4 x 2 win; DeepSeek-V2-Lite's 64, 8 x 6 win)."""
-    return 0 < num_tokens <= MAX_TOKENS and num_tokens * top_k <= num_experts
-
-
 def pick_config(k: int, mats: int = 1, num_tokens: int = 1) -> Config:
     """The tile of a kernel reducing over ``k`` (H for gate/up, I for down) that streams
     ``mats`` matrices at once (2 for gate/up), for a step of ``num_tokens`` tokens; the best
@@ -204,8 +192,8 @@ def moe_gemv(
     num_shared: int = 0,  # the last S experts: every token's, weight 1 (DeepSeek's shared)
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
-    ``fused_moe``, which checks them and calls this for steps ``use_gemv`` accepts (its
-    torch reference is ``fused_moe_ref`` there). With ``num_shared`` S, each token also takes
-    the last S experts of ``w13`` / ``w2`` with weight 1 (after its k routed ones)."""
+    ``fused_moe``, which checks them and calls this for steps ``moe_gemv_rule.use_gemv``
+    accepts (its torch reference is ``fused_moe_ref`` there). With ``num_shared`` S, each token
+    also takes the last S experts of ``w13`` / ``w2`` with weight 1 (after its k routed ones)."""
     act = moe_gemv_gate_up(x, w13, ids, gate_up_config, num_shared)
     return moe_gemv_down(act, w2, weights, ids, down_config, num_shared)

@@ -33,14 +33,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.distributed.parallel_state import get_expert_parallel, get_tp_rank, get_tp_size
+from lightwell.kernels.moe_gemv_rule import use_gemv
 from lightwell.layers.activation import SiluAndMul
 from lightwell.layers.linear import divide
 from lightwell.quant.base import is_unquantized
 from lightwell.quant.experts import experts_method
 
 SHARDS = {"gate": 0, "up": 1, "down": 2}
-# kernels/moe_gemv.py's MAX_TOKENS (its use_gemv rule restated here: the CPU path loads no Triton)
-GEMV_MAX_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -194,10 +193,9 @@ class FusedMoE(nn.Module):
 
     def folds_shared(self, num_tokens: int, top_k: int) -> bool:
         """Whether a step runs the shared experts as every token's extra choices, in the
-        routed experts' launches (the few-token GEMV path, ``kernels/moe_gemv.use_gemv``; the
-        same rule on every device); else ``shared_mlp`` runs them as one dense MLP."""
-        pairs = num_tokens * (top_k + self.num_shared)
-        return 0 < num_tokens <= GEMV_MAX_TOKENS and pairs <= self.num_stacked
+        routed experts' launches (the few-token GEMV path, ``kernels/moe_gemv_rule.use_gemv``;
+        the same rule on every device); else ``shared_mlp`` runs them as one dense MLP."""
+        return use_gemv(num_tokens, top_k + self.num_shared, self.num_stacked)
 
     def shared_mlp(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         """The shared experts on every token as dense matmuls over their stacked weights

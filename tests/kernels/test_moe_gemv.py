@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lightwell.kernels.fused_moe import fused_moe, fused_moe_ref
-from lightwell.kernels.moe_gemv import moe_gemv, use_gemv
+from lightwell.kernels.moe_gemv import moe_gemv
+from lightwell.kernels.moe_gemv_rule import use_gemv
 from tests.kernels.interpreter import DEVICE
 
 TOL = {torch.float32: 1e-4, torch.float16: 2e-2}
@@ -103,11 +104,9 @@ def test_shared_experts_ride_in_the_routed_launches(dtype):
 
 
 def test_fused_moe_folds_shared_experts_exactly_where_the_gemv_path_runs():
-    """``FusedMoE.folds_shared`` restates ``use_gemv`` (the CPU path imports no Triton)."""
-    from lightwell.kernels.moe_gemv import MAX_TOKENS
-    from lightwell.layers.moe import GEMV_MAX_TOKENS, FusedMoE
+    """``FusedMoE.folds_shared`` asks ``use_gemv`` with its shared experts as extra choices."""
+    from lightwell.layers.moe import FusedMoE
 
-    assert GEMV_MAX_TOKENS == MAX_TOKENS
     for experts, top_k, shared in ((64, 6, 2), (8, 2, 2), (4, 2, 1), (256, 8, 1)):
         moe = FusedMoE(experts, 16, 8, num_shared=shared)
         for tokens in range(0, 12):

@@ -136,7 +136,11 @@ def test_package_respects_import_boundaries(package):
 # module imports one when it loads (inside the function that launches it instead), except these,
 # which are themselves imported only when a CUDA path is chosen
 CUDA_ONLY = ["lightwell.attention.triton_backend", "lightwell.quant.gguf_cuda"]
-TRITON_FREE_KERNELS = ["lightwell.kernels.cpu", "lightwell.kernels.gguf_blocks"]
+TRITON_FREE_KERNELS = [
+    "lightwell.kernels.cpu",
+    "lightwell.kernels.gguf_blocks",
+    "lightwell.kernels.moe_gemv_rule",
+]
 
 
 def _load_time_imports(path: pathlib.Path) -> list[str]:
