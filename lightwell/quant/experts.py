@@ -18,7 +18,7 @@ slices the rank's intermediate features through these and places gate and up sid
   (``q * scale``) where it is used: per used expert in the CPU loop, per K chunk in the kernels.
 - Running them: each strategy gives ``kernel_inputs`` (``fused_moe``'s weights and keyword
   arguments: the block scales for FP8) and ``expert_weights`` (expert e's weights in x's dtype,
-  dequantized when asked); its ``apply`` is ``apply_experts``: ``fused_moe`` on CUDA,
+  dequantized when asked); their shared ``StackedExperts.apply`` runs ``fused_moe`` on CUDA,
   ``moe_loop_by`` elsewhere, which asks only for the experts with tokens (one at a time).
 W4A16 formats (GPTQ, AWQ) are in ``quant/experts_wna16.py``.
 """
@@ -51,29 +51,33 @@ def add_expert_param(
     return param
 
 
-def apply_experts(
-    method: Any,  # the experts' strategy: kernel_inputs(layer), expert_weights(layer, x)
-    layer: nn.Module,
-    x: torch.Tensor,  # [T, H]
-    weights: torch.Tensor,  # [T, k]
-    ids: torch.Tensor,  # [T, k] local expert ids
-    **options: Any,  # fused_moe's tile options (CUDA); num_shared: the stack's shared experts
-) -> torch.Tensor:  # [T, H]
-    """Every format's experts: ``fused_moe`` on the format's kernel inputs on CUDA, elsewhere
-    ``moe_loop_by`` over its per-expert weights (a quantized expert dequantized when it has
-    tokens, one at a time)."""
-    w13, w2, quant = method.kernel_inputs(layer)
-    if x.is_cuda:
-        from lightwell.kernels.fused_moe import fused_moe
+class StackedExperts:
+    """Every experts strategy's ``apply``, over the strategy's ``kernel_inputs(layer)`` (CUDA)
+    or ``expert_weights(layer, x)`` (elsewhere), which each subclass gives."""
 
-        return fused_moe(x, w13, w2, weights, ids, **quant, **options)
-    from lightwell.layers.moe import moe_loop_by  # layers.moe imports this module
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k]
+        ids: torch.Tensor,  # [T, k] local expert ids
+        **options: Any,  # fused_moe's tile options (CUDA); num_shared: the stack's shared experts
+    ) -> torch.Tensor:  # [T, H]
+        """``fused_moe`` on the format's kernel inputs on CUDA, elsewhere ``moe_loop_by`` over
+        its per-expert weights (a quantized expert dequantized when it has tokens, one at a
+        time)."""
+        w13, w2, quant = self.kernel_inputs(layer)
+        if x.is_cuda:
+            from lightwell.kernels.fused_moe import fused_moe
 
-    shared = options.get("num_shared", 0)
-    return moe_loop_by(x, method.expert_weights(layer, x), w13.shape[0], weights, ids, shared)
+            return fused_moe(x, w13, w2, weights, ids, **quant, **options)
+        from lightwell.layers.moe import moe_loop_by  # layers.moe imports this module
+
+        shared = options.get("num_shared", 0)
+        return moe_loop_by(x, self.expert_weights(layer, x), w13.shape[0], weights, ids, shared)
 
 
-class UnquantizedExperts:
+class UnquantizedExperts(StackedExperts):
     """Experts in the model dtype (``w13_weight``, ``w2_weight``)."""
 
     checkpoint_tensors = ("weight",)
@@ -92,16 +96,6 @@ class UnquantizedExperts:
     def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
         w13, w2 = layer.w13_weight, layer.w2_weight
         return lambda e: (w13[e], w2[e])
-
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,  # [T, H]
-        weights: torch.Tensor,  # [T, k]
-        ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA)
-    ) -> torch.Tensor:  # [T, H]
-        return apply_experts(self, layer, x, weights, ids, **options)
 
 
 class Fp8BlockExperts(UnquantizedExperts):

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightwell.quant.experts import ExpertWeights, add_expert_param, apply_experts
+from lightwell.quant.experts import ExpertWeights, StackedExperts, add_expert_param
 from lightwell.quant.utils import pack_int32, replace_params, unpack_int32
 from lightwell.quant.wna16 import dequantize, group_index
 
@@ -49,7 +49,7 @@ def wna16_experts(method: Any) -> WNA16Experts:
     return WNA16Experts(fmt, method.group_size, symmetric=method.symmetric)
 
 
-class WNA16Experts:
+class WNA16Experts(StackedExperts):
     """GPTQ / AWQ 4-bit experts (module docstring)."""
 
     def __init__(self, fmt: str, group_size: int, v2: bool = False, symmetric: bool = False):
@@ -148,13 +148,3 @@ class WNA16Experts:
             return w13.to(x.dtype), w2.to(x.dtype)
 
         return expert
-
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,  # [T, H]
-        weights: torch.Tensor,  # [T, k]
-        ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA)
-    ) -> torch.Tensor:  # [T, H]
-        return apply_experts(self, layer, x, weights, ids, **options)
