@@ -23,10 +23,10 @@ Details in benchmarks/kernels/moe_decode.py's docstring.
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from benchmarks.kernels.timing import event_us, graph_replay_us
 from lightwell.bench.results import make_record, provenance, script_command, write_json
 from lightwell.kernels.fused_moe import fused_moe
 from lightwell.layers.moe import moe_loop
@@ -34,29 +34,6 @@ from lightwell.layers.moe import moe_loop
 # name: (experts, top_k, hidden, intermediate)
 SHAPES = {"mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v2-lite": (64, 6, 2048, 1408)}
 TOKENS = (1, 64, 2048)
-
-
-def _time_us(fn, reps: int = 20, warm: int = 3) -> float:
-    times = []
-    for _ in range(warm + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end))
-    return statistics.median(times[warm:])
-
-
-def _graph_us(fn) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()  # compile, settle allocations
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return _time_us(graph.replay)
 
 
 def bench(name: str, tokens: int, common: dict) -> list[dict]:
@@ -73,11 +50,11 @@ def bench(name: str, tokens: int, common: dict) -> list[dict]:
     err = ((got - loop).abs().max() / loop.abs().max()).item()
     used = ids.unique().numel()
     weight_bytes = used * 3 * hidden * inter * 2
-    graph = _graph_us(lambda: fused_moe(x, w13, w2, weights, ids))
+    graph = graph_replay_us(lambda: fused_moe(x, w13, w2, weights, ids), warm=3)
     row = dict(shape=name, tokens=tokens, experts_used=used, rel_err_vs_loop=round(err, 6),
-               fused_eager_us=round(_time_us(lambda: fused_moe(x, w13, w2, weights, ids)), 1),
+               fused_eager_us=round(event_us(lambda: fused_moe(x, w13, w2, weights, ids)), 1),
                fused_graph_us=round(graph, 1),
-               loop_us=round(_time_us(lambda: moe_loop(x, w13, w2, weights, ids)), 1),
+               loop_us=round(event_us(lambda: moe_loop(x, w13, w2, weights, ids)), 1),
                fused_weight_gbps=round(weight_bytes / graph / 1e3, 1))  # fmt: skip
     print(row, flush=True)
     return [make_record("fused_moe_graph_us", graph, common, **row)]
@@ -113,7 +90,7 @@ def sweep(name: str, tokens: int, common: dict, deadline: float, out: str | None
                     gemv=False)  # fmt: skip
         try:
             got = fused_moe(x, w13, w2, weights, ids, **opts).float()
-            us = _graph_us(lambda o=opts: fused_moe(x, w13, w2, weights, ids, **o))
+            us = graph_replay_us(lambda o=opts: fused_moe(x, w13, w2, weights, ids, **o), warm=3)
         except Exception as e:  # noqa: BLE001 (out of resources: skipped, said)
             print(name, tokens, opts, "skipped:", str(e).splitlines()[0][:120], flush=True)
             continue

@@ -14,10 +14,10 @@ events around a CUDA graph of the kernel, median of 20 replays after 3 warm-up o
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import make_record, provenance, script_command, write_json
 from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref, pick_config, pick_num_splits
 
@@ -26,25 +26,6 @@ PEAK_GBPS = 4221.0
 CASES = [
     (heads, batch, ctx) for heads in (16, 128) for batch in (1, 16, 64) for ctx in (1024, 8192)
 ]
-
-
-def _graph_us(fn, reps: int = 20, warm: int = 3) -> float:
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    times = []
-    for _ in range(warm + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end))
-    return statistics.median(times[warm:])
 
 
 def _sweep(run, want: torch.Tensor, heads: int) -> list[tuple[float, tuple]]:
@@ -63,7 +44,7 @@ def _sweep(run, want: torch.Tensor, heads: int) -> list[tuple[float, tuple]]:
                     if (got.float() - want).abs().max() > 2e-2 * want.abs().max():
                         print("mismatch", cfg, flush=True)
                         continue
-                    found.append((_graph_us(lambda c=cfg: run(c)), cfg))
+                    found.append((graph_replay_us(lambda c=cfg: run(c), warm=3), cfg))
     return sorted(found)
 
 
@@ -97,7 +78,9 @@ def bench(heads: int, batch: int, ctx: int, common: dict, sweep: bool) -> list[d
         return make_record("mla_decode_us", us, common, **row)
 
     for splits in sorted({1, 4, 16, auto}):
-        us = _graph_us(lambda s=splits: mla_decode(q, cache, table, lens, scale, RANK, s))
+        us = graph_replay_us(
+            lambda s=splits: mla_decode(q, cache, table, lens, scale, RANK, s), warm=3
+        )
         rows.append(row_of(us, splits, None))
     if sweep:
         run = lambda cfg: mla_decode(q, cache, table, lens, scale, RANK, auto, config=cfg)  # noqa: E731

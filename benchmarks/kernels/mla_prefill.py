@@ -25,12 +25,12 @@ the time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from types import SimpleNamespace
 
 import torch
 
+from benchmarks.kernels.timing import event_us
 from lightwell.attention.metadata import AttentionMetadata, forward_context
 from lightwell.attention.mla_prefill import expanded_prefill, split_step
 from lightwell.bench.results import make_record, provenance, script_command, write_json
@@ -106,18 +106,6 @@ def paths(layer: LatentAttention, inputs: tuple, w: torch.Tensor):
     return old, new
 
 
-def eager_us(fn, reps: int = 20, warm: int = 3) -> float:
-    times = []
-    for _ in range(warm + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end))
-    return statistics.median(times[warm:])
-
-
 def check(name: str, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> dict:
     """The new path's output and stored entries against the old path's."""
     meta, cache, inputs, w = make_step(CASES[name], device, dtype)
@@ -144,7 +132,7 @@ def bench(name: str, common: dict) -> list[dict]:
     rows = []
     with forward_context(meta):
         for label, fn in (("old", old), ("new", new)):
-            us = eager_us(fn)
+            us = event_us(fn)
             row = dict(case=name, path=label, tokens=meta.num_tokens, requests=len(reqs),
                        us=round(us, 1), tflops=round(flops / us / 1e6, 1), **checked)  # fmt: skip
             if label == "new":
@@ -185,7 +173,7 @@ def sweep(name: str, common: dict) -> list[dict]:
             if (got - want).abs().max() > 2e-2 * want.abs().max():
                 print("mismatch", cfg, flush=True)
                 continue
-            found.append((eager_us(lambda c=cfg: run(c)), cfg))
+            found.append((event_us(lambda c=cfg: run(c)), cfg))
     default = [f for f in found if f[1] is None]
     best = sorted((f for f in found if f[1] is not None), key=lambda f: f[0])[:5]
     rows = []

@@ -23,6 +23,7 @@ import statistics
 
 import torch
 
+from benchmarks.kernels.timing import event_times_us
 from lightwell.bench.results import record, write_json
 from lightwell.kernels import pdl
 from lightwell.kernels.gemv import gemv
@@ -73,14 +74,7 @@ def measure(chain, reps: int) -> dict:
         graph.replay()
     torch.cuda.synchronize()
     replayed = out.clone()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
+    times = event_times_us(graph.replay, reps, warm=0)
     return {"eager": eager, "graph": replayed, "us": statistics.median(times),
             "us_min": min(times)}  # fmt: skip
 

@@ -1,11 +1,31 @@
-"""Shared timing of the one-GPU probes (kernels/blas.py, kernels/gemv.py, kernels/int8_pack.py,
-comm/copy_ops.py): a CUDA graph's replays, timed with CUDA events. A helper, not a benchmark."""
+"""Shared CUDA-event timing of the one-GPU probes (kernels/blas.py, kernels/gemv.py,
+kernels/int8_pack.py, comm/copy_ops.py, kernels/fused_moe.py, ...): calls of a function timed one
+at a time, or a CUDA graph's replays. A helper, not a benchmark."""
 
 from __future__ import annotations
 
 import statistics
 
 import torch
+
+
+def event_times_us(fn, reps: int = 20, warm: int = 3) -> list[float]:
+    """µs of each of ``reps`` calls of ``fn`` after ``warm`` discarded ones: CUDA events around
+    one call, the host waiting for its end before the next."""
+    times = []
+    for _ in range(warm + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end))
+    return times[warm:]
+
+
+def event_us(fn, reps: int = 20, warm: int = 3) -> float:
+    """Median µs of a call of ``fn`` (``event_times_us``)."""
+    return statistics.median(event_times_us(fn, reps, warm))
 
 
 def graph_replay_us(build, calls: int = 1, reps: int = 20, warm: int = 2) -> float:
@@ -21,12 +41,4 @@ def graph_replay_us(build, calls: int = 1, reps: int = 20, warm: int = 2) -> flo
     with torch.cuda.graph(graph, stream=stream):
         build()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(warm + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / calls)
-    return statistics.median(times[warm:])
+    return statistics.median(t / calls for t in event_times_us(graph.replay, reps, warm))

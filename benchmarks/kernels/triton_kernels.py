@@ -25,6 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernels.timing import event_times_us
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from lightwell.attention.triton_backend import TritonAttentionBackend
@@ -79,14 +80,7 @@ class Bench:
             for _ in range(calls):
                 fn()
         graph.replay()
-        times = []
-        for _ in range(trials):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
+        times = [t / calls for t in event_times_us(graph.replay, trials, warm=0)]
         del graph
         return statistics.median(times)
 
