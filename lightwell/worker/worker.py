@@ -254,8 +254,10 @@ class Worker:
         torch.cuda.reset_peak_memory_stats()
         tokens = resolved.scheduler.max_num_batched_tokens
         # the first forward on the device: its Triton kernels compile here
+        from lightwell.worker.runner_startup import profile_run
+
         with progress.stage("Profiling memory (first forward)") as st:
-            self.runner.profile_run(tokens, resolved.model.max_model_len)
+            profile_run(self.runner, tokens, resolved.model.max_model_len)
             torch.cuda.synchronize()
             st.summary = f"profiled the peak memory of a {tokens}-token step"
         peak = torch.cuda.max_memory_allocated()
@@ -284,9 +286,11 @@ class Worker:
             from lightwell.worker.cpu_decode import CpuDecode
 
             self.runner.cpu_decode = CpuDecode.build(self.runner.model, self.runner.dtype)
+        from lightwell.worker.runner_startup import warmup
+
         on_gpu = self.device.type == "cuda"
         with progress.stage(f"Warming up{' (compiling Triton kernels)' if on_gpu else ''}") as st:
-            self.runner.warmup()
+            warmup(self.runner)
             st.summary = f"warmed up{' (Triton kernels compiled)' if on_gpu else ''}"
         self._capture_cuda_graphs(resolved)
         if self.compile_watch is not None:

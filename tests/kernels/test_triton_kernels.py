@@ -319,7 +319,7 @@ def test_runner_compiles_attention_variants_once_per_layer_shape():
     from types import SimpleNamespace
 
     from lightwell.layers.attention import Attention
-    from lightwell.worker.model_runner import ModelRunner
+    from lightwell.worker.runner_startup import compile_attention_variants
 
     layers = [Attention(4, 32, 0.2, 2, "triton", sliding_window=w) for w in (None, None, 6)]
     layers.append(Attention(4, 32, 0.2, 2, "torch"))  # no variants to compile
@@ -328,7 +328,7 @@ def test_runner_compiles_attention_variants_once_per_layer_shape():
         layer.kv_cache = torch.zeros(shape, dtype=torch.float16, device=DEVICE)
     runner = SimpleNamespace(attn_layers=layers, dtype=torch.float16)
     # two distinct shapes (the window differs) x four variants; the repeated layer adds none
-    assert ModelRunner.compile_attention_variants(runner) == 8
+    assert compile_attention_variants(runner) == 8
 
 
 def test_paged_attention_ref_matches_sdpa():

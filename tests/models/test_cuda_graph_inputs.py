@@ -17,6 +17,7 @@ from lightwell.scheduler.output import CachedRequestData, NewRequestData, Schedu
 from lightwell.types import SamplingParams
 from lightwell.worker.cuda_graph import mixed_capture_sizes
 from lightwell.worker.model_runner import ModelRunner
+from lightwell.worker.runner_startup import profile_run
 from tests.models.tiny import randomize, tiny_config
 
 BLOCK = 4
@@ -221,7 +222,7 @@ def test_profile_run_wraps_positions_at_the_model_length():
     steps = cfg.max_position_embeddings + 40
     with pytest.raises(IndexError):  # the unwrapped positions overrun the table
         model.model.layers[0].self_attn.rotary_emb._cos_sin(torch.arange(steps))
-    r.profile_run(steps, cfg.max_position_embeddings)
+    profile_run(r, steps, cfg.max_position_embeddings)
 
 
 def test_padded_replays_on_an_fp8_cache():
