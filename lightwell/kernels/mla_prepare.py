@@ -12,6 +12,11 @@ kernels/mla_output.py's ``absorb_output``; torch ops otherwise):
 - ``prepare_decode``: ``absorb_query``'s programs, then one program a token doing
   ``latent_entry``'s work (its store only): both in one launch.
 
+Only ``prepare_decode`` runs in serving. ``latent_entry`` and ``absorb_query`` are references:
+the two separate launches it fuses, which it must equal bit for bit
+(tests/kernels/test_mla_prepare.py, where each is also checked against the layer's torch ops),
+and the baseline of benchmarks/kernels/mla_fused.py.
+
 ``W_UK`` is read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]`` (head h's rows: N key
 rows, then V value rows). Products accumulate in fp32 and round once.
 """
@@ -227,6 +232,8 @@ def latent_entry(
     kv_cache: torch.Tensor | None = None,  # [1, N, B, 1, L + P]
     slot_mapping: torch.Tensor | None = None,  # [T]; < 0: not stored
 ) -> torch.Tensor:  # [T, L + P] the entries (also stored when kv_cache is given)
+    """Reference, not on the serving path: ``prepare_decode``'s latent-entry work as its own
+    launch (tests and benchmarks/kernels/mla_fused.py compare the fused kernel with it)."""
     num_tokens, width = kv.shape
     latent = norm_weight.shape[0]
     rope = width - latent
@@ -256,6 +263,8 @@ def absorb_query(
     cos_sin_cache: torch.Tensor,  # [max_pos, P]
     is_neox_style: bool,
 ) -> torch.Tensor:  # [T, H, L + P]
+    """Reference, not on the serving path: ``prepare_decode``'s absorbed-query work as its own
+    launch (tests and benchmarks/kernels/mla_fused.py compare the fused kernel with it)."""
     nope, rope, vdim = dims
     num_tokens = q.shape[0]
     heads, latent = kv_b_weight.shape[0] // (nope + vdim), kv_b_weight.shape[1]
