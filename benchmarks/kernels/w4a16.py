@@ -13,6 +13,10 @@ kernel's code as it is: it has no pipelined loads). The tiles compile in paralle
 first (Triton's disk cache), then each is checked against the reference and timed; the best per
 shape is printed last, beside ``pick_config``'s and cuBLAS bf16.
 ``--budget-s`` (a quarter a shape) stops the sweep's timing early (the rows so far are kept).
+``--skinny-sweep``: kernels/w4a16_skinny.py's tiles (BLOCK_N, SPLIT_K, warps, operand order, x
+read whole or strided) and the ``tl.dot`` GEMM's (BLOCK_N, BLOCK_K, warps, stages) at 4 and 16
+rows on the TP=1 shapes, beside the path ``w4a16_matmul`` took before it
+(the GEMV at 4 rows, the ``tl.dot`` GEMM at 16) and cuBLAS bf16.
 
 Timing: a CUDA graph cycling through enough copies of the weights (>= 200 MB) that no launch
 finds them in L2; median of 20 replays; µs a call and the 4-bit weights' bytes (with scales and
@@ -33,7 +37,14 @@ import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record, write_json
-from lightwell.kernels.w4a16 import pick_config, w4a16_gemv, w4a16_matmul, w4a16_matmul_ref
+from lightwell.kernels import w4a16_skinny as skinny
+from lightwell.kernels.w4a16 import (
+    pick_config,
+    w4a16_gemm,
+    w4a16_gemv,
+    w4a16_matmul,
+    w4a16_matmul_ref,
+)
 
 SHAPES = {  # name: (N, K) of the weight on one GPU
     "tp1 qkv": (6144, 4096),
@@ -162,7 +173,7 @@ def sweep_shape(name: str, configs: list[Tile], deadline: float, dev: torch.devi
             print(f"{name} {cfg}: relative error {err:.3g}: not timed", flush=True)
             continue
         us = graph_replay_us(lambda cfg=cfg: [gemv(x, w, cfg) for w in weights], calls=len(weights))
-        row = dict(base, config=list(cfg), rel_err=err)
+        row = dict(base, kind=cfg[0], config=list(cfg[1]), rel_err=err)
         row["default"] = cfg == default
         row["gb_s"] = w4_bytes(n, k) / us / 1e3
         print(json.dumps({**row, "us": us}), flush=True)
@@ -187,19 +198,110 @@ def summarize(rows: list[dict]) -> None:
         )
 
 
+def skinny_configs() -> list[tuple]:
+    """("skinny", kernels/w4a16_skinny.py's config) and ("gemm", w4a16_gemm's config)."""
+    out = [
+        ("skinny", (bn, 128, split, warps, 3, swap, xs))
+        for bn, split, warps, swap, xs in itertools.product(
+            (128, 256), (2, 4, 8), (4, 8), (False, True), (False, True)
+        )
+    ]
+    out += [
+        ("gemm", (16, bn, bk, warps, stages))
+        for bn, bk, warps, stages in itertools.product(
+            (64, 128, 256), (64, 128, 256), (4, 8), (2, 3, 4)
+        )
+    ]
+    return out
+
+
+def run_skinny(x, w, cfg) -> torch.Tensor:
+    kind, c = cfg
+    if kind == "skinny":
+        return skinny.w4a16_skinny(x, *w[:3], group_size=GROUP, config=c)
+    return w4a16_gemm(x, *w, group_size=GROUP, config=c)
+
+
+def _compile_skinny(configs: list[skinny.Config]) -> int:
+    dev = torch.device("cuda", 0)
+    w = random_w4(256, 4096, False, dev)
+    x = torch.randn(4, 4096, device=dev, dtype=torch.bfloat16)
+    done = 0
+    for cfg in configs:
+        try:
+            run_skinny(x, w, cfg)
+            done += 1
+        except Exception as e:
+            print(f"compile {cfg}: {type(e).__name__}: {str(e)[-600:]}", flush=True)
+    torch.cuda.synchronize()
+    return done
+
+
+def skinny_sweep(deadline: float, dev: torch.device) -> list[dict]:
+    configs = skinny_configs()
+    workers = max(1, min(16, (os.cpu_count() or 2) - 1))
+    t0 = time.time()
+    with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        done = sum(pool.map(_compile_skinny, [configs[i::workers] for i in range(workers)]))
+    print(f"compiled {done}/{len(configs)} skinny tiles in {time.time() - t0:.0f} s", flush=True)
+    rows, names = [], [name for name in SHAPES if name.startswith("tp1")]
+    per = (deadline - time.time()) / (2 * len(names))
+    for name, m in itertools.product(names, (4, 16)):
+        n, k = SHAPES[name]
+        weights = weight_copies(n, k, False, dev)
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ref = w4a16_matmul_ref(x, *weights[0])
+        base = dict(shape=name, n=n, k=k, m=m, group=GROUP, cublas_bf16_us=cublas_us(x, n, k, dev))
+        base["before_us"] = graph_replay_us(
+            lambda x=x, ws=weights: [w4a16_matmul(x, *w, group_size=GROUP) for w in ws],
+            calls=len(weights),
+        )
+        print(json.dumps(base), flush=True)
+        stop = time.time() + per
+        for cfg in [("skinny", skinny.pick_config(n, k, m))] + configs:
+            if time.time() > stop:
+                break
+            try:
+                err = rel_err(run_skinny(x, weights[0], cfg), ref)
+            except Exception as e:
+                print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            if err > 2e-2:
+                print(f"{name} m={m} {cfg}: relative error {err:.3g}: not timed", flush=True)
+                continue
+            us = graph_replay_us(
+                lambda cfg=cfg, x=x, ws=weights: [run_skinny(x, w, cfg) for w in ws],
+                calls=len(weights),
+            )
+            row = dict(
+                base, kind=cfg[0], config=list(cfg[1]), rel_err=err, gb_s=w4_bytes(n, k) / us / 1e3
+            )
+            rows.append(record("w4a16_skinny_us", us, **row))
+        mine = [r for r in rows if r["shape"] == name and r["m"] == m]
+        if mine:
+            best = min(mine, key=lambda r: r["value"])
+            print(f"BEST {name} m={m}: {best['kind']} {best['config']} {best['value']:.2f} us "
+                  f"(before {base['before_us']:.2f}, cuBLAS {base['cublas_bf16_us']:.2f}; "
+                  f"default {mine[0]['value']:.2f})", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the rows as a JSON results file")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--act-order", action="store_true", help="g_idx gathered (act-order)")
     ap.add_argument("--sweep", action="store_true", help="the GEMV's tile sweep at one row")
+    ap.add_argument("--skinny-sweep", action="store_true", help="the 2-16-row kernel's tiles")
     ap.add_argument("--budget-s", type=float, default=170.0, help="the sweep's timing budget")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
-    if args.sweep:
+    if args.skinny_sweep:
+        rows = skinny_sweep(time.time() + args.budget_s, dev)
+    elif args.sweep:
         configs = sweep_configs()
         precompile(configs)
         tp1 = [name for name in SHAPES if name.startswith("tp1")]

@@ -5,7 +5,10 @@ from the repository root, about 6 minutes with every stage:
 
     run(command="python3 -m benchmarks.workloads.engine --out $OUT/engine.json")
 
-``--stages`` picks among check, check-async, w1, w2, profile, hf (default check,w1,w2,hf);
+``--stages`` picks among check, check-async, w1, batch, w2, profile, hf (default
+check,w1,w2,hf); "batch": ``--decode-batch`` (16) requests of 128-token prompts decoding 256
+tokens together, the decode rate summed over them (W4A16 against bf16 at batch 16:
+``--hf-config-json`` with a ``quantization_config``, as for W1);
 ``--scheduling sync,async`` runs W1/W2 under both step loops; ``--budget-s S`` skips engines
 started after S seconds. Reference results: benchmarks/results/W1_llama-3-8b_h200.json,
 W2_llama-3-8b_h200.json, check_engine_h200.json.
@@ -355,6 +358,31 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
     emit(args, "ttft_ms", 1e3 * sorted(t)[1], prompt_len=1024, floor=floor_ms, runs=t, **common)
 
 
+def stage_batch(args: argparse.Namespace, llm: LLM) -> None:
+    """``--decode-batch`` requests admitted in one step, decoding together: the summed decode
+    rate from the last first token to the first last token (every request in the batch)."""
+    b = args.decode_batch
+    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
+    llm.generate(rand_prompts(b, 128, 128256, 98), sp, use_tqdm=False)  # warm-up
+    rates = []
+    for seed in (31, 32, 33):
+        outs = llm.generate(rand_prompts(b, 128, 128256, seed), sp, use_tqdm=False)
+        first = max(o.metrics.first_token_time for o in outs)
+        last = min(o.metrics.last_token_time for o in outs)
+        steps = min(len(o.outputs[0].token_ids) for o in outs) - 1
+        rates.append(b * steps / (last - first))
+    emit(
+        args,
+        "decode_tok_s",
+        sorted(rates)[1],
+        workload=f"decode_batch_{b}",
+        model=args.hf_config_json,
+        batch=b,
+        runs=rates,
+        engine_args=json.loads(args.engine_args),
+    )
+
+
 def _step_trace(llm: LLM, sp: SamplingParams) -> list[list[tuple[float, float, int]]]:
     """Per engine.step() call of a lone 128-token request: (start ms, duration ms, outputs)."""
     engine, traces = llm.engine, []
@@ -512,6 +540,7 @@ def main() -> int:
         "--cuda-graph-prefill-tokens", type=int, default=None, help="(default: the engine's)"
     )
     ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--decode-batch", type=int, default=16, help="the batch stage's requests")
     ap.add_argument("--hf-config-json", default="llama-3-8b", help="the model's shapes (W1/W2)")
     ap.add_argument(
         "--engine-args",
@@ -549,7 +578,9 @@ def main() -> int:
         print("== check-async", flush=True)
         ok = stage_check_async(args) and ok
     for mode in args.scheduling.split(","):
-        if not any(s in stages for s in ("w1", "w2", "profile")) or _over_budget(args, mode):
+        if not any(s in stages for s in ("w1", "batch", "w2", "profile")) or _over_budget(
+            args, mode
+        ):
             continue
         llm = make_llm(args, args.max_num_seqs, async_scheduling=mode == "async")
         if "profile" in stages:
@@ -557,6 +588,9 @@ def main() -> int:
         if "w1" in stages:
             print(f"== W1 ({mode})", flush=True)
             stage_w1(args, llm)
+        if "batch" in stages:
+            print(f"== batch {args.decode_batch} ({mode})", flush=True)
+            stage_batch(args, llm)
         if "w2" in stages and not _over_budget(args, f"W2 {mode}"):
             print(f"== W2 ({mode})", flush=True)
             stage_w2(args, llm)

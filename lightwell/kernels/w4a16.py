@@ -164,27 +164,59 @@ def w4a16_matmul(
     bias: torch.Tensor | None = None,  # [N]
     group_size: int = 0,  # > 0: contiguous groups (g_idx unread); 0: gather by g_idx
 ) -> torch.Tensor:  # [M, N] in x.dtype
-    """``x @ W.T (+ bias)``: the GEMV up to MAX_M rows, the ``tl.dot`` GEMM past them."""
+    """``x @ W.T (+ bias)``: one row (and rows the skinny kernel does not take, up to its
+    MAX_M) through the GEMV, 2-16 rows with tiles inside groups through kernels/w4a16_skinny.py,
+    the ``tl.dot`` GEMM for the rest."""
+    from lightwell.kernels import w4a16_skinny as skinny
     from lightwell.kernels.w4a16_gemv import MAX_M, w4a16_gemv
 
+    if x.dim() == 2 and x.dtype != torch.float32:
+        m, k = x.shape
+        if skinny.supports(m, k, _group(group_size)):
+            _check(x, qweight, scales, zeros, g_idx, bias)
+            return skinny.w4a16_skinny(x, qweight, scales, zeros, bias, _group(group_size))
     if x.dim() == 2 and x.shape[0] <= MAX_M:
         return w4a16_gemv(x, qweight, scales, zeros, g_idx, bias, group_size)
+    return w4a16_gemm(x, qweight, scales, zeros, g_idx, bias, group_size)
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of the GEMM
+GemmConfig = tuple[int, int, int, int, int]
+
+
+def gemm_config(m: int, n: int, k: int) -> GemmConfig:
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    return block_m, 64, min(64, triton.next_power_of_2(k)), 4, 3
+
+
+def w4a16_gemm(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # [N, K / 8] int32
+    scales: torch.Tensor,  # [N, G]
+    zeros: torch.Tensor,  # [N, G]
+    g_idx: torch.Tensor,  # [K] int32
+    bias: torch.Tensor | None = None,  # [N]
+    group_size: int = 0,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:  # [M, N] in x.dtype
+    """``x @ W.T (+ bias)`` through ``tl.dot`` on dequantized tiles (any M)."""
     _check(x, qweight, scales, zeros, g_idx, bias)
     m, k = x.shape
     n = qweight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    block_m, block_n, block_k, warps, stages = config or gemm_config(m, n, k)
     gs = _group(group_size)
-    block_k, tg = slice_size(min(64, triton.next_power_of_2(k)), gs, k)
+    block_k, tg = slice_size(block_k, gs, k)
     if block_k < 16:  # tl.dot's least K: one slice, groups gathered
         block_k, tg, gs = 16, 16, 0
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _w4a16_gemm_kernel[grid](
         x, qweight, scales, zeros, g_idx, bias if bias is not None else scales, out, m, n, k,
         x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, TG=tg, GROUP_SIZE=gs,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, TG=tg, GROUP_SIZE=gs,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+        num_stages=stages,
     )  # fmt: skip
     return out
 

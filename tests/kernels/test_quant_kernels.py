@@ -163,3 +163,54 @@ def test_fp8_block_matmul_matches_reference(m, n, k, block):
     assert ref.abs().max() > 0.01
     tol = 1e-5 if DEVICE == "cpu" else 1e-3  # (tensor cores sum the fp8 products their way)
     assert ((out - ref).abs().max() / ref.abs().max()).item() < tol
+
+
+@pytest.mark.parametrize(
+    "m, k, n, group, sym, config",
+    [
+        (3, 512, 96, 128, False, (32, 128, 1, 4, 1, False, True)),  # x read whole
+        (5, 512, 40, 128, True, (16, 128, 2, 4, 1, True, True)),  # split K, N past a block, sym
+        (16, 256, 64, 256, False, (32, 128, 2, 4, 1, False, False)),  # x strided, 16 rows
+        (2, 384, 48, -1, False, (16, 128, 3, 4, 1, True, False)),  # per channel, 3-way split
+        (4, 256, 24, 128, False, None),  # pick_config: split capped by the K tiles
+    ],
+)
+def test_w4a16_skinny_matches_reference(m, k, n, group, sym, config):
+    from lightwell.kernels.w4a16_skinny import w4a16_skinny
+
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    for dtype in (torch.float32, torch.float16):
+        qweight, scales, zeros, g_idx = _w4(k, n, group, False, dtype, gen, sym)
+        x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
+        bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if m != 16 else None
+        gs = group if group > 0 else k
+        ref = w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx, bias)
+        for _ in range(2):  # the split-K counters are back at zero after a call
+            out = w4a16_skinny(x, qweight, scales, zeros, bias, gs, config)
+            assert out.shape == (m, n) and out.dtype == dtype
+            _check_close(out, ref, dtype)
+
+
+def test_w4a16_matmul_routes_few_rows_to_skinny(monkeypatch):
+    """2-16 rows of 16-bit x with 128-multiple groups take the skinny kernel; act-order gathered
+    groups, fp32 x and one row keep the GEMV."""
+    from lightwell.kernels import w4a16_skinny
+
+    calls = []
+    real = w4a16_skinny.w4a16_skinny
+    monkeypatch.setattr(w4a16_skinny, "w4a16_skinny", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(3)
+    qweight, scales, zeros, g_idx = _w4(256, 32, 128, False, torch.float16, gen)
+    cases = [
+        (3, 128, torch.float16, True),
+        (3, 0, torch.float16, False),
+        (3, 128, torch.float32, False),
+        (1, 128, torch.float16, False),
+    ]
+    for m, gs, dtype, skinny in cases:
+        calls.clear()
+        x = torch.randn(m, 256, generator=gen).to(dtype).to(DEVICE)
+        out = w4a16.w4a16_matmul(x, qweight, scales.to(dtype), zeros.to(dtype), g_idx, None, gs)
+        assert bool(calls) == skinny, (m, gs, dtype)
+        ref = w4a16.w4a16_matmul_ref(x, qweight, scales.to(dtype), zeros.to(dtype), g_idx)
+        _check_close(out, ref, dtype)
