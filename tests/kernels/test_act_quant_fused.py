@@ -59,7 +59,10 @@ def test_rmsnorm_quant_equals_the_unfused_kernels(dtype, residual, static, out):
     res = _rows(5, 200, dtype, seed=3) if residual else None
     scale = _static(static)
     got = rmsnorm_quant(x, res, w, 1e-5, out, scale)
-    normed, res_out = fused_add_rmsnorm(x, res, w, 1e-5) if residual else (rmsnorm(x, w, 1e-5), None)
+    if residual:
+        normed, res_out = fused_add_rmsnorm(x, res, w, 1e-5)
+    else:
+        normed, res_out = rmsnorm(x, w, 1e-5), None
     _same(got, (*act_quant(normed, out, scale), res_out))
     if dtype == torch.float32:  # the torch references: the norm's rsqrt may differ by an ulp
         q, s, _ = got
