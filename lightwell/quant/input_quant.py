@@ -55,12 +55,15 @@ def quantize_input(
     x: torch.Tensor,  # [T, K]
     quant: InputQuant,
 ) -> QuantizedInput:
-    """The unfused quantization, as the linear methods' ``apply`` runs it: ``act_quant`` on
-    CUDA, its torch reference (the CPU paths of quant/fp8.py and quant/int8.py) elsewhere."""
-    from lightwell.kernels.act_quant import act_quant, act_quant_ref
+    """The unfused quantization, the very call the linear methods' ``apply`` makes
+    (``act_quant`` on CUDA, its torch reference elsewhere)."""
+    if quant.dtype == torch.int8:
+        from lightwell.quant.int8 import quantize_activations
 
-    if x.is_cuda and x.dim() == 2 and x.stride(1) == 1:
-        q, scale = act_quant(x, quant.dtype, quant.static_scale)
+        q, scale = quantize_activations(x, quant.static_scale)
     else:
-        q, scale = act_quant_ref(x, quant.dtype, quant.static_scale)
+        from lightwell.quant.fp8 import quantize_fp8
+
+        static = None if quant.static_scale is None else quant.static_scale.reshape(1, 1)
+        q, scale = quantize_fp8(x, static)
     return QuantizedInput(q, scale, x.dtype)

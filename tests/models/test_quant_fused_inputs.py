@@ -66,3 +66,46 @@ def test_fused_input_quantization_gives_the_unfused_logits(tmp_path, monkeypatch
     assert got_tokens == ref_tokens
     for got, ref in zip(got_prefill, ref_prefill):
         assert got.dtype == ref.dtype and torch.equal(got, ref), key
+
+
+def test_micro_batch_forward_hands_the_linears_quantized_inputs(tmp_path, monkeypatch):
+    """The dual-stream micro-batch forward (its own norm calls) fuses the same way, and gives
+    the plain forward's hidden states."""
+    from lightwell.attention.metadata import forward_context
+    from lightwell.dual_stream.comm import CommStream
+    from lightwell.dual_stream.forward import micro_batch_forward
+    from lightwell.dual_stream.split import split_batch
+    from tests.models.test_tensor_parallel_comm import micro_batch_steps, plain_and_split
+
+    quant_config, make, _, _, _ = W8A8["ct_int8_w8a8_dynamic"]
+    _, folder = build(tmp_path, "micro", quant_config, make)
+    plain, split = plain_and_split(folder)
+    seen = _count_quantized_inputs(split, monkeypatch)
+    for _, ids, pos, meta in micro_batch_steps():
+        with torch.no_grad(), forward_context(meta):
+            want = plain(ids, pos)  # [T, H]
+        with torch.no_grad():
+            got = micro_batch_forward(split, split_batch(ids, pos, meta, 2), CommStream(None))
+        assert ((got - want).abs().max() / want.abs().max()).item() < 1e-5
+    assert set(seen) == {"qkv_proj", "gate_up_proj", "down_proj"}
+    assert len(set(seen.values())) == 1
+
+
+def test_only_rmsnorm_hands_over_quantized_inputs():
+    """``pre_norm`` with a quantization: an RMSNorm's output comes quantized (the values of
+    quantizing its plain output), a LayerNorm's (Cohere) plain."""
+    from lightwell.layers.norm import LayerNorm, RMSNorm, pre_norm
+    from lightwell.quant.input_quant import InputQuant, quantize_input
+
+    gen = torch.Generator().manual_seed(5)
+    x, res = (torch.randn(3, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    quant = InputQuant(torch.float8_e4m3fn)
+    rms = RMSNorm(64).to(torch.bfloat16)
+    got, new_res = pre_norm(rms, x, res, quant=quant)
+    want, want_res = rms(x, res)
+    ref = quantize_input(want, quant)
+    assert isinstance(got, QuantizedInput) and got.dtype == torch.bfloat16
+    assert torch.equal(got.q.view(torch.uint8), ref.q.view(torch.uint8))
+    assert torch.equal(got.scale, ref.scale) and torch.equal(new_res, want_res)
+    plain, _ = pre_norm(LayerNorm(64), x, res, quant=quant)
+    assert isinstance(plain, torch.Tensor)
