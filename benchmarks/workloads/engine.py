@@ -463,8 +463,9 @@ def stage_profile(args: argparse.Namespace, llm: LLM) -> None:
             engine.add_request("prof", rand_prompts(1, 128, 128256, 42)[0], sp)
         prof, wall = profiled_step(engine)
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+        gpu = prof.key_averages().table(sort_by="device_time_total", row_limit=40)
         with open(os.path.join(os.path.dirname(args.out), f"profile_{label}.txt"), "w") as f:
-            f.write(f"step wall {wall * 1e3:.2f} ms\n{table}")
+            f.write(f"step wall {wall * 1e3:.2f} ms\n{table}\nby GPU time\n{gpu}")
         print(f"profile {label}: step wall {wall * 1e3:.2f} ms", flush=True)
     while engine.has_unfinished_requests():
         engine.step()
