@@ -38,11 +38,10 @@ from torch import nn
 from lightwell.attention.metadata import forward_context
 from lightwell.dual_stream.comm import CommStream, PendingAllReduce
 from lightwell.dual_stream.split import MicroBatch
-from lightwell.layers.norm import Normed, pre_norm
+from lightwell.layers.norm import pre_norm
 from lightwell.models.cohere import CohereDecoderLayer
 from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
 from lightwell.models.minicpm import MiniCPMDecoderLayer
-from lightwell.quant.input_quant import InputQuant
 
 
 @dataclass
@@ -54,8 +53,6 @@ class LayerStage:
     norm: nn.Module
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     scale: float = 1.0  # on the all-reduced output (MiniCPM's residual scale)
-    # the 8-bit input fn's first linear takes pre-quantized from the norm (quant/input_quant.py)
-    quant: Callable[[], InputQuant | None] | None = None
 
 
 def _llama_stages(layer: LlamaDecoderLayer, scale: float = 1.0) -> list[LayerStage] | None:
@@ -67,12 +64,8 @@ def _llama_stages(layer: LlamaDecoderLayer, scale: float = 1.0) -> list[LayerSta
         return None
     mlp = layer.mlp
     return [
-        LayerStage(
-            layer.input_layernorm, layer.self_attn.partial, scale, layer.self_attn.input_quant
-        ),
-        LayerStage(
-            layer.post_attention_layernorm, lambda _pos, h: mlp.partial(h), scale, mlp.input_quant
-        ),
+        LayerStage(layer.input_layernorm, layer.self_attn.partial, scale),
+        LayerStage(layer.post_attention_layernorm, lambda _pos, h: mlp.partial(h), scale),
     ]
 
 
@@ -136,14 +129,13 @@ def _reduce_norm(
     comm: CommStream,
     st: _Stream,
     norm: nn.Module,
-    quant: InputQuant | None = None,  # the stage's first linear's input quantization
-) -> tuple[Normed, torch.Tensor]:  # (normalised [Tm, H], new residual [Tm, H])
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [Tm, H], new residual [Tm, H])
     """A stage's input: the previous stage's sum (times its scale) through the residual add +
     norm (``pre_norm``)."""
     total = comm.wait(st.pending)
     if st.scale != 1.0:
         total = total * st.scale
-    return pre_norm(norm, total, st.residual, quant=quant)
+    return pre_norm(norm, total, st.residual)
 
 
 def micro_batch_forward(
@@ -178,8 +170,7 @@ def _forward(
     for layer_stages in stages:
         for stage in layer_stages:
             for st in streams:
-                quant = stage.quant() if stage.quant is not None else None
-                hidden, st.residual = _reduce_norm(comm, st, stage.norm, quant)
+                hidden, st.residual = _reduce_norm(comm, st, stage.norm)
                 with forward_context(st.batch.meta):
                     partial = stage.fn(st.batch.positions, hidden)
                 st.pending, st.scale = comm.launch(partial), stage.scale

@@ -47,41 +47,27 @@ def _act_quant_kernel(
         for k0 in range(0, K, BLOCK):
             x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
             amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        scale = row_scale(tl.max(amax, axis=0), QMAX)
+        top = tl.max(amax, axis=0)
+        scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
     tl.store(s_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         mask = k0 + cols < K
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        q = quantize_values(x, scale, QMAX, IS_INT8, INTERPRET)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q, mask=mask)
-
-
-@triton.jit
-def row_scale(top, QMAX: tl.constexpr):
-    """The dynamic scale of a row whose largest magnitude is ``top``: ``top / QMAX`` (IEEE
-    division), 1 for an all-zero row."""
-    return tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
-
-
-@triton.jit
-def quantize_values(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x / scale`` saturated and rounded: int8 (nearest even) or fp8 e4m3 values, in
-    the dtype the kernels store (shared by every kernel that writes a quantized activation)."""
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-    if IS_INT8:
-        # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
-        y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)
-        if INTERPRET:
-            y = _rint(y)
+        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+        if IS_INT8:
+            # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
+            y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)
+            if INTERPRET:
+                y = _rint(y)
+            else:
+                y = libdevice.rint(y)
+            q = y.to(tl.int8)  # exact: y is an integer in range
         else:
-            y = libdevice.rint(y)
-        q = y.to(tl.int8)  # exact: y is an integer in range
-    else:
-        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-        if INTERPRET:
-            y = _round_e4m3(y)  # exact conversion below: y is on the e4m3 grid
-        q = y.to(tl.float8e4nv)
-    return q
+            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+            if INTERPRET:
+                y = _round_e4m3(y)  # exact conversion below: y is on the e4m3 grid
+            q = y.to(tl.float8e4nv)
+        tl.store(q_ptr + row * stride_q + k0 + cols, q, mask=mask)
 
 
 @triton.jit

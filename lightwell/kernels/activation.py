@@ -9,13 +9,6 @@ import triton.language as tl
 
 
 @triton.jit
-def silu_mul(gate, up):
-    """``silu(gate) * up`` of fp32 values (shared by every kernel that computes it, so that
-    they agree bit for bit)."""
-    return gate / (1.0 + tl.exp(-gate)) * up
-
-
-@triton.jit
 def _silu_and_mul_kernel(
     x_ptr,  # [T, 2 * I]
     out_ptr,  # [T, I]
@@ -29,7 +22,7 @@ def _silu_and_mul_kernel(
     mask = offs < INTER
     gate = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + INTER + offs, mask=mask, other=0.0).to(tl.float32)
-    out = silu_mul(gate, up)
+    out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -9,8 +9,7 @@ kernel of the step writes (a layer's weights) may come first. Our users:
 - ``kernels/gemv.py`` (batch-1 decode matmuls): loads its first K tile of weights into
   registers before waiting, so the weight stream starts under the previous kernel's tail (a
   norm, the attention, the other MLP matmul); ``kernels/w4a16.py``'s 4-bit GEMV likewise;
-- ``kernels/rmsnorm.py`` (and act_quant_fused.py's quantizing norm): waits first thing, so
-  only its launch overlaps;
+- ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
 - both signal at their start, and so does the decode attention kernel, so the next kernel's
   programs can start early.
 

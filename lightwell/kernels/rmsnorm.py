@@ -63,7 +63,7 @@ def _launch(
     weight: torch.Tensor,  # [H]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    check_args(x, residual, weight)
+    _check(x, residual, weight)
     num_tokens, hidden = x.shape
     out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
@@ -123,7 +123,7 @@ def fused_add_rmsnorm_ref(
     return rmsnorm_ref(r, weight, eps), r
 
 
-def check_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
         raise ValueError(
             f"want x [T, H] and weight [H]; got {tuple(x.shape)}, {tuple(weight.shape)}"

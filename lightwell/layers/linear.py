@@ -23,7 +23,6 @@ from lightwell.distributed.parallel_state import (
     tp_all_reduce,
 )
 from lightwell.quant.base import QuantMethod, UnquantizedLinearMethod, set_weight_attrs
-from lightwell.quant.input_quant import InputQuant, QuantizedInput
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -119,18 +118,8 @@ class LinearBase(nn.Module):
     ) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor | QuantizedInput) -> torch.Tensor:  # [T, in] -> [T, out]
-        return self._apply(x, self.bias)
-
-    def input_quant(self) -> InputQuant | None:
-        """The 8-bit input the method takes pre-quantized (quant/input_quant.py), or None."""
-        ask = getattr(self.quant_method, "input_quant", None)
-        return ask(self) if ask is not None else None
-
-    def _apply(self, x: torch.Tensor | QuantizedInput, bias: torch.Tensor | None) -> torch.Tensor:
-        if isinstance(x, QuantizedInput):
-            return self.quant_method.apply_quantized(self, x, bias)
-        return self.quant_method.apply(self, x, bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out]
+        return self.quant_method.apply(self, x, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}"
@@ -187,8 +176,8 @@ class ColumnParallelLinear(LinearBase):
         rank, tp = self.tp_rank, self.tp_size
         _load_sharded(param, loaded_weight, dim, 0, size, rank * size, tp * size)
 
-    def forward(self, x: torch.Tensor | QuantizedInput) -> torch.Tensor:  # -> [T, out(/tp)]
-        out = self._apply(x, self.bias)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out(/tp)]
+        out = self.quant_method.apply(self, x, self.bias)
         return tp_all_gather(out, dim=-1) if self.gather_output else out
 
 
@@ -373,12 +362,12 @@ class RowParallelLinear(LinearBase):
         total = _stored(param, dim, self.input_size) if dim is not None else 0
         _load_sharded(param, loaded_weight, dim, 0, size, start, total)
 
-    def partial(self, x: torch.Tensor | QuantizedInput) -> torch.Tensor:  # [T, in/tp] -> [T, out]
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in/tp] -> [T, out]
         """This rank's partial sum, not reduced (the caller reduces: e.g. on another stream)."""
         # Rank 0 alone adds the bias, so the sum over ranks holds it once.
-        return self._apply(x, self.bias if self.tp_rank == 0 else None)
+        return self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
 
-    def forward(self, x: torch.Tensor | QuantizedInput) -> torch.Tensor:  # [T, in/tp] -> [T, out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in/tp] -> [T, out]
         out = self.partial(x)
         if self.reduce_results and self.tp_size > 1:
             out = tp_all_reduce(out)
@@ -396,4 +385,6 @@ class RowParallelLinear(LinearBase):
 
 
 def _with(shape: torch.Size, dim: int, size: int) -> list[int]:
-    return [size if i == dim else n for i, n in enumerate(shape)]
+    out = list(shape)
+    out[dim] = size
+    return out

@@ -8,9 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.distributed.parallel_state import tp_all_reduce, tp_all_reduce_add_rmsnorm
-from lightwell.quant.input_quant import InputQuant, QuantizedInput, quantize_input
-
-Normed = torch.Tensor | QuantizedInput  # [T, H]: a norm's output, quantized for a W8A8 linear
 
 
 class RMSNorm(nn.Module):
@@ -24,13 +21,9 @@ class RMSNorm(nn.Module):
         self,
         x: torch.Tensor,  # [T, H]
         residual: torch.Tensor | None = None,  # [T, H]
-        quant: InputQuant | None = None,  # the consuming linear's input quantization
-    ) -> Normed | tuple[Normed, torch.Tensor]:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``x = x + residual`` first, returning
-        ``(norm(x), x)`` so the caller carries the new residual on. With ``quant``, ``norm(x)``
-        is a ``QuantizedInput`` (one kernel on CUDA; the same values as quantizing after)."""
-        if quant is not None:
-            return self._forward_quant(x, residual, quant)
+        ``(norm(x), x)`` so the caller carries the new residual on."""
         if x.is_cuda:
             return self._forward_triton(x, residual)
         if residual is not None:
@@ -55,25 +48,6 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rmsnorm(x, self.weight, self.eps)
         return fused_add_rmsnorm(x, residual, self.weight, self.eps)
-
-    def _forward_quant(
-        self,
-        x: torch.Tensor,  # [T, H]
-        residual: torch.Tensor | None,  # [T, H]
-        quant: InputQuant,
-    ) -> QuantizedInput | tuple[QuantizedInput, torch.Tensor]:
-        if not x.is_cuda:
-            out = self.forward(x, residual)
-            if residual is None:
-                return quantize_input(out, quant)
-            return quantize_input(out[0], quant), out[1]
-        from lightwell.kernels.act_quant_fused import rmsnorm_quant
-
-        q, scale, res = rmsnorm_quant(
-            x, residual, self.weight, self.eps, quant.dtype, quant.static_scale
-        )
-        out = QuantizedInput(q, scale, torch.result_type(x, self.weight))
-        return out if res is None else (out, res)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
@@ -106,34 +80,20 @@ class LayerNorm(nn.Module):
         return f"{self.shape}, eps={self.eps}, bias=False"
 
 
-def _norm(
-    norm: nn.Module,
-    x: torch.Tensor,  # [T, H]
-    residual: torch.Tensor | None,  # [T, H]
-    quant: InputQuant | None,
-) -> Normed | tuple[Normed, torch.Tensor]:
-    """``norm(x, residual)``, quantized for the next linear where ``quant`` says (RMSNorm
-    writes it in its kernel; other norms are not fused, and hand over their plain output)."""
-    if quant is None or not isinstance(norm, RMSNorm):
-        return norm(x) if residual is None else norm(x, residual)
-    return norm(x, residual, quant)
-
-
 def reduce_norm(
     norm: nn.Module,
     partial: torch.Tensor,  # [T, H]: a row-parallel layer's partial sum, not all-reduced
     residual: torch.Tensor,  # [T, H]
-    quant: InputQuant | None = None,  # the consuming linear's input quantization
-) -> tuple[Normed, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
     """The norm that consumes a row-parallel output: all-reduce ``partial`` over the TP group,
     add the residual, normalise. One kernel where the all-reduce strategy fuses the add + norm
-    (``hostmem`` with an RMSNorm whose hidden size divides its block; quantized after it),
-    else the all-reduce then the norm's own fused add. At TP=1 just the norm."""
+    (``hostmem`` with an RMSNorm whose hidden size divides its block), else the all-reduce then
+    the norm's own fused add. At TP=1 just the norm."""
     if isinstance(norm, RMSNorm):
         fused = tp_all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
         if fused is not None:
-            return fused if quant is None else (quantize_input(fused[0], quant), fused[1])
-    return _norm(norm, tp_all_reduce(partial), residual, quant)
+            return fused
+    return norm(tp_all_reduce(partial), residual)
 
 
 def pre_norm(
@@ -141,13 +101,12 @@ def pre_norm(
     hidden: torch.Tensor,  # [T, H]: the previous layer's output
     residual: torch.Tensor | None,  # [T, H]; None before the first layer
     partial: bool = False,  # hidden is a partial sum still to be all-reduced (reduce_norm)
-    quant: InputQuant | None = None,  # the consuming linear's input quantization
-) -> tuple[Normed, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
+) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
     """A decoder layer's input norm: the first layer normalises its input, which becomes the
     residual; later layers add the residual first (fused into the norm), all-reducing the
     previous layer's output first when it is ``partial``."""
     if residual is None:
-        return _norm(norm, hidden, None, quant), hidden
+        return norm(hidden), hidden
     if partial:
-        return reduce_norm(norm, hidden, residual, quant)
-    return _norm(norm, hidden, residual, quant)
+        return reduce_norm(norm, hidden, residual)
+    return norm(hidden, residual)

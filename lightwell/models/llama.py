@@ -24,13 +24,12 @@ from lightwell.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from lightwell.layers.norm import Normed, RMSNorm, pre_norm, reduce_norm
+from lightwell.layers.norm import RMSNorm, pre_norm, reduce_norm
 from lightwell.layers.rotary import RotaryEmbedding, get_rope
 from lightwell.models.hf_config import get_rope_config
 from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
 from lightwell.models.weight_utils import load_packed_weights
 from lightwell.quant.base import QuantMethod
-from lightwell.quant.input_quant import InputQuant
 
 
 def head_dim_of(config: Any) -> int:
@@ -79,23 +78,15 @@ class LlamaMLP(nn.Module):
         )
         self.act_fn = SiluAndMul()
 
-    def input_quant(self) -> InputQuant | None:
-        """What ``forward``'s input may be quantized to (gate_up_proj's ``input_quant``)."""
-        return self.gate_up_proj.input_quant()
-
-    def forward(self, x: Normed) -> torch.Tensor:  # [T, H] -> [T, H]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate_up = self.gate_up_proj(x)
         out = self.down_proj.fused_silu_mul(gate_up, reduce=True)  # batch-1 decode on GPU
-        if out is not None:
-            return out
-        return self.down_proj(self.act_fn(gate_up, self.down_proj.input_quant()))
+        return out if out is not None else self.down_proj(self.act_fn(gate_up))
 
-    def partial(self, x: Normed) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
+    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
         gate_up = self.gate_up_proj(x)
         out = self.down_proj.fused_silu_mul(gate_up, reduce=False)
-        if out is not None:
-            return out
-        return self.down_proj.partial(self.act_fn(gate_up, self.down_proj.input_quant()))
+        return out if out is not None else self.down_proj.partial(self.act_fn(gate_up))
 
 
 class LlamaAttention(nn.Module):
@@ -145,14 +136,10 @@ class LlamaAttention(nn.Module):
         """Per-head q/k normalisation before RoPE (Qwen3, Command R+); none for Llama."""
         return q, k
 
-    def input_quant(self) -> InputQuant | None:
-        """What the hidden input may be quantized to (qkv_proj's ``input_quant``)."""
-        return self.qkv_proj.input_quant()
-
     def attend(
         self,
         positions: torch.Tensor,  # [T]
-        hidden: Normed,  # [T, H]
+        hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, Hq * D / tp]: the attention output, before o_proj
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 * Hkv) * D / tp]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -162,14 +149,14 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         positions: torch.Tensor,  # [T]
-        hidden: Normed,  # [T, H]
+        hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, H]
         return self.o_proj(self.attend(positions, hidden))
 
     def partial(
         self,
         positions: torch.Tensor,  # [T]
-        hidden: Normed,  # [T, H]
+        hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, H]: this rank's o_proj partial sum, not all-reduced
         return self.o_proj.partial(self.attend(positions, hidden))
 
@@ -205,10 +192,9 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, H]: the embedding, or the previous layer's partial sum
         residual: torch.Tensor | None,  # [T, H]; None before the first layer
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] MLP partial sum, [T, H] residual)
-        attn_quant, mlp_quant = self.self_attn.input_quant(), self.mlp.input_quant()
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual, True, attn_quant)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual, partial=True)
         hidden = self.self_attn.partial(positions, hidden)
-        hidden, residual = reduce_norm(self.post_attention_layernorm, hidden, residual, mlp_quant)
+        hidden, residual = reduce_norm(self.post_attention_layernorm, hidden, residual)
         return self.mlp.partial(hidden), residual
 
 

@@ -47,10 +47,9 @@ class MiniCPMDecoderLayer(LlamaDecoderLayer):
         hidden: torch.Tensor,  # [T, H]: the previous layer's scaled output
         residual: torch.Tensor | None,  # [T, H]
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] scaled, not yet added; [T, H])
-        attn_quant, mlp_quant = self.self_attn.input_quant(), self.mlp.input_quant()
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual, quant=attn_quant)
+        hidden, residual = pre_norm(self.input_layernorm, hidden, residual)
         hidden = self.self_attn(positions, hidden) * self.residual_scale
-        hidden, residual = self.post_attention_layernorm(hidden, residual, mlp_quant)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden) * self.residual_scale, residual
 
 

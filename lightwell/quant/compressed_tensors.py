@@ -21,9 +21,8 @@ import torch
 from torch import nn
 
 from lightwell.quant.base import WeightLoader
-from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear, fp8_w8a8_matmul
-from lightwell.quant.input_quant import InputQuant, QuantizedInput
-from lightwell.quant.int8 import int8_w8a8_linear, int8_w8a8_matmul, int8_weight_only_linear
+from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear
+from lightwell.quant.int8 import int8_w8a8_linear, int8_weight_only_linear
 from lightwell.quant.utils import (
     add_param,
     check_divisible,
@@ -227,18 +226,3 @@ class ScaledMethod:
         if self.activations == "none":
             return int8_weight_only_linear(x, layer.weight, layer.weight_scale, bias)
         return int8_w8a8_linear(x, layer.weight, layer.weight_scale, static, bias)
-
-    def input_quant(self, layer: nn.Module) -> InputQuant | None:
-        if self.activations == "none":
-            return None
-        return InputQuant(self.dtype, layer.input_scale if self.activations == "static" else None)
-
-    def apply_quantized(
-        self,
-        layer: nn.Module,
-        x: QuantizedInput,  # [T, K] int8 / fp8
-        bias: torch.Tensor | None,  # [N]
-    ) -> torch.Tensor:  # [T, N]
-        if self.dtype == FP8:
-            return fp8_w8a8_matmul(x, layer.weight, layer.weight_scale, bias)
-        return int8_w8a8_matmul(x, layer.weight, layer.weight_scale, bias)

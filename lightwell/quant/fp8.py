@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.quant.base import UnquantizedLinearMethod, WeightLoader
-from lightwell.quant.input_quant import InputQuant, QuantizedInput
 from lightwell.quant.utils import add_param, check_divisible, replace_params
 
 FP8 = torch.float8_e4m3fn
@@ -72,20 +71,9 @@ def fp8_w8a8_linear(
 ) -> torch.Tensor:  # [T, N]
     static = None if input_scale is None else input_scale.reshape(1, 1)
     qx, sx = quantize_fp8(x, static)
-    return fp8_w8a8_matmul(QuantizedInput(qx, sx, x.dtype), weight, weight_scale, bias)
-
-
-def fp8_w8a8_matmul(
-    x: QuantizedInput,  # [T, K] fp8, [T, 1] float32 scales
-    weight: torch.Tensor,  # [N, K] fp8
-    weight_scale: torch.Tensor,  # [N] float32
-    bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [T, N] in x.dtype
-    """``fp8_w8a8_linear`` of an input already quantized."""
-    qx, sx = x.q, x.scale
     sw = weight_scale.float().reshape(1, -1).contiguous()
     # CUDA's row-wise _scaled_mm wants K, N multiples of 16; CPU's is a slow reference
-    if qx.is_cuda and qx.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
+    if x.is_cuda and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
         out = scaled_mm_rowwise(qx, weight, sx, sw, x.dtype)
     else:
         out = ((qx.float() @ weight.float().t()) * sx * sw).to(x.dtype)
@@ -121,17 +109,6 @@ class Fp8W8A8Method(UnquantizedLinearMethod):
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
         return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, None, bias)
-
-    def input_quant(self, layer: nn.Module) -> InputQuant:
-        return InputQuant(FP8)  # per token, dynamic
-
-    def apply_quantized(
-        self,
-        layer: nn.Module,
-        x: QuantizedInput,  # [T, K] fp8
-        bias: torch.Tensor | None,  # [N]
-    ) -> torch.Tensor:  # [T, N]
-        return fp8_w8a8_matmul(x, layer.weight, layer.weight_scale, bias)
 
     def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor, bias: Any) -> None:
         return None

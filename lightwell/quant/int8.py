@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.quant.base import UnquantizedLinearMethod
-from lightwell.quant.input_quant import QuantizedInput
 from lightwell.quant.utils import replace_params
 
 INT8_MAX = 127.0
@@ -93,22 +92,11 @@ def int8_w8a8_linear(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [T, N]
     qx, sx = quantize_activations(x, input_scale)
-    return int8_w8a8_matmul(QuantizedInput(qx, sx, x.dtype), weight, weight_scale, bias)
-
-
-def int8_w8a8_matmul(
-    x: QuantizedInput,  # [T, K] int8, [T, 1] float32 scales
-    weight: torch.Tensor,  # [N, K] int8
-    weight_scale: torch.Tensor,  # [N] float32
-    bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [T, N] in x.dtype
-    """``int8_w8a8_linear`` of an input already quantized."""
-    qx, sx = x.q, x.scale
-    if qx.is_cuda and qx.shape[1] % 16 == 0:
+    if x.is_cuda and x.shape[1] % 16 == 0:
         from lightwell.kernels.int8_gemm import int8_gemm
 
         return int8_gemm(qx, weight, sx, weight_scale, x.dtype, bias)
-    if qx.is_cuda and (qx.shape[0] <= 16 or qx.shape[1] % 8 or weight.shape[0] % 8):
+    if x.is_cuda and (qx.shape[0] <= 16 or qx.shape[1] % 8 or weight.shape[0] % 8):
         acc = (qx.float() @ weight.float().t()).to(torch.int32)  # _int_mm's CUDA limits
     else:
         acc = torch._int_mm(qx, weight.t())  # [T, N] int32
