@@ -8,6 +8,13 @@ top-k experts of one token). One device call, a few minutes:
 ``--models`` picks presets (default mixtral-8x7b,deepseek-v2-lite); ``--w2-requests`` the
 throughput run's size (default 256 x (1,024 in, 256 out); 0: W1 only); ``--budget-s`` skips
 what starts later. Results: benchmarks/results/W6_moe_h200.json.
+
+``--long-decode B,CTX`` instead: B requests of CTX-token prompts decoding together, the decode
+step's time (median over the steps where all B decode) and, from torch.profiler over one such
+step, the MLA decode kernels' share of its GPU time and the latent bytes they read a second:
+
+    run(command="python3 -m benchmarks.workloads.moe --models deepseek-v2-lite "
+        "--long-decode 64,8192 --out $OUT/moe_b64_8k.json")
 """
 
 from __future__ import annotations
@@ -110,6 +117,60 @@ def run_model(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
     del llm
 
 
+def run_long_decode(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from lightwell.models.hf_config import PRESETS
+
+    cfg = dict(PRESETS[name])
+    b, ctx = (int(v) for v in args.long_decode.split(","))
+    llm = LLM(load_format="dummy", hf_config_json=name, dtype="bfloat16", skip_tokenizer_init=True,
+              max_model_len=ctx + 128, max_num_seqs=max(b, 64))  # fmt: skip
+    engine = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=b + 48, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(prompts(b, ctx, cfg["vocab_size"], 5)):
+        engine.add_request(f"r{i}", p, sp)
+    steps, prof = [], None
+    while engine.has_unfinished_requests():
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if prof is None and len(steps) >= 8:  # the ninth all-decode step, profiled
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                n = len(engine.step())
+                torch.cuda.synchronize()
+            continue
+        n = len(engine.step())
+        torch.cuda.synchronize()
+        if n == b and engine.has_unfinished_requests():
+            steps.append(1e3 * (time.perf_counter() - t0))
+    step_ms = sorted(steps)[len(steps) // 2]
+    common = dict(model=name, batch=b, context=ctx, dtype="bfloat16", tp=1,
+                  workload=f"decode_b{b}_ctx{ctx}")  # fmt: skip
+    rows.append(record("decode_step_ms", step_ms, steps=len(steps), runs=steps, **common))
+    try:
+        times = {e.key: e.self_device_time_total for e in prof.key_averages()
+                 if e.self_device_time_total > 0}  # fmt: skip
+    except Exception as e:  # noqa: BLE001 - the step time stands without the split
+        print(f"profile unreadable: {type(e).__name__}: {e}", flush=True)
+        _save(args, rows)
+        return
+    total_us = sum(times.values())
+    attn = {k: v for k, v in times.items() if "_mla_decode_kernel" in k or "_combine_kernel" in k}
+    attn_us = sum(attn.values())
+    mla_all = {k: v for k, v in times.items() if "mla" in k.lower() or k in attn}
+    latent = (
+        b * ctx * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2 * cfg["num_hidden_layers"]
+    )
+    rows.append(record("mla_attention_share_of_step_gpu", attn_us / total_us, attn_us=attn_us,
+                       step_gpu_us=total_us, attn_gb_s=latent / attn_us / 1e3,
+                       copy_gb_s=COPY_GB_S, mla_kernels_us=mla_all,
+                       top_kernels_us=dict(sorted(times.items(), key=lambda kv: -kv[1])[:12]),
+                       **common))  # fmt: skip
+    _save(args, rows)
+    del llm
+
+
 def _save(args: argparse.Namespace, rows: list[dict]) -> None:
     for r in rows[-2:]:
         print(f"  {r['model']} {r['metric']} = {r['value']}", flush=True)
@@ -124,6 +185,9 @@ def main() -> None:
     ap.add_argument("--models", default="mixtral-8x7b,deepseek-v2-lite")
     ap.add_argument("--w2-requests", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument(
+        "--long-decode", default=None, help="B,CTX: decode step at batch B, CTX context"
+    )
     args = ap.parse_args()
     rows: list[dict] = []
     start = time.perf_counter()
@@ -133,7 +197,7 @@ def main() -> None:
             continue
         print(f"== {name}", flush=True)
         try:
-            run_model(name, args, rows)
+            (run_long_decode if args.long_decode else run_model)(name, args, rows)
         except Exception as e:  # noqa: BLE001 - keep what the other model measured
             print(f"== {name} failed: {type(e).__name__}: {e}", flush=True)
         import gc
