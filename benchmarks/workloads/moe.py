@@ -10,8 +10,9 @@ throughput run's size (default 256 x (1,024 in, 256 out); 0: W1 only); ``--budge
 what starts later. Results: benchmarks/results/W6_moe_h200.json.
 
 ``--long-decode B,CTX`` instead: B requests of CTX-token prompts decoding together, the decode
-step's time (median over the steps where all B decode) and, from torch.profiler over one such
-step, the MLA decode kernels' share of its GPU time and the latent bytes they read a second:
+step's time (median of the times between consecutive steps where all B decode, the step loop
+left to overlap host and device as in serving) and, from torch.profiler over one such step,
+the MLA decode kernels' share of its GPU time and the latent bytes they read a second:
 
     run(command="python3 -m benchmarks.workloads.moe --models deepseek-v2-lite "
         "--long-decode 64,8192 --out $OUT/moe_b64_8k.json")
@@ -131,19 +132,20 @@ def run_long_decode(name: str, args: argparse.Namespace, rows: list[dict]) -> No
     sp = SamplingParams(temperature=0.0, max_tokens=b + 48, ignore_eos=True, detokenize=False)
     for i, p in enumerate(prompts(b, ctx, cfg["vocab_size"], 5)):
         engine.add_request(f"r{i}", p, sp)
-    steps, prof = [], None
+    steps, prof, last = [], None, None
     while engine.has_unfinished_requests():
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        if prof is None and len(steps) >= 8:  # the ninth all-decode step, profiled
+        if prof is None and len(steps) >= 16:  # one all-decode step profiled, then go on
+            torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                n = len(engine.step())
+                engine.step()
                 torch.cuda.synchronize()
+            last = None
             continue
-        n = len(engine.step())
-        torch.cuda.synchronize()
-        if n == b and engine.has_unfinished_requests():
-            steps.append(1e3 * (time.perf_counter() - t0))
+        n = len(engine.step())  # no synchronize: the step loop overlaps as it does in serving
+        now = time.perf_counter()
+        if n == b and last is not None and engine.has_unfinished_requests():
+            steps.append(1e3 * (now - last))
+        last = now if n == b else None
     step_ms = sorted(steps)[len(steps) // 2]
     common = dict(model=name, batch=b, context=ctx, dtype="bfloat16", tp=1,
                   workload=f"decode_b{b}_ctx{ctx}")  # fmt: skip
