@@ -2,8 +2,10 @@
 (lightwell/kernels/gguf_dequant.py reads Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; a shard of another
 quantized type is dequantized once at load, to the model's dtype).
 
-A step of at most ``MAX_M`` tokens runs the GEMV kernel on each shard, dequantizing in
-registers (each weight byte read once). A larger step dequantizes the layer into a buffer of
+A step of at most ``GEMV_MAX_TOKENS`` tokens runs the GEMV kernel on each shard, dequantizing
+in registers (each weight byte read once); the kernel takes up to its ``MAX_M`` rows, but its
+accumulators grow with the rows and by 8 it is slower than dequantizing and cuBLAS
+(benchmarks/kernels/gguf_cuda.py). A larger step dequantizes the layer into a buffer of
 this call only, [N, K] in the activation dtype, and multiplies with cuBLAS: the caching
 allocator hands the same memory to every layer in turn (the largest layer's weight is the peak,
 which the memory profile sees), and under CUDA graph capture the buffer comes from the graphs'
@@ -22,6 +24,8 @@ from lightwell.kernels.gguf_dequant import (
     gguf_dequantize,
     gguf_gemv,
 )
+
+GEMV_MAX_TOKENS = min(4, MAX_M)  # steps up to this many tokens run the GEMV
 
 Part = tuple[int | None, torch.Tensor]  # (GGUF type or None for a float tensor, its tensor)
 
@@ -42,7 +46,7 @@ def gguf_linear(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [T, N]
     x = x.contiguous()
-    if x.shape[0] > MAX_M:
+    if x.shape[0] > GEMV_MAX_TOKENS:
         return F.linear(x, _weight(parts, x.dtype), bias)
     out = _gemv(parts, x)
     return out if bias is None else out.add_(bias)
