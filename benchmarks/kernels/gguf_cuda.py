@@ -21,23 +21,14 @@ import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record, write_json
-from lightwell.kernels.gguf_dequant import (
-    BLOCKS,
-    Q4_0,
-    Q4_1,
-    Q4_K,
-    Q5_K,
-    Q6_K,
-    Q8_0,
-    gguf_dequantize,
-    gguf_dequantize_ref,
-    gguf_gemv,
-)
+from lightwell.kernels import gguf_dequant as gd
+from lightwell.kernels.gguf_dequant import BLOCKS, gguf_dequantize, gguf_dequantize_ref, gguf_gemv
 
 SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+NAMES = {getattr(gd, t): t for t in ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
 # byte offsets of each block's fp16 scales
-SCALES = {Q4_0: (0,), Q4_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
+SCALES = {gd.Q4_0: (0,), gd.Q4_1: (0, 2), gd.Q8_0: (0,), gd.Q4_K: (0, 2), gd.Q5_K: (0, 2),
+          gd.Q6_K: (208,)}  # fmt: skip
 MIN_BYTES = 200 << 20
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import functools
 import itertools
 import json
 import multiprocessing
@@ -164,21 +165,30 @@ def sweep_shape(name: str, configs: list[Tile], deadline: float, dev: torch.devi
         if time.time() > deadline:
             print(f"{name}: budget spent, {len(configs) + 1 - len(rows)} tiles left", flush=True)
             break
-        try:
-            err = rel_err(gemv(x, weights[0], cfg), ref)
-        except Exception as e:
-            print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        timed = check_and_time(f"{name} {cfg}", lambda w, cfg=cfg: gemv(x, w, cfg), ref, weights)
+        if timed is None:
             continue
-        if err > 2e-2:
-            print(f"{name} {cfg}: relative error {err:.3g}: not timed", flush=True)
-            continue
-        us = graph_replay_us(lambda cfg=cfg: [gemv(x, w, cfg) for w in weights], calls=len(weights))
-        row = dict(base, kind=cfg[0], config=list(cfg[1]), rel_err=err)
+        err, us = timed
+        row = dict(base, config=list(cfg), rel_err=err)
         row["default"] = cfg == default
         row["gb_s"] = w4_bytes(n, k) / us / 1e3
         print(json.dumps({**row, "us": us}), flush=True)
         rows.append(record("w4a16_gemv_us", us, **row))
     return rows
+
+
+def check_and_time(label: str, call, ref: torch.Tensor, weights: list) -> tuple | None:
+    """(relative error, µs a call) of ``call(w)`` over the weight copies, or None when it
+    fails or misses the reference by more than 2e-2 (said, not timed)."""
+    try:
+        err = rel_err(call(weights[0]), ref)
+    except Exception as e:
+        print(f"{label}: {type(e).__name__}: {str(e)[-300:]}", flush=True)
+        return None
+    if err > 2e-2:
+        print(f"{label}: relative error {err:.3g}: not timed", flush=True)
+        return None
+    return err, graph_replay_us(lambda: [call(w) for w in weights], calls=len(weights))
 
 
 def gemv(x: torch.Tensor, w: tuple, cfg: Tile) -> torch.Tensor:
@@ -261,22 +271,13 @@ def skinny_sweep(deadline: float, dev: torch.device) -> list[dict]:
         for cfg in [("skinny", skinny.pick_config(n, k, m))] + configs:
             if time.time() > stop:
                 break
-            try:
-                err = rel_err(run_skinny(x, weights[0], cfg), ref)
-            except Exception as e:
-                print(f"{name} {cfg}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            call = functools.partial(run_skinny, x, cfg=cfg)
+            timed = check_and_time(f"{name} m={m} {cfg}", call, ref, weights)
+            if timed is None:
                 continue
-            if err > 2e-2:
-                print(f"{name} m={m} {cfg}: relative error {err:.3g}: not timed", flush=True)
-                continue
-            us = graph_replay_us(
-                lambda cfg=cfg, x=x, ws=weights: [run_skinny(x, w, cfg) for w in ws],
-                calls=len(weights),
-            )
-            row = dict(
-                base, kind=cfg[0], config=list(cfg[1]), rel_err=err, gb_s=w4_bytes(n, k) / us / 1e3
-            )
-            rows.append(record("w4a16_skinny_us", us, **row))
+            err, us = timed
+            row = dict(base, kind=cfg[0], config=list(cfg[1]), rel_err=err)
+            rows.append(record("w4a16_skinny_us", us, gb_s=w4_bytes(n, k) / us / 1e3, **row))
         mine = [r for r in rows if r["shape"] == name and r["m"] == m]
         if mine:
             best = min(mine, key=lambda r: r["value"])

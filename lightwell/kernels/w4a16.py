@@ -54,6 +54,20 @@ def _unpack(words, z):
 
 
 @triton.jit
+def _planes(x):
+    """x [..., 2, 2, 2] (input 8w + 4a + 2b + c at [..., w, a, b, c]) -> its eight [..., w]
+    planes, plane j holding inputs 8w + j."""
+    c0, c1 = tl.split(x)
+    c0b0, c0b1 = tl.split(c0)
+    c1b0, c1b1 = tl.split(c1)
+    x0, x4 = tl.split(c0b0)
+    x2, x6 = tl.split(c0b1)
+    x1, x5 = tl.split(c1b0)
+    x3, x7 = tl.split(c1b1)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _load_words(q_rows, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.constexpr):
     """The [BN, NG, TG / 8] words of the K tile at k0 (q_rows: [BN, 1, 1] row pointers)."""
     rg = tl.arange(0, BLOCK_K // TG)
@@ -190,16 +204,13 @@ def gemm_config(m: int, n: int, k: int) -> GemmConfig:
 
 
 def w4a16_gemm(
-    x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # [N, K / 8] int32
-    scales: torch.Tensor,  # [N, G]
-    zeros: torch.Tensor,  # [N, G]
-    g_idx: torch.Tensor,  # [K] int32
-    bias: torch.Tensor | None = None,  # [N]
-    group_size: int = 0,
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+    g_idx: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 0,
     config: GemmConfig | None = None,
-) -> torch.Tensor:  # [M, N] in x.dtype
-    """``x @ W.T (+ bias)`` through ``tl.dot`` on dequantized tiles (any M)."""
+) -> torch.Tensor:  # fmt: skip
+    """``x @ W.T (+ bias)`` through ``tl.dot`` on dequantized tiles, any M (the arguments as
+    ``w4a16_matmul``'s; ``config``: (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), default
+    ``gemm_config``)."""
     _check(x, qweight, scales, zeros, g_idx, bias)
     m, k = x.shape
     n = qweight.shape[0]

@@ -17,6 +17,7 @@ from lightwell.kernels.w4a16 import (
     _load_words,
     _load_x,
     _nibble,
+    _planes,
     slice_size,
 )
 
@@ -28,13 +29,7 @@ def _x_planes(x_row, k0, K, BLOCK_K: tl.constexpr, TG: tl.constexpr, EVEN_K: tl.
     """x[m, k0 : k0 + BLOCK_K] as eight fp32 [1, NG, TG / 8] planes: plane j holds the inputs
     of value j of each word."""
     x = tl.reshape(_load_x(x_row, k0, K, BLOCK_K, TG, EVEN_K), [BLOCK_K // TG, TG // 8, 2, 2, 2])
-    c0, c1 = tl.split(x)  # input 8w + 4a + 2b + c: c
-    c0b0, c0b1 = tl.split(c0)
-    c1b0, c1b1 = tl.split(c1)
-    x0, x4 = tl.split(c0b0)
-    x2, x6 = tl.split(c0b1)
-    x1, x5 = tl.split(c1b0)
-    x3, x7 = tl.split(c1b1)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _planes(x)
     return x0[None], x1[None], x2[None], x3[None], x4[None], x5[None], x6[None], x7[None]
 
 

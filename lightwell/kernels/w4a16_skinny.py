@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels.w4a16 import _planes
+
 MAX_M = 16
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -42,15 +44,7 @@ def _x_planes(x_rows, k0, BLOCK_K: tl.constexpr):
     """x[:, k0 : k0 + BLOCK_K] as its eight [BM, BLOCK_K / 8] planes (plane j: inputs 8w + j),
     from one contiguous load split in registers."""
     x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BM, BK]
-    x = tl.reshape(x, [x.shape[0], BLOCK_K // 8, 2, 2, 2])  # input 8w + 4a + 2b + c
-    c0, c1 = tl.split(x)
-    c0b0, c0b1 = tl.split(c0)
-    c1b0, c1b1 = tl.split(c1)
-    x0, x4 = tl.split(c0b0)
-    x2, x6 = tl.split(c0b1)
-    x1, x5 = tl.split(c1b0)
-    x3, x7 = tl.split(c1b1)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+    return _planes(tl.reshape(x, [x.shape[0], BLOCK_K // 8, 2, 2, 2]))
 
 
 @triton.jit
