@@ -356,8 +356,9 @@ class DeviceConfig:
         "each Q4_0 / Q4_1 / Q8_0 linear to int8 by blocks of 32 (scale max|x| / 127, as "
         "llama.cpp does) and multiply with integer dot products: a faster decode, logits a "
         "few hundredths off the float32 ones (greedy text drifts from them after some "
-        "tokens). The LM head, K-quant linears, larger steps and the attention stay float32. "
-        "Ignored elsewhere.",
+        "tokens); the LM head's input too when its table is one of those types. K-quant "
+        "linears, larger steps and the attention stay float32. A setting of the model loaded "
+        "with it. Ignored elsewhere.",
     )
     attention_backend: str = _opt(
         "auto",

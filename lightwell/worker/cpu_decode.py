@@ -20,7 +20,6 @@ from lightwell.kernels.cpu import gguf_cpu
 from lightwell.kernels.cpu.llama_decode import MAX_ROWS, LayerWeights, LlamaDecoder, Shape
 from lightwell.layers.norm import RMSNorm
 from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from lightwell.quant.gguf_cpu import int8_activations
 
 
 class CpuDecode:
@@ -62,8 +61,8 @@ class CpuDecode:
             return None
         cos_sin = rotary.cos_sin_cache.float().contiguous()
         weights = [_weights(layer) for layer in layers]
-        int8 = int8_activations()
-        if int8 and shape.head_dim % 32:
+        int8 = layers[0].self_attn.qkv_proj.gguf_int8  # the model's --cpu-int8-activations
+        if any(_int8(layer) != {int8} for layer in layers) or (int8 and shape.head_dim % 32):
             return None
         return cls(inner, LlamaDecoder(weights, inner.norm.weight, cos_sin, shape, int8))
 
@@ -94,7 +93,7 @@ def _one_part(linear: nn.Module) -> tuple[int, torch.Tensor] | None:
     if parts is None or len(parts) != 1 or getattr(linear, "bias", None) is not None:
         return None
     qtype, blocks, _ = parts[0]
-    return (qtype, blocks) if qtype in gguf_cpu.SUPPORTED else None
+    return (qtype, blocks) if qtype in gguf_cpu.BLOCK32 else None
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -112,6 +111,12 @@ def _plain(layer: nn.Module) -> bool:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     cache = attn.attn.kv_cache
     return all(_one_part(x) is not None for x in linears) and cache is not None and _f32(cache)
+
+
+def _int8(layer: LlamaDecoderLayer) -> set[bool]:
+    """The int8-activation settings of the layer's linears."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {x.gguf_int8 for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
 
 
 def _shape_of(layer: LlamaDecoderLayer) -> Shape:

@@ -76,7 +76,7 @@ class Shape:
 
 def _linear(part: tuple[int, torch.Tensor], rows: int, cols: int) -> _Linear:
     qtype, blocks = part
-    values, nbytes = BLOCKS[qtype] if qtype in gguf_cpu.SUPPORTED else (0, 0)
+    values, nbytes = BLOCKS[qtype] if qtype in gguf_cpu.BLOCK32 else (0, 0)
     ok = values and blocks.dtype == torch.uint8 and blocks.is_contiguous()
     if not ok or tuple(blocks.shape) != (rows, cols // values * nbytes) or cols % values:
         raise ValueError(f"llama_decode: blocks of type {qtype} {tuple(blocks.shape)} do not "
