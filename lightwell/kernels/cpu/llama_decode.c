@@ -5,16 +5,18 @@
  * table), the K/V store into the paged float32 cache, attention over each request's cached keys
  * (its block table; GQA; an online softmax), the output matmul, the residual add + RMSNorm, the
  * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm.
- * The whole step is one OpenMP parallel region: the threads take the matmuls' output rows and
- * the attention's (request, head) pairs in chunks from a shared counter (a thread the OS has
- * paused leaves its chunks to the others); the small vector steps run on thread 0; the phases
- * are separated by a barrier that spins, then yields the core (on cores shared with other
- * processes, sleeping in a barrier costs a scheduler wake-up each time). Arithmetic is float32
+ * The whole step is one OpenMP parallel region of a sequence of phases (per layer: the norm,
+ * qkv, RoPE + store, attention, o, the norm, gate/up, down). A phase is cut into chunks (the
+ * matmuls' output rows, the attention's (request, head) pairs; one chunk for the small vector
+ * steps) that the threads take from the phase's counter; a thread starts on the next phase once
+ * every chunk of this one is done (a second counter), not once every thread has arrived: a
+ * thread the OS has paused between chunks holds nobody up, and when it runs again it finds the
+ * phases it missed finished. The waits spin, then yield the core (on cores shared with other
+ * processes, sleeping costs a scheduler wake-up each time). Arithmetic is float32
  * as in the torch layers (the same block dot products; sums of norms and softmax in another
  * order); with int8_act the matmul inputs are rounded to int8 as gguf_cpu.c's gguf_mm does.
  */
 #include <math.h>
-#include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -53,32 +55,31 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
 
 #define MAX_ROWS 8
 #define MAX_HEAD_DIM 256
-#define PHASES 5 /* work-shared phases a layer: qkv, attention, o, gate_up, down */
+#define PHASES 8 /* a layer's: norm, qkv, rope_store, attention, o, norm, gate_up, down */
 #define SPINS 2000
+#define KEYS_A_TILE 32 /* keys scored at a time in the attention */
 
-typedef struct { /* the threads' meeting points, one call's */
-    atomic_int arrived, generation;
-    int nthreads;
-    atomic_int *next; /* [layers * PHASES]: the next chunk of each phase */
-} lw_sync;
+typedef struct { /* one phase of one call */
+    atomic_int next; /* the next chunk to take */
+    atomic_int done; /* chunks finished */
+} lw_phase;
 
-static void barrier(lw_sync *y) {
-    if (y->nthreads == 1) return;
-    int gen = atomic_load_explicit(&y->generation, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&y->arrived, 1, memory_order_acq_rel) == y->nthreads - 1) {
-        atomic_store_explicit(&y->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&y->generation, 1, memory_order_release);
-        return;
-    }
-    for (int spins = 0; atomic_load_explicit(&y->generation, memory_order_acquire) == gen;) {
+/* Wait until n chunks of the phase are done (their writes visible to this thread). */
+static void wait_done(lw_phase *ph, int64_t n) {
+    for (int spins = 0; atomic_load_explicit(&ph->done, memory_order_acquire) < n;) {
         if (++spins > SPINS) sched_yield();
     }
 }
 
-/* Chunk indices [0, n) for this thread, taken from the phase's counter until none is left. */
-#define FOR_CHUNKS(c, n, counter)                                                               \
-    for (int64_t c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed); c < (n);   \
-         c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed))
+static inline int64_t take(lw_phase *ph) {
+    return atomic_fetch_add_explicit(&ph->next, 1, memory_order_relaxed);
+}
+
+/* Chunk indices [0, n) for this thread, taken from the phase's counter until none is left;
+ * each counted done after its body (which must not break out of the loop). */
+#define FOR_CHUNKS(c, n, ph)                                                                    \
+    for (int64_t c = take(ph); c < (n);                                                        \
+         atomic_fetch_add_explicit(&(ph)->done, 1, memory_order_release), c = take(ph))
 #define ROWS_A_CHUNK 16
 
 /* A matmul's input rows [R, K]: float32, and (int8_act) as int8 blocks. */
@@ -107,10 +108,12 @@ static inline void dot_rows(const lw_linear *L, const uint8_t *wrow, const lw_in
     }
 }
 
-/* out[r * ldo + n] = x[r] . W[n] for the rows n of the chunks this thread takes. */
-static void matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo,
-                   atomic_int *counter) {
-    FOR_CHUNKS(c, (L->rows + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK, counter) {
+/* out[r * ldo + n] = x[r] . W[n] for the rows n of the chunks this thread takes; returns the
+ * phase's number of chunks. */
+static int64_t matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo,
+                      lw_phase *ph) {
+    int64_t chunks = (L->rows + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK;
+    FOR_CHUNKS(c, chunks, ph) {
         int64_t end = (c + 1) * ROWS_A_CHUNK < L->rows ? (c + 1) * ROWS_A_CHUNK : L->rows;
         for (int64_t n = c * ROWS_A_CHUNK; n < end; n++) {
             for (int64_t m = 0; m < R; m += 4) {
@@ -119,14 +122,15 @@ static void matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out
             }
         }
     }
+    return chunks;
 }
 
 /* act[r, i] = silu(gate[r, i]) * up[r, i], gate rows 0..I-1 and up rows I..2I-1 of W; by
- * blocks of 32 i, each (int8_act) rounded to int8 where it is computed. */
-static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I,
-                         atomic_int *counter) {
+ * blocks of 32 i, each (int8_act) rounded to int8 where it is computed. Returns the chunks. */
+static int64_t gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I,
+                            lw_phase *ph) {
     int64_t R = s->R;
-    FOR_CHUNKS(ib, I / QK, counter) {
+    FOR_CHUNKS(ib, I / QK, ph) {
         for (int64_t i = ib * QK; i < (ib + 1) * QK; i++) {
             float g[MAX_ROWS], u[MAX_ROWS];
             for (int64_t m = 0; m < R; m += 4) {
@@ -141,6 +145,7 @@ static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *
                 quantize_row_q8(s->act + r * I + ib * QK, QK, s->q_act + r * I + ib * QK,
                                 s->ds_act + (r * I + ib * QK) / QK * 2);
     }
+    return I / QK;
 }
 
 /* residual += partial (first: residual = partial), normed = rmsnorm(residual) * w. */
@@ -183,64 +188,69 @@ static void rope_store(const lw_model *m, const lw_step *s, float *cache) {
     }
 }
 
-/* One (request, head) pair: softmax(q . K * scale) . V over the request's seq_len keys. */
+/* One (request, head) pair: softmax(q . K * scale) . V over the request's seq_len keys, by
+ * tiles of KEYS_A_TILE keys: the tile's scores (independent dot products), one rescale of the
+ * running sum when the tile raises the maximum, then the tile's weighted values. */
 static void attend_head(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
                         int64_t h) {
-    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size;
+    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size, n = s->seq_lens[r];
     int64_t kvh = h / (m->heads / Hkv), plane = m->num_blocks * B * Hkv * D;
     const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + h * D;
     const int32_t *table = s->block_table + r * s->ld_table;
-    float acc[MAX_HEAD_DIM] = {0}, mx = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < s->seq_lens[r]; j++) {
-        const float *k = cache + (((int64_t)table[j / B] * B + j % B) * Hkv + kvh) * D;
-        const float *v = k + plane;
-        float dot = 0.0f;
+    float acc[MAX_HEAD_DIM] = {0}, mx = -INFINITY, sum = 0.0f, score[KEYS_A_TILE];
+    const float *keys[KEYS_A_TILE];
+    for (int64_t j0 = 0; j0 < n; j0 += KEYS_A_TILE) {
+        int nj = n - j0 < KEYS_A_TILE ? (int)(n - j0) : KEYS_A_TILE;
+        float tile_max = -INFINITY;
+        for (int j = 0; j < nj; j++) {
+            int64_t t = j0 + j;
+            const float *k = cache + (((int64_t)table[t / B] * B + t % B) * Hkv + kvh) * D;
+            keys[j] = k;
+            float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
-        float score = dot * m->scale, p = 1.0f;
-        if (score > mx) { /* a new maximum: rescale what came before */
-            float c = expf(mx - score);
+            for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
+            score[j] = dot * m->scale;
+            tile_max = score[j] > tile_max ? score[j] : tile_max;
+        }
+        if (tile_max > mx) { /* a new maximum: rescale what came before */
+            float c = expf(mx - tile_max);
             sum *= c;
 #pragma omp simd
             for (int64_t i = 0; i < D; i++) acc[i] *= c;
-            mx = score;
-        } else {
-            p = expf(score - mx);
+            mx = tile_max;
         }
-        sum += p;
+        for (int j = 0; j < nj; j++) {
+            float p = expf(score[j] - mx);
+            const float *v = keys[j] + plane;
+            sum += p;
 #pragma omp simd
-        for (int64_t i = 0; i < D; i++) acc[i] += p * v[i];
+            for (int64_t i = 0; i < D; i++) acc[i] += p * v[i];
+        }
     }
     int64_t at = r * m->heads * D + h * D;
     for (int64_t i = 0; i < D; i++) s->attn[at + i] = acc[i] / sum;
     if (m->int8_act) quantize_row_q8(s->attn + at, D, s->q_attn + at, s->ds_attn + at / QK * 2);
 }
 
-/* One layer, on every thread (tid: this one's index); next: the layer's phase counters. */
+/* One layer, on every thread; ph: the layer's PHASES phases. */
 static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, int first,
-                       lw_sync *y, atomic_int *next, int tid) {
+                       lw_phase *ph) {
     int64_t H = m->hidden, D = m->head_dim, R = s->R;
     lw_input normed = input_of(m, s->normed, s->q_normed, s->ds_normed, H);
     lw_input attn = input_of(m, s->attn, s->q_attn, s->ds_attn, m->heads * D);
     lw_input act = input_of(m, s->act, s->q_act, s->ds_act, m->inter);
-    if (tid == 0) add_norm(m, s, L->in_norm, first);
-    barrier(y);
-    matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &next[0]);
-    barrier(y);
-    if (tid == 0) rope_store(m, s, L->kv_cache);
-    barrier(y);
-    FOR_CHUNKS(t, R * m->heads, &next[1]) {
-        attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
-    }
-    barrier(y);
-    matmul(&L->o, &attn, R, s->partial, H, &next[2]);
-    barrier(y);
-    if (tid == 0) add_norm(m, s, L->post_norm, 0);
-    barrier(y);
-    gate_up_silu(&L->gate_up, &normed, s, m->inter, &next[3]);
-    barrier(y);
-    matmul(&L->down, &act, R, s->partial, H, &next[4]);
-    barrier(y);
+    FOR_CHUNKS(c, 1, &ph[0]) add_norm(m, s, L->in_norm, first);
+    wait_done(&ph[0], 1);
+    wait_done(&ph[1], matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &ph[1]));
+    FOR_CHUNKS(c, 1, &ph[2]) rope_store(m, s, L->kv_cache);
+    wait_done(&ph[2], 1);
+    FOR_CHUNKS(t, R * m->heads, &ph[3]) attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
+    wait_done(&ph[3], R * m->heads);
+    wait_done(&ph[4], matmul(&L->o, &attn, R, s->partial, H, &ph[4]));
+    FOR_CHUNKS(c, 1, &ph[5]) add_norm(m, s, L->post_norm, 0);
+    wait_done(&ph[5], 1);
+    wait_done(&ph[6], gate_up_silu(&L->gate_up, &normed, s, m->inter, &ph[6]));
+    wait_done(&ph[7], matmul(&L->down, &act, R, s->partial, H, &ph[7]));
 }
 
 static int check(const lw_model *m, const lw_step *s) {
@@ -263,23 +273,13 @@ int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *
     int rc = check(m, s);
     if (rc) return rc;
     memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
-    lw_sync y = {0, 0, nthreads < 1 ? 1 : nthreads, NULL};
-    y.next = calloc(m->num_layers * PHASES, sizeof(atomic_int));
-    if (!y.next) return -3;
-#pragma omp parallel num_threads(y.nthreads)
-    {
-        int tid = omp_get_thread_num();
-        if (omp_get_num_threads() != y.nthreads) { /* fewer threads than asked: run alone */
-            if (tid == 0) y.nthreads = 1;
-#pragma omp barrier
-        }
-        if (tid < y.nthreads) {
-            for (int64_t l = 0; l < m->num_layers; l++)
-                layer_step(m, s, &m->layers[l], l == 0, &y, y.next + l * PHASES, tid);
-            if (tid == 0) add_norm(m, s, m->final_norm, 0);
-        }
-    }
-    free(y.next);
+    lw_phase *ph = calloc(m->num_layers * PHASES, sizeof(lw_phase));
+    if (!ph) return -3;
+#pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
+    for (int64_t l = 0; l < m->num_layers; l++) /* any number of threads finishes the work */
+        layer_step(m, s, &m->layers[l], l == 0, ph + l * PHASES);
+    add_norm(m, s, m->final_norm, 0);
+    free(ph);
     memcpy(out, s->normed, s->R * m->hidden * sizeof(float));
     return 0;
 }
