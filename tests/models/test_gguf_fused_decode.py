@@ -32,16 +32,22 @@ def tiny_gguf(tmp_path_factory):
 
 
 class Fused:
-    """A stand-in for the model in PagedRunner: the fused decode, then the model's LM head."""
+    """A stand-in for the model in PagedRunner: the fused decode with its LM head; its logits
+    against the model's LM head on the same hidden states, its tokens against their argmax."""
 
     def __init__(self, model, cpu: CpuDecode):
         self.model, self.cpu = model, cpu
 
     def __call__(self, input_ids, positions):
-        return self.cpu.forward(input_ids, positions, get_attention_metadata())
+        hidden, self.logits, tokens = self.cpu.forward(
+            input_ids, positions, get_attention_metadata()
+        )
+        assert torch.equal(tokens, self.logits.argmax(-1))
+        assert rel_err(self.logits, self.model.compute_logits(hidden)) < 1e-6  # ~1e-7
+        return hidden
 
     def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
+        return self.logits
 
 
 def _decode(path: str, fused: bool, steps: int = 6, int8: bool = False) -> list[torch.Tensor]:
@@ -52,7 +58,7 @@ def _decode(path: str, fused: bool, steps: int = 6, int8: bool = False) -> list[
     runner = PagedRunner(model, block_size=4, num_blocks=32, seed=1)
     runner.step([(r, ids, 0) for r, ids in PROMPTS.items()])
     cpu = CpuDecode.build(model, torch.float32)
-    assert cpu is not None
+    assert cpu is not None and cpu.decoder.vocab == model.lm_head.org_vocab_size  # head fused
     if fused:
         runner.model = Fused(model, cpu)
     lens = {r: len(ids) for r, ids in PROMPTS.items()}

@@ -4,7 +4,9 @@
  * fused QKV matmul on GGUF blocks (gguf_blocks.h), RoPE (neox halves, from the model's cos/sin
  * table), the K/V store into the paged float32 cache, attention over each request's cached keys
  * (its block table; GQA; an online softmax), the output matmul, the residual add + RMSNorm, the
- * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm.
+ * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm
+ * and, when the model has one here, the LM head on GGUF blocks (logits [R, V]) and each
+ * request's greedy token (the first index of the largest logit).
  * The whole step is one OpenMP parallel region of a sequence of phases (per layer: the norm,
  * qkv, RoPE + store, attention, o, the norm, gate/up, down). A phase is cut into chunks (the
  * matmuls' output rows, the attention's (request, head) pairs; one chunk for the small vector
@@ -41,6 +43,8 @@ typedef struct {
     const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
     const float *final_norm; /* [H] */
     const lw_layer *layers;  /* [num_layers] */
+    lw_linear lm_head;       /* [V, H] blocks, or rows 0: none (logits and tokens not computed) */
+    int64_t lm_int8;         /* the LM head's input rounded to int8 too (needs int8_act) */
 } lw_model;
 
 typedef struct { /* one step's inputs and the scratch rows it works in */
@@ -51,11 +55,14 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
     float *residual, *normed, *qkv, *attn, *act, *partial; /* [R, width of each] */
     int8_t *q_normed, *q_attn, *q_act;   /* int8_act: the matmul inputs as int8, [R, width] */
     float *ds_normed, *ds_attn, *ds_act; /* and their (d, s) per block, [R, width / 32 * 2] */
+    float *logits;   /* [R, V] (with an LM head) */
+    int64_t *tokens; /* [R]: argmax of each row of logits (with an LM head) */
 } lw_step;
 
 #define MAX_ROWS 8
 #define MAX_HEAD_DIM 256
 #define PHASES 8 /* a layer's: norm, qkv, rope_store, attention, o, norm, gate_up, down */
+#define TAIL_PHASES 3 /* after the layers: the final norm, the LM head, the argmax */
 #define SPINS 2000
 #define KEYS_A_TILE 32 /* keys scored at a time in the attention */
 
@@ -80,7 +87,8 @@ static inline int64_t take(lw_phase *ph) {
 #define FOR_CHUNKS(c, n, ph)                                                                    \
     for (int64_t c = take(ph); c < (n);                                                        \
          atomic_fetch_add_explicit(&(ph)->done, 1, memory_order_release), c = take(ph))
-#define ROWS_A_CHUNK 16
+#define ROWS_A_CHUNK 16 /* a matmul's output rows a chunk, at least */
+#define MAX_CHUNKS 256  /* a matmul's chunks, at most (larger chunks for the LM head) */
 
 /* A matmul's input rows [R, K]: float32, and (int8_act) as int8 blocks. */
 typedef struct {
@@ -112,10 +120,11 @@ static inline void dot_rows(const lw_linear *L, const uint8_t *wrow, const lw_in
  * phase's number of chunks. */
 static int64_t matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo,
                       lw_phase *ph) {
-    int64_t chunks = (L->rows + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK;
+    int64_t per = L->rows / MAX_CHUNKS > ROWS_A_CHUNK ? L->rows / MAX_CHUNKS : ROWS_A_CHUNK;
+    int64_t chunks = (L->rows + per - 1) / per;
     FOR_CHUNKS(c, chunks, ph) {
-        int64_t end = (c + 1) * ROWS_A_CHUNK < L->rows ? (c + 1) * ROWS_A_CHUNK : L->rows;
-        for (int64_t n = c * ROWS_A_CHUNK; n < end; n++) {
+        int64_t end = (c + 1) * per < L->rows ? (c + 1) * per : L->rows;
+        for (int64_t n = c * per; n < end; n++) {
             for (int64_t m = 0; m < R; m += 4) {
                 int rows = R - m < 4 ? (int)(R - m) : 4;
                 dot_rows(L, L->w + n * L->row_bytes, in, m, rows, out + m * ldo + n, ldo);
@@ -253,6 +262,24 @@ static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, i
     wait_done(&ph[7], matmul(&L->down, &act, R, s->partial, H, &ph[7]));
 }
 
+static int64_t argmax(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++) best = x[i] > x[best] ? i : best;
+    return best;
+}
+
+/* The final norm, then (with an LM head) the logits and each row's greedy token. */
+static void tail(const lw_model *m, const lw_step *s, lw_phase *ph) {
+    FOR_CHUNKS(c, 1, &ph[0]) add_norm(m, s, m->final_norm, 0);
+    wait_done(&ph[0], 1);
+    const lw_linear *lm = &m->lm_head;
+    if (!lm->rows) return;
+    lw_input in = input_of(m, s->normed, s->q_normed, s->ds_normed, m->hidden);
+    in.int8 = (int)m->lm_int8;
+    wait_done(&ph[1], matmul(lm, &in, s->R, s->logits, lm->rows, &ph[1]));
+    FOR_CHUNKS(r, s->R, &ph[2]) s->tokens[r] = argmax(s->logits + r * lm->rows, lm->rows);
+}
+
 static int check(const lw_model *m, const lw_step *s) {
     if (s->R < 1 || s->R > MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->head_dim % 2) return -1;
     if (m->hidden % QK || m->inter % QK || (m->int8_act && m->head_dim % QK)) return -1;
@@ -264,6 +291,10 @@ static int check(const lw_model *m, const lw_step *s) {
             if (bb == 0 || ls[i]->row_bytes % bb) return -2;
         }
     }
+    const lw_linear *lm = &m->lm_head;
+    if (lm->rows && (!block_bytes((int)lm->qtype) || lm->row_bytes % block_bytes((int)lm->qtype)))
+        return -2;
+    if (m->lm_int8 && !m->int8_act) return -1;
     return 0;
 }
 
@@ -273,12 +304,15 @@ int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *
     int rc = check(m, s);
     if (rc) return rc;
     memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
-    lw_phase *ph = calloc(m->num_layers * PHASES, sizeof(lw_phase));
+    int64_t L = m->num_layers;
+    lw_phase *ph = calloc(L * PHASES + TAIL_PHASES, sizeof(lw_phase));
     if (!ph) return -3;
 #pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
-    for (int64_t l = 0; l < m->num_layers; l++) /* any number of threads finishes the work */
-        layer_step(m, s, &m->layers[l], l == 0, ph + l * PHASES);
-    add_norm(m, s, m->final_norm, 0);
+    {
+        for (int64_t l = 0; l < L; l++) /* any number of threads finishes the work */
+            layer_step(m, s, &m->layers[l], l == 0, ph + l * PHASES);
+        tail(m, s, ph + L * PHASES);
+    }
     free(ph);
     memcpy(out, s->normed, s->R * m->hidden * sizeof(float));
     return 0;
