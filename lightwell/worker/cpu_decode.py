@@ -19,7 +19,13 @@ from torch import nn
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.distributed.parallel_state import get_tp_size
 from lightwell.kernels.cpu import gguf_cpu
-from lightwell.kernels.cpu.llama_decode import MAX_ROWS, LayerWeights, LlamaDecoder, Shape
+from lightwell.kernels.cpu.llama_decode import (
+    MAX_GROUP,
+    MAX_ROWS,
+    LayerWeights,
+    LlamaDecoder,
+    Shape,
+)
 from lightwell.layers.norm import RMSNorm
 from lightwell.models.llama import (
     LlamaAttention,
@@ -67,6 +73,8 @@ class CpuDecode:
             scale=inner_attn.scale,
         )
         if any(_shape_of(layer) != shape for layer in layers) or inner.norm.eps != shape.eps:
+            return None
+        if shape.heads % shape.kv_heads or shape.heads // shape.kv_heads > MAX_GROUP:
             return None
         cos_sin = rotary.cos_sin_cache.float().contiguous()
         weights = [_weights(layer) for layer in layers]

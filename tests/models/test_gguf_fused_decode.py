@@ -18,13 +18,18 @@ from tests.models.tiny import hf_tiny_model, load_ours, rel_err, tiny_config
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler with OpenMP")
 ONE_TYPE = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYERS = [{name: qtype for name in ONE_TYPE} for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_0)]
-PROMPTS = {"a": [5, 17, 33, 2, 90], "b": list(range(40, 80)), "c": [7, 8]}  # b: 2 key tiles
+# b: 140+ keys, attended in 2 ranges of 3 tiles each
+PROMPTS = {"a": [5, 17, 33, 2, 90], "b": [(7 * i) % 290 + 5 for i in range(140)], "c": [7, 8]}
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     config = tiny_config(
-        hidden_size=128, intermediate_size=96, num_hidden_layers=3, tie_word_embeddings=True
+        hidden_size=128,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
     )  # the LM head on the Q8_0 token table, as SmolLM2's
     path = str(tmp_path_factory.mktemp("fused") / "tiny.gguf")
     write_tiny_gguf(path, hf_tiny_model(config, seed=5), layer_types=LAYERS)
@@ -55,7 +60,7 @@ def _decode(path: str, fused: bool, steps: int = 6, int8: bool = False) -> list[
     same tokens whatever comes out); each step's logits [3, V]."""
     torch.set_num_threads(2)
     model = load_ours(path, quantization="gguf", cpu_int8_activations=int8)
-    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=1)
+    runner = PagedRunner(model, block_size=4, num_blocks=64, seed=1)
     runner.step([(r, ids, 0) for r, ids in PROMPTS.items()])
     cpu = CpuDecode.build(model, torch.float32)
     assert cpu is not None and cpu.decoder.vocab == model.lm_head.org_vocab_size  # head fused

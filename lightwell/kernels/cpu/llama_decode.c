@@ -3,14 +3,15 @@
  * R requests (R <= 8), one new token each: for every layer, the residual add + RMSNorm, the
  * fused QKV matmul on GGUF blocks (gguf_blocks.h), RoPE (neox halves, from the model's cos/sin
  * table), the K/V store into the paged float32 cache, attention over each request's cached keys
- * (its block table; GQA; an online softmax), the output matmul, the residual add + RMSNorm, the
+ * (its block table; the query heads of a KV head together, the keys in up to KV_SPLITS ranges
+ * whose softmax partials are merged), the output matmul, the residual add + RMSNorm, the
  * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm
  * and, when the model has one here, the LM head on GGUF blocks (logits [R, V]) and each
  * request's greedy token (the first index of the largest logit).
  * The whole step is one OpenMP parallel region of a sequence of phases (per layer: the norm,
- * qkv, RoPE + store, attention, o, the norm, gate/up, down). A phase is cut into chunks (the
- * matmuls' output rows, the attention's (request, head) pairs; one chunk for the small vector
- * steps) that the threads take from the phase's counter; a thread starts on the next phase once
+ * qkv, RoPE + store, attention ranges, their merge, o, the norm, gate/up, down). A phase is cut
+ * into chunks (the matmuls' output rows, the attention's (request, KV head, range) triples and
+ * (request, head) merges; one chunk for the small vector steps) that the threads take from the phase's counter; a thread starts on the next phase once
  * every chunk of this one is done (a second counter), not once every thread has arrived: a
  * thread the OS has paused between chunks holds nobody up, and when it runs again it finds the
  * phases it missed finished. The waits spin, then yield the core (on cores shared with other
@@ -53,6 +54,7 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
     const int32_t *block_table;       /* [R, ld_table] */
     const int32_t *seq_lens;          /* [R]: cached tokens + this one */
     float *residual, *normed, *qkv, *attn, *act, *partial; /* [R, width of each] */
+    float *part; /* [R, Hq, KV_SPLITS, D + 2]: each attention range's (max, sum, values) */
     int8_t *q_normed, *q_attn, *q_act;   /* int8_act: the matmul inputs as int8, [R, width] */
     float *ds_normed, *ds_attn, *ds_act; /* and their (d, s) per block, [R, width / 32 * 2] */
     float *logits;   /* [R, V] (with an LM head) */
@@ -61,10 +63,13 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
 
 #define MAX_ROWS 8
 #define MAX_HEAD_DIM 256
-#define PHASES 8 /* a layer's: norm, qkv, rope_store, attention, o, norm, gate_up, down */
+#define PHASES 9 /* a layer's: norm, qkv, rope_store, attention, merge, o, norm, gate_up, down */
 #define TAIL_PHASES 3 /* after the layers: the final norm, the LM head, the argmax */
 #define SPINS 2000
-#define KEYS_A_TILE 32 /* keys scored at a time in the attention */
+#define KEYS_A_TILE 32  /* keys scored at a time in the attention */
+#define KEYS_A_SPLIT 64 /* keys a range of the attention, at least */
+#define KV_SPLITS 4     /* ranges a (request, KV head)'s keys are attended in, at most */
+#define MAX_GROUP 16    /* query heads a KV head */
 
 typedef struct { /* one phase of one call */
     atomic_int next; /* the next chunk to take */
@@ -197,47 +202,86 @@ static void rope_store(const lw_model *m, const lw_step *s, float *cache) {
     }
 }
 
-/* One (request, head) pair: softmax(q . K * scale) . V over the request's seq_len keys, by
- * tiles of KEYS_A_TILE keys: the tile's scores (independent dot products), one rescale of the
- * running sum when the tile raises the maximum, then the tile's weighted values. */
-static void attend_head(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
-                        int64_t h) {
-    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size, n = s->seq_lens[r];
-    int64_t kvh = h / (m->heads / Hkv), plane = m->num_blocks * B * Hkv * D;
-    const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + h * D;
+/* The key ranges request r's keys are attended in: one a KEYS_A_SPLIT keys, 1..KV_SPLITS. */
+static inline int64_t splits_of(const lw_step *s, int64_t r) {
+    int64_t k = s->seq_lens[r] / KEYS_A_SPLIT;
+    return k < 1 ? 1 : k > KV_SPLITS ? KV_SPLITS : k;
+}
+
+/* Range sp of request r's keys against the G query heads of KV head kvh (each key and value
+ * loaded once for the G heads), by tiles of KEYS_A_TILE keys: the tile's scores, one rescale a
+ * head when the tile raises its maximum, then the weighted values. Per head, (max, sum,
+ * weighted values [D]) go to s->part [R, Hq, KV_SPLITS, D + 2]. */
+static void attend_range(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
+                         int64_t kvh, int64_t sp) {
+    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size, G = m->heads / Hkv;
+    int64_t n = s->seq_lens[r], S = splits_of(s, r), plane = m->num_blocks * B * Hkv * D;
+    if (sp >= S) return;
+    const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + kvh * G * D; /* [G, D] */
     const int32_t *table = s->block_table + r * s->ld_table;
-    float acc[MAX_HEAD_DIM] = {0}, mx = -INFINITY, sum = 0.0f, score[KEYS_A_TILE];
+    float acc[MAX_GROUP][MAX_HEAD_DIM], mx[MAX_GROUP], sum[MAX_GROUP];
+    float score[MAX_GROUP][KEYS_A_TILE];
     const float *keys[KEYS_A_TILE];
-    for (int64_t j0 = 0; j0 < n; j0 += KEYS_A_TILE) {
-        int nj = n - j0 < KEYS_A_TILE ? (int)(n - j0) : KEYS_A_TILE;
-        float tile_max = -INFINITY;
+    for (int64_t g = 0; g < G; g++) {
+        mx[g] = -INFINITY, sum[g] = 0.0f;
+        for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;
+    }
+    for (int64_t j0 = n * sp / S, end = n * (sp + 1) / S; j0 < end; j0 += KEYS_A_TILE) {
+        int nj = end - j0 < KEYS_A_TILE ? (int)(end - j0) : KEYS_A_TILE;
         for (int j = 0; j < nj; j++) {
             int64_t t = j0 + j;
             const float *k = cache + (((int64_t)table[t / B] * B + t % B) * Hkv + kvh) * D;
             keys[j] = k;
-            float dot = 0.0f;
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
-            score[j] = dot * m->scale;
-            tile_max = score[j] > tile_max ? score[j] : tile_max;
+                for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * k[i];
+                score[g][j] = dot * m->scale;
+            }
         }
-        if (tile_max > mx) { /* a new maximum: rescale what came before */
-            float c = expf(mx - tile_max);
-            sum *= c;
+        for (int64_t g = 0; g < G; g++) {
+            float tile_max = -INFINITY;
+            for (int j = 0; j < nj; j++) tile_max = score[g][j] > tile_max ? score[g][j] : tile_max;
+            if (tile_max > mx[g]) { /* a new maximum: rescale what came before */
+                float c = expf(mx[g] - tile_max);
+                sum[g] *= c;
 #pragma omp simd
-            for (int64_t i = 0; i < D; i++) acc[i] *= c;
-            mx = tile_max;
+                for (int64_t i = 0; i < D; i++) acc[g][i] *= c;
+                mx[g] = tile_max;
+            }
+            for (int j = 0; j < nj; j++) score[g][j] = expf(score[g][j] - mx[g]);
         }
         for (int j = 0; j < nj; j++) {
-            float p = expf(score[j] - mx);
             const float *v = keys[j] + plane;
-            sum += p;
+            for (int64_t g = 0; g < G; g++) {
+                float p = score[g][j];
+                sum[g] += p;
 #pragma omp simd
-            for (int64_t i = 0; i < D; i++) acc[i] += p * v[i];
+                for (int64_t i = 0; i < D; i++) acc[g][i] += p * v[i];
+            }
         }
     }
-    int64_t at = r * m->heads * D + h * D;
-    for (int64_t i = 0; i < D; i++) s->attn[at + i] = acc[i] / sum;
+    for (int64_t g = 0; g < G; g++) {
+        float *o = s->part + ((r * m->heads + kvh * G + g) * KV_SPLITS + sp) * (D + 2);
+        o[0] = mx[g], o[1] = sum[g];
+        memcpy(o + 2, acc[g], D * sizeof(float));
+    }
+}
+
+/* Head h of request r: its ranges' (max, sum, weighted values) merged into attn (and int8). */
+static void merge_head(const lw_model *m, const lw_step *s, int64_t r, int64_t h) {
+    int64_t D = m->head_dim, S = splits_of(s, r), at = r * m->heads * D + h * D;
+    const float *p = s->part + (r * m->heads + h) * KV_SPLITS * (D + 2);
+    float mx = -INFINITY, sum = 0.0f, out[MAX_HEAD_DIM] = {0};
+    for (int64_t sp = 0; sp < S; sp++) mx = p[sp * (D + 2)] > mx ? p[sp * (D + 2)] : mx;
+    for (int64_t sp = 0; sp < S; sp++) {
+        const float *o = p + sp * (D + 2);
+        float c = expf(o[0] - mx);
+        sum += c * o[1];
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) out[i] += c * o[2 + i];
+    }
+    for (int64_t i = 0; i < D; i++) s->attn[at + i] = out[i] / sum;
     if (m->int8_act) quantize_row_q8(s->attn + at, D, s->q_attn + at, s->ds_attn + at / QK * 2);
 }
 
@@ -253,13 +297,18 @@ static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, i
     wait_done(&ph[1], matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &ph[1]));
     FOR_CHUNKS(c, 1, &ph[2]) rope_store(m, s, L->kv_cache);
     wait_done(&ph[2], 1);
-    FOR_CHUNKS(t, R * m->heads, &ph[3]) attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
-    wait_done(&ph[3], R * m->heads);
-    wait_done(&ph[4], matmul(&L->o, &attn, R, s->partial, H, &ph[4]));
-    FOR_CHUNKS(c, 1, &ph[5]) add_norm(m, s, L->post_norm, 0);
-    wait_done(&ph[5], 1);
-    wait_done(&ph[6], gate_up_silu(&L->gate_up, &normed, s, m->inter, &ph[6]));
-    wait_done(&ph[7], matmul(&L->down, &act, R, s->partial, H, &ph[7]));
+    int64_t Hkv = m->kv_heads, ranges = R * Hkv * KV_SPLITS;
+    FOR_CHUNKS(t, ranges, &ph[3]) {
+        attend_range(m, s, L->kv_cache, t / (Hkv * KV_SPLITS), t / KV_SPLITS % Hkv, t % KV_SPLITS);
+    }
+    wait_done(&ph[3], ranges);
+    FOR_CHUNKS(t, R * m->heads, &ph[4]) merge_head(m, s, t / m->heads, t % m->heads);
+    wait_done(&ph[4], R * m->heads);
+    wait_done(&ph[5], matmul(&L->o, &attn, R, s->partial, H, &ph[5]));
+    FOR_CHUNKS(c, 1, &ph[6]) add_norm(m, s, L->post_norm, 0);
+    wait_done(&ph[6], 1);
+    wait_done(&ph[7], gate_up_silu(&L->gate_up, &normed, s, m->inter, &ph[7]));
+    wait_done(&ph[8], matmul(&L->down, &act, R, s->partial, H, &ph[8]));
 }
 
 static int64_t argmax(const float *x, int64_t n) {
@@ -282,6 +331,7 @@ static void tail(const lw_model *m, const lw_step *s, lw_phase *ph) {
 
 static int check(const lw_model *m, const lw_step *s) {
     if (s->R < 1 || s->R > MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->head_dim % 2) return -1;
+    if (m->heads % m->kv_heads || m->heads / m->kv_heads > MAX_GROUP) return -1;
     if (m->hidden % QK || m->inter % QK || (m->int8_act && m->head_dim % QK)) return -1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const lw_linear *ls[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gate_up,

@@ -20,6 +20,8 @@ from lightwell.kernels.gguf_blocks import BLOCKS
 
 MAX_ROWS = 8  # requests a step (llama_decode.c's MAX_ROWS)
 MAX_HEAD_DIM = 256
+MAX_GROUP = 16  # query heads a KV head (llama_decode.c's MAX_GROUP)
+KV_SPLITS = 4  # llama_decode.c's: key ranges of a (request, KV head) in the attention
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -44,7 +46,8 @@ class _Model(ctypes.Structure):
     _fields_ += [("lm_head", _Linear), ("lm_int8", _i64)]
 
 
-_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "q_normed", "q_attn", "q_act")
+_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "part", "q_normed", "q_attn")
+_SCRATCH += ("q_act",)
 _SCRATCH += ("ds_normed", "ds_attn", "ds_act")
 
 
@@ -106,7 +109,8 @@ class LlamaDecoder:
     ):
         s = self.shape = shape
         H, D, Hq, Hkv, inter = s.hidden, s.head_dim, s.heads, s.kv_heads, s.inter
-        if D > MAX_HEAD_DIM or D % 2 or Hq % Hkv or not layers or (int8_act and D % 32):
+        bad_group = Hq % Hkv or Hq // Hkv > MAX_GROUP
+        if D > MAX_HEAD_DIM or D % 2 or bad_group or not layers or (int8_act and D % 32):
             raise ValueError(f"llama_decode: unsupported heads {Hq}/{Hkv} x {D}")
         cache_shape = tuple(layers[0].kv_cache.shape)
         if len(cache_shape) != 5 or cache_shape[0] != 2 or cache_shape[3:] != (Hkv, D):
@@ -138,7 +142,7 @@ class LlamaDecoder:
             head, int(lm_int8),
         )  # fmt: skip
         widths = {"residual": H, "normed": H, "qkv": (Hq + 2 * Hkv) * D, "attn": Hq * D}
-        widths.update(act=inter, partial=H)
+        widths.update(act=inter, partial=H, part=Hq * KV_SPLITS * (D + 2))
         self._scratch = {n: torch.empty(MAX_ROWS, w) for n, w in widths.items()}
         for n in ("normed", "attn", "act"):  # int8 rows and their (d, s) per block of 32
             self._scratch["q_" + n] = torch.empty(MAX_ROWS, widths[n], dtype=torch.int8)
