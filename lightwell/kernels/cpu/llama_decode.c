@@ -11,12 +11,12 @@
  * The whole step is one OpenMP parallel region of a sequence of phases (per layer: the norm,
  * qkv, RoPE + store, attention ranges, their merge, o, the norm, gate/up, down). A phase is cut
  * into chunks (the matmuls' output rows, the attention's (request, KV head, range) triples and
- * (request, head) merges; one chunk for the small vector steps) that the threads take from the phase's counter; a thread starts on the next phase once
- * every chunk of this one is done (a second counter), not once every thread has arrived: a
- * thread the OS has paused between chunks holds nobody up, and when it runs again it finds the
- * phases it missed finished. The waits spin, then yield the core (on cores shared with other
- * processes, sleeping costs a scheduler wake-up each time). Arithmetic is float32
- * as in the torch layers (the same block dot products; sums of norms and softmax in another
+ * (request, head) merges; one chunk for the small vector steps) that the threads take from the
+ * phase's counter; a thread starts on the next phase once every chunk of this one is done (a
+ * second counter), not once every thread has arrived: a thread the OS has paused between
+ * chunks holds nobody up, and when it runs again it finds the phases it missed finished. The
+ * waits spin, then yield the core (on cores shared with other processes, sleeping costs a
+ * scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block dot products; sums of norms and softmax in another
  * order); with int8_act the matmul inputs are rounded to int8 as gguf_cpu.c's gguf_mm does.
  */
 #include <math.h>
