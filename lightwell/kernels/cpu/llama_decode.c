@@ -16,8 +16,9 @@
  * second counter), not once every thread has arrived: a thread the OS has paused between
  * chunks holds nobody up, and when it runs again it finds the phases it missed finished. The
  * waits spin, then yield the core (on cores shared with other processes, sleeping costs a
- * scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block dot products; sums of norms and softmax in another
- * order); with int8_act the matmul inputs are rounded to int8 as gguf_cpu.c's gguf_mm does.
+ * scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block
+ * dot products; sums of norms and softmax in another order); with int8_act the matmul inputs
+ * are rounded to int8 as gguf_cpu.c's gguf_mm does.
  */
 #include <math.h>
 #include <sched.h>
