@@ -346,8 +346,9 @@ class DeviceConfig:
         True,
         "CPU: a decode step of 1-8 requests (one token each) of a Llama-shaped model whose "
         "linears run on GGUF blocks (--quantization gguf) with a float32 KV cache runs as one "
-        "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention in one "
-        "OpenMP region (the same float32 arithmetic, summed in another order). "
+        "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention, and the "
+        "LM head with each row's argmax when it is a Q4_0/Q4_1/Q8_0 table, in one OpenMP "
+        "region (the same float32 arithmetic, summed in another order). "
         "--no-fused-cpu-decode: layer by layer through torch. Ignored elsewhere.",
     )
     cpu_int8_activations: bool = _opt(
