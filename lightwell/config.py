@@ -346,8 +346,9 @@ class DeviceConfig:
         True,
         "CPU: a decode step of 1-8 requests (one token each) of a Llama-shaped model whose "
         "linears run on GGUF blocks (--quantization gguf) with a float32 KV cache runs as one "
-        "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention in one "
-        "OpenMP region (the same float32 arithmetic, summed in another order). "
+        "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention, and the "
+        "LM head with each row's argmax when it is a Q4_0/Q4_1/Q8_0 table, in one OpenMP "
+        "region (the same float32 arithmetic, summed in another order). "
         "--no-fused-cpu-decode: layer by layer through torch. Ignored elsewhere.",
     )
     cpu_int8_activations: bool = _opt(
@@ -356,8 +357,9 @@ class DeviceConfig:
         "each Q4_0 / Q4_1 / Q8_0 linear to int8 by blocks of 32 (scale max|x| / 127, as "
         "llama.cpp does) and multiply with integer dot products: a faster decode, logits a "
         "few hundredths off the float32 ones (greedy text drifts from them after some "
-        "tokens). The LM head, K-quant linears, larger steps and the attention stay float32. "
-        "Ignored elsewhere.",
+        "tokens); the LM head's input too when its table is one of those types. K-quant "
+        "linears, larger steps and the attention stay float32. A setting of the model loaded "
+        "with it. Ignored elsewhere.",
     )
     attention_backend: str = _opt(
         "auto",

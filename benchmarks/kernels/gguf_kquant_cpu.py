@@ -1,4 +1,4 @@
-"""One GGUF K-quant linear on the CPU at 1 and 5 rows: the C kernels (``gguf_kquant``) against
+"""One GGUF K-quant linear on the CPU at 1 and 5 rows: the C kernels (``gguf_cpu.gguf_mm``) against
 the per-call numpy dequantization they replace (gguf-py + ``F.linear``), with a float32
 ``F.linear`` and the Q4_0 C kernel of the same shape beside them. Variants run interleaved,
 medians of ``--reps`` rounds; records go to ``--out`` (a JSON list). CPU, under a minute:
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lightwell.kernels.cpu import gguf_cpu, gguf_kquant
+from lightwell.kernels.cpu import gguf_cpu
 from lightwell.kernels.gguf_blocks import Q4_0, Q4_K, Q5_K, Q6_K, gguf_dequantize_ref
 from lightwell.quant.gguf import dequantize_raw
 from tests.kernels.gguf_random import random_blocks
@@ -30,7 +30,7 @@ def _variants(n: int, k: int, qtype: int, x: torch.Tensor) -> dict:
     q40 = random_blocks(n, k, Q4_0)
     return {
         "numpy_dequant_ms": lambda: F.linear(x, dequantize_raw(w, qtype)),
-        "kernel_ms": lambda: gguf_kquant.gguf_mm(x, w, qtype),
+        "kernel_ms": lambda: gguf_cpu.gguf_mm(x, w, qtype),
         "fp32_linear_ms": lambda: F.linear(x, w32),
         "q4_0_kernel_ms": lambda: gguf_cpu.gguf_mm(x, q40, Q4_0),
     }

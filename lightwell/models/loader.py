@@ -60,16 +60,18 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     quantization: str = "auto",
+    cpu_int8_activations: bool = False,
 ) -> nn.Module:
     """The model for ``hf_config``, built on ``device`` in ``dtype``, weights loaded, in eval
     mode. ``files`` may be None for ``load_format="dummy"``. ``quantization``: see
-    ``lightwell.quant`` (auto: the checkpoint's ``quantization_config``, if any)."""
+    ``lightwell.quant`` (auto: the checkpoint's ``quantization_config``, if any).
+    ``cpu_int8_activations``: GGUF blocks on the CPU take int8 inputs in small steps."""
     fmt = resolve_load_format(files, load_format)
     cls = get_model_class(hf_config)
     device = torch.device(device)
     if quantization == "auto" and _gguf_kernels_fit(files, fmt, dtype, device):
         quantization = "gguf"
-    method = _quant_method(hf_config, quantization, fmt, device)
+    method = _quant_method(hf_config, quantization, fmt, device, cpu_int8_activations)
     with torch.device(device), _default_dtype(dtype):
         model = cls(hf_config, method) if method is not None else cls(hf_config)
     # a method that also swaps the embedding and LM head: True when they take blocks
@@ -148,7 +150,9 @@ def _gguf_kernels_fit(
     return bool(layers) and not layers & float_types and all(supported(q) for q in types)
 
 
-def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.device) -> Any:
+def _quant_method(
+    hf_config: Any, quantization: str, fmt: str, device: torch.device, int8_act: bool = False
+) -> Any:
     """``gguf``: a GGUF file's linears stay in the file's blocks (CPU, CUDA); other values as
     ``lightwell.quant.get_quant_method`` (a GGUF file's weights arrive dequantized)."""
     from lightwell.quant import get_quant_method
@@ -160,7 +164,7 @@ def _quant_method(hf_config: Any, quantization: str, fmt: str, device: torch.dev
             raise ValueError("quantization 'gguf' keeps a .gguf file's blocks, on CPU or CUDA")
         from lightwell.quant.gguf import GGUFLinearMethod
 
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(int8_act=int8_act and device.type == "cpu")
     return get_quant_method(hf_config, quantization)
 
 

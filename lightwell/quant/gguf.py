@@ -54,9 +54,14 @@ def _block(qtype: int) -> tuple[int, int]:
 
 
 class GGUFLinearMethod:
-    """Per layer: ``gguf_parts``, one ``(qtype or None, tensor)`` per output shard."""
+    """Per layer: ``gguf_parts``, one ``(qtype or None, tensor)`` per output shard.
+    ``int8_act`` (``--cpu-int8-activations``): the CPU kernels' small steps round the inputs of
+    Q4_0 / Q4_1 / Q8_0 linears and LM head to int8 (this model's layers only)."""
 
     checkpoint_tensors = ("weight (GGUF blocks)",)
+
+    def __init__(self, int8_act: bool = False):
+        self.int8_act = bool(int8_act)
 
     def create_weights(
         self,
@@ -129,12 +134,12 @@ class GGUFLinearMethod:
     def prepare_model(self, model: nn.Module) -> bool:
         """Before loading: the token embedding and LM head keep their blocks too (CPU);
         whether they were swapped for modules that take blocks."""
-        return gguf_cpu.quantize_embeddings(model)
+        return gguf_cpu.quantize_embeddings(model, self.int8_act)
 
     def process_after_loading(self, layer: nn.Module) -> None:
         if any(p is None for p in layer.gguf_parts):
             raise ValueError("GGUF: a shard of a fused layer had no tensor in the file")
-        gguf_cpu.prepare_cpu(layer)
+        gguf_cpu.prepare_cpu(layer, self.int8_act)
 
     def apply(
         self,

@@ -1,7 +1,9 @@
 """The CPU side of ``--quantization gguf``: linears, the token embedding and the LM head run on
-the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q8_0) and
-``lightwell.kernels.cpu.gguf_kquant`` (Q4_K, Q5_K, Q6_K), float32 activations, every weight
-dequantized in registers to gguf-py's exact float32 value.
+the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+Q6_K), float32 activations, every weight dequantized in registers to gguf-py's exact float32
+value. With ``int8_act`` (``--cpu-int8-activations``, a model's setting: ``prepare_cpu`` and
+``quantize_embeddings`` store it on each layer) the direct steps of Q4_0 / Q4_1 / Q8_0 linears
+and LM head round their inputs to int8 by blocks of 32 and use integer dot products.
 
 A layer's parts (one per fused shard) that share one supported type are joined into one block
 tensor at load (parts of different supported types stay segments of the output). A step of at
@@ -19,34 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.kernels.cpu import gguf_cpu as kernels
-from lightwell.kernels.cpu import gguf_kquant
 from lightwell.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from lightwell.quant.base import set_weight_attrs
 
 DIRECT_MAX_ROWS = 8  # above: dequantized weight tiles + torch GEMM (faster from ~8 rows on)
 TILE_FLOATS = 1 << 18  # weights dequantized at a time for larger steps (a 1 MB tile)
-_int8_activations = False  # DeviceConfig.cpu_int8_activations, set once by the worker
-
-
-def set_int8_activations(enabled: bool) -> None:
-    """Round the linears' inputs to int8 (by blocks of 32) in the direct steps of this process
-    from now on (start-up only); the LM head keeps float32 inputs."""
-    global _int8_activations
-    _int8_activations = bool(enabled)
-
-
-def int8_activations() -> bool:
-    return _int8_activations
-
-
-def _ops(qtype: int | None) -> Any:
-    """The kernel module that reads blocks of this type."""
-    return gguf_kquant if qtype in gguf_kquant.SUPPORTED else kernels
 
 
 def supported(qtype: int | None) -> bool:
-    ops = _ops(qtype)
-    return qtype in ops.SUPPORTED and ops.available()
+    return qtype in kernels.SUPPORTED and kernels.available()
 
 
 def blocks_matmul(
@@ -54,26 +37,23 @@ def blocks_matmul(
     blocks: torch.Tensor,  # [N, bytes per row] uint8
     qtype: int,
     out: torch.Tensor,  # [T, N] float32, possibly a column slice of a wider output
-    int8_act: bool = False,  # a direct step rounds x to int8 by blocks of 32
+    int8_act: bool = False,  # a direct step rounds x to int8 by blocks of 32 (Q4_0/Q4_1/Q8_0)
 ) -> None:
     K, N = x.shape[1], blocks.shape[0]
     if x.shape[0] <= DIRECT_MAX_ROWS:
-        if qtype in kernels.SUPPORTED:
-            kernels.gguf_mm(x, blocks, qtype, out, int8_act=int8_act)
-        else:  # (the K-quant kernels take float32 inputs)
-            _ops(qtype).gguf_mm(x, blocks, qtype, out)
+        kernels.gguf_mm(x, blocks, qtype, out, int8_act=int8_act)
         return
     rows = max(64, TILE_FLOATS // K)
     for start in range(0, N, rows):
         ids = torch.arange(start, min(start + rows, N))
-        w = _ops(qtype).gguf_dequant_rows(blocks, qtype, K, ids)  # [rows, K]
+        w = kernels.gguf_dequant_rows(blocks, qtype, K, ids)  # [rows, K]
         torch.mm(x, w.T, out=out[:, start : start + ids.numel()])
 
 
-def prepare_cpu(layer: nn.Module) -> bool:
+def prepare_cpu(layer: nn.Module, int8_act: bool = False) -> bool:
     """Set ``layer.gguf_cpu``, its segments ``(qtype, blocks [rows, bytes], first output
-    column)`` (parts of one type joined into one); False (nothing changed) unless every part is
-    on the CPU in a supported type."""
+    column)`` (parts of one type joined into one), and ``layer.gguf_int8 = int8_act``; False
+    (nothing changed) unless every part is on the CPU in a supported type."""
     parts = layer.gguf_parts
     if not all(supported(q) and p.device.type == "cpu" for q, p in parts):
         return False
@@ -87,6 +67,7 @@ def prepare_cpu(layer: nn.Module) -> bool:
     layer.gguf_cpu = [(q, p, start) for (q, p), start in zip(parts, starts)]
     layer.gguf_out = starts[-1] + parts[-1][1].shape[0]  # output features
     layer.gguf_parts = None  # the segments replace them
+    layer.gguf_int8 = bool(int8_act)
     return True
 
 
@@ -97,10 +78,9 @@ def apply_cpu(
 ) -> torch.Tensor:  # [T, N]
     x32 = x.float().contiguous()
     out = torch.empty(x.shape[0], layer.gguf_out, dtype=torch.float32)
+    int8 = layer.gguf_int8
     for qtype, blocks, start in layer.gguf_cpu:
-        blocks_matmul(
-            x32, blocks, qtype, out[:, start : start + blocks.shape[0]], _int8_activations
-        )
+        blocks_matmul(x32, blocks, qtype, out[:, start : start + blocks.shape[0]], int8)
     if bias is not None:
         out += bias
     return out.to(x.dtype)
@@ -114,6 +94,7 @@ class GGUFEmbedding(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
         super().__init__(num_embeddings, embedding_dim)
         self.dtype = dtype  # of the rows it returns (the model's activations)
+        self.int8_act = False  # the LM head's direct steps on int8 inputs (quantize_embeddings)
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self.load_blocks, "gguf_type": None})
 
@@ -131,7 +112,7 @@ class GGUFEmbedding(VocabParallelEmbedding):
         if self.weight.gguf_type is None:
             return F.embedding(input_ids, self.weight).to(self.dtype)
         qtype = self.weight.gguf_type
-        rows = _ops(qtype).gguf_dequant_rows(self.weight, qtype, self.embedding_dim, input_ids)
+        rows = kernels.gguf_dequant_rows(self.weight, qtype, self.embedding_dim, input_ids)
         return rows.to(self.dtype)
 
 
@@ -145,7 +126,8 @@ class GGUFLMHead(GGUFEmbedding):
         if self.weight.gguf_type is None:
             return F.linear(hidden.float(), self.weight)
         out = torch.empty(hidden.shape[0], self.org_vocab_size, dtype=torch.float32)
-        blocks_matmul(hidden.float().contiguous(), self.weight, self.weight.gguf_type, out)
+        x = hidden.float().contiguous()
+        blocks_matmul(x, self.weight, self.weight.gguf_type, out, self.int8_act)
         return out
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N] int64
@@ -155,10 +137,11 @@ class GGUFLMHead(GGUFEmbedding):
         raise RuntimeError("GGUFLMHead is not an embedding: call compute_logits(hidden)")
 
 
-def quantize_embeddings(model: nn.Module) -> bool:
+def quantize_embeddings(model: nn.Module, int8_act: bool = False) -> bool:
     """Swap a single-rank model's token embedding and LM head for block-keeping ones (before
-    its weights load), re-tying a tied LM head; whether any was swapped (none when the
-    kernels are unavailable or the model is not on the CPU)."""
+    its weights load), re-tying a tied LM head, the LM head on int8 inputs with ``int8_act``;
+    whether any was swapped (none when the kernels are unavailable or the model is not on the
+    CPU)."""
     first = next(model.parameters(), None)
     if not kernels.available() or (first is not None and first.device.type != "cpu"):
         return False
@@ -167,6 +150,7 @@ def quantize_embeddings(model: nn.Module) -> bool:
         for name, child in list(module.named_children()):
             new = _swap(child)
             if new is not None:
+                new.int8_act = bool(int8_act)
                 setattr(module, name, new)
                 swapped = True
     lm_head = getattr(model, "lm_head", None)

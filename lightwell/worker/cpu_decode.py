@@ -6,7 +6,9 @@ one GGUF block tensor each (``quant/gguf_cpu.py``), neox RoPE over the whole hea
 KV cache, one rank; anything else keeps the layer-by-layer forward (``build`` returns None).
 A step of 1..``MAX_ROWS`` requests that each bring one token then runs through
 ``kernels/cpu/llama_decode``: the token embeddings, then every layer and the final norm in one
-call. The LM head and sampling stay as they are.
+call, and in the same call the LM head with each row's argmax where the model's LM head is a
+Q4_0 / Q4_1 / Q8_0 block table whose logits the model does not transform (the runner then
+samples from those logits, or takes the argmax where every row is plain greedy).
 """
 
 from __future__ import annotations
@@ -17,10 +19,22 @@ from torch import nn
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.distributed.parallel_state import get_tp_size
 from lightwell.kernels.cpu import gguf_cpu
-from lightwell.kernels.cpu.llama_decode import MAX_ROWS, LayerWeights, LlamaDecoder, Shape
+from lightwell.kernels.cpu.llama_decode import (
+    MAX_GROUP,
+    MAX_ROWS,
+    LayerWeights,
+    LlamaDecoder,
+    Shape,
+)
 from lightwell.layers.norm import RMSNorm
-from lightwell.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP, LlamaModel
-from lightwell.quant.gguf_cpu import int8_activations
+from lightwell.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
+from lightwell.quant.gguf_cpu import GGUFLMHead
 
 
 class CpuDecode:
@@ -60,12 +74,17 @@ class CpuDecode:
         )
         if any(_shape_of(layer) != shape for layer in layers) or inner.norm.eps != shape.eps:
             return None
+        if shape.heads % shape.kv_heads or shape.heads // shape.kv_heads > MAX_GROUP:
+            return None
         cos_sin = rotary.cos_sin_cache.float().contiguous()
         weights = [_weights(layer) for layer in layers]
-        int8 = int8_activations()
-        if int8 and shape.head_dim % 32:
+        int8 = layers[0].self_attn.qkv_proj.gguf_int8  # the model's --cpu-int8-activations
+        if any(_int8(layer) != {int8} for layer in layers) or (int8 and shape.head_dim % 32):
             return None
-        return cls(inner, LlamaDecoder(weights, inner.norm.weight, cos_sin, shape, int8))
+        head = _lm_head(model)
+        lm_int8 = head is not None and int8 and model.lm_head.int8_act
+        decoder = LlamaDecoder(weights, inner.norm.weight, cos_sin, shape, int8, head, lm_int8)
+        return cls(inner, decoder)
 
     @staticmethod
     def applies(meta: AttentionMetadata) -> bool:
@@ -78,13 +97,28 @@ class CpuDecode:
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, H] float32: the final norm's output
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The final norm's output [T, H] float32; with the LM head fused, the logits [T, V]
+        float32 and their argmax [T] int64 (else None, None)."""
         x = self.inner.embed(input_ids).float().contiguous()  # [T, H]
         return self.decoder(x, positions, meta.slot_mapping, meta.block_table, meta.seq_lens)
 
 
 def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
+
+
+def _lm_head(model: nn.Module) -> tuple[int, torch.Tensor] | None:
+    """(ggml type, blocks [V, bytes]) of an LM head the fused call runs: a block table of a
+    type it reads, on a model that takes its logits as the head gives them."""
+    head = getattr(model, "lm_head", None)
+    if type(head) is not GGUFLMHead or not isinstance(model, LlamaForCausalLM):
+        return None
+    if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
+        return None
+    qtype, blocks = head.weight.gguf_type, head.weight.data
+    ok = qtype in gguf_cpu.BLOCK32 and blocks.is_contiguous()
+    return (qtype, blocks) if ok and blocks.shape[0] == head.org_vocab_size else None
 
 
 def _one_part(linear: nn.Module) -> tuple[int, torch.Tensor] | None:
@@ -94,7 +128,7 @@ def _one_part(linear: nn.Module) -> tuple[int, torch.Tensor] | None:
     if parts is None or len(parts) != 1 or getattr(linear, "bias", None) is not None:
         return None
     qtype, blocks, _ = parts[0]
-    return (qtype, blocks) if qtype in gguf_cpu.SUPPORTED else None
+    return (qtype, blocks) if qtype in gguf_cpu.BLOCK32 else None
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -112,6 +146,12 @@ def _plain(layer: nn.Module) -> bool:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     cache = attn.attn.kv_cache
     return all(_one_part(x) is not None for x in linears) and cache is not None and _f32(cache)
+
+
+def _int8(layer: LlamaDecoderLayer) -> set[bool]:
+    """The int8-activation settings of the layer's linears."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return {x.gguf_int8 for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
 
 
 def _shape_of(layer: LlamaDecoderLayer) -> Shape:

@@ -52,6 +52,8 @@ class ModelInput:
     deferred_tokens: list[tuple[int, str]] = field(default_factory=list)
     # Per sampling request: output tokens before the one sampled this step [S].
     num_outputs: list[int] = field(default_factory=list)
+    # The fused CPU decode's LM head: logits [T, V] float32 and their argmax [T] int64, per row.
+    fused_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class InputBatch:

@@ -169,7 +169,8 @@ class ModelRunner:
             hidden = self.stage.replay(self.graphs, *args) if self.stage else self.graphs.run(*args)
             path = f"graph {key[0]} {key[1]}"
         elif self.cpu_decode is not None and self.cpu_decode.applies(inp.meta):
-            hidden = self.cpu_decode.forward(inp.input_ids, inp.positions, inp.meta)  # [T, H]
+            hidden, logits, tokens = self.cpu_decode.forward(inp.input_ids, inp.positions, inp.meta)
+            inp.fused_logits = (logits, tokens) if logits is not None else None
             path = "fused cpu"
         elif context_parallel.applies(inp.meta):  # this rank's chunk, then all of them
             hidden = context_parallel.forward(self, inp.input_ids, inp.positions, inp.meta)
@@ -254,13 +255,21 @@ class ModelRunner:
         pending: PendingStep,
         grammar: GrammarBitmask | None = None,
     ) -> None:
+        if inp.fused_logits is not None and self._plain_greedy(inp):  # the argmax in C
+            tokens = inp.fused_logits[1][inp.logits_indices]  # [S]
+            self._last_sampled = (inp.sample_req_ids, tokens)
+            pending.set_tokens(inp.sample_req_ids, SamplerOutput(tokens))
+            return
         if self._sharded_greedy(inp):
             tokens = self.model.greedy_tokens(hidden[inp.logits_indices])  # [S], every rank
             self._last_sampled = (inp.sample_req_ids, tokens)
             if self.is_driver:
                 pending.set_tokens(inp.sample_req_ids, SamplerOutput(tokens))
             return
-        logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
+        if inp.fused_logits is not None:
+            logits = inp.fused_logits[0][inp.logits_indices]  # [S, V]
+        else:
+            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
         if not self.is_driver:
             if self.share_sampled_tokens:  # rank 0's tokens, to feed the next step in flight
                 tokens = torch.empty(len(inp.sample_req_ids), dtype=torch.int64, device=self.device)
@@ -290,8 +299,10 @@ class ModelRunner:
         vocab-sharded logits without gathering them (``greedy_tokens``): every rank gets the
         tokens, so none is broadcast either. Decided from what every rank holds alike (the
         requests' parameters and output counts), so all ranks take the same path."""
-        if not self._can_shard_greedy:
-            return False
+        return self._can_shard_greedy and self._plain_greedy(inp)
+
+    def _plain_greedy(self, inp: ModelInput) -> bool:
+        """Every sampling row of the step is plain greedy (``plain_greedy``)."""
         return all(
             plain_greedy(self.batch.requests[r].sampling_params, n_out)
             for r, n_out in zip(inp.sample_req_ids, inp.num_outputs)

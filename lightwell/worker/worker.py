@@ -128,10 +128,6 @@ class Worker:
             threads = 1  # OpenMP threads spin-wait on each other on busy cores (--num-threads)
         if threads:
             torch.set_num_threads(threads)
-        if self.device.type == "cpu":
-            from lightwell.quant import gguf_cpu
-
-            gguf_cpu.set_int8_activations(config.device.cpu_int8_activations)
         if self.device.type == "cuda":
             from lightwell.kernels import pdl
 
@@ -178,8 +174,10 @@ class Worker:
 
         set_expert_parallel(self.config.parallel.enable_expert_parallel)
         model = load_model(
-            files, hf, dtype, self.device, load_format=fmt, seed=m.seed, quantization=m.quantization
-        )
+            files, hf, dtype, self.device, load_format=fmt, seed=m.seed,
+            quantization=m.quantization,
+            cpu_int8_activations=self.config.device.cpu_int8_activations,
+        )  # fmt: skip
         eos = getattr(hf, "eos_token_id", None)
         eos = eos[0] if isinstance(eos, list) and eos else eos
         self.runner = ModelRunner(

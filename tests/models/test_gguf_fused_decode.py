@@ -10,7 +10,6 @@ import torch
 
 from lightwell.attention.metadata import get_attention_metadata
 from lightwell.kernels.cpu import gguf_cpu as kernels
-from lightwell.quant import gguf_cpu
 from lightwell.worker.cpu_decode import CpuDecode
 from tests.models.paged import PagedRunner, build_metadata
 from tests.models.test_gguf import Q, write_tiny_gguf
@@ -19,39 +18,52 @@ from tests.models.tiny import hf_tiny_model, load_ours, rel_err, tiny_config
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="no C compiler with OpenMP")
 ONE_TYPE = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYERS = [{name: qtype for name in ONE_TYPE} for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_0)]
-PROMPTS = {"a": [5, 17, 33, 2, 90], "b": list(range(40, 51)), "c": [7, 8]}
+# b: 140+ keys, attended in 2 ranges of 3 tiles each
+PROMPTS = {"a": [5, 17, 33, 2, 90], "b": [(7 * i) % 290 + 5 for i in range(140)], "c": [7, 8]}
 
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
-    config = tiny_config(hidden_size=128, intermediate_size=96, num_hidden_layers=3)
+    config = tiny_config(
+        hidden_size=128,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        tie_word_embeddings=True,
+        max_position_embeddings=256,
+    )  # the LM head on the Q8_0 token table, as SmolLM2's
     path = str(tmp_path_factory.mktemp("fused") / "tiny.gguf")
     write_tiny_gguf(path, hf_tiny_model(config, seed=5), layer_types=LAYERS)
     return path
 
 
 class Fused:
-    """A stand-in for the model in PagedRunner: the fused decode, then the model's LM head."""
+    """A stand-in for the model in PagedRunner: the fused decode with its LM head; its logits
+    against the model's LM head on the same hidden states, its tokens against their argmax."""
 
     def __init__(self, model, cpu: CpuDecode):
         self.model, self.cpu = model, cpu
 
     def __call__(self, input_ids, positions):
-        return self.cpu.forward(input_ids, positions, get_attention_metadata())
+        hidden, self.logits, tokens = self.cpu.forward(
+            input_ids, positions, get_attention_metadata()
+        )
+        assert torch.equal(tokens, self.logits.argmax(-1))
+        assert rel_err(self.logits, self.model.compute_logits(hidden)) < 1e-6  # ~1e-7
+        return hidden
 
     def compute_logits(self, hidden):
-        return self.model.compute_logits(hidden)
+        return self.logits
 
 
-def _decode(path: str, fused: bool, steps: int = 6) -> list[torch.Tensor]:
+def _decode(path: str, fused: bool, steps: int = 6, int8: bool = False) -> list[torch.Tensor]:
     """Prefill PROMPTS layer by layer, then ``steps`` decode steps of all three (fed the
     same tokens whatever comes out); each step's logits [3, V]."""
     torch.set_num_threads(2)
-    model = load_ours(path, quantization="gguf")
-    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=1)
+    model = load_ours(path, quantization="gguf", cpu_int8_activations=int8)
+    runner = PagedRunner(model, block_size=4, num_blocks=64, seed=1)
     runner.step([(r, ids, 0) for r, ids in PROMPTS.items()])
     cpu = CpuDecode.build(model, torch.float32)
-    assert cpu is not None
+    assert cpu is not None and cpu.decoder.vocab == model.lm_head.org_vocab_size  # head fused
     if fused:
         runner.model = Fused(model, cpu)
     lens = {r: len(ids) for r, ids in PROMPTS.items()}
@@ -72,14 +84,29 @@ def test_fused_decode_matches_the_layer_by_layer_forward(tiny_gguf):
 
 def test_int8_activations_stay_near_float32(tiny_gguf):
     exact = _decode(tiny_gguf, fused=False)
-    gguf_cpu.set_int8_activations(True)
-    try:
-        layerwise, fused = _decode(tiny_gguf, fused=False), _decode(tiny_gguf, fused=True)
-    finally:
-        gguf_cpu.set_int8_activations(False)
+    layerwise, fused = _decode(tiny_gguf, False, int8=True), _decode(tiny_gguf, True, int8=True)
     for want, a, b in zip(exact, layerwise, fused):
         assert 1e-3 < rel_err(a, want) < 4e-2  # rounded (~2e-2 here), and not by much
         assert rel_err(b, a) < 1e-5  # the same rounding in both paths (~5e-7)
+
+
+def test_int8_activations_are_each_models_own(tiny_gguf):
+    """Two models of one process, int8 activations on in one only: each keeps its setting
+    (its linears, its LM head, its fused decode), whatever was loaded after it."""
+    torch.set_num_threads(2)
+    a = load_ours(tiny_gguf, quantization="gguf", cpu_int8_activations=True)
+    b = load_ours(tiny_gguf, quantization="gguf")
+    x = torch.randn(2, 128, generator=torch.Generator().manual_seed(3))  # [2, H]
+    for model, int8 in ((a, True), (b, False)):
+        PagedRunner(model)  # binds the KV caches
+        assert CpuDecode.build(model, torch.float32).decoder._model.int8_act == int8
+        qkv, head = model.model.layers[0].self_attn.qkv_proj, model.lm_head
+        assert head.int8_act is int8
+        for out, (qtype, w) in ((qkv(x), qkv.gguf_cpu[0][:2]), (model.compute_logits(x),
+                                (head.weight.gguf_type, head.weight))):  # fmt: skip
+            want = kernels.gguf_mm_ref(x, w, qtype, int8_act=int8)
+            assert rel_err(out, want) < 1e-5  # ~1e-7: its own rounding, not the other's
+            assert rel_err(out, kernels.gguf_mm_ref(x, w, qtype, int8_act=not int8)) > 1e-4
 
 
 def test_applies_to_small_decode_steps_only(tiny_gguf):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightwell.kernels.cpu import gguf_kquant
+from lightwell.kernels.cpu import gguf_cpu as cpu_kernels
 from lightwell.models.loader import _gguf_kernels_fit
 from tests.models.paged import PagedRunner
 from tests.models.test_gguf import Q, gguf, write_tiny_gguf
@@ -59,7 +59,7 @@ def test_k_quant_gguf_kept_quantized_matches_hf(tmp_path):
     hf.load_state_dict({**hf.state_dict(), **expected})
     ours = load_ours(path, quantization="gguf")
     attn = ours.model.layers[0].self_attn.qkv_proj
-    if gguf_kquant.available():  # every layer on the C kernels, the tied Q6_K table too
+    if cpu_kernels.available():  # every layer on the C kernels, the tied Q6_K table too
         assert [qtype for qtype, _, _ in attn.gguf_cpu] == [Q.Q4_K, Q.Q6_K, Q.Q5_K]
         linears = [m for m in ours.modules() if hasattr(m, "gguf_parts")]
         assert len(linears) == 8 and all(m.gguf_cpu is not None for m in linears)

@@ -81,11 +81,15 @@ def load_ours(
     overrides=None,
     load_format="auto",
     quantization="auto",
+    cpu_int8_activations=False,
 ):
     files = resolve_model(path)
     config = load_hf_config(files, overrides)
     cpu = torch.device("cpu")
-    return load_model(files, config, dtype, cpu, load_format=load_format, quantization=quantization)
+    return load_model(
+        files, config, dtype, cpu, load_format=load_format, quantization=quantization,
+        cpu_int8_activations=cpu_int8_activations,
+    )  # fmt: skip
 
 
 @torch.no_grad()

@@ -1,12 +1,15 @@
-"""GGUF blocks (Q4_0, Q4_1, Q8_0) times float32 activations on the CPU, in their file layout.
+"""GGUF blocks times float32 activations on the CPU, in their file layout: Q4_0, Q4_1, Q8_0
+(``gguf_cpu.c``, blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (``gguf_kquant.c``,
+super-blocks of 256), one entry point for all six types.
 
 ``gguf_mm(x, w, qtype)`` is ``x @ dequantize(w).T`` without the float32 weights: each block is
-dequantized in registers (bit-exact with gguf-py's float32 values) and accumulated in float32.
-``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an embedding lookup). The C
-sources beside this file (this one's, ``gguf_kquant.c`` and ``llama_decode.c``, which
-``gguf_kquant.py`` and ``llama_decode.py`` call) are compiled into one library once per machine
-with the system C compiler (``cc``, ``-O3 -march=native -fopenmp``) into a cache folder and
-loaded with ctypes; ``available()`` says whether that worked (the callers fall back to torch
+dequantized in registers (bit-exact with gguf-py's float32 values) and accumulated in float32;
+with ``int8_act`` (blocks of 32 only) x is first rounded to int8 by blocks of 32 and each block
+is an integer dot product. ``gguf_dequant_rows(w, qtype, K, ids)`` dequantizes some rows (an
+embedding lookup). The C sources beside this file (``gguf_cpu.c``, ``gguf_kquant.c`` and
+``llama_decode.c``, which ``llama_decode.py`` calls) are compiled into one library once per
+machine with the system C compiler (``cc``, ``-O3 -march=native -fopenmp``) into a cache folder
+and loaded with ctypes; ``available()`` says whether that worked (the callers fall back to torch
 ops otherwise). ``gguf_mm_ref`` is the torch reference, on ``kernels/gguf_blocks.py``'s block
 layouts and dequantize reference.
 """
@@ -25,13 +28,15 @@ import tempfile
 
 import torch
 
-from lightwell.kernels.gguf_blocks import Q4_0, Q4_1, Q8_0, gguf_dequantize_ref
+from lightwell.kernels.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, gguf_dequantize_ref
 
 logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(__file__)
 SOURCES = [os.path.join(_HERE, f) for f in ("gguf_cpu.c", "gguf_kquant.c", "llama_decode.c")]
 HEADERS = [os.path.join(_HERE, "gguf_blocks.h")]
-SUPPORTED = frozenset((Q4_0, Q4_1, Q8_0))  # the types gguf_cpu.c reads
+BLOCK32 = frozenset((Q4_0, Q4_1, Q8_0))  # gguf_cpu.c's types (and llama_decode.c's, int8_act)
+KQUANT = frozenset((Q4_K, Q5_K, Q6_K))  # gguf_kquant.c's
+SUPPORTED = BLOCK32 | KQUANT
 
 
 def _cache_dir() -> str:
@@ -101,8 +106,8 @@ def available() -> bool:
     return _lib() is not None
 
 
-def check_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """The arguments of a block matmul (this module's or gguf_kquant's), and its output."""
+def _check_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The arguments of a block matmul, and its output."""
     M, N = x.shape[0], w.shape[0]
     if x.dtype != torch.float32 or x.stride(1) != 1 or not w.is_contiguous():
         raise ValueError("gguf_mm takes float32 x with contiguous rows and contiguous blocks")
@@ -115,8 +120,8 @@ def check_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torc
     return out
 
 
-def check_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [R] int64, contiguous
-    """The arguments of a row dequantization (this module's or gguf_kquant's)."""
+def _check_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [R] int64, contiguous
+    """The arguments of a row dequantization."""
     ids = ids.to(torch.int64).contiguous()
     if w.dtype != torch.uint8 or not w.is_contiguous():
         raise ValueError("gguf_dequant_rows takes contiguous uint8 blocks")
@@ -127,18 +132,22 @@ def check_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [R] int64
 
 def gguf_mm(
     x: torch.Tensor,  # [M, K] float32, rows contiguous
-    w: torch.Tensor,  # [N, K / 32 * block bytes] uint8, contiguous
+    w: torch.Tensor,  # [N, K / block values * block bytes] uint8, contiguous
     qtype: int,
     out: torch.Tensor | None = None,  # [M, N] float32 (may be a column slice of a wider one)
     int8_act: bool = False,  # x rounded to int8 by blocks of 32 first (``quantize_q8_ref``)
 ) -> torch.Tensor:  # [M, N] float32
+    """x @ W.T for any type of ``SUPPORTED``; ``int8_act`` applies to ``BLOCK32`` types (the
+    K-quants take float32 x)."""
     M, K = x.shape
     N = w.shape[0]
-    out = check_mm(x, w, out)
-    rc = _lib().gguf_mm(
-        x.data_ptr(), M, K, x.stride(0), w.data_ptr(), N, w.shape[1], qtype,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(), int(int8_act),
-    )  # fmt: skip
+    out = _check_mm(x, w, out)
+    if qtype not in SUPPORTED:
+        raise ValueError(f"gguf_mm: type {qtype} is not one of {sorted(SUPPORTED)}")
+    lib, threads = _lib(), torch.get_num_threads()
+    args = (x.data_ptr(), M, K, x.stride(0), w.data_ptr(), N, w.shape[1], qtype)
+    args += (out.data_ptr(), out.stride(0), threads)
+    rc = lib.gguf_kq_mm(*args) if qtype in KQUANT else lib.gguf_mm(*args, int(int8_act))
     if rc == -2:
         raise MemoryError("gguf_mm: no memory for the int8 activations")
     if rc:
@@ -147,14 +156,17 @@ def gguf_mm(
 
 
 def gguf_dequant_rows(
-    w: torch.Tensor,  # [N, K / 32 * block bytes] uint8, contiguous
+    w: torch.Tensor,  # [N, K / block values * block bytes] uint8, contiguous
     qtype: int,
     K: int,
     ids: torch.Tensor,  # [R] int64 row indices, each < N
 ) -> torch.Tensor:  # [R, K] float32
-    ids = check_rows(w, ids)
+    ids = _check_rows(w, ids)
+    if qtype not in SUPPORTED:
+        raise ValueError(f"gguf_dequant_rows: type {qtype} is not one of {sorted(SUPPORTED)}")
     out = torch.empty(ids.numel(), K, dtype=torch.float32)
-    rc = _lib().gguf_dequant_rows(
+    fn = _lib().gguf_kq_dequant_rows if qtype in KQUANT else _lib().gguf_dequant_rows
+    rc = fn(
         w.data_ptr(), K, w.shape[1], qtype, ids.data_ptr(), ids.numel(), out.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip

@@ -1,4 +1,4 @@
-/* GGUF K-quant blocks x float32 activations on the CPU, for lightwell/kernels/cpu/gguf_kquant.py.
+/* GGUF K-quant blocks x float32 activations on the CPU, for lightwell/kernels/cpu/gguf_cpu.py.
  *
  * out[m, n] = sum_k x[m, k] * W[n, k], W kept as a GGUF file stores it: row n is K / 256
  * super-blocks of Q4_K (144 B), Q5_K (176 B) or Q6_K (210 B), laid out as

@@ -3,18 +3,24 @@
  * R requests (R <= 8), one new token each: for every layer, the residual add + RMSNorm, the
  * fused QKV matmul on GGUF blocks (gguf_blocks.h), RoPE (neox halves, from the model's cos/sin
  * table), the K/V store into the paged float32 cache, attention over each request's cached keys
- * (its block table; GQA; an online softmax), the output matmul, the residual add + RMSNorm, the
- * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm.
- * The whole step is one OpenMP parallel region: the threads take the matmuls' output rows and
- * the attention's (request, head) pairs in chunks from a shared counter (a thread the OS has
- * paused leaves its chunks to the others); the small vector steps run on thread 0; the phases
- * are separated by a barrier that spins, then yields the core (on cores shared with other
- * processes, sleeping in a barrier costs a scheduler wake-up each time). Arithmetic is float32
- * as in the torch layers (the same block dot products; sums of norms and softmax in another
- * order); with int8_act the matmul inputs are rounded to int8 as gguf_cpu.c's gguf_mm does.
+ * (its block table; the query heads of a KV head together, the keys in up to KV_SPLITS ranges
+ * whose softmax partials are merged), the output matmul, the residual add + RMSNorm, the
+ * gate/up matmul with silu(gate) * up, the down matmul; then the final residual add + RMSNorm
+ * and, when the model has one here, the LM head on GGUF blocks (logits [R, V]) and each
+ * request's greedy token (the first index of the largest logit).
+ * The whole step is one OpenMP parallel region of a sequence of phases (per layer: the norm,
+ * qkv, RoPE + store, attention ranges, their merge, o, the norm, gate/up, down). A phase is cut
+ * into chunks (the matmuls' output rows, the attention's (request, KV head, range) triples and
+ * (request, head) merges; one chunk for the small vector steps) that the threads take from the
+ * phase's counter; a thread starts on the next phase once every chunk of this one is done (a
+ * second counter), not once every thread has arrived: a thread the OS has paused between
+ * chunks holds nobody up, and when it runs again it finds the phases it missed finished. The
+ * waits spin, then yield the core (on cores shared with other processes, sleeping costs a
+ * scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block
+ * dot products; sums of norms and softmax in another order); with int8_act the matmul inputs
+ * are rounded to int8 as gguf_cpu.c's gguf_mm does.
  */
 #include <math.h>
-#include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -39,6 +45,8 @@ typedef struct {
     const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
     const float *final_norm; /* [H] */
     const lw_layer *layers;  /* [num_layers] */
+    lw_linear lm_head;       /* [V, H] blocks, or rows 0: none (logits and tokens not computed) */
+    int64_t lm_int8;         /* the LM head's input rounded to int8 too (needs int8_act) */
 } lw_model;
 
 typedef struct { /* one step's inputs and the scratch rows it works in */
@@ -47,39 +55,46 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
     const int32_t *block_table;       /* [R, ld_table] */
     const int32_t *seq_lens;          /* [R]: cached tokens + this one */
     float *residual, *normed, *qkv, *attn, *act, *partial; /* [R, width of each] */
+    float *part; /* [R, Hq, KV_SPLITS, D + 2]: each attention range's (max, sum, values) */
     int8_t *q_normed, *q_attn, *q_act;   /* int8_act: the matmul inputs as int8, [R, width] */
     float *ds_normed, *ds_attn, *ds_act; /* and their (d, s) per block, [R, width / 32 * 2] */
+    float *logits;   /* [R, V] (with an LM head) */
+    int64_t *tokens; /* [R]: argmax of each row of logits (with an LM head) */
 } lw_step;
 
 #define MAX_ROWS 8
 #define MAX_HEAD_DIM 256
-#define PHASES 5 /* work-shared phases a layer: qkv, attention, o, gate_up, down */
+#define PHASES 9 /* a layer's: norm, qkv, rope_store, attention, merge, o, norm, gate_up, down */
+#define TAIL_PHASES 3 /* after the layers: the final norm, the LM head, the argmax */
 #define SPINS 2000
+#define KEYS_A_TILE 32  /* keys scored at a time in the attention */
+#define KEYS_A_SPLIT 64 /* keys a range of the attention, at least */
+#define KV_SPLITS 4     /* ranges a (request, KV head)'s keys are attended in, at most */
+#define MAX_GROUP 16    /* query heads a KV head */
 
-typedef struct { /* the threads' meeting points, one call's */
-    atomic_int arrived, generation;
-    int nthreads;
-    atomic_int *next; /* [layers * PHASES]: the next chunk of each phase */
-} lw_sync;
+typedef struct { /* one phase of one call */
+    atomic_int next; /* the next chunk to take */
+    atomic_int done; /* chunks finished */
+} lw_phase;
 
-static void barrier(lw_sync *y) {
-    if (y->nthreads == 1) return;
-    int gen = atomic_load_explicit(&y->generation, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&y->arrived, 1, memory_order_acq_rel) == y->nthreads - 1) {
-        atomic_store_explicit(&y->arrived, 0, memory_order_relaxed);
-        atomic_fetch_add_explicit(&y->generation, 1, memory_order_release);
-        return;
-    }
-    for (int spins = 0; atomic_load_explicit(&y->generation, memory_order_acquire) == gen;) {
+/* Wait until n chunks of the phase are done (their writes visible to this thread). */
+static void wait_done(lw_phase *ph, int64_t n) {
+    for (int spins = 0; atomic_load_explicit(&ph->done, memory_order_acquire) < n;) {
         if (++spins > SPINS) sched_yield();
     }
 }
 
-/* Chunk indices [0, n) for this thread, taken from the phase's counter until none is left. */
-#define FOR_CHUNKS(c, n, counter)                                                               \
-    for (int64_t c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed); c < (n);   \
-         c = atomic_fetch_add_explicit(counter, 1, memory_order_relaxed))
-#define ROWS_A_CHUNK 16
+static inline int64_t take(lw_phase *ph) {
+    return atomic_fetch_add_explicit(&ph->next, 1, memory_order_relaxed);
+}
+
+/* Chunk indices [0, n) for this thread, taken from the phase's counter until none is left;
+ * each counted done after its body (which must not break out of the loop). */
+#define FOR_CHUNKS(c, n, ph)                                                                    \
+    for (int64_t c = take(ph); c < (n);                                                        \
+         atomic_fetch_add_explicit(&(ph)->done, 1, memory_order_release), c = take(ph))
+#define ROWS_A_CHUNK 16 /* a matmul's output rows a chunk, at least */
+#define MAX_CHUNKS 256  /* a matmul's chunks, at most (larger chunks for the LM head) */
 
 /* A matmul's input rows [R, K]: float32, and (int8_act) as int8 blocks. */
 typedef struct {
@@ -107,26 +122,30 @@ static inline void dot_rows(const lw_linear *L, const uint8_t *wrow, const lw_in
     }
 }
 
-/* out[r * ldo + n] = x[r] . W[n] for the rows n of the chunks this thread takes. */
-static void matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo,
-                   atomic_int *counter) {
-    FOR_CHUNKS(c, (L->rows + ROWS_A_CHUNK - 1) / ROWS_A_CHUNK, counter) {
-        int64_t end = (c + 1) * ROWS_A_CHUNK < L->rows ? (c + 1) * ROWS_A_CHUNK : L->rows;
-        for (int64_t n = c * ROWS_A_CHUNK; n < end; n++) {
+/* out[r * ldo + n] = x[r] . W[n] for the rows n of the chunks this thread takes; returns the
+ * phase's number of chunks. */
+static int64_t matmul(const lw_linear *L, const lw_input *in, int64_t R, float *out, int64_t ldo,
+                      lw_phase *ph) {
+    int64_t per = L->rows / MAX_CHUNKS > ROWS_A_CHUNK ? L->rows / MAX_CHUNKS : ROWS_A_CHUNK;
+    int64_t chunks = (L->rows + per - 1) / per;
+    FOR_CHUNKS(c, chunks, ph) {
+        int64_t end = (c + 1) * per < L->rows ? (c + 1) * per : L->rows;
+        for (int64_t n = c * per; n < end; n++) {
             for (int64_t m = 0; m < R; m += 4) {
                 int rows = R - m < 4 ? (int)(R - m) : 4;
                 dot_rows(L, L->w + n * L->row_bytes, in, m, rows, out + m * ldo + n, ldo);
             }
         }
     }
+    return chunks;
 }
 
 /* act[r, i] = silu(gate[r, i]) * up[r, i], gate rows 0..I-1 and up rows I..2I-1 of W; by
- * blocks of 32 i, each (int8_act) rounded to int8 where it is computed. */
-static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I,
-                         atomic_int *counter) {
+ * blocks of 32 i, each (int8_act) rounded to int8 where it is computed. Returns the chunks. */
+static int64_t gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *s, int64_t I,
+                            lw_phase *ph) {
     int64_t R = s->R;
-    FOR_CHUNKS(ib, I / QK, counter) {
+    FOR_CHUNKS(ib, I / QK, ph) {
         for (int64_t i = ib * QK; i < (ib + 1) * QK; i++) {
             float g[MAX_ROWS], u[MAX_ROWS];
             for (int64_t m = 0; m < R; m += 4) {
@@ -141,6 +160,7 @@ static void gate_up_silu(const lw_linear *L, const lw_input *in, const lw_step *
                 quantize_row_q8(s->act + r * I + ib * QK, QK, s->q_act + r * I + ib * QK,
                                 s->ds_act + (r * I + ib * QK) / QK * 2);
     }
+    return I / QK;
 }
 
 /* residual += partial (first: residual = partial), normed = rmsnorm(residual) * w. */
@@ -183,68 +203,136 @@ static void rope_store(const lw_model *m, const lw_step *s, float *cache) {
     }
 }
 
-/* One (request, head) pair: softmax(q . K * scale) . V over the request's seq_len keys. */
-static void attend_head(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
-                        int64_t h) {
-    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size;
-    int64_t kvh = h / (m->heads / Hkv), plane = m->num_blocks * B * Hkv * D;
-    const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + h * D;
+/* The key ranges request r's keys are attended in: one a KEYS_A_SPLIT keys, 1..KV_SPLITS. */
+static inline int64_t splits_of(const lw_step *s, int64_t r) {
+    int64_t k = s->seq_lens[r] / KEYS_A_SPLIT;
+    return k < 1 ? 1 : k > KV_SPLITS ? KV_SPLITS : k;
+}
+
+/* Range sp of request r's keys against the G query heads of KV head kvh (each key and value
+ * loaded once for the G heads), by tiles of KEYS_A_TILE keys: the tile's scores, one rescale a
+ * head when the tile raises its maximum, then the weighted values. Per head, (max, sum,
+ * weighted values [D]) go to s->part [R, Hq, KV_SPLITS, D + 2]. */
+static void attend_range(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
+                         int64_t kvh, int64_t sp) {
+    int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size, G = m->heads / Hkv;
+    int64_t n = s->seq_lens[r], S = splits_of(s, r), plane = m->num_blocks * B * Hkv * D;
+    if (sp >= S) return;
+    const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + kvh * G * D; /* [G, D] */
     const int32_t *table = s->block_table + r * s->ld_table;
-    float acc[MAX_HEAD_DIM] = {0}, mx = -INFINITY, sum = 0.0f;
-    for (int64_t j = 0; j < s->seq_lens[r]; j++) {
-        const float *k = cache + (((int64_t)table[j / B] * B + j % B) * Hkv + kvh) * D;
-        const float *v = k + plane;
-        float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < D; i++) dot += q[i] * k[i];
-        float score = dot * m->scale, p = 1.0f;
-        if (score > mx) { /* a new maximum: rescale what came before */
-            float c = expf(mx - score);
-            sum *= c;
-#pragma omp simd
-            for (int64_t i = 0; i < D; i++) acc[i] *= c;
-            mx = score;
-        } else {
-            p = expf(score - mx);
-        }
-        sum += p;
-#pragma omp simd
-        for (int64_t i = 0; i < D; i++) acc[i] += p * v[i];
+    float acc[MAX_GROUP][MAX_HEAD_DIM], mx[MAX_GROUP], sum[MAX_GROUP];
+    float score[MAX_GROUP][KEYS_A_TILE];
+    const float *keys[KEYS_A_TILE];
+    for (int64_t g = 0; g < G; g++) {
+        mx[g] = -INFINITY, sum[g] = 0.0f;
+        for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;
     }
-    int64_t at = r * m->heads * D + h * D;
-    for (int64_t i = 0; i < D; i++) s->attn[at + i] = acc[i] / sum;
+    for (int64_t j0 = n * sp / S, end = n * (sp + 1) / S; j0 < end; j0 += KEYS_A_TILE) {
+        int nj = end - j0 < KEYS_A_TILE ? (int)(end - j0) : KEYS_A_TILE;
+        for (int j = 0; j < nj; j++) {
+            int64_t t = j0 + j;
+            const float *k = cache + (((int64_t)table[t / B] * B + t % B) * Hkv + kvh) * D;
+            keys[j] = k;
+            for (int64_t g = 0; g < G; g++) {
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * k[i];
+                score[g][j] = dot * m->scale;
+            }
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float tile_max = -INFINITY;
+            for (int j = 0; j < nj; j++) tile_max = score[g][j] > tile_max ? score[g][j] : tile_max;
+            if (tile_max > mx[g]) { /* a new maximum: rescale what came before */
+                float c = expf(mx[g] - tile_max);
+                sum[g] *= c;
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) acc[g][i] *= c;
+                mx[g] = tile_max;
+            }
+            for (int j = 0; j < nj; j++) score[g][j] = expf(score[g][j] - mx[g]);
+        }
+        for (int j = 0; j < nj; j++) {
+            const float *v = keys[j] + plane;
+            for (int64_t g = 0; g < G; g++) {
+                float p = score[g][j];
+                sum[g] += p;
+#pragma omp simd
+                for (int64_t i = 0; i < D; i++) acc[g][i] += p * v[i];
+            }
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float *o = s->part + ((r * m->heads + kvh * G + g) * KV_SPLITS + sp) * (D + 2);
+        o[0] = mx[g], o[1] = sum[g];
+        memcpy(o + 2, acc[g], D * sizeof(float));
+    }
+}
+
+/* Head h of request r: its ranges' (max, sum, weighted values) merged into attn (and int8). */
+static void merge_head(const lw_model *m, const lw_step *s, int64_t r, int64_t h) {
+    int64_t D = m->head_dim, S = splits_of(s, r), at = r * m->heads * D + h * D;
+    const float *p = s->part + (r * m->heads + h) * KV_SPLITS * (D + 2);
+    float mx = -INFINITY, sum = 0.0f, out[MAX_HEAD_DIM] = {0};
+    for (int64_t sp = 0; sp < S; sp++) mx = p[sp * (D + 2)] > mx ? p[sp * (D + 2)] : mx;
+    for (int64_t sp = 0; sp < S; sp++) {
+        const float *o = p + sp * (D + 2);
+        float c = expf(o[0] - mx);
+        sum += c * o[1];
+#pragma omp simd
+        for (int64_t i = 0; i < D; i++) out[i] += c * o[2 + i];
+    }
+    for (int64_t i = 0; i < D; i++) s->attn[at + i] = out[i] / sum;
     if (m->int8_act) quantize_row_q8(s->attn + at, D, s->q_attn + at, s->ds_attn + at / QK * 2);
 }
 
-/* One layer, on every thread (tid: this one's index); next: the layer's phase counters. */
+/* One layer, on every thread; ph: the layer's PHASES phases. */
 static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, int first,
-                       lw_sync *y, atomic_int *next, int tid) {
+                       lw_phase *ph) {
     int64_t H = m->hidden, D = m->head_dim, R = s->R;
     lw_input normed = input_of(m, s->normed, s->q_normed, s->ds_normed, H);
     lw_input attn = input_of(m, s->attn, s->q_attn, s->ds_attn, m->heads * D);
     lw_input act = input_of(m, s->act, s->q_act, s->ds_act, m->inter);
-    if (tid == 0) add_norm(m, s, L->in_norm, first);
-    barrier(y);
-    matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &next[0]);
-    barrier(y);
-    if (tid == 0) rope_store(m, s, L->kv_cache);
-    barrier(y);
-    FOR_CHUNKS(t, R * m->heads, &next[1]) {
-        attend_head(m, s, L->kv_cache, t / m->heads, t % m->heads);
+    FOR_CHUNKS(c, 1, &ph[0]) add_norm(m, s, L->in_norm, first);
+    wait_done(&ph[0], 1);
+    wait_done(&ph[1], matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &ph[1]));
+    FOR_CHUNKS(c, 1, &ph[2]) rope_store(m, s, L->kv_cache);
+    wait_done(&ph[2], 1);
+    int64_t Hkv = m->kv_heads, ranges = R * Hkv * KV_SPLITS;
+    FOR_CHUNKS(t, ranges, &ph[3]) {
+        attend_range(m, s, L->kv_cache, t / (Hkv * KV_SPLITS), t / KV_SPLITS % Hkv, t % KV_SPLITS);
     }
-    barrier(y);
-    matmul(&L->o, &attn, R, s->partial, H, &next[2]);
-    barrier(y);
-    if (tid == 0) add_norm(m, s, L->post_norm, 0);
-    barrier(y);
-    gate_up_silu(&L->gate_up, &normed, s, m->inter, &next[3]);
-    barrier(y);
-    matmul(&L->down, &act, R, s->partial, H, &next[4]);
-    barrier(y);
+    wait_done(&ph[3], ranges);
+    FOR_CHUNKS(t, R * m->heads, &ph[4]) merge_head(m, s, t / m->heads, t % m->heads);
+    wait_done(&ph[4], R * m->heads);
+    wait_done(&ph[5], matmul(&L->o, &attn, R, s->partial, H, &ph[5]));
+    FOR_CHUNKS(c, 1, &ph[6]) add_norm(m, s, L->post_norm, 0);
+    wait_done(&ph[6], 1);
+    wait_done(&ph[7], gate_up_silu(&L->gate_up, &normed, s, m->inter, &ph[7]));
+    wait_done(&ph[8], matmul(&L->down, &act, R, s->partial, H, &ph[8]));
+}
+
+static int64_t argmax(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++) best = x[i] > x[best] ? i : best;
+    return best;
+}
+
+/* The final norm, then (with an LM head) the logits and each row's greedy token. */
+static void tail(const lw_model *m, const lw_step *s, lw_phase *ph) {
+    FOR_CHUNKS(c, 1, &ph[0]) add_norm(m, s, m->final_norm, 0);
+    wait_done(&ph[0], 1);
+    const lw_linear *lm = &m->lm_head;
+    if (!lm->rows) return;
+    lw_input in = input_of(m, s->normed, s->q_normed, s->ds_normed, m->hidden);
+    in.int8 = (int)m->lm_int8;
+    wait_done(&ph[1], matmul(lm, &in, s->R, s->logits, lm->rows, &ph[1]));
+    FOR_CHUNKS(r, s->R, &ph[2]) s->tokens[r] = argmax(s->logits + r * lm->rows, lm->rows);
 }
 
 static int check(const lw_model *m, const lw_step *s) {
     if (s->R < 1 || s->R > MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->head_dim % 2) return -1;
+    if (m->heads % m->kv_heads || m->heads / m->kv_heads > MAX_GROUP) return -1;
     if (m->hidden % QK || m->inter % QK || (m->int8_act && m->head_dim % QK)) return -1;
     for (int64_t l = 0; l < m->num_layers; l++) {
         const lw_linear *ls[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gate_up,
@@ -254,6 +342,10 @@ static int check(const lw_model *m, const lw_step *s) {
             if (bb == 0 || ls[i]->row_bytes % bb) return -2;
         }
     }
+    const lw_linear *lm = &m->lm_head;
+    if (lm->rows && (!block_bytes((int)lm->qtype) || lm->row_bytes % block_bytes((int)lm->qtype)))
+        return -2;
+    if (m->lm_int8 && !m->int8_act) return -1;
     return 0;
 }
 
@@ -263,23 +355,16 @@ int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *
     int rc = check(m, s);
     if (rc) return rc;
     memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
-    lw_sync y = {0, 0, nthreads < 1 ? 1 : nthreads, NULL};
-    y.next = calloc(m->num_layers * PHASES, sizeof(atomic_int));
-    if (!y.next) return -3;
-#pragma omp parallel num_threads(y.nthreads)
+    int64_t L = m->num_layers;
+    lw_phase *ph = calloc(L * PHASES + TAIL_PHASES, sizeof(lw_phase));
+    if (!ph) return -3;
+#pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
     {
-        int tid = omp_get_thread_num();
-        if (omp_get_num_threads() != y.nthreads) { /* fewer threads than asked: run alone */
-            if (tid == 0) y.nthreads = 1;
-#pragma omp barrier
-        }
-        if (tid < y.nthreads) {
-            for (int64_t l = 0; l < m->num_layers; l++)
-                layer_step(m, s, &m->layers[l], l == 0, &y, y.next + l * PHASES, tid);
-            if (tid == 0) add_norm(m, s, m->final_norm, 0);
-        }
+        for (int64_t l = 0; l < L; l++) /* any number of threads finishes the work */
+            layer_step(m, s, &m->layers[l], l == 0, ph + l * PHASES);
+        tail(m, s, ph + L * PHASES);
     }
-    free(y.next);
+    free(ph);
     memcpy(out, s->normed, s->R * m->hidden * sizeof(float));
     return 0;
 }

@@ -1,6 +1,7 @@
 """A Llama-shaped model's decode step (up to ``MAX_ROWS`` requests, one token each) in one C call
 (``llama_decode.c``, compiled with ``gguf_cpu.c``): every layer's norms, GGUF-block matmuls,
-RoPE, paged float32 KV-cache store and attention, and the final norm, in one OpenMP region.
+RoPE, paged float32 KV-cache store and attention, the final norm and, optionally, the LM head on
+GGUF blocks with each row's greedy token, in one OpenMP region.
 
 ``LlamaDecoder`` holds the ctypes description of the model (built once, the tensors it points
 into kept alive) and scratch rows for ``MAX_ROWS`` requests; calling it runs one step. Its torch
@@ -19,6 +20,8 @@ from lightwell.kernels.gguf_blocks import BLOCKS
 
 MAX_ROWS = 8  # requests a step (llama_decode.c's MAX_ROWS)
 MAX_HEAD_DIM = 256
+MAX_GROUP = 16  # query heads a KV head (llama_decode.c's MAX_GROUP)
+KV_SPLITS = 4  # llama_decode.c's: key ranges of a (request, KV head) in the attention
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -40,9 +43,11 @@ class _Model(ctypes.Structure):
     ]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     _fields_ += [("cos_sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
+    _fields_ += [("lm_head", _Linear), ("lm_int8", _i64)]
 
 
-_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "q_normed", "q_attn", "q_act")
+_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "part", "q_normed", "q_attn")
+_SCRATCH += ("q_act",)
 _SCRATCH += ("ds_normed", "ds_attn", "ds_act")
 
 
@@ -50,6 +55,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("R", _i64), ("ld_table", _i64), ("positions", _ptr), ("slots", _ptr)]
     _fields_ += [("block_table", _ptr), ("seq_lens", _ptr)]
     _fields_ += [(n, _ptr) for n in _SCRATCH]
+    _fields_ += [("logits", _ptr), ("tokens", _ptr)]
 
 
 @dataclass
@@ -76,7 +82,7 @@ class Shape:
 
 def _linear(part: tuple[int, torch.Tensor], rows: int, cols: int) -> _Linear:
     qtype, blocks = part
-    values, nbytes = BLOCKS[qtype] if qtype in gguf_cpu.SUPPORTED else (0, 0)
+    values, nbytes = BLOCKS[qtype] if qtype in gguf_cpu.BLOCK32 else (0, 0)
     ok = values and blocks.dtype == torch.uint8 and blocks.is_contiguous()
     if not ok or tuple(blocks.shape) != (rows, cols // values * nbytes) or cols % values:
         raise ValueError(f"llama_decode: blocks of type {qtype} {tuple(blocks.shape)} do not "
@@ -98,18 +104,25 @@ class LlamaDecoder:
         cos_sin: torch.Tensor,  # [positions, D] float32: D / 2 cosines, then D / 2 sines
         shape: Shape,
         int8_act: bool = False,  # the matmuls' inputs rounded to int8 by blocks of 32
+        lm_head: tuple[int, torch.Tensor] | None = None,  # (ggml type, [V, bytes] uint8 blocks)
+        lm_int8: bool = False,  # the LM head's input rounded to int8 too (needs int8_act)
     ):
         s = self.shape = shape
         H, D, Hq, Hkv, inter = s.hidden, s.head_dim, s.heads, s.kv_heads, s.inter
-        if D > MAX_HEAD_DIM or D % 2 or Hq % Hkv or not layers or (int8_act and D % 32):
+        bad_group = Hq % Hkv or Hq // Hkv > MAX_GROUP
+        if D > MAX_HEAD_DIM or D % 2 or bad_group or not layers or (int8_act and D % 32):
             raise ValueError(f"llama_decode: unsupported heads {Hq}/{Hkv} x {D}")
         cache_shape = tuple(layers[0].kv_cache.shape)
         if len(cache_shape) != 5 or cache_shape[0] != 2 or cache_shape[3:] != (Hkv, D):
             raise ValueError(
                 f"llama_decode: KV cache {list(cache_shape)} is not [2, N, B, {Hkv}, {D}]"
             )
+        if lm_int8 and not int8_act:
+            raise ValueError("llama_decode: an int8 LM head needs int8_act")
         self.max_positions = cos_sin.shape[0]
-        self._keep = [final_norm, _f32(cos_sin, (cos_sin.shape[0], D), "cos_sin"), layers]
+        self.vocab = lm_head[1].shape[0] if lm_head is not None else 0
+        head = _linear(lm_head, self.vocab, H) if lm_head is not None else _Linear(0, 0, 0, 0)
+        self._keep = [final_norm, _f32(cos_sin, (cos_sin.shape[0], D), "cos_sin"), layers, lm_head]
         table = (_Layer * len(layers))()
         for i, w in enumerate(layers):
             table[i] = _Layer(
@@ -126,9 +139,10 @@ class LlamaDecoder:
             len(layers), H, Hq, Hkv, D, inter, cache_shape[1], cache_shape[2], int(int8_act),
             s.eps, s.scale,
             cos_sin.data_ptr(), _f32(final_norm, (H,), "final_norm").data_ptr(), table,
+            head, int(lm_int8),
         )  # fmt: skip
         widths = {"residual": H, "normed": H, "qkv": (Hq + 2 * Hkv) * D, "attn": Hq * D}
-        widths.update(act=inter, partial=H)
+        widths.update(act=inter, partial=H, part=Hq * KV_SPLITS * (D + 2))
         self._scratch = {n: torch.empty(MAX_ROWS, w) for n, w in widths.items()}
         for n in ("normed", "attn", "act"):  # int8 rows and their (d, s) per block of 32
             self._scratch["q_" + n] = torch.empty(MAX_ROWS, widths[n], dtype=torch.int8)
@@ -141,14 +155,19 @@ class LlamaDecoder:
         slots: torch.Tensor,  # [R] int64: block_id * B + offset of each new token
         block_table: torch.Tensor,  # [R, W] int32
         seq_lens: torch.Tensor,  # [R] int32: cached tokens + the new one
-    ) -> torch.Tensor:  # [R, H] float32: the final norm's output
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The final norm's output [R, H] float32; with an LM head, the logits [R, V] float32
+        and each row's greedy token [R] int64 (else None, None)."""
         R = x.shape[0]
         self._check(x, positions, slots, block_table, seq_lens)
         sc = self._scratch
+        logits = torch.empty(R, self.vocab) if self.vocab else None
+        tokens = torch.empty(R, dtype=torch.int64) if self.vocab else None
         step = _Step(
             R, block_table.stride(0), positions.data_ptr(), slots.data_ptr(),
             block_table.data_ptr(), seq_lens.data_ptr(),
             *(sc[n].data_ptr() for n in _SCRATCH),
+            logits.data_ptr() if self.vocab else 0, tokens.data_ptr() if self.vocab else 0,
         )  # fmt: skip
         out = torch.empty(R, self.shape.hidden)
         lib = gguf_cpu._lib()
@@ -158,7 +177,7 @@ class LlamaDecoder:
         )  # fmt: skip
         if rc:
             raise ValueError(f"llama_decode: the kernel refused the step ({rc})")
-        return out
+        return out, logits, tokens
 
     def _check(self, x, positions, slots, block_table, seq_lens) -> None:
         R = x.shape[0]
