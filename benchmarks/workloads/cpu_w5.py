@@ -5,9 +5,10 @@ it to compare) on the same file at the same thread count, and Lightwell on the b
 int8 activations (``--cpu-int8-activations``). 128 random prompt tokens, 256 output
 tokens (EOS ignored, greedy), each token timed as it is streamed. Each run is its own process
 (its peak RSS is the process's ``ru_maxrss``); the engines take turns, ``--rounds`` times, and
-the medians are written. About 4 minutes on 2 idle cores:
+the medians are written. About 6 minutes on 2 idle cores:
 
-    python3 -m benchmarks.workloads.cpu_w5 --threads 2 --rounds 5 --out benchmarks/results/W5_cpu.json
+    python3 -m benchmarks.workloads.cpu_w5 --threads 2 --rounds 5 \
+        --out benchmarks/results/W5_cpu.json
 
 ``--rounds 1 --output-len 16`` checks the script in a minute.
 """
