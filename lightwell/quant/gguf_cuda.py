@@ -3,9 +3,9 @@
 quantized type is dequantized once at load, to the model's dtype).
 
 A step of at most ``GEMV_MAX_TOKENS`` tokens runs the GEMV kernel on each shard, dequantizing
-in registers (each weight byte read once); the kernel takes up to its ``MAX_M`` rows, but its
-accumulators grow with the rows and by 8 it is slower than dequantizing and cuBLAS
-(benchmarks/kernels/gguf_cuda.py). A larger step dequantizes the layer into a buffer of
+in registers (each weight byte read once; the kernel takes up to its ``MAX_M`` rows, but its
+accumulators grow with the rows: benchmarks/kernels/gguf_cuda.py times it against the
+dequantizing path at 1 and 8). A larger step dequantizes the layer into a buffer of
 this call only, [N, K] in the activation dtype, and multiplies with cuBLAS: the caching
 allocator hands the same memory to every layer in turn (the largest layer's weight is the peak,
 which the memory profile sees), and under CUDA graph capture the buffer comes from the graphs'
