@@ -49,7 +49,8 @@ VARIABLES: dict[str, EnvVar] = {
             str,
             "",
             "The XDG base-directory convention: the CPU kernels compiled at first use are "
-            "cached under $XDG_CACHE_HOME/lightwell/kernels (default ~/.cache/lightwell/kernels).",
+            "cached under $XDG_CACHE_HOME/lightwell/kernels (default ~/.cache/lightwell/kernels), "
+            "tokenizers built from GGUF files under $XDG_CACHE_HOME/lightwell/tokenizers.",
         ),
     )
 }

@@ -150,11 +150,16 @@ _HANDOUT = threading.Lock()  # a built GGUF tokenizer goes to one engine; the ot
 
 @functools.lru_cache(maxsize=2)
 def _gguf_tokenizer(path: str, mtime_ns: int, size: int) -> dict[str, Any]:
-    """The tokenizer of a GGUF file, built once per process (transformers parses the whole file
-    and converts its vocabulary: seconds; a copy takes a fraction of that), and whether an
-    engine holds it already."""
+    """The tokenizer of a GGUF file, once per process (transformers converts the vocabulary in
+    the file's metadata: seconds, so the result is also kept on disk, engine/tokenizer_cache.py;
+    a copy takes a fraction of that), and whether an engine holds it already."""
     from transformers import AutoTokenizer
 
+    from lightwell.engine.tokenizer_cache import cached_tokenizer
+
     folder, name = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
-    return {"tokenizer": tok, "handed_out": False}
+
+    def build() -> Any:
+        return AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+
+    return {"tokenizer": cached_tokenizer(path, mtime_ns, size, build), "handed_out": False}
