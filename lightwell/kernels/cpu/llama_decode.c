@@ -71,6 +71,7 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
 #define KEYS_A_SPLIT 64 /* keys a range of the attention, at least */
 #define KV_SPLITS 4     /* ranges a (request, KV head)'s keys are attended in, at most */
 #define MAX_GROUP 16    /* query heads a KV head */
+#define KEYS_AHEAD 8    /* keys ahead of the one scored whose cache lines are prefetched */
 
 typedef struct { /* one phase of one call */
     atomic_int next; /* the next chunk to take */
@@ -211,7 +212,9 @@ static inline int64_t splits_of(const lw_step *s, int64_t r) {
 
 /* Range sp of request r's keys against the G query heads of KV head kvh (each key and value
  * loaded once for the G heads), by tiles of KEYS_A_TILE keys: the tile's scores, one rescale a
- * head when the tile raises its maximum, then the weighted values. Per head, (max, sum,
+ * head when the tile raises its maximum, then the weighted values. The cached rows are read
+ * from scattered blocks, a head's slice of each token: the loop prefetches a key KEYS_AHEAD
+ * tokens ahead and each scored key's value (the hardware prefetchers miss these strides). Per head, (max, sum,
  * weighted values [D]) go to s->part [R, Hq, KV_SPLITS, D + 2]. */
 static void attend_range(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
                          int64_t kvh, int64_t sp) {
@@ -233,6 +236,12 @@ static void attend_range(const lw_model *m, const lw_step *s, const float *cache
             int64_t t = j0 + j;
             const float *k = cache + (((int64_t)table[t / B] * B + t % B) * Hkv + kvh) * D;
             keys[j] = k;
+            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(k + plane + i); /* its value */
+            if (t + KEYS_AHEAD < end) { /* the key KEYS_AHEAD on */
+                int64_t u = t + KEYS_AHEAD;
+                const float *next = cache + (((int64_t)table[u / B] * B + u % B) * Hkv + kvh) * D;
+                for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + i);
+            }
             for (int64_t g = 0; g < G; g++) {
                 float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
