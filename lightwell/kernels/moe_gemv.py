@@ -15,7 +15,9 @@ divides the reduced size (rows past the end re-read the last row and store nothi
   time, where L2 can serve all but the first read.
 - ``_moe_gemv_down``: grid (T, cdiv(H, BLOCK_N)): one program loops over its token's k pairs,
   each pair's W2 rows against its ``act`` row times its router weight, summed in fp32 in a
-  fixed order (no atomics: deterministic) -> [T, H] in x's dtype.
+  fixed order (no atomics: deterministic) -> [T, H] in x's dtype. ``_moe_gemv_down_pairs``:
+  the same with the pairs a dimension of the tile instead of a loop (all pairs' loads in
+  flight together), for one or two tokens of many pairs each (``use_pairs_tile``).
 
 Shared experts (``num_shared`` S: DeepSeek's, split into experts of the routed size) are the
 last S of the stack: every token takes them after its k routed ones, with weight 1 (pairs are
@@ -124,6 +126,52 @@ def _moe_gemv_down(
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
 
 
+@triton.jit(do_not_specialize=["top_k", "num_experts", "num_shared"])
+def _moe_gemv_down_pairs(
+    a_ptr,  # [T * (k + S), I]
+    w_ptr,  # [E, H, I]
+    ids_ptr,  # [T * k] expert ids
+    weight_ptr,  # [T * k] fp32 router weights
+    out_ptr,  # [T, H]
+    top_k, num_experts, num_shared, hidden, inter,
+    PAIRS: tl.constexpr,  # a power of two >= k + S
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+):  # fmt: skip
+    """As ``_moe_gemv_down`` with the token's pairs a dimension of the tile ([PAIRS, BLOCK_N,
+    BLOCK_K]) rather than a loop: every pair's rows are in flight at once. Pairs past k + S and
+    other ranks' experts are masked off (never read); the pairs' sums are added as a tree in
+    a fixed order."""
+    token = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
+    j = tl.arange(0, PAIRS)
+    expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)  # [P]
+    mine = (j < top_k + num_shared) & (expert >= 0) & (expert < num_experts)
+    expert = tl.where(mine, expert, 0)
+    scale = tl.load(weight_ptr + token * top_k + tl.minimum(j, top_k - 1))
+    scale = tl.where(mine, tl.where(j < top_k, scale, 1.0), 0.0)  # shared experts: weight 1
+    pair = token * (top_k + num_shared) + tl.minimum(j, top_k + num_shared - 1)
+    w_rows = w_ptr + (expert * hidden)[:, None, None] * inter + rows[None, :, None] * inter
+    a_rows = a_ptr + pair.to(tl.int64)[:, None] * inter  # [P, 1]
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([PAIRS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, None, :], mask=mine[:, None, None], other=0.0)
+            a = tl.load(a_rows + k[None, :], mask=mine[:, None], other=0.0)
+        else:
+            kin = k < inter
+            w = tl.load(
+                w_rows + k[None, None, :], mask=mine[:, None, None] & kin[None, None, :], other=0.0
+            )
+            a = tl.load(a_rows + k[None, :], mask=mine[:, None] & kin[None, :], other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    total = tl.sum(tl.sum(acc, axis=2) * scale[:, None], axis=0)  # [BN]
+    out = out_ptr + token.to(tl.int64) * hidden + rn
+    tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
+
+
 def pick_config(k: int, mats: int = 1, num_tokens: int = 1) -> Config:
     """The tile of a kernel reducing over ``k`` (H for gate/up, I for down) that streams
     ``mats`` matrices at once (2 for gate/up), for a step of ``num_tokens`` tokens; the best
@@ -160,18 +208,41 @@ def moe_gemv_gate_up(
     return act
 
 
+def use_pairs_tile(num_tokens: int, pairs_per_token: int) -> bool:
+    """Whether ``moe_gemv_down`` takes ``_moe_gemv_down_pairs`` by default: many pairs a token
+    (k + S >= 4) and at most 2 tokens, where the loop over pairs leaves the memory system idle
+    between pairs; the rule of benchmarks/kernels/moe_down.py's results (DeepSeek-V2-Lite's
+    8 pairs a token and Mixtral's 2, at 1, 2 and 4 tokens)."""
+    return pairs_per_token >= 4 and num_tokens <= 2
+
+
+PAIRS_TILE_CONFIG: Config = (8, 256, 8, 1)  # _moe_gemv_down_pairs's tile (moe_down.py)
+
+
 def moe_gemv_down(
     act: torch.Tensor,  # [T * (k + S), I]
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
-    config: Config | None = None,  # default: pick_config(I, 1, T)
+    config: Config | None = None,  # default: pick_config(I, 1, T) or PAIRS_TILE_CONFIG
     num_shared: int = 0,  # the last S experts of w2 are every token's, weight 1
+    pairs_tile: bool | None = None,  # _moe_gemv_down_pairs; default: use_pairs_tile
 ) -> torch.Tensor:  # [T, H] in act's dtype
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w2.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
+    if pairs_tile is None:
+        pairs_tile = use_pairs_tile(num_tokens, top_k + num_shared)
+    if pairs_tile:
+        block_n, block_k, warps, stages = config or PAIRS_TILE_CONFIG
+        _moe_gemv_down_pairs[(num_tokens, triton.cdiv(hidden, block_n))](
+            act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
+            num_shared, hidden, inter, PAIRS=triton.next_power_of_2(top_k + num_shared),
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0, num_warps=warps,
+            num_stages=stages,
+        )  # fmt: skip
+        return out
     block_n, block_k, warps, stages = config or pick_config(inter, 1, num_tokens)
     _moe_gemv_down[(num_tokens, triton.cdiv(hidden, block_n))](
         act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
@@ -188,12 +259,13 @@ def moe_gemv(
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
     gate_up_config: Config | None = None,  # default: pick_config(H, 2, T)
-    down_config: Config | None = None,  # default: pick_config(I, 1, T)
+    down_config: Config | None = None,  # default: see moe_gemv_down
     num_shared: int = 0,  # the last S experts: every token's, weight 1 (DeepSeek's shared)
+    down_pairs_tile: bool | None = None,  # moe_gemv_down's pairs_tile
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
     ``fused_moe``, which checks them and calls this for steps ``moe_gemv_rule.use_gemv``
     accepts (its torch reference is ``fused_moe_ref`` there). With ``num_shared`` S, each token
     also takes the last S experts of ``w13`` / ``w2`` with weight 1 (after its k routed ones)."""
     act = moe_gemv_gate_up(x, w13, ids, gate_up_config, num_shared)
-    return moe_gemv_down(act, w2, weights, ids, down_config, num_shared)
+    return moe_gemv_down(act, w2, weights, ids, down_config, num_shared, down_pairs_tile)

@@ -112,3 +112,34 @@ def test_fused_moe_folds_shared_experts_exactly_where_the_gemv_path_runs():
         for tokens in range(0, 12):
             want = use_gemv(tokens, top_k + shared, experts + shared)
             assert moe.folds_shared(tokens, top_k) == want, (experts, top_k, shared, tokens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, FP16])
+@pytest.mark.parametrize("tokens", [1, 2])
+def test_down_with_pairs_in_the_tile_matches_the_loop(tokens, dtype):
+    """``_moe_gemv_down_pairs`` (every pair of a token in one tile; masked pairs past k + S and
+    of other ranks) against the reference and the loop over pairs: shared experts, an id of
+    another rank, I not a multiple of BLOCK_K, H not of BLOCK_N, k + S not a power of two."""
+    from lightwell.kernels.fused_moe import with_shared
+    from lightwell.kernels.moe_gemv import PAIRS_TILE_CONFIG, moe_gemv_down, use_pairs_tile
+
+    assert use_pairs_tile(1, 8) and use_pairs_tile(2, 4)
+    assert not use_pairs_tile(4, 8) and not use_pairs_tile(1, 2)  # Mixtral's 2 pairs: the loop
+    x, w13, w2, weights, ids = _case(tokens, 4, 12, 40, 44, dtype, seed=13)
+    ids = ids % 9
+    ids[0, 1] = 17  # another rank's expert: skipped
+    act = torch.randn(tokens * (4 + 3), 44, device=DEVICE).to(dtype)  # k + S = 7 pairs a token
+    wide_w, wide_ids = with_shared(weights, ids, 12, 3)
+    want = torch.zeros(tokens, 40)
+    for t in range(tokens):
+        for j in range(7):
+            e = int(wide_ids[t, j])
+            if 0 <= e < 12:
+                row = act[t * 7 + j].float().cpu()
+                want[t] += float(wide_w[t, j]) * (w2[e].float().cpu() @ row)
+    loop = moe_gemv_down(act, w2, weights, ids, (16, 16, 1, 1), 3, pairs_tile=False)
+    for config in ((16, 16, 1, 1), (4, 32, 2, 1), PAIRS_TILE_CONFIG):
+        tiled = moe_gemv_down(act, w2, weights, ids, config, 3, pairs_tile=True)
+        assert _rel_err(tiled.cpu(), want) < TOL[dtype]
+        assert _rel_err(tiled, loop) < TOL[dtype]
+    assert torch.equal(moe_gemv_down(act, w2, weights, ids, None, 3), tiled)  # the default
