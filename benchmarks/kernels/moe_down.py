@@ -1,9 +1,10 @@
 """The MoE down projection for a few tokens (lightwell/kernels/moe_gemv.py): the loop over a
 token's pairs (``_moe_gemv_down``, its ``pick_config`` tile) against the pairs as a dimension of
 the tile (``_moe_gemv_down_pairs``, a sweep of tiles), bf16, at 1, 2 and 4 tokens, on
-DeepSeek-V2-Lite's shapes (6 routed + 2 shared experts a token, H 2,048, I 1,408) and
-Mixtral-8x7B's (2 a token, H 4,096, I 14,336). The rule ``use_pairs_tile`` and
-``PAIRS_TILE_CONFIG`` come from these rows. One device call, about a minute:
+DeepSeek-V2-Lite's shapes (6 routed + 2 shared experts a token, H 2,048, I 1,408),
+Mixtral-8x7B's (2 a token, H 4,096, I 14,336), Qwen2-MoE-A2.7B's (4 of 60, I 1,408) and
+Qwen3-MoE-30B-A3B's (8 of 128, I 768). The rule ``use_pairs_tile`` and
+``PAIRS_TILE_CONFIG`` come from these rows. One device call, about two minutes:
 
     run(command="python3 -m benchmarks.kernels.moe_down --out $OUT/moe_down.json")
 
@@ -27,7 +28,12 @@ from lightwell.bench.results import record, write_json
 from lightwell.kernels import moe_gemv as mg
 
 # name: (experts in the stack, routed k, shared S, H, I)
-SHAPES = {"deepseek-v2-lite": (66, 6, 2, 2048, 1408), "mixtral-8x7b": (8, 2, 0, 4096, 14336)}
+SHAPES = {
+    "deepseek-v2-lite": (66, 6, 2, 2048, 1408),
+    "mixtral-8x7b": (8, 2, 0, 4096, 14336),
+    "qwen2-moe-a2.7b": (60, 4, 0, 2048, 1408),  # its shared expert is a separate MLP
+    "qwen3-moe-30b-a3b": (128, 8, 0, 2048, 768),
+}
 TOKENS = (1, 2, 4)
 TILES = list(itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024), (4, 8), (1, 3)))
 

@@ -212,7 +212,7 @@ def use_pairs_tile(num_tokens: int, pairs_per_token: int) -> bool:
     """Whether ``moe_gemv_down`` takes ``_moe_gemv_down_pairs`` by default: many pairs a token
     (k + S >= 4) and at most 2 tokens, where the loop over pairs leaves the memory system idle
     between pairs; the rule of benchmarks/kernels/moe_down.py's results (DeepSeek-V2-Lite's
-    8 pairs a token and Mixtral's 2, at 1, 2 and 4 tokens)."""
+    8 pairs a token, Qwen3-MoE's 8, Qwen2-MoE's 4 and Mixtral's 2, at 1, 2 and 4 tokens)."""
     return pairs_per_token >= 4 and num_tokens <= 2
 
 
