@@ -226,14 +226,15 @@ def moe_gemv_down(
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
     config: Config | None = None,  # default: pick_config(I, 1, T) or PAIRS_TILE_CONFIG
     num_shared: int = 0,  # the last S experts of w2 are every token's, weight 1
-    pairs_tile: bool | None = None,  # _moe_gemv_down_pairs; default: use_pairs_tile
+    pairs_tile: bool | None = None,  # _moe_gemv_down_pairs; default: use_pairs_tile when
+    # config is None (a config given alone is the loop's tile)
 ) -> torch.Tensor:  # [T, H] in act's dtype
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w2.shape
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
     if pairs_tile is None:
-        pairs_tile = use_pairs_tile(num_tokens, top_k + num_shared)
+        pairs_tile = config is None and use_pairs_tile(num_tokens, top_k + num_shared)
     if pairs_tile:
         block_n, block_k, warps, stages = config or PAIRS_TILE_CONFIG
         _moe_gemv_down_pairs[(num_tokens, triton.cdiv(hidden, block_n))](

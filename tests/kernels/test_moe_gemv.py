@@ -143,3 +143,4 @@ def test_down_with_pairs_in_the_tile_matches_the_loop(tokens, dtype):
         assert _rel_err(tiled.cpu(), want) < TOL[dtype]
         assert _rel_err(tiled, loop) < TOL[dtype]
     assert torch.equal(moe_gemv_down(act, w2, weights, ids, None, 3), tiled)  # the default
+    assert torch.equal(moe_gemv_down(act, w2, weights, ids, (16, 16, 1, 1), 3), loop)  # a tile
