@@ -6,6 +6,9 @@ the bf16 weight of the same shape. One device call of about a minute:
 
     run(command="python3 -m benchmarks.kernels.gguf_cuda --out $OUT/gguf_cuda.json")
 
+``--crossover``: instead, both paths at 1-8 rows for every type and shape (the rows where the
+GEMV stops paying: ``quant/gguf_cuda.GEMV_MAX_TOKENS``), about a minute too.
+
 Weights: random block bytes with each block's fp16 scales (d, dmin) set to small finite values
 (random bytes elsewhere are valid quants). Timing: a CUDA graph cycling through enough weight
 copies (>= 200 MB) that no launch finds them in L2, median of 20 replays; µs a call and the
@@ -77,10 +80,41 @@ def measure(name: str, qtype: int, dev: torch.device) -> list[dict]:
     return rows
 
 
+def crossover(name: str, qtype: int, dev: torch.device) -> list[dict]:
+    """The GEMV and dequantize + cuBLAS at 1-8 rows, each checked, then timed."""
+    n, k = SHAPES[name]
+    nbytes = n * k // BLOCKS[qtype][0] * BLOCKS[qtype][1]
+    copies = [random_blocks(n, k, qtype, dev) for _ in range(max(2, -(-MIN_BYTES // nbytes)))]
+    ref_w = gguf_dequantize_ref(copies[0], qtype)
+    rows = []
+    for m in range(1, 9):
+        x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        ref = x.float() @ ref_w.t()
+        times = {}
+        paths = {
+            "gemv": lambda w, x=x: gguf_gemv(x, w, qtype),
+            "dequant+cublas": lambda w, x=x: dequant_matmul(x, w, qtype),
+        }
+        for path, call in paths.items():
+            err = rel_err(call(copies[0]), ref)
+            if err > 2e-2:
+                raise AssertionError(f"{NAMES[qtype]} {name} m={m} {path}: error {err:.3g}")
+            times[path] = graph_replay_us(lambda call=call: [call(w) for w in copies],
+                                          calls=len(copies))  # fmt: skip
+            rows.append(record("gguf_cuda_us", times[path], qtype=NAMES[qtype], shape=name, n=n,
+                               k=k, m=m, path=path, rel_err=err))  # fmt: skip
+        print(f"{NAMES[qtype]} {name} m={m}: gemv {times['gemv']:.1f} us, dequant+cublas "
+              f"{times['dequant+cublas']:.1f}", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="write the rows as a JSON results file")
     ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K,Q6_K")
+    ap.add_argument(
+        "--crossover", action="store_true", help="GEMV vs dequantize + cuBLAS, 1-8 rows"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -90,7 +124,10 @@ def main() -> int:
     rows = []
     for t in args.types.split(","):
         for name in SHAPES:
-            rows += measure(name, by_name[t], dev)
+            if args.crossover:
+                rows += crossover(name, by_name[t], dev)
+            else:
+                rows += measure(name, by_name[t], dev)
     if args.out:
         write_json(args.out, rows)
     return 0

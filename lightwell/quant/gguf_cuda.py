@@ -4,12 +4,12 @@ quantized type is dequantized once at load, to the model's dtype).
 
 A step of at most ``GEMV_MAX_TOKENS`` tokens runs the GEMV kernel on each shard, dequantizing
 in registers (each weight byte read once; the kernel takes up to its ``MAX_M`` rows, but its
-accumulators grow with the rows: benchmarks/kernels/gguf_cuda.py times it against the
-dequantizing path at 1 and 8). A larger step dequantizes the layer into a buffer of
-this call only, [N, K] in the activation dtype, and multiplies with cuBLAS: the caching
-allocator hands the same memory to every layer in turn (the largest layer's weight is the peak,
-which the memory profile sees), and under CUDA graph capture the buffer comes from the graphs'
-pool. No step reads a value back to the host, so every path can be captured.
+time grows with the rows: ``benchmarks/kernels/gguf_cuda.py --crossover`` times both paths at
+1-8 rows, and from 3 rows dequantizing is the faster). A larger step dequantizes the layer
+into a buffer of this call only, [N, K] in the activation dtype, and multiplies with cuBLAS:
+the caching allocator hands the same memory to every layer in turn (the largest layer's weight
+is the peak, which the memory profile sees), and under CUDA graph capture the buffer comes from
+the graphs' pool. No step reads a value back to the host, so every path can be captured.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from lightwell.kernels.gguf_dequant import (
     gguf_gemv,
 )
 
-GEMV_MAX_TOKENS = min(4, MAX_M)  # steps up to this many tokens run the GEMV
+GEMV_MAX_TOKENS = min(2, MAX_M)  # steps up to this many tokens run the GEMV
 
 Part = tuple[int | None, torch.Tensor]  # (GGUF type or None for a float tensor, its tensor)
 
