@@ -74,6 +74,8 @@ def nccl_p2p_disabled() -> bool:
     return get("NCCL_P2P_DISABLE") != "0"
 
 
-def cache_home() -> str:
-    """The user's cache folder (XDG_CACHE_HOME, else ~/.cache)."""
-    return get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def cache_dir(sub: str) -> str:
+    """Lightwell's cache folder ``sub`` (kernels, tokenizers) in the user's cache folder
+    (XDG_CACHE_HOME, else ~/.cache)."""
+    home = get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(home, "lightwell", sub)

@@ -53,11 +53,17 @@ def dequant_matmul(x: torch.Tensor, w: torch.Tensor, qtype: int) -> torch.Tensor
     return x @ gguf_dequantize(w, qtype, x.dtype).t()
 
 
-def measure(name: str, qtype: int, dev: torch.device) -> list[dict]:
+def weights(name: str, qtype: int, dev: torch.device) -> tuple:
+    """(N, K, the blocks' bytes, copies of random blocks filling MIN_BYTES, the first copy
+    dequantized by the reference [N, K] fp32) of a shape."""
     n, k = SHAPES[name]
     nbytes = n * k // BLOCKS[qtype][0] * BLOCKS[qtype][1]
     copies = [random_blocks(n, k, qtype, dev) for _ in range(max(2, -(-MIN_BYTES // nbytes)))]
-    ref_w = gguf_dequantize_ref(copies[0], qtype)  # [N, K] fp32
+    return n, k, nbytes, copies, gguf_dequantize_ref(copies[0], qtype)
+
+
+def measure(name: str, qtype: int, dev: torch.device) -> list[dict]:
+    n, k, nbytes, copies, ref_w = weights(name, qtype, dev)
     dense = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(2)]
     rows = []
     for m in (1, 8, 16, 2048):
@@ -82,10 +88,7 @@ def measure(name: str, qtype: int, dev: torch.device) -> list[dict]:
 
 def crossover(name: str, qtype: int, dev: torch.device) -> list[dict]:
     """The GEMV and dequantize + cuBLAS at 1-8 rows, each checked, then timed."""
-    n, k = SHAPES[name]
-    nbytes = n * k // BLOCKS[qtype][0] * BLOCKS[qtype][1]
-    copies = [random_blocks(n, k, qtype, dev) for _ in range(max(2, -(-MIN_BYTES // nbytes)))]
-    ref_w = gguf_dequantize_ref(copies[0], qtype)
+    n, k, _, copies, ref_w = weights(name, qtype, dev)
     rows = []
     for m in range(1, 9):
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)

@@ -133,14 +133,10 @@ class Case:
             err = _err(mg.moe_gemv_gate_up(self.x, self.w13s[0], self.ids, cfg), self.act)
             calls = [lambda w=w: mg.moe_gemv_gate_up(self.x, w, self.ids, cfg) for w in self.w13s]
         else:
-            got = mg.moe_gemv_down(
-                self.act, self.w2s[0], self.weights, self.ids, cfg, pairs_tile=False
-            )
+            got = mg.moe_gemv_down(self.act, self.w2s[0], self.weights, self.ids, cfg)
             err = _err(got, self.out_ref)
             calls = [
-                lambda w=w: mg.moe_gemv_down(
-                    self.act, w, self.weights, self.ids, cfg, pairs_tile=False
-                )
+                lambda w=w: mg.moe_gemv_down(self.act, w, self.weights, self.ids, cfg)
                 for w in self.w2s
             ]  # fmt: skip
         if not err < TOL:

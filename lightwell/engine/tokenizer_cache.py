@@ -1,7 +1,7 @@
 """A disk cache of the tokenizers built from GGUF files.
 
 transformers builds a GGUF file's tokenizer by converting the vocabulary in its metadata: seconds
-and a transient peak of memory (over a hundred MB for a 49k vocabulary), on every start. The
+and a transient peak of memory, on every start. The
 built tokenizer is saved once, as transformers' own files (``save_pretrained``: tokenizer.json
 and its config), under ``$XDG_CACHE_HOME/lightwell/tokenizers/<key>`` and loaded from there
 afterwards. The key covers the file (absolute path, size, modification time) and the
@@ -16,11 +16,12 @@ import hashlib
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
-from lightwell.envs import cache_home
+from lightwell.envs import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ KEEP = 16  # entries kept (the most recently written)
 
 
 def cache_root() -> str:
-    return os.path.join(cache_home(), "lightwell", "tokenizers")
+    return cache_dir("tokenizers")
 
 
 def entry(path: str, mtime_ns: int, size: int) -> str:
@@ -63,17 +64,19 @@ def _load(folder: str) -> Any | None:
 
 
 def _save(tok: Any, folder: str) -> None:
-    tmp = f"{folder}.tmp{os.getpid()}"
+    root, tmp = os.path.dirname(folder), None
     try:
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(folder) + ".tmp", dir=root)  # unique
         tok.save_pretrained(tmp)
         shutil.rmtree(folder, ignore_errors=True)  # a damaged entry
         os.replace(tmp, folder)
-    except OSError as e:  # a read-only or full cache folder, or another process's entry
+    except OSError as e:  # a read-only or full cache folder, or another writer's entry
         logger.debug("tokenizer cache entry %s not written (%s)", folder, e)
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         return
-    _prune(os.path.dirname(folder))
+    _prune(root)
 
 
 def _prune(root: str) -> None:

@@ -45,6 +45,14 @@ def _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared):
     return tl.where(j < top_k, routed, shared)
 
 
+@triton.jit
+def _pair_weight(weight_ptr, token, j, top_k):
+    """The router weight of choice ``j`` of ``token``: from ``weight_ptr`` (j < k), else 1 (a
+    shared expert)."""
+    scale = tl.load(weight_ptr + token * top_k + tl.minimum(j, top_k - 1))
+    return tl.where(j < top_k, scale, 1.0)
+
+
 @triton.jit(do_not_specialize=["top_k", "num_experts", "num_shared"])  # no compile per k or E
 def _moe_gemv_gate_up(
     x_ptr,  # [T, H]
@@ -106,8 +114,7 @@ def _moe_gemv_down(
     for j in range(top_k + num_shared):
         pair = token * (top_k + num_shared) + j
         expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)
-        scale = tl.load(weight_ptr + token * top_k + tl.minimum(j, top_k - 1))
-        scale = tl.where(j < top_k, scale, 1.0)  # shared experts: weight 1
+        scale = _pair_weight(weight_ptr, token, j, top_k)
         if (expert >= 0) & (expert < num_experts):  # else: another rank's expert
             w_rows = w_ptr + expert * hidden * inter + rows[:, None] * inter  # [BN, 1]
             a_row = a_ptr + pair.to(tl.int64) * inter
@@ -148,8 +155,7 @@ def _moe_gemv_down_pairs(
     expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)  # [P]
     mine = (j < top_k + num_shared) & (expert >= 0) & (expert < num_experts)
     expert = tl.where(mine, expert, 0)
-    scale = tl.load(weight_ptr + token * top_k + tl.minimum(j, top_k - 1))
-    scale = tl.where(mine, tl.where(j < top_k, scale, 1.0), 0.0)  # shared experts: weight 1
+    scale = tl.where(mine, _pair_weight(weight_ptr, token, j, top_k), 0.0)
     pair = token * (top_k + num_shared) + tl.minimum(j, top_k + num_shared - 1)
     w_rows = w_ptr + (expert * hidden)[:, None, None] * inter + rows[None, :, None] * inter
     a_rows = a_ptr + pair.to(tl.int64)[:, None] * inter  # [P, 1]
@@ -236,19 +242,15 @@ def moe_gemv_down(
     if pairs_tile is None:
         pairs_tile = config is None and use_pairs_tile(num_tokens, top_k + num_shared)
     if pairs_tile:
-        block_n, block_k, warps, stages = config or PAIRS_TILE_CONFIG
-        _moe_gemv_down_pairs[(num_tokens, triton.cdiv(hidden, block_n))](
-            act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
-            num_shared, hidden, inter, PAIRS=triton.next_power_of_2(top_k + num_shared),
-            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0, num_warps=warps,
-            num_stages=stages,
-        )  # fmt: skip
-        return out
-    block_n, block_k, warps, stages = config or pick_config(inter, 1, num_tokens)
-    _moe_gemv_down[(num_tokens, triton.cdiv(hidden, block_n))](
+        kernel, tile = _moe_gemv_down_pairs, config or PAIRS_TILE_CONFIG
+        extra = {"PAIRS": triton.next_power_of_2(top_k + num_shared)}
+    else:
+        kernel, tile, extra = _moe_gemv_down, config or pick_config(inter, 1, num_tokens), {}
+    block_n, block_k, warps, stages = tile
+    kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
         num_shared, hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=inter % block_k == 0, num_warps=warps, num_stages=stages,
+        EVEN_K=inter % block_k == 0, num_warps=warps, num_stages=stages, **extra,
     )  # fmt: skip
     return out
 

@@ -139,7 +139,7 @@ class GGUFLinearMethod:
     def process_after_loading(self, layer: nn.Module) -> None:
         if any(p is None for p in layer.gguf_parts):
             raise ValueError("GGUF: a shard of a fused layer had no tensor in the file")
-        gguf_cpu.prepare_cpu(layer, self.int8_act)
+        gguf_cpu.prepare_cpu(layer)
 
     def apply(
         self,
@@ -152,7 +152,7 @@ class GGUFLinearMethod:
 
             return gguf_linear(layer.gguf_parts, x, bias)
         if getattr(layer, "gguf_cpu", None) is not None:
-            return gguf_cpu.apply_cpu(layer, x, bias)
+            return gguf_cpu.apply_cpu(layer, x, bias, self.int8_act)
         parts = [p if q is None else dequantize_raw(p, q) for q, p in layer.gguf_parts]
         w = parts[0] if len(parts) == 1 else torch.cat(parts)  # [N, K], this call only
         return F.linear(x, w.to(x.dtype), bias)

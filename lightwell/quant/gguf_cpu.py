@@ -1,8 +1,9 @@
 """The CPU side of ``--quantization gguf``: linears, the token embedding and the LM head run on
 the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
 Q6_K), float32 activations, every weight dequantized in registers to gguf-py's exact float32
-value. With ``int8_act`` (``--cpu-int8-activations``, a model's setting: ``prepare_cpu`` and
-``quantize_embeddings`` store it on each layer) the direct steps of Q4_0 / Q4_1 / Q8_0 linears
+value. With ``int8_act`` (``--cpu-int8-activations``, a model's setting: the model's
+``GGUFLinearMethod`` passes it to ``apply_cpu``, ``quantize_embeddings`` stores it on the LM
+head) the direct steps of Q4_0 / Q4_1 / Q8_0 linears
 and LM head round their inputs to int8 by blocks of 32 and use integer dot products.
 
 A layer's parts (one per fused shard) that share one supported type are joined into one block
@@ -50,10 +51,10 @@ def blocks_matmul(
         torch.mm(x, w.T, out=out[:, start : start + ids.numel()])
 
 
-def prepare_cpu(layer: nn.Module, int8_act: bool = False) -> bool:
+def prepare_cpu(layer: nn.Module) -> bool:
     """Set ``layer.gguf_cpu``, its segments ``(qtype, blocks [rows, bytes], first output
-    column)`` (parts of one type joined into one), and ``layer.gguf_int8 = int8_act``; False
-    (nothing changed) unless every part is on the CPU in a supported type."""
+    column)`` (parts of one type joined into one); False (nothing changed) unless every part is
+    on the CPU in a supported type."""
     parts = layer.gguf_parts
     if not all(supported(q) and p.device.type == "cpu" for q, p in parts):
         return False
@@ -67,7 +68,6 @@ def prepare_cpu(layer: nn.Module, int8_act: bool = False) -> bool:
     layer.gguf_cpu = [(q, p, start) for (q, p), start in zip(parts, starts)]
     layer.gguf_out = starts[-1] + parts[-1][1].shape[0]  # output features
     layer.gguf_parts = None  # the segments replace them
-    layer.gguf_int8 = bool(int8_act)
     return True
 
 
@@ -75,12 +75,12 @@ def apply_cpu(
     layer: nn.Module,
     x: torch.Tensor,  # [T, K]
     bias: torch.Tensor | None,  # [N]
+    int8_act: bool = False,  # the model's --cpu-int8-activations (its GGUFLinearMethod's)
 ) -> torch.Tensor:  # [T, N]
     x32 = x.float().contiguous()
     out = torch.empty(x.shape[0], layer.gguf_out, dtype=torch.float32)
-    int8 = layer.gguf_int8
     for qtype, blocks, start in layer.gguf_cpu:
-        blocks_matmul(x32, blocks, qtype, out[:, start : start + blocks.shape[0]], int8)
+        blocks_matmul(x32, blocks, qtype, out[:, start : start + blocks.shape[0]], int8_act)
     if bias is not None:
         out += bias
     return out.to(x.dtype)
@@ -94,7 +94,6 @@ class GGUFEmbedding(VocabParallelEmbedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype):
         super().__init__(num_embeddings, embedding_dim)
         self.dtype = dtype  # of the rows it returns (the model's activations)
-        self.int8_act = False  # the LM head's direct steps on int8 inputs (quantize_embeddings)
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
         set_weight_attrs(self.weight, {"weight_loader": self.load_blocks, "gguf_type": None})
 
@@ -121,6 +120,7 @@ class GGUFLMHead(GGUFEmbedding):
     ``output.weight``)."""
 
     bias = None
+    int8_act = False  # direct steps on int8 inputs (set by quantize_embeddings)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         if self.weight.gguf_type is None:
@@ -150,14 +150,15 @@ def quantize_embeddings(model: nn.Module, int8_act: bool = False) -> bool:
         for name, child in list(module.named_children()):
             new = _swap(child)
             if new is not None:
-                new.int8_act = bool(int8_act)
                 setattr(module, name, new)
                 swapped = True
     lm_head = getattr(model, "lm_head", None)
-    if isinstance(lm_head, GGUFLMHead) and getattr(model, "tie_word_embeddings", False):
-        embed = model.get_submodule("model.embed_tokens")
-        if isinstance(embed, GGUFEmbedding):
-            lm_head.weight = embed.weight
+    if isinstance(lm_head, GGUFLMHead):
+        lm_head.int8_act = bool(int8_act)
+        if getattr(model, "tie_word_embeddings", False):
+            embed = model.get_submodule("model.embed_tokens")
+            if isinstance(embed, GGUFEmbedding):
+                lm_head.weight = embed.weight
     return swapped
 
 

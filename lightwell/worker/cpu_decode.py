@@ -78,12 +78,11 @@ class CpuDecode:
             return None
         cos_sin = rotary.cos_sin_cache.float().contiguous()
         weights = [_weights(layer) for layer in layers]
-        int8 = layers[0].self_attn.qkv_proj.gguf_int8  # the model's --cpu-int8-activations
-        if any(_int8(layer) != {int8} for layer in layers) or (int8 and shape.head_dim % 32):
+        int8 = layers[0].self_attn.qkv_proj.quant_method.int8_act  # --cpu-int8-activations
+        if int8 and shape.head_dim % 32:
             return None
         head = _lm_head(model)
-        lm_int8 = head is not None and int8 and model.lm_head.int8_act
-        decoder = LlamaDecoder(weights, inner.norm.weight, cos_sin, shape, int8, head, lm_int8)
+        decoder = LlamaDecoder(weights, inner.norm.weight, cos_sin, shape, int8, head)
         return cls(inner, decoder)
 
     @staticmethod
@@ -146,12 +145,6 @@ def _plain(layer: nn.Module) -> bool:
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     cache = attn.attn.kv_cache
     return all(_one_part(x) is not None for x in linears) and cache is not None and _f32(cache)
-
-
-def _int8(layer: LlamaDecoderLayer) -> set[bool]:
-    """The int8-activation settings of the layer's linears."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return {x.gguf_int8 for x in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)}
 
 
 def _shape_of(layer: LlamaDecoderLayer) -> Shape:

@@ -244,6 +244,16 @@ class ModelRunner:
             return self.model(input_ids, positions)
         return self.stage.forward(input_ids, positions)
 
+    def _greedy_tokens(self, inp: ModelInput, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The step's tokens [S] when every sampling row is plain greedy and no sampler is
+        needed: the argmax the fused CPU decode took in C, or (tensor parallel) the argmax of
+        the vocab-sharded logits, on every rank; else None."""
+        if inp.fused_logits is not None and self._plain_greedy(inp):
+            return inp.fused_logits[1][inp.logits_indices]
+        if self._sharded_greedy(inp):
+            return self.model.greedy_tokens(hidden[inp.logits_indices])
+        return None
+
     def _splits(self, meta: AttentionMetadata) -> bool:
         """The step runs as micro-batches (--dual-stream)."""
         return self.overlap is not None and self.overlap.applies(meta)
@@ -255,13 +265,8 @@ class ModelRunner:
         pending: PendingStep,
         grammar: GrammarBitmask | None = None,
     ) -> None:
-        if inp.fused_logits is not None and self._plain_greedy(inp):  # the argmax in C
-            tokens = inp.fused_logits[1][inp.logits_indices]  # [S]
-            self._last_sampled = (inp.sample_req_ids, tokens)
-            pending.set_tokens(inp.sample_req_ids, SamplerOutput(tokens))
-            return
-        if self._sharded_greedy(inp):
-            tokens = self.model.greedy_tokens(hidden[inp.logits_indices])  # [S], every rank
+        tokens = self._greedy_tokens(inp, hidden)
+        if tokens is not None:
             self._last_sampled = (inp.sample_req_ids, tokens)
             if self.is_driver:
                 pending.set_tokens(inp.sample_req_ids, SamplerOutput(tokens))

@@ -39,12 +39,6 @@ KQUANT = frozenset((Q4_K, Q5_K, Q6_K))  # gguf_kquant.c's
 SUPPORTED = BLOCK32 | KQUANT
 
 
-def _cache_dir() -> str:
-    from lightwell.envs import cache_home
-
-    return os.path.join(cache_home(), "lightwell", "kernels")
-
-
 def _cpu_key() -> str:
     """The compiled library fits this CPU: -march=native depends on its flags."""
     flags = ""
@@ -76,7 +70,9 @@ def _lib() -> ctypes.CDLL | None:
         with open(path, "rb") as f:
             digest.update(f.read())
     key = digest.hexdigest()
-    target = os.path.join(_cache_dir(), f"gguf_cpu_{key[:16]}.so")
+    from lightwell.envs import cache_dir
+
+    target = os.path.join(cache_dir("kernels"), f"gguf_cpu_{key[:16]}.so")
     try:
         if not os.path.exists(target):
             _compile(target)

@@ -40,13 +40,12 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
-    int64_t int8_act; /* the matmuls' inputs rounded to int8 by blocks (gguf_blocks.h) */
+    int64_t int8_act; /* the matmuls' (and LM head's) inputs rounded to int8 by blocks */
     float eps, scale;
     const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
     const float *final_norm; /* [H] */
     const lw_layer *layers;  /* [num_layers] */
     lw_linear lm_head;       /* [V, H] blocks, or rows 0: none (logits and tokens not computed) */
-    int64_t lm_int8;         /* the LM head's input rounded to int8 too (needs int8_act) */
 } lw_model;
 
 typedef struct { /* one step's inputs and the scratch rows it works in */
@@ -95,7 +94,7 @@ static inline int64_t take(lw_phase *ph) {
     for (int64_t c = take(ph); c < (n);                                                        \
          atomic_fetch_add_explicit(&(ph)->done, 1, memory_order_release), c = take(ph))
 #define ROWS_A_CHUNK 16 /* a matmul's output rows a chunk, at least */
-#define MAX_CHUNKS 256  /* a matmul's chunks, at most (larger chunks for the LM head) */
+#define MAX_CHUNKS 256  /* a matmul's chunks, at most (past 4,096 rows, chunks grow) */
 
 /* A matmul's input rows [R, K]: float32, and (int8_act) as int8 blocks. */
 typedef struct {
@@ -210,12 +209,19 @@ static inline int64_t splits_of(const lw_step *s, int64_t r) {
     return k < 1 ? 1 : k > KV_SPLITS ? KV_SPLITS : k;
 }
 
+/* Token t's key for KV head kvh in a layer's cache, through the request's block table (its
+ * value: the same offset in the second plane). */
+static inline const float *key_row(const float *cache, const int32_t *table, int64_t t,
+                                   int64_t B, int64_t Hkv, int64_t kvh, int64_t D) {
+    return cache + (((int64_t)table[t / B] * B + t % B) * Hkv + kvh) * D;
+}
+
 /* Range sp of request r's keys against the G query heads of KV head kvh (each key and value
  * loaded once for the G heads), by tiles of KEYS_A_TILE keys: the tile's scores, one rescale a
  * head when the tile raises its maximum, then the weighted values. The cached rows are read
  * from scattered blocks, a head's slice of each token: the loop prefetches a key KEYS_AHEAD
- * tokens ahead and each scored key's value (the hardware prefetchers miss these strides). Per head, (max, sum,
- * weighted values [D]) go to s->part [R, Hq, KV_SPLITS, D + 2]. */
+ * tokens ahead and each scored key's value (the hardware prefetchers miss these strides).
+ * Per head, (max, sum, weighted values [D]) go to s->part [R, Hq, KV_SPLITS, D + 2]. */
 static void attend_range(const lw_model *m, const lw_step *s, const float *cache, int64_t r,
                          int64_t kvh, int64_t sp) {
     int64_t D = m->head_dim, Hkv = m->kv_heads, B = m->block_size, G = m->heads / Hkv;
@@ -234,12 +240,11 @@ static void attend_range(const lw_model *m, const lw_step *s, const float *cache
         int nj = end - j0 < KEYS_A_TILE ? (int)(end - j0) : KEYS_A_TILE;
         for (int j = 0; j < nj; j++) {
             int64_t t = j0 + j;
-            const float *k = cache + (((int64_t)table[t / B] * B + t % B) * Hkv + kvh) * D;
+            const float *k = key_row(cache, table, t, B, Hkv, kvh, D);
             keys[j] = k;
             for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(k + plane + i); /* its value */
             if (t + KEYS_AHEAD < end) { /* the key KEYS_AHEAD on */
-                int64_t u = t + KEYS_AHEAD;
-                const float *next = cache + (((int64_t)table[u / B] * B + u % B) * Hkv + kvh) * D;
+                const float *next = key_row(cache, table, t + KEYS_AHEAD, B, Hkv, kvh, D);
                 for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + i);
             }
             for (int64_t g = 0; g < G; g++) {
@@ -334,9 +339,14 @@ static void tail(const lw_model *m, const lw_step *s, lw_phase *ph) {
     const lw_linear *lm = &m->lm_head;
     if (!lm->rows) return;
     lw_input in = input_of(m, s->normed, s->q_normed, s->ds_normed, m->hidden);
-    in.int8 = (int)m->lm_int8;
     wait_done(&ph[1], matmul(lm, &in, s->R, s->logits, lm->rows, &ph[1]));
     FOR_CHUNKS(r, s->R, &ph[2]) s->tokens[r] = argmax(s->logits + r * lm->rows, lm->rows);
+}
+
+/* A block table whose rows are not whole blocks of a type this file reads. */
+static int bad_linear(const lw_linear *L) {
+    int bb = block_bytes((int)L->qtype);
+    return bb == 0 || L->row_bytes % bb;
 }
 
 static int check(const lw_model *m, const lw_step *s) {
@@ -346,16 +356,10 @@ static int check(const lw_model *m, const lw_step *s) {
     for (int64_t l = 0; l < m->num_layers; l++) {
         const lw_linear *ls[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gate_up,
                                   &m->layers[l].down};
-        for (int i = 0; i < 4; i++) {
-            int bb = block_bytes((int)ls[i]->qtype);
-            if (bb == 0 || ls[i]->row_bytes % bb) return -2;
-        }
+        for (int i = 0; i < 4; i++)
+            if (bad_linear(ls[i])) return -2;
     }
-    const lw_linear *lm = &m->lm_head;
-    if (lm->rows && (!block_bytes((int)lm->qtype) || lm->row_bytes % block_bytes((int)lm->qtype)))
-        return -2;
-    if (m->lm_int8 && !m->int8_act) return -1;
-    return 0;
+    return m->lm_head.rows && bad_linear(&m->lm_head) ? -2 : 0;
 }
 
 /* out [R, H] = the final norm of the last layer's output; x [R, H]: the token embeddings. */

@@ -43,12 +43,12 @@ class _Model(ctypes.Structure):
     ]
     _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
     _fields_ += [("cos_sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
-    _fields_ += [("lm_head", _Linear), ("lm_int8", _i64)]
+    _fields_ += [("lm_head", _Linear)]
 
 
-_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "part", "q_normed", "q_attn")
-_SCRATCH += ("q_act",)
-_SCRATCH += ("ds_normed", "ds_attn", "ds_act")
+# llama_decode.c's lw_step row pointers, in its order: float32 rows, then int8 rows and scales
+_SCRATCH = ("residual", "normed", "qkv", "attn", "act", "partial", "part")
+_SCRATCH += ("q_normed", "q_attn", "q_act", "ds_normed", "ds_attn", "ds_act")
 
 
 class _Step(ctypes.Structure):
@@ -103,9 +103,8 @@ class LlamaDecoder:
         final_norm: torch.Tensor,  # [H] float32
         cos_sin: torch.Tensor,  # [positions, D] float32: D / 2 cosines, then D / 2 sines
         shape: Shape,
-        int8_act: bool = False,  # the matmuls' inputs rounded to int8 by blocks of 32
+        int8_act: bool = False,  # the matmuls' (and LM head's) inputs rounded to int8 by 32s
         lm_head: tuple[int, torch.Tensor] | None = None,  # (ggml type, [V, bytes] uint8 blocks)
-        lm_int8: bool = False,  # the LM head's input rounded to int8 too (needs int8_act)
     ):
         s = self.shape = shape
         H, D, Hq, Hkv, inter = s.hidden, s.head_dim, s.heads, s.kv_heads, s.inter
@@ -117,8 +116,6 @@ class LlamaDecoder:
             raise ValueError(
                 f"llama_decode: KV cache {list(cache_shape)} is not [2, N, B, {Hkv}, {D}]"
             )
-        if lm_int8 and not int8_act:
-            raise ValueError("llama_decode: an int8 LM head needs int8_act")
         self.max_positions = cos_sin.shape[0]
         self.vocab = lm_head[1].shape[0] if lm_head is not None else 0
         head = _linear(lm_head, self.vocab, H) if lm_head is not None else _Linear(0, 0, 0, 0)
@@ -139,7 +136,7 @@ class LlamaDecoder:
             len(layers), H, Hq, Hkv, D, inter, cache_shape[1], cache_shape[2], int(int8_act),
             s.eps, s.scale,
             cos_sin.data_ptr(), _f32(final_norm, (H,), "final_norm").data_ptr(), table,
-            head, int(lm_int8),
+            head,
         )  # fmt: skip
         widths = {"residual": H, "normed": H, "qkv": (Hq + 2 * Hkv) * D, "attn": Hq * D}
         widths.update(act=inter, partial=H, part=Hq * KV_SPLITS * (D + 2))
