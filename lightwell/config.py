@@ -168,7 +168,9 @@ class SchedulerConfig:
         "`lightwell serve` (latency), 8192 otherwise (throughput); 512 on CPU.",
     )
     max_num_seqs: int | None = _opt(
-        None, "Most requests in one step. Default: 256 on GPU, 64 on CPU."
+        None,
+        "Most requests in one step. Default: 256 on GPU (512 for mixture-of-experts models, "
+        "whose large decode steps read every expert once whatever the batch), 64 on CPU.",
     )
     enable_chunked_prefill: bool = _opt(
         True,
@@ -529,6 +531,11 @@ GPU_BATCHED_TOKENS = 8192
 SERVE_BATCHED_TOKENS = 2048  # on GPU, under `lightwell serve`
 CPU_BATCHED_TOKENS = 512
 PREFILL_GRAPH_TOKENS = 512
+GPU_MAX_SEQS = 256
+# A MoE model's decode step at a few hundred requests reads every expert's weights whatever the
+# batch, so more requests a step add little to its time (docs/models.md)
+GPU_MOE_MAX_SEQS = 512
+CPU_MAX_SEQS = 64
 SERVE_PREFILL_GRAPH_TOKENS = 2048
 
 
@@ -540,7 +547,12 @@ def _async_default(cfg: EngineConfig, on_gpu: bool) -> bool:
 
 
 def resolve_config(
-    cfg: EngineConfig, *, on_gpu: bool, model_max_len: int, kv_capacity_tokens: int | None = None
+    cfg: EngineConfig,
+    *,
+    on_gpu: bool,
+    model_max_len: int,
+    kv_capacity_tokens: int | None = None,
+    moe: bool = False,  # the model has routed experts
 ) -> EngineConfig:
     """Replace every "auto"/None value by the concrete one for this device and model."""
     m, s = cfg.model, cfg.scheduler
@@ -561,7 +573,9 @@ def resolve_config(
     batched = s.max_num_batched_tokens or default_batched
     if not s.enable_chunked_prefill:
         batched = max(batched, max_len)
-    seqs = s.max_num_seqs or (256 if on_gpu else 64)
+    seqs = s.max_num_seqs or (
+        CPU_MAX_SEQS if not on_gpu else GPU_MOE_MAX_SEQS if moe else GPU_MAX_SEQS
+    )
     graph_tokens = cfg.device.cuda_graph_prefill_tokens
     if graph_tokens is None:  # --dual-stream pays inside graphs only (eager splits are bound
         # by their launches: docs/parallelism.md), so it takes serve's size too

@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.kernels.timing import event_us, graph_replay_us
 from lightwell.bench.results import make_record, provenance, script_command, write_json
-from lightwell.kernels.fused_moe import fused_moe
+from lightwell.kernels.fused_moe import GROUP_M, fused_moe
 from lightwell.layers.moe import moe_loop
 
 # name: (experts, top_k, hidden, intermediate)
@@ -66,9 +66,18 @@ SWEEP_TILES = [(bm, bn, bk, w, st) for bm in (64, 128) for bn in (64, 128) for b
                for w in (4, 8) for st in (3, 4)]  # fmt: skip
 
 
-def sweep(name: str, tokens: int, common: dict, deadline: float, out: str | None) -> list[dict]:
-    """The grouped kernels at each tile of ``SWEEP_TILES`` (checked against the loop; those
-    that fail to compile or exceed shared memory are skipped), CUDA-graph µs and TFLOP/s."""
+def sweep(
+    name: str,
+    tokens: int,
+    common: dict,
+    deadline: float,
+    out: str | None,
+    tiles: list[tuple[int, ...]] = SWEEP_TILES,
+    groups: tuple[int, ...] = (GROUP_M,),
+) -> list[dict]:
+    """The grouped kernels at each tile of ``tiles`` and program grouping of ``groups``
+    (checked against the loop; those that fail to compile or exceed shared memory are
+    skipped), CUDA-graph µs and TFLOP/s."""
     import time
 
     experts, top_k, hidden, inter = SHAPES[name]
@@ -83,11 +92,11 @@ def sweep(name: str, tokens: int, common: dict, deadline: float, out: str | None
     loop = moe_loop(x, w13, w2, weights, ids).float()
     flops = 2 * tokens * top_k * 3 * hidden * inter
     rows = []
-    for bm, bn, bk, warps, stages in SWEEP_TILES:
+    for (bm, bn, bk, warps, stages), group in ((t, g) for t in tiles for g in groups):
         if time.monotonic() > deadline:
             break
         opts = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                    gemv=False)  # fmt: skip
+                    gemv=False, group_m=group)  # fmt: skip
         try:
             got = fused_moe(x, w13, w2, weights, ids, **opts).float()
             us = graph_replay_us(lambda o=opts: fused_moe(x, w13, w2, weights, ids, **o), warm=3)
@@ -95,7 +104,7 @@ def sweep(name: str, tokens: int, common: dict, deadline: float, out: str | None
             print(name, tokens, opts, "skipped:", str(e).splitlines()[0][:120], flush=True)
             continue
         err = ((got - loop).abs().max() / loop.abs().max()).item()
-        row = dict(shape=name, tokens=tokens, tile=[bm, bn, bk, warps, stages],
+        row = dict(shape=name, tokens=tokens, tile=[bm, bn, bk, warps, stages], group_m=group,
                    rel_err_vs_loop=round(err, 6), tflops=round(flops / us / 1e6, 1))  # fmt: skip
         print(row, round(us, 1), flush=True)
         rows.append(make_record("fused_moe_tile_us", us, common, **row))
@@ -113,8 +122,16 @@ def main() -> None:
                         help="--decode, --sweep: stop sweeping tiles after this long")  # fmt: skip
     parser.add_argument("--sweep", action="store_true",
                         help="the grouped kernels' tiles at 2,048 and 8,192 tokens")  # fmt: skip
+    parser.add_argument("--tiles", default=None,
+                        help="--sweep: these tiles only, bm:bn:bk:warps:stages,...")  # fmt: skip
+    parser.add_argument("--groups", default=str(GROUP_M),
+                        help="--sweep: row blocks a program group spans, comma list")  # fmt: skip
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
+    tiles = SWEEP_TILES
+    if args.tiles:
+        tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",")]
+    groups = tuple(int(g) for g in args.groups.split(","))
     rows = []
     if args.sweep:
         import time
@@ -122,9 +139,8 @@ def main() -> None:
         deadline = time.monotonic() + args.budget_s
         for name in args.shapes.split(","):
             for tokens in SWEEP_TOKENS:
-                rows += sweep(
-                    name, tokens, common, deadline, args.out and f"{args.out}.{name}.{tokens}"
-                )
+                part = args.out and f"{args.out}.{name}.{tokens}"
+                rows += sweep(name, tokens, common, deadline, part, tiles, groups)
     if args.decode:
         from benchmarks.kernels.moe_decode import run_decode
 

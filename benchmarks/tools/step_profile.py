@@ -81,8 +81,8 @@ def scheduled_steps(engine) -> Iterator[list[tuple[float, int, int, int]]]:
     inside the block."""
     steps, plain = [], engine.schedule
 
-    def traced():
-        s = plain()
+    def traced(**kwargs):
+        s = plain(**kwargs)
         ones = sum(1 for k in s.num_scheduled_tokens.values() if k == 1)
         n = s.total_num_scheduled_tokens
         steps.append((time.perf_counter(), n, len(s.num_scheduled_tokens), ones))

@@ -67,6 +67,11 @@ def rand_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(vocab) for _ in range(length)]} for _ in range(n)]
 
 
+def model_prompts(llm: LLM, n: int, length: int, seed: int) -> list[dict]:
+    """``rand_prompts`` over the model's vocabulary."""
+    return rand_prompts(n, length, llm.engine.model_info.vocab_size, seed)
+
+
 # ---- correctness --------------------------------------------------------------------------
 def save_hf_llama(folder: str, **cfg) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -324,16 +329,16 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
         async_scheduling=llm.engine.scheduler.async_scheduling,
     )
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
-    llm.generate(rand_prompts(1, 128, 128256, 99), sp, use_tqdm=False)  # warm-up
+    llm.generate(model_prompts(llm, 1, 128, 99), sp, use_tqdm=False)  # warm-up
     rates, ttfts = [], []
     for seed in (1, 2, 3):
-        out = llm.generate(rand_prompts(1, 128, 128256, seed), sp, use_tqdm=False)[0]
+        out = llm.generate(model_prompts(llm, 1, 128, seed), sp, use_tqdm=False)[0]
         m = out.metrics
         ttfts.append(m.first_token_time - m.arrival_time)
         rates.append(255 / (m.last_token_time - m.first_token_time))
     short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
     for seed in (11, 12, 13, 14):  # more TTFT samples (short requests)
-        m = llm.generate(rand_prompts(1, 128, 128256, seed), short, use_tqdm=False)[0].metrics
+        m = llm.generate(model_prompts(llm, 1, 128, seed), short, use_tqdm=False)[0].metrics
         ttfts.append(m.first_token_time - m.arrival_time)
     emit(args, "step_trace_ms", 0.0, traces=_step_trace(llm, short), **common)
     rate = sorted(rates)[1]
@@ -352,7 +357,7 @@ def stage_w1(args: argparse.Namespace, llm: LLM) -> None:
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     t = []
     for seed in (4, 5, 6):
-        out = llm.generate(rand_prompts(1, 1024, 128256, seed), one, use_tqdm=False)[0]
+        out = llm.generate(model_prompts(llm, 1, 1024, seed), one, use_tqdm=False)[0]
         t.append(out.metrics.first_token_time - out.metrics.arrival_time)
     floor_ms = 1024 * 2 * PARAMS_8B / (PEAK_TFLOPS * 1e12) * 1e3
     emit(args, "ttft_ms", 1e3 * sorted(t)[1], prompt_len=1024, floor=floor_ms, runs=t, **common)
@@ -363,10 +368,10 @@ def stage_batch(args: argparse.Namespace, llm: LLM) -> None:
     rate from the last first token to the first last token (every request in the batch)."""
     b = args.decode_batch
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
-    llm.generate(rand_prompts(b, 128, 128256, 98), sp, use_tqdm=False)  # warm-up
+    llm.generate(model_prompts(llm, b, 128, 98), sp, use_tqdm=False)  # warm-up
     rates = []
     for seed in (31, 32, 33):
-        outs = llm.generate(rand_prompts(b, 128, 128256, seed), sp, use_tqdm=False)
+        outs = llm.generate(model_prompts(llm, b, 128, seed), sp, use_tqdm=False)
         first = max(o.metrics.first_token_time for o in outs)
         last = min(o.metrics.last_token_time for o in outs)
         steps = min(len(o.outputs[0].token_ids) for o in outs) - 1
@@ -387,7 +392,7 @@ def _step_trace(llm: LLM, sp: SamplingParams) -> list[list[tuple[float, float, i
     """Per engine.step() call of a lone 128-token request: (start ms, duration ms, outputs)."""
     engine, traces = llm.engine, []
     for seed in (21, 22):
-        engine.add_request(None, rand_prompts(1, 128, 128256, seed)[0], sp)
+        engine.add_request(None, model_prompts(llm, 1, 128, seed)[0], sp)
         t0, calls = time.perf_counter(), []
         while engine.has_unfinished_requests():
             a = time.perf_counter()
@@ -402,7 +407,7 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
     sp = SamplingParams(
         temperature=0.0, max_tokens=args.w2_output_len, ignore_eos=True, detokenize=False
     )
-    prompts = rand_prompts(n, n_in, 128256, 7)
+    prompts = model_prompts(llm, n, n_in, 7)
     t0 = time.perf_counter()
     with scheduled_steps(llm.engine) as steps:
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -428,7 +433,19 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
     emit(args, "w2_step_summary", len(steps) - 1, **_w2_step_summary(steps), **common)
     emit(args, "output_tok_s", out_toks / wall, **common)
     emit(args, "total_tok_s", total / wall, **common)
-    emit(args, "mfu", total * 2 * PARAMS_8B / wall / (PEAK_TFLOPS * 1e12), **common)
+    emit(args, "mfu", total * 2 * _params(args) / wall / (PEAK_TFLOPS * 1e12), **common)
+
+
+def _params(args: argparse.Namespace) -> float:
+    """The parameters a token runs through: llama-3-8b's, or a MoE preset's active ones."""
+    from lightwell.models.hf_config import PRESETS
+
+    cfg = PRESETS.get(args.hf_config_json, {})
+    if cfg.get("num_local_experts") or cfg.get("n_routed_experts"):
+        from benchmarks.workloads.moe import active_params
+
+        return active_params(cfg)[0]
+    return PARAMS_8B
 
 
 def _w2_step_summary(steps: list[tuple[float, int, int, int]]) -> dict:
@@ -460,7 +477,7 @@ def stage_profile(args: argparse.Namespace, llm: LLM) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, detokenize=False)
     for label in ("prefill128", "decode"):
         if label == "prefill128":
-            engine.add_request("prof", rand_prompts(1, 128, 128256, 42)[0], sp)
+            engine.add_request("prof", model_prompts(llm, 1, 128, 42)[0], sp)
         prof, wall = profiled_step(engine)
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
         gpu = prof.key_averages().table(sort_by="device_time_total", row_limit=40)
@@ -481,7 +498,9 @@ def _cprofile_steps(args: argparse.Namespace, engine) -> None:
     sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
     for i, label in enumerate(("cprof_prefill128", "cprof_decode")):
         if i == 0:
-            engine.add_request("cprof", rand_prompts(1, 128, 128256, 43)[0], sp)
+            engine.add_request(
+                "cprof", rand_prompts(1, 128, engine.model_info.vocab_size, 43)[0], sp
+            )
         torch.cuda.synchronize()
         prof = cProfile.Profile()
         t0 = time.perf_counter()

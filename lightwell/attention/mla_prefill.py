@@ -270,11 +270,14 @@ def compile_variants(
     nope, rope, _ = dims
     dev, block_size = kv_cache.device, kv_cache.shape[2]
     block_q = default_config(nope + rope, decode=False).block_m  # (one query head per row)
-    cases = ((2, 2), (block_q + 1, block_q + 1))
-    for q_len, seq_len in cases:
+    # seq_lens 16-byte aligned or not (Triton specialises on it): a step's prefill requests'
+    # lengths are a slice of the step's, from wherever the decodes end
+    cases = [(n, n, skip) for n in (2, block_q + 1) for skip in (0, 1)]
+    for q_len, seq_len, skip in cases:
+        lens = torch.tensor([seq_len] * (skip + 1), dtype=torch.int32, device=dev)[skip:]
         meta = AttentionMetadata(
             query_start_loc=torch.tensor([0, q_len], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([seq_len], dtype=torch.int32, device=dev),
+            seq_lens=lens,
             block_table=torch.zeros((1, -(-seq_len // block_size)), dtype=torch.int32, device=dev),
             slot_mapping=torch.empty(0, dtype=torch.int64, device=dev),
             max_query_len=q_len,

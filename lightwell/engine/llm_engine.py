@@ -109,8 +109,10 @@ class LLMEngine:
     def _start_executor(self, config: EngineConfig) -> None:
         """Load the model, size the KV cache from what it left, then allocate the cache."""
         self.model_info = info = self.executor.load_model()
-        on_gpu = info.device.startswith("cuda")
-        resolved = resolve_config(config, on_gpu=on_gpu, model_max_len=info.max_position_embeddings)
+        on_gpu, moe = info.device.startswith("cuda"), info.routed_experts > 0
+        resolved = resolve_config(
+            config, on_gpu=on_gpu, model_max_len=info.max_position_embeddings, moe=moe
+        )
         self.num_kv_blocks = self.executor.determine_num_blocks(resolved)
         capacity = self.num_kv_blocks * config.cache.block_size
         self.config = resolve_config(
@@ -118,6 +120,7 @@ class LLMEngine:
             on_gpu=on_gpu,
             model_max_len=info.max_position_embeddings,
             kv_capacity_tokens=capacity,
+            moe=moe,
         )
         if self.config.model.max_model_len < (resolved.model.max_model_len or 0):
             logger.warning(

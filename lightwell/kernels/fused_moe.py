@@ -8,8 +8,11 @@ the launches can sit in a CUDA graph); every ``BLOCK_M`` rows then belong to one
 ``_gate_up_kernel``: per row block and ``BLOCK_N`` columns of the intermediate size, the gate and
 up products over H for the block's expert, ``silu(gate) * up`` in the epilogue -> [T * k, I].
 ``_down_kernel``: per row block and ``BLOCK_N`` columns of H, the down product over I, times the
-pair's router weight in the epilogue -> [T * k, H], then summed over the k choices. Blocks past
-the experts' runs exit at once, so a batch of one token reads only its chosen experts' weights.
+pair's router weight in the epilogue -> [T * k, H]; ``sum_pairs`` then sums each token's k
+pairs (and adds the shared experts' output when given). Programs take the column tiles of
+``GROUP_M`` row blocks before moving on (``_tile_ids``), so that what they read is shared in
+L2. Blocks past the experts' runs exit at once, so a batch of one token reads only its chosen
+experts' weights.
 Expert ids outside ``[0, E)`` (another rank's experts under expert parallelism) are skipped.
 Steps of a few tokens (``moe_gemv_rule.use_gemv``: decode) skip the sort and take the GEMV
 kernels of kernels/moe_gemv.py instead.
@@ -58,6 +61,18 @@ def align_by_expert(
 
 
 @triton.jit
+def _tile_ids(num_blocks_m, NUM_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column tile) of this program: ``GROUP_M`` row blocks at a time, every
+    column tile of them before the next group, so that consecutive programs share their row
+    blocks' inputs and their expert's weights in L2."""
+    pid = tl.program_id(0)
+    per_group = GROUP_M * NUM_N
+    first = (pid // per_group) * GROUP_M
+    rows = tl.minimum(num_blocks_m - first, GROUP_M)
+    return first + (pid % per_group) % rows, (pid % per_group) // rows
+
+
+@triton.jit
 def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
             INT4: tl.constexpr, KW: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """The [BLOCK_K, BLOCK_N] weight tile of ``rows`` over inputs ``ks`` (= k0 + [0, BLOCK_K)),
@@ -76,7 +91,7 @@ def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
     return tile
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # (a per-step count: no variant each)
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # (per-step counts: no variants)
 def _gate_up_kernel(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2 * I, H] (int4: [E, 2 * I, H / 8] int32 words)
@@ -86,6 +101,7 @@ def _gate_up_kernel(
     s_ptr,  # SCALED: [E, 2 * I / SBN, ceil(H / SBK)] fp32 block scales (fp8), or group scales
     z_ptr,  # INT4: [E, 2 * I, H / SBK] zero points
     num_pairs,  # T * k
+    num_blocks_m,  # P / BLOCK_M
     TOP_K: tl.constexpr,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
@@ -96,8 +112,9 @@ def _gate_up_kernel(
     SBN: tl.constexpr,  # the scale blocks' rows (fp8: bn; int4: 1)
     SBK: tl.constexpr,  # their inputs (fp8: bk; int4: the group size), a multiple of BLOCK_K
     INT4: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_blocks_m, (INTER + BLOCK_N - 1) // BLOCK_N, GROUP_M)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
@@ -135,7 +152,7 @@ def _gate_up_kernel(
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_pairs"])  # (a per-step count: no variant each)
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # (per-step counts: no variants)
 def _down_kernel(
     a_ptr,  # [T * k, I]
     w_ptr,  # [E, H, I] (int4: [E, H, I / 8] int32 words)
@@ -146,6 +163,7 @@ def _down_kernel(
     s_ptr,  # SCALED: [E, ceil(H / SBN), I / SBK] fp32 block scales (fp8), or group scales
     z_ptr,  # INT4: [E, H, I / SBK] zero points
     num_pairs,
+    num_blocks_m,
     HIDDEN: tl.constexpr,
     INTER: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -155,8 +173,9 @@ def _down_kernel(
     SBN: tl.constexpr,
     SBK: tl.constexpr,
     INT4: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    pid_m, pid_n = _tile_ids(num_blocks_m, (HIDDEN + BLOCK_N - 1) // BLOCK_N, GROUP_M)
     expert = tl.load(expert_ptr + pid_m).to(tl.int64)
     if expert < 0:
         return
@@ -240,6 +259,10 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights, ids, s
     return num_experts, hidden, two_inter // 2
 
 
+# Row blocks whose column tiles the grouped kernels' programs take in turn (``_tile_ids``).
+GROUP_M = 8
+
+
 def pick_block_m(per_expert: float, small_tiles: bool) -> int:
     """Rows an expert block holds, from the mean (token, expert) pairs an expert gets;
     128-row blocks only where the larger tiles apply (16-bit unquantized experts)."""
@@ -277,6 +300,8 @@ def fused_moe(
     num_shared: int = 0,  # the last S experts are every token's, weight 1 (GEMV path only)
     num_warps: int | None = None,
     num_stages: int | None = None,
+    group_m: int | None = None,  # row blocks a program group spans (default GROUP_M)
+    add: torch.Tensor | None = None,  # [T, H]: added to the output
 ) -> torch.Tensor:  # [T, H]
     """The grouped kernels (tiles ``block_m``/``block_n``/``block_k``) or, for a few tokens,
     kernels/moe_gemv.py's (the choice depends only on the shapes: CUDA-graph safe).
@@ -287,7 +312,7 @@ def fused_moe(
     num_tokens, top_k = ids.shape
     pairs = num_tokens * top_k
     if pairs == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add is None else add.clone()
     if use_gemv(num_tokens, top_k + num_shared, num_experts) if gemv is None else gemv:
         configs = gemv_configs or (None, None)
         if num_shared and (scales is not None or int4 is not None):
@@ -295,8 +320,10 @@ def fused_moe(
         if scales is not None or int4 is not None:
             from lightwell.kernels.moe_gemv_quant import moe_gemv_quant
 
-            return moe_gemv_quant(x, w13, w2, weights, ids, scales, int4, *configs)
-        return moe_gemv(x, w13, w2, weights, ids, *configs, num_shared=num_shared)
+            out = moe_gemv_quant(x, w13, w2, weights, ids, scales, int4, *configs)
+        else:
+            out = moe_gemv(x, w13, w2, weights, ids, *configs, num_shared=num_shared)
+        return out if add is None else out + add
     if num_shared:
         raise ValueError("fused_moe: shared experts are supported on the GEMV path only")
     # the larger tiles are sized for 16-bit unquantized experts (shared memory, registers)
@@ -321,22 +348,72 @@ def fused_moe(
         sb13 = sb2 = (1, block_k)
         quant = dict(SCALED=False, INT4=False)
     sorted_ids, block_expert = align_by_expert(ids, num_experts, block_m)
+    blocks_m = block_expert.numel()
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    grid = (block_expert.numel(), triton.cdiv(inter, block_n))
+    grid = (blocks_m * triton.cdiv(inter, block_n),)
     _gate_up_kernel[grid](
-        x, w13, act, sorted_ids, block_expert, s13, z13, pairs, TOP_K=top_k, HIDDEN=hidden,
-        INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SBN=sb13[0],
-        SBK=sb13[1], **quant, num_warps=num_warps, num_stages=num_stages,
+        x, w13, act, sorted_ids, block_expert, s13, z13, pairs, blocks_m, TOP_K=top_k,
+        HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SBN=sb13[0], SBK=sb13[1], **quant, GROUP_M=group_m or GROUP_M,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    out = torch.zeros(pairs, hidden, dtype=x.dtype, device=x.device)  # skipped pairs stay 0
+    per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    grid = (block_expert.numel(), triton.cdiv(hidden, block_n))
+    grid = (blocks_m * triton.cdiv(hidden, block_n),)
     _down_kernel[grid](
-        act, w2, flat_weights, out, sorted_ids, block_expert, s2, z2, pairs, HIDDEN=hidden,
-        INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SBN=sb2[0],
-        SBK=sb2[1], **quant, num_warps=num_warps, num_stages=num_stages,
+        act, w2, flat_weights, per_pair, sorted_ids, block_expert, s2, z2, pairs, blocks_m,
+        HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        SBN=sb2[0], SBK=sb2[1], **quant, GROUP_M=group_m or GROUP_M,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
-    return out.view(num_tokens, top_k, hidden).sum(dim=1)
+    return sum_pairs(per_pair, ids, num_experts, add)
+
+
+@triton.jit
+def _sum_pairs_kernel(
+    y_ptr,  # [T * k, H]: each pair's weighted output (pairs of other ranks' experts: unset)
+    ids_ptr,  # [T, k]
+    add_ptr,  # HAS_ADD: [T, H]
+    out_ptr,  # [T, H]
+    num_experts,
+    HIDDEN: tl.constexpr,
+    TOP_K: tl.constexpr,
+    KP: tl.constexpr,  # TOP_K rounded up to a power of two
+    BLOCK_H: tl.constexpr,
+    HAS_ADD: tl.constexpr,
+):
+    t, pid_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    j = tl.arange(0, KP)
+    e = tl.load(ids_ptr + t * TOP_K + j, mask=j < TOP_K, other=-1)
+    ok = (j < TOP_K) & (e >= 0) & (e < num_experts)  # [KP]
+    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < HIDDEN
+    y = tl.load(y_ptr + (t * TOP_K + j)[:, None] * HIDDEN + cols[None, :],
+                mask=ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+    acc = tl.sum(y.to(tl.float32), axis=0)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t * HIDDEN + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def sum_pairs(
+    per_pair: torch.Tensor,  # [T * k, H]
+    ids: torch.Tensor,  # [T, k]: pairs whose id is outside [0, E) count as 0
+    num_experts: int,
+    add: torch.Tensor | None = None,  # [T, H]: added to the sum (the shared experts' output)
+) -> torch.Tensor:  # [T, H]
+    """Each token's sum over its k pairs (in float32, rounded once), plus ``add``."""
+    num_tokens, top_k = ids.shape
+    hidden = per_pair.shape[1]
+    out = per_pair.new_empty(num_tokens, hidden)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    grid = (num_tokens, triton.cdiv(hidden, block_h))
+    _sum_pairs_kernel[grid](
+        per_pair, ids.contiguous(), out if add is None else add.contiguous(), out, num_experts,
+        HIDDEN=hidden, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_H=block_h,
+        HAS_ADD=add is not None, num_warps=4,
+    )  # fmt: skip
+    return out
 
 
 def dequantize_experts(

@@ -189,7 +189,7 @@ class FusedMoE(nn.Module):
             return self.quant_method.apply(self, x, weights, ids)
         if self.folds_shared(x.shape[0], ids.shape[1]):  # decode: one launch a projection
             return self.quant_method.apply(self, x, weights, ids, num_shared=self.num_shared)
-        return self.quant_method.apply(self, x, weights, ids) + self.shared_mlp(x)
+        return self.quant_method.apply(self, x, weights, ids, add=self.shared_mlp(x))
 
     def folds_shared(self, num_tokens: int, top_k: int) -> bool:
         """Whether a step runs the shared experts as every token's extra choices, in the

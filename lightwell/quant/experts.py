@@ -61,7 +61,8 @@ class StackedExperts:
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, k]
         ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA); num_shared: the stack's shared experts
+        **options: Any,  # fused_moe's tile options (CUDA); num_shared: the stack's shared
+        # experts; add: [T, H] added to the output
     ) -> torch.Tensor:  # [T, H]
         """``fused_moe`` on the format's kernel inputs on CUDA, elsewhere ``moe_loop_by`` over
         its per-expert weights (a quantized expert dequantized when it has tokens, one at a
@@ -73,8 +74,9 @@ class StackedExperts:
             return fused_moe(x, w13, w2, weights, ids, **quant, **options)
         from lightwell.layers.moe import moe_loop_by  # layers.moe imports this module
 
-        shared = options.get("num_shared", 0)
-        return moe_loop_by(x, self.expert_weights(layer, x), w13.shape[0], weights, ids, shared)
+        shared, add = options.get("num_shared", 0), options.get("add")
+        out = moe_loop_by(x, self.expert_weights(layer, x), w13.shape[0], weights, ids, shared)
+        return out if add is None else out + add
 
 
 class UnquantizedExperts(StackedExperts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -38,11 +38,11 @@ class ModelInfo:
     device: str
     num_params: int
     load_seconds: float
-    hidden_size: int = 0
+    hidden_size: int = 0  # also the width of an embedding (--task embed)
     tie_word_embeddings: bool = False
     num_threads: int = 0  # torch's CPU threads in this process
     extra: dict = field(default_factory=dict)
-    hidden_size: int = 0  # the width of an embedding (--task embed)
+    routed_experts: int = 0  # a MoE layer's routed experts (0: a dense model)
 
 
 def pick_device(choice: str, index: int | None = None) -> torch.device:
@@ -214,6 +214,7 @@ class Worker:
             hidden_size=hf.hidden_size,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
             num_threads=torch.get_num_threads(),
+            routed_experts=_routed_experts(hf),
         )
 
     def init_all_reduce(self, resolved: EngineConfig) -> None:
@@ -350,3 +351,13 @@ class Worker:
             from lightwell.distributed.launch import shutdown_distributed
 
             shutdown_distributed()
+
+
+def _routed_experts(hf: Any) -> int:
+    """A MoE layer's routed experts from the HF config (Mixtral's, DeepSeek's, Qwen-MoE's
+    field), 0 for a dense model."""
+    for name in ("num_local_experts", "n_routed_experts", "num_experts"):
+        n = getattr(hf, name, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return 0

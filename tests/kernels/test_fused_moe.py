@@ -59,6 +59,19 @@ def test_large_blocks_for_many_tokens_an_expert():
     assert ((got - want).abs().max() / want.abs().max()).item() < TOL[torch.float16]
 
 
+@pytest.mark.parametrize("group_m", [1, 2, 64])
+def test_program_groups_and_added_output(group_m):
+    """However many row blocks a program group spans (1: each block's column tiles in turn;
+    2, with a partial last group; 64: more than there are blocks, every block of a column tile
+    first), the grouped kernels give the reference, and ``add`` is added to it once."""
+    x, w13, w2, weights, ids = _case(21, 2, 3, 48, 40, torch.float32, seed=4)
+    add = torch.randn(21, 48, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    tiles = dict(block_m=16, block_n=16, block_k=16, group_m=group_m)  # 3 column tiles
+    got = fused_moe(x, w13, w2, weights, ids, gemv=False, add=add, **tiles)
+    want = fused_moe_ref(x, w13, w2, weights, ids) + add
+    assert ((got - want).abs().max() / want.abs().max()).item() < TOL[torch.float32]
+
+
 @pytest.mark.parametrize("gemv", [False, True], ids=["grouped", "gemv"])
 def test_other_ranks_experts_are_skipped(gemv):
     """Expert parallelism: ids shifted by a rank's first expert, out-of-range ones skipped;

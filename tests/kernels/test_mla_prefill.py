@@ -110,7 +110,7 @@ def test_compile_variants_reads_the_cache_only():
     cache = torch.randn(1, 4, BLOCK, 1, RANK + ROPE, generator=gen).to(DEVICE)
     w = torch.randn(HEADS * (NOPE + VDIM), RANK, generator=gen).to(DEVICE)
     before = cache.clone()
-    assert compile_variants(cache, w, DIMS, HEADS) == 2
+    assert compile_variants(cache, w, DIMS, HEADS) == 4
     assert torch.equal(cache, before)
 
 
@@ -169,6 +169,36 @@ def test_deepseek_v2_prefill_through_the_kernels_matches_the_torch_path(tmp_path
         logits[kernel] = torch.cat(out)
     (mla,) = [m for m in model.modules() if isinstance(m, MLAttention)]
     before = mla.attn.kv_cache.clone()
-    assert mla.compile_kernel_variants() == 6 + 2  # decode splits 1..32, prefill variants
+    assert mla.compile_kernel_variants() == 6 + 4  # decode splits 1..32, prefill variants
     torch.testing.assert_close(mla.attn.kv_cache, before, rtol=0, atol=0, equal_nan=True)
     assert rel_err(logits[True], logits[False]) < 1e-4
+
+
+def test_steps_launch_only_the_attention_variants_compiled_at_start_up(monkeypatch):
+    """Steps with 0-4 leading decodes before two prefill requests (their lengths then a slice
+    of the step's at any offset) launch only paged-attention variants that ``compile_variants``
+    launched: on a GPU, none compiles in the middle of serving."""
+    import lightwell.kernels.paged_attention as pa
+    from lightwell.attention.mla_prefill import compile_variants
+    from tests.kernels.test_triton_kernels import _SpecRecorder
+
+    attn = _SpecRecorder(pa._paged_attention_kernel)
+    monkeypatch.setattr(pa, "_paged_attention_kernel", attn)
+    gen = torch.Generator().manual_seed(8)
+    cache = torch.randn(1, 40, BLOCK, 1, RANK + ROPE, generator=gen).to(DEVICE)
+    w = (torch.randn(HEADS * (NOPE + VDIM), RANK, generator=gen) / 4).to(DEVICE)
+    assert compile_variants(cache, w, DIMS, HEADS) == 4
+    at_start = set(attn.keys)
+    for decodes in range(5):
+        reqs = [(1, 5)] * decodes + [(7, 7), (5, 14)]
+        tables, used = [], 0
+        for _, length in reqs:
+            tables.append(list(range(used, used + -(-length // BLOCK))))
+            used += len(tables[-1])
+        meta, _ = build_metadata([q for q, _ in reqs], [s for _, s in reqs], tables, BLOCK,
+                                 torch.device(DEVICE))  # fmt: skip
+        split = split_step(meta)
+        assert split.num_decodes == decodes
+        q = torch.randn(12, HEADS, NOPE + ROPE, generator=gen).to(DEVICE)
+        expanded_prefill(q, cache, split.prefill, w, DIMS, SCALE)
+    assert attn.keys <= at_start, attn.keys - at_start

@@ -134,6 +134,9 @@ def test_latent_cache_sizes_the_kv_blocks(tmp_path):
     per_block = 3 * 4 * 40 * 4  # layers x block x entry x fp32
     assert runner.kv_bytes_per_block() == per_block
     assert llm.engine.scheduler.num_free_blocks == int(0.001 * 2**30) // per_block
+    # the engine knows a MoE model (its GPU default of requests a step): the CPU one here
+    assert llm.engine.model_info.routed_experts == 4  # deepseek_v3: 4 routed, 1 shared
+    assert llm.engine.config.scheduler.max_num_seqs == 64
 
 
 def test_mtp_layer_skipped_at_load(tmp_path, caplog):

@@ -41,6 +41,18 @@ def test_resolve_fills_device_defaults_and_caps_by_kv_capacity():
     assert cpu.scheduler.max_num_seqs == 64
     gpu = resolve_config(cfg, on_gpu=True, model_max_len=8192)
     assert (gpu.scheduler.max_num_batched_tokens, gpu.scheduler.max_num_seqs) == (8192, 256)
+    # a MoE model takes more requests a step on GPU; an explicit choice stays
+    assert (
+        resolve_config(cfg, on_gpu=True, model_max_len=8192, moe=True).scheduler.max_num_seqs == 512
+    )
+    assert (
+        resolve_config(cfg, on_gpu=False, model_max_len=8192, moe=True).scheduler.max_num_seqs == 64
+    )
+    fixed = EngineConfig.from_kwargs(max_num_seqs=100)
+    assert (
+        resolve_config(fixed, on_gpu=True, model_max_len=8192, moe=True).scheduler.max_num_seqs
+        == 100
+    )
     # async scheduling: on by default where it pays (GPU), off on CPU; an explicit choice stays
     assert cfg.scheduler.async_scheduling is None
     assert (gpu.scheduler.async_scheduling, cpu.scheduler.async_scheduling) == (True, False)
