@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels import pdl as _pdl
+
 BLOCK_V = 32  # value dims a program
 BLOCK_R = 128  # latent values a step of the product
 
@@ -30,6 +32,7 @@ def _absorb_output_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_R: tl.constexpr,
     PREC: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL: the first weight chunk loads before the wait
 ):
     h, tile, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -39,12 +42,22 @@ def _absorb_output_kernel(
     o_rows = o_ptr + t.to(tl.int64)[:, None] * stride_ot + h * stride_oh
     w_head = w_ptr + (h * (NOPE + VDIM) + NOPE) * LATENT
     acc = tl.zeros((BLOCK_T, BLOCK_V), tl.float32)
+    # W_UV is no kernel's output: its first chunk streams while the kernel before finishes
+    r = tl.arange(0, BLOCK_R)
+    w_first = tl.load(w_head + v[:, None] * LATENT + r[None, :],
+                      mask=v_ok[:, None] & (r < LATENT)[None, :], other=0.0)  # fmt: skip
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for r0 in tl.static_range(0, LATENT, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < LATENT
         o = tl.load(o_rows + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
-        w_ok = v_ok[:, None] & r_ok[None, :]
-        w = tl.load(w_head + v[:, None] * LATENT + r[None, :], mask=w_ok, other=0.0)  # [BV, BR]
+        if r0 == 0:
+            w = w_first
+        else:
+            w_ok = v_ok[:, None] & r_ok[None, :]
+            w = tl.load(w_head + v[:, None] * LATENT + r[None, :], mask=w_ok, other=0.0)
         acc = tl.dot(o, tl.trans(w), acc, input_precision=PREC)  # [BT, BV]
     y = out_ptr + t.to(tl.int64)[:, None] * stride_y + h * VDIM + v[None, :]
     tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
@@ -64,10 +77,12 @@ def absorb_output(
         block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))
         block_t = 16 if num_tokens <= 16 else 64
         grid = (heads, triton.cdiv(num_tokens, block_t), triton.cdiv(vdim, block_v))
+        gdc = _pdl.use_pdl(o.device)
         _absorb_output_kernel[grid](
             o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
             NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=block_t,
             BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))),
-            PREC="ieee" if out.dtype == torch.float32 else "tf32",
+            PREC="ieee" if out.dtype == torch.float32 else "tf32", GDC=gdc,
+            **_pdl.launch_options(gdc),
         )  # fmt: skip
     return out

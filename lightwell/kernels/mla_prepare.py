@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels import pdl as _pdl
 from lightwell.kernels.rmsnorm import norm_row
 
 
@@ -124,22 +125,26 @@ def _query_tile(
     h, tile, chunk, q_ptr, w_ptr, pos_ptr, cs_ptr, out_ptr, T, stride_q, stride_cs, stride_o,
     NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr, LATENT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
-    HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PREC: tl.constexpr,
+    HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PREC: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     """Head ``h``'s absorbed query for token tile ``tile``, latent chunk ``chunk`` (chunk 0
-    also its RoPE part)."""
+    also its RoPE part). ``GDC`` (launched with PDL): the W_UK chunk, no kernel's output, loads
+    before waiting for the kernel before."""
     t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     n = tl.arange(0, BLOCK_N)
     n_ok = n < NOPE
-    q_rows = q_ptr + t.to(tl.int64)[:, None] * stride_q + h * (NOPE + ROPE)  # [BT, 1]
-    qn = tl.load(q_rows + n[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
-    o_rows = out_ptr + t.to(tl.int64)[:, None] * stride_o + h * (LATENT + ROPE)
     r = chunk * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < LATENT
     w_head = w_ptr + h * (NOPE + VDIM) * LATENT
     w = tl.load(w_head + n[:, None] * LATENT + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                 other=0.0)  # fmt: skip
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    q_rows = q_ptr + t.to(tl.int64)[:, None] * stride_q + h * (NOPE + ROPE)  # [BT, 1]
+    qn = tl.load(q_rows + n[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
+    o_rows = out_ptr + t.to(tl.int64)[:, None] * stride_o + h * (LATENT + ROPE)
     acc = tl.dot(qn, w, input_precision=PREC)  # [BT, BR]
     tl.store(o_rows + r[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=t_ok[:, None] & r_ok[None, :])  # fmt: skip
@@ -179,7 +184,7 @@ def _absorb_query_kernel(
 ):
     _query_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2), q_ptr, w_ptr, pos_ptr,
                 cs_ptr, out_ptr, T, stride_q, stride_cs, stride_o, NOPE, ROPE, VDIM, LATENT,
-                BLOCK_N, BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC)  # fmt: skip
+                BLOCK_N, BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC, False)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["T"])  # (a per-step count: no variant compiles mid-serving)
@@ -197,6 +202,7 @@ def _prepare_kernel(
     HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr,
     LATENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_L: tl.constexpr, HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PREC: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):  # fmt: skip
     """``absorb_query``'s programs (heads x token tiles x latent chunks, flattened, heads
     fastest), then one program a token storing its latent entry (``latent_entry``'s work)."""
@@ -207,8 +213,11 @@ def _prepare_kernel(
         rest = pid // HEADS
         _query_tile(pid % HEADS, rest % tiles, rest // tiles, q_ptr, w_ptr, pos_ptr, cs_ptr,
                     out_ptr, T, stride_q, stride_cs, stride_o, NOPE, ROPE, VDIM, LATENT, BLOCK_N,
-                    BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC)  # fmt: skip
+                    BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC, GDC)  # fmt: skip
     else:
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         _entry_row(pid - queries, kv_ptr, norm_ptr, pos_ptr, cs_ptr, out_ptr, cache_ptr,
                    slot_ptr, stride_kv, 0, stride_cs, eps, LATENT, ROPE, BLOCK_L, HALF_PAD,
                    IS_NEOX, True, False)  # fmt: skip
@@ -311,12 +320,14 @@ def prepare_decode(
         block_r = min(BLOCK_R, max(16, triton.next_power_of_2(latent)))
         block_t = _block_t(num_tokens)
         queries = heads * triton.cdiv(num_tokens, block_t) * triton.cdiv(latent, block_r)
+        gdc = _pdl.use_pdl(q.device)
         _prepare_kernel[(queries + num_tokens,)](
             q, kv, norm[0], kv_b_weight, positions, rope[0], out, kv_cache.view(-1, width),
             slot_mapping, num_tokens, q.stride(0), kv.stride(0), rope[0].stride(0),
             out.stride(0), norm[1], HEADS=heads, NOPE=nope, ROPE=rope_dim, VDIM=vdim,
             LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=block_t,
             BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(latent),
-            HALF_PAD=_half_pad(rope_dim), IS_NEOX=rope[1], PREC=_prec(q.dtype),
+            HALF_PAD=_half_pad(rope_dim), IS_NEOX=rope[1], PREC=_prec(q.dtype), GDC=gdc,
+            **_pdl.launch_options(gdc),
         )  # fmt: skip
     return out

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels import pdl as _pdl
+
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 Config = tuple[int, int, int, int]
 
@@ -40,7 +42,9 @@ Config = tuple[int, int, int, int]
 def _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared):
     """The expert of choice ``j`` of ``token``: a routed one from ``ids`` (j < k), else shared
     expert ``j - k``, stored after the routed ones."""
-    routed = tl.load(ids_ptr + token * top_k + tl.minimum(j, top_k - 1)).to(tl.int64)
+    # (.cg: L2, never a stale L1 line; the down kernel reads ids before its PDL wait)
+    routed = tl.load(ids_ptr + token * top_k + tl.minimum(j, top_k - 1), cache_modifier=".cg")
+    routed = routed.to(tl.int64)
     shared = (num_experts - num_shared + j - top_k).to(tl.int64)
     return tl.where(j < top_k, routed, shared)
 
@@ -61,7 +65,11 @@ def _moe_gemv_gate_up(
     out_ptr,  # [T * (k + S), I]
     top_k, num_experts, num_shared, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL: wait for the router, then signal (kernels/pdl.py)
 ):  # fmt: skip
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
     token = pair // (top_k + num_shared)
     j = pair - token * (top_k + num_shared)
@@ -105,7 +113,11 @@ def _moe_gemv_down(
     out_ptr,  # [T, H]
     top_k, num_experts, num_shared, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL: wait for the gate/up kernel, then signal
 ):  # fmt: skip
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
@@ -143,11 +155,15 @@ def _moe_gemv_down_pairs(
     top_k, num_experts, num_shared, hidden, inter,
     PAIRS: tl.constexpr,  # a power of two >= k + S
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL: the first weight tile loads before the wait
 ):  # fmt: skip
     """As ``_moe_gemv_down`` with the token's pairs a dimension of the tile ([PAIRS, BLOCK_N,
     BLOCK_K]) rather than a loop: every pair's rows are in flight at once. Pairs past k + S and
     other ranks' experts are masked off (never read); the pairs' sums are added as a tree in
-    a fixed order."""
+    a fixed order. Launched with PDL (``GDC``), each program loads its pairs' first weight
+    tile before waiting for the gate/up kernel: the expert ids it needs for that are the
+    router's, which had finished before the gate/up kernel let this one start (that kernel
+    signals only after its own wait)."""
     token = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
@@ -155,13 +171,19 @@ def _moe_gemv_down_pairs(
     expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)  # [P]
     mine = (j < top_k + num_shared) & (expert >= 0) & (expert < num_experts)
     expert = tl.where(mine, expert, 0)
-    scale = tl.where(mine, _pair_weight(weight_ptr, token, j, top_k), 0.0)
     pair = token * (top_k + num_shared) + tl.minimum(j, top_k + num_shared - 1)
     w_rows = w_ptr + (expert * hidden)[:, None, None] * inter + rows[None, :, None] * inter
     a_rows = a_ptr + pair.to(tl.int64)[:, None] * inter  # [P, 1]
     rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([PAIRS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
+    first = mine[:, None] & (rk < inter)[None, :]  # the first K tile
+    w = tl.load(w_rows + rk[None, None, :], mask=first[:, None, :], other=0.0)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    scale = tl.where(mine, _pair_weight(weight_ptr, token, j, top_k), 0.0)
+    a = tl.load(a_rows + rk[None, :], mask=first, other=0.0)
+    acc = w.to(tl.float32) * a.to(tl.float32)[:, None, :]
+    for k0 in range(BLOCK_K, inter, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
             w = tl.load(w_rows + k[None, None, :], mask=mine[:, None, None], other=0.0)
@@ -206,10 +228,11 @@ def moe_gemv_gate_up(
     pairs = num_tokens * (top_k + num_shared)
     act = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or pick_config(hidden, 2, num_tokens)
+    gdc = _pdl.use_pdl(x.device)
     _moe_gemv_gate_up[(pairs, triton.cdiv(act.shape[1], block_n))](
         x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, num_shared, hidden,
-        act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        num_warps=warps, num_stages=stages,
+        act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, GDC=gdc,
+        num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return act
 
@@ -247,10 +270,12 @@ def moe_gemv_down(
     else:
         kernel, tile, extra = _moe_gemv_down, config or pick_config(inter, 1, num_tokens), {}
     block_n, block_k, warps, stages = tile
+    gdc = _pdl.use_pdl(act.device)
     kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
         num_shared, hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=inter % block_k == 0, num_warps=warps, num_stages=stages, **extra,
+        EVEN_K=inter % block_k == 0, GDC=gdc, num_warps=warps, num_stages=stages,
+        **extra, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out
 

@@ -11,7 +11,16 @@ kernel of the step writes (a layer's weights) may come first. Our users:
   norm, the attention, the other MLP matmul); ``kernels/w4a16.py``'s 4-bit GEMV likewise;
 - ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
 - both signal at their start, and so does the decode attention kernel, so the next kernel's
-  programs can start early.
+  programs can start early;
+- MLA decode (``kernels/mla_prepare.py``, ``mla_decode.py``, ``mla_output.py``): the prepare
+  and output kernels load their first ``kv_b_proj`` weight chunk before waiting, the attention
+  and split-combine kernels wait first; each signals after its wait;
+- MoE decode (``kernels/moe_router.py``, ``kernels/moe_gemv.py``): the router and the gate/up
+  GEMV wait first, then signal; the down GEMV over a token's pairs loads its first weight tile
+  before waiting. The expert ids that tile needs are the router's output, two kernels back:
+  the gate/up kernel signals only after its own wait, so when the down kernel starts the
+  router has finished (ids are read through L2, ``.cg``). This is the one read of a step's
+  output before a wait; it relies on that order of the three launches.
 
 Kernels that do not wait are never launched with PDL: they start only after the kernel before
 them has finished, as without it. The worker calls ``set_enabled`` once at start-up from the
