@@ -285,7 +285,7 @@ def stage_check_async(args: argparse.Namespace) -> bool:
 
 
 # ---- W1 / W2 ------------------------------------------------------------------------------
-def make_llm(args: argparse.Namespace, max_num_seqs: int, async_scheduling: bool) -> LLM:
+def make_llm(args: argparse.Namespace, max_num_seqs: int | None, async_scheduling: bool) -> LLM:
     t0 = time.perf_counter()
     llm = LLM(
         load_format="dummy",
@@ -555,7 +555,9 @@ def main() -> int:
     ap.add_argument("--stages", default="check,w1,w2,hf")
     ap.add_argument("--w2-requests", type=int, default=1000)
     ap.add_argument("--max-batched-tokens", type=int, default=8192)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument(
+        "--max-num-seqs", type=int, default=None, help="(default: the engine's for the model)"
+    )
     ap.add_argument(
         "--cuda-graph-prefill-tokens", type=int, default=None, help="(default: the engine's)"
     )

@@ -33,7 +33,8 @@ def pick_config(m: int) -> Int8GemmConfig:
     return Int8GemmConfig(128, 128, 128, 8, 3)
 
 
-@triton.jit
+# (a step's row count is not specialised: no variant compiles in the middle of serving)
+@triton.jit(do_not_specialize=["M"])
 def _int8_gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, bias_ptr, out_ptr, M, N, K,
     stride_am, stride_bn, stride_om,

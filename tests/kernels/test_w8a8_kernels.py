@@ -128,3 +128,22 @@ def test_int8_w8a8_linear_kernel_path_equals_torch_path():
         assert torch.equal(got.cpu(), ref)
     else:  # the epilogue's multiply and bias add contract into one FMA on the GPU
         torch.testing.assert_close(got.cpu(), ref, rtol=2.0**-22, atol=2.0**-22 * ref.abs().max())
+
+
+def test_int8_gemm_compiles_one_variant_for_any_row_count(monkeypatch):
+    """Steps of 17, 32 and 33 rows (one tile size) launch one specialisation: a mixed step's
+    token count, 16-divisible or not, never compiles a variant in the middle of serving."""
+    import lightwell.kernels.int8_gemm as ig
+    from tests.kernels.test_triton_kernels import _SpecRecorder
+
+    rec = _SpecRecorder(ig._int8_gemm_kernel)
+    monkeypatch.setattr(ig, "_int8_gemm_kernel", rec)
+    gen = torch.Generator().manual_seed(3)
+    b = torch.randint(-127, 128, (32, 64), generator=gen, dtype=torch.int8).to(DEVICE)
+    sb = torch.rand(32, generator=gen).to(DEVICE)
+    for m in (17, 32, 33):
+        a = torch.randint(-127, 128, (m, 64), generator=gen, dtype=torch.int8).to(DEVICE)
+        sa = torch.rand(m, generator=gen).to(DEVICE)
+        got = int8_gemm(a, b, sa, sb, torch.float32)
+        assert torch.allclose(got, int8_gemm_ref(a, b, sa, sb, torch.float32), rtol=1e-5)
+    assert len(rec.keys) == 1
