@@ -222,9 +222,7 @@ def mla_decode(
     num_splits: int = 1,  # key splits per request (more for long contexts and few requests)
     out: torch.Tensor | None = None,  # [R, H, L] to write into (rows contiguous in L)
     config: Config | None = None,
-    combine: bool = True,  # False: with several splits, their partials, not combined
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [R, H, L] in q.dtype, or the splits'
-    # partial outputs [R, S, H, L] and log-sum-exps [R, S, H] (float32; combine=False)
+) -> torch.Tensor:  # [R, H, L] in q.dtype
     num_reqs, num_heads, width = q.shape
     _check(q, kv_cache, block_table, num_splits)
     if out is None:
@@ -235,8 +233,6 @@ def mla_decode(
         return out
     part, lse = _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
                         out, config)  # fmt: skip
-    if num_splits > 1 and not combine:
-        return part, lse
     if num_splits > 1:
         gdc = _pdl.use_pdl(q.device)
         _combine_kernel[(num_reqs, num_heads)](

@@ -1,11 +1,6 @@
 """MLA decode's output through ``W_UV``: the latent output ``[T, H, L]`` becomes ``[T, H * V]``,
 ``o @ W_UV^T`` per head (tl.dot on 16- or 64-token tiles; grid (heads, token tiles, 32-wide
 value chunks)), ``W_UV`` read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]``.
-
-When the decode kernel split each request's keys (kernels/mla_decode.py), ``absorb_output``
-takes the splits' partial outputs and log-sum-exps instead and combines them first, in the
-same launch (``_absorb_split_kernel``): the combined row, rounded to the model dtype as the
-combine kernel would store it, goes straight into the product, one launch less a layer.
 """
 
 from __future__ import annotations
@@ -68,70 +63,11 @@ def _absorb_output_kernel(
     tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
 
 
-# (per-step integers are not specialised: no variant compiles in the middle of serving)
-@triton.jit(do_not_specialize=["T", "num_splits"])
-def _absorb_split_kernel(
-    part_ptr,  # [T, S, H, L] float32: each split's output
-    lse_ptr,  # [T, S, H] float32: each split's log-sum-exp (-inf: an empty split)
-    w_ptr,  # [H * (N + V), L]
-    out_ptr,  # [T, H * V]
-    T,
-    num_splits,
-    stride_y,
-    HEADS: tl.constexpr,
-    NOPE: tl.constexpr,
-    VDIM: tl.constexpr,
-    LATENT: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_L: tl.constexpr,
-    BLOCK_SPLITS: tl.constexpr,
-    PREC: tl.constexpr,
-    GDC: tl.constexpr,  # launched with PDL: W_UV loads before the wait
-):
-    h, tile, chunk = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    t = tile * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = t < T
-    v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = v < VDIM
-    lat = tl.arange(0, BLOCK_L)
-    lat_ok = lat < LATENT
-    w_head = w_ptr + (h * (NOPE + VDIM) + NOPE) * LATENT
-    w = tl.load(
-        w_head + v[:, None] * LATENT + lat[None, :], mask=v_ok[:, None] & lat_ok[None, :], other=0.0
-    )  # [BV, BL]; fmt: skip
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    s = tl.arange(0, BLOCK_SPLITS)
-    rows = (t.to(tl.int64)[:, None] * num_splits + s[None, :]) * HEADS + h  # [BT, BS]
-    lse = tl.load(lse_ptr + rows, mask=t_ok[:, None] & (s < num_splits)[None, :],
-                  other=float("-inf"))  # fmt: skip
-    live = lse > float("-inf")
-    top = tl.max(tl.where(live, lse, -1e30), axis=1)  # [BT]
-    total = tl.sum(tl.where(live, tl.exp(lse - top[:, None]), 0.0), axis=1)
-    o = tl.zeros((BLOCK_T, BLOCK_L), tl.float32)
-    for sp in range(num_splits):
-        row = (t.to(tl.int64) * num_splits + sp) * HEADS + h  # [BT]
-        ls = tl.load(lse_ptr + row, mask=t_ok, other=float("-inf"))
-        used = ls > float("-inf")  # empty splits are never read
-        part = tl.load(part_ptr + row[:, None] * LATENT + lat[None, :],
-                       mask=used[:, None] & lat_ok[None, :], other=0.0)  # fmt: skip
-        o += tl.where(used, tl.exp(ls - top), 0.0)[:, None] * part
-    o = (o / tl.where(total > 0, total, 1.0)[:, None]).to(w.dtype)
-    acc = tl.dot(o, tl.trans(w), input_precision=PREC)  # [BT, BV]
-    y = out_ptr + t.to(tl.int64)[:, None] * stride_y + h * VDIM + v[None, :]
-    tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
-
-
 def absorb_output(
-    o: torch.Tensor | tuple[torch.Tensor, torch.Tensor],  # [T, H, L] (rows contiguous in L),
-    # or the decode kernel's splits: partial outputs [T, S, H, L] and log-sum-exps [T, S, H]
+    o: torch.Tensor,  # [T, H, L] (rows contiguous in L)
     kv_b_weight: torch.Tensor,  # [H * (N + V), L]
     dims: tuple[int, int],  # (N, V)
 ) -> torch.Tensor:  # [T, H * V]
-    if isinstance(o, tuple):
-        return _absorb_splits(*o, kv_b_weight, dims)
     nope, vdim = dims
     num_tokens, heads, latent = o.shape
     if o.stride(2) != 1 or kv_b_weight.shape != (heads * (nope + vdim), latent):
@@ -146,35 +82,6 @@ def absorb_output(
             o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
             NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=block_t,
             BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))),
-            PREC="ieee" if out.dtype == torch.float32 else "tf32", GDC=gdc,
-            **_pdl.launch_options(gdc),
-        )  # fmt: skip
-    return out
-
-
-def _absorb_splits(
-    part: torch.Tensor,  # [T, S, H, L] float32
-    lse: torch.Tensor,  # [T, S, H] float32
-    kv_b_weight: torch.Tensor,  # [H * (N + V), L]
-    dims: tuple[int, int],  # (N, V)
-) -> torch.Tensor:  # [T, H * V] in the weight's dtype
-    nope, vdim = dims
-    num_tokens, splits, heads, latent = part.shape
-    if not part.is_contiguous() or lse.shape != (num_tokens, splits, heads):
-        raise ValueError(f"absorb_output: partials {tuple(part.shape)} / {tuple(lse.shape)}")
-    if kv_b_weight.shape != (heads * (nope + vdim), latent):
-        raise ValueError(f"absorb_output: partials {tuple(part.shape)} do not fit kv_b_proj")
-    out = kv_b_weight.new_empty(num_tokens, heads * vdim)
-    if num_tokens:
-        block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))
-        block_t = 16  # (a [16, L] float32 row block and [32, L] of W_UV a program)
-        grid = (heads, triton.cdiv(num_tokens, block_t), triton.cdiv(vdim, block_v))
-        gdc = _pdl.use_pdl(part.device)
-        _absorb_split_kernel[grid](
-            part, lse.contiguous(), kv_b_weight, out, num_tokens, splits, out.stride(0),
-            HEADS=heads, NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=block_t,
-            BLOCK_L=max(16, triton.next_power_of_2(latent)),
-            BLOCK_SPLITS=triton.next_power_of_2(splits),
             PREC="ieee" if out.dtype == torch.float32 else "tf32", GDC=gdc,
             **_pdl.launch_options(gdc),
         )  # fmt: skip

@@ -8,7 +8,7 @@ the query's no-RoPE part goes through ``W_UK`` into latent space, the latent out
 ``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``). A decode-only step on the
 kernels runs that work around the attention in two launches (``kernels/mla_prepare.py``:
 the entry's norm, RoPE and store with the absorbed query and its RoPE; ``kernels/mla_output.py``:
-the splits' combine and the output through ``W_UV``) around the split-KV decode kernel.
+the output through ``W_UV``) around the split-KV decode kernel.
 Any other step on the kernels runs its single-token requests the absorbed way and every other
 request at once in the expanded form (``lightwell/attention/mla_prefill.py``: the cached
 latents through ``kv_b_proj``, plain queries, the paged attention kernel); the output means the
@@ -130,23 +130,14 @@ class LatentAttention(Attention):
         meta: AttentionMetadata,
         n: int,
         out: torch.Tensor | None = None,  # [n, H, kv_lora_rank]
-        combine: bool = True,  # False: split keys' partials as they are (mla_decode's)
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [n, H, kv_lora_rank] (or partials)
+    ) -> torch.Tensor:  # [n, H, kv_lora_rank]
         from lightwell.kernels.mla_decode import mla_decode, pick_num_splits
 
         splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
         return mla_decode(
             q.contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
-            self.scale, self.kv_lora_rank, splits, out=out, combine=combine,
+            self.scale, self.kv_lora_rank, splits, out=out,
         )  # fmt: skip
-
-    def decode_partials(
-        self,
-        q: torch.Tensor,  # [T, H, kv_lora_rank + rope]: a decode-only step's absorbed queries
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The decode kernel's output of a decode-only step whose entries are stored: [T, H,
-        kv_lora_rank], or with split keys their partials, for ``absorb_output`` to combine."""
-        return self._decode(q, get_attention_metadata(), q.shape[0], combine=False)
 
     def forward(  # type: ignore[override]
         self,
@@ -289,38 +280,30 @@ class MLAttention(nn.Module):
         rope = (rot.cos_sin_cache, rot.is_neox_style)
         norm_eps = (norm.weight, norm.eps)
         q = prepare_decode(positions, query, kv, norm_eps, w, dims, rope, self.attn.kv_cache, slots)
-        return absorb_output(self.attn.decode_partials(q), w, (self.nope, self.v_dim))
+        return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.o_proj(self.attend(positions, hidden))
 
     def compile_kernel_variants(self) -> int:
         """Start-up on CUDA: the expanded prefill's attention kernel variants
-        (attention/mla_prefill.compile_variants), the decode kernel at each split-count
-        variant (eager steps pick splits by their batch) and the output kernel over each
-        count's partials, compiled before serving. Returns the launches made (decode and
-        split outputs; each decode launch with splits also launches its combine)."""
+        (attention/mla_prefill.compile_variants) and the decode kernel at each split-count
+        variant (eager mixed steps pick splits by their batch), compiled before serving.
+        Returns the launches made."""
         cache, dims = self.attn.kv_cache, (self.nope, self.rope, self.v_dim)
         if cache is None or not self.attn._kernel(cache):
             return 0
         from lightwell.kernels.mla_decode import MAX_SPLITS, mla_decode  # (Triton: lazily)
-        from lightwell.kernels.mla_output import absorb_output
 
         q = cache.new_zeros(1, self.num_heads, cache.shape[-1])  # one request, one key
         table = torch.zeros(1, 1, dtype=torch.int32, device=cache.device)
         lens = torch.ones(1, dtype=torch.int32, device=cache.device)
         splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= MAX_SPLITS]
-        launches = 0
         for s in splits:
-            mla_decode(q, cache, table, lens, 1.0, self.rank, s)  # (mixed steps: combined)
-            parts = mla_decode(q, cache, table, lens, 1.0, self.rank, s, combine=False)
-            if isinstance(parts, tuple):  # decode-only steps: combined in the output's launch
-                absorb_output(parts, self.kv_b_proj.weight, (self.nope, self.v_dim))
-                launches += 1
-        launches += len(splits)
+            mla_decode(q, cache, table, lens, 1.0, self.rank, s)
         if self.v_dim > self.nope + self.rope:
-            return launches
-        return launches + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
+            return len(splits)
+        return len(splits) + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
 
     def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H]: this rank's o_proj partial sum, not all-reduced."""
