@@ -339,10 +339,10 @@ class DeviceConfig:
     )
     pdl: bool = _opt(
         True,
-        "GPU (NVIDIA sm_90+): programmatic dependent launch. The batch-1 decode matmuls and "
-        "the norms start while the kernel before them finishes (the matmul loads its first "
-        "weight tile before waiting for its input); the same results, a faster batch-1 "
-        "decode. Ignored elsewhere.",
+        "GPU (NVIDIA sm_90+): programmatic dependent launch. The batch-1 decode matmuls, the "
+        "norms and the MLA and MoE decode kernels start while the kernel before them finishes "
+        "(matmuls load their first weight tile before waiting for their input); the same "
+        "results, a faster batch-1 decode. Ignored elsewhere.",
     )
     fused_cpu_decode: bool = _opt(
         True,
