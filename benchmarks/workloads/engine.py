@@ -9,7 +9,8 @@ from the repository root, about 6 minutes with every stage:
 check,w1,w2,hf); "batch": ``--decode-batch`` (16) requests of 128-token prompts decoding 256
 tokens together, the decode rate summed over them (W4A16 against bf16 at batch 16:
 ``--hf-config-json`` with a ``quantization_config``, as for W1);
-``--scheduling sync,async`` runs W1/W2 under both step loops; ``--budget-s S`` skips engines
+``--scheduling async,sync`` runs W1/W2 under both step loops (default: async, the engine's
+own default on a GPU); ``--budget-s S`` skips engines
 started after S seconds. Reference results: benchmarks/results/W1_llama-3-8b_h200.json,
 W2_llama-3-8b_h200.json, check_engine_h200.json.
 
@@ -574,8 +575,9 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument(
         "--scheduling",
-        default="sync",
-        help="comma list of step loops to measure: sync (plain), async (--async-scheduling)",
+        default="async",
+        help="comma list of step loops to measure: async (--async-scheduling, the engine's "
+        "GPU default), sync (the plain loop)",
     )
     ap.add_argument(
         "--budget-s", type=float, default=1e9, help="skip engines/W2 started after this many s"
