@@ -45,7 +45,8 @@ def variants():
                      weight_ptr="*fp32")  # fmt: skip
         int4 = quant.startswith("int4")
         grouped = dict(HIDDEN=7168, INTER=2048, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
-                       SCALED=quant != "bf16", SBN=sbn, SBK=sbk, INT4=int4)  # fmt: skip
+                       SCALED=quant != "bf16", SBN=sbn, SBK=sbk, INT4=int4,
+                       GROUP_M=fm.GROUP_M)  # fmt: skip
         gate_up = {**grouped, "TOP_K": 8}
         yield f"{quant} grouped gate_up", fm._gate_up_kernel, types, gate_up, 4, 3
         yield f"{quant} grouped down", fm._down_kernel, types, grouped, 4, 3

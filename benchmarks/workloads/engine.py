@@ -429,6 +429,7 @@ def stage_w2(args: argparse.Namespace, llm: LLM) -> None:
         eager=args.eager,
         async_scheduling=llm.engine.scheduler.async_scheduling,
         num_kv_blocks=llm.engine.num_kv_blocks,  # the KV cache's capacity (--kv-cache-dtype)
+        max_num_seqs=llm.engine.config.scheduler.max_num_seqs,  # (a MoE model's default: 512)
         max_running=max((reqs for _, _, reqs, _ in steps), default=0),  # most requests a step
     )
     emit(args, "w2_step_summary", len(steps) - 1, **_w2_step_summary(steps), **common)

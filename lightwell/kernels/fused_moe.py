@@ -2,17 +2,17 @@
 
     out[t] = sum_j w[t, j] * W2[e_tj] @ (silu(W1[e_tj] @ x[t]) * W3[e_tj] @ x[t])
 
-``align_by_expert`` sorts the (token, choice) pairs by expert and pads each expert's run to a
-multiple of ``BLOCK_M`` (on the device, no host sync: the padded length has a static bound, so
-the launches can sit in a CUDA graph); every ``BLOCK_M`` rows then belong to one expert.
-``_gate_up_kernel``: per row block and ``BLOCK_N`` columns of the intermediate size, the gate and
-up products over H for the block's expert, ``silu(gate) * up`` in the epilogue -> [T * k, I].
-``_down_kernel``: per row block and ``BLOCK_N`` columns of H, the down product over I, times the
-pair's router weight in the epilogue -> [T * k, H]; ``sum_pairs`` then sums each token's k
-pairs (and adds the shared experts' output when given). Programs take the column tiles of
-``GROUP_M`` row blocks before moving on (``_tile_ids``), so that what they read is shared in
-L2. Blocks past the experts' runs exit at once, so a batch of one token reads only its chosen
-experts' weights.
+``align_by_expert`` (kernels/moe_pairs.py) sorts the (token, choice) pairs by expert and pads
+each expert's run to a multiple of ``BLOCK_M`` (on the device, no host sync); every ``BLOCK_M``
+rows then belong to one expert. ``_gate_up_kernel``: per row block and ``BLOCK_N`` columns of
+the intermediate size, the gate and up products over H for the block's expert,
+``silu(gate) * up`` in the epilogue -> [T * k, I]. ``_down_kernel``: per row block and
+``BLOCK_N`` columns of H, the down product over I, times the pair's router weight in the
+epilogue -> [T * k, H]; ``sum_pairs`` (kernels/moe_pairs.py) then sums each token's k pairs
+(and adds the shared experts' output when given). Programs take the column tiles of ``GROUP_M``
+row blocks before moving on (``_tile_ids``), so that what they read is shared in L2. Blocks
+past the experts' runs exit at once, so a batch of one token reads only its chosen experts'
+weights.
 Expert ids outside ``[0, E)`` (another rank's experts under expert parallelism) are skipped.
 Steps of a few tokens (``moe_gemv_rule.use_gemv``: decode) skip the sort and take the GEMV
 kernels of kernels/moe_gemv.py instead.
@@ -27,37 +27,8 @@ import triton.language as tl
 
 from lightwell.kernels.moe_gemv import Config, moe_gemv
 from lightwell.kernels.moe_gemv_rule import use_gemv
+from lightwell.kernels.moe_pairs import align_by_expert, sum_pairs
 from lightwell.kernels.w4a16 import _unpack
-
-
-def align_by_expert(
-    ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
-    num_experts: int,
-    block_m: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([P] pair index or T * k, [P / block_m] expert or -1)
-    """Pair indices ``t * k + j`` grouped by expert, each expert's run padded to ``block_m``
-    with the sentinel ``T * k``; the expert of each block of ``block_m`` rows (-1: none)."""
-    pairs = ids.numel()
-    flat = ids.reshape(-1).to(torch.int64)
-    key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-    order = torch.argsort(key, stable=True)  # [T * k]
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_experts]  # [E] (no sync)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts  # each expert's first position in ``order``
-    max_len = triton.cdiv(pairs + num_experts * (block_m - 1), block_m) * block_m
-    sorted_ids = torch.full((max_len + 1,), pairs, dtype=torch.int64, device=ids.device)
-    sorted_key = key[order]
-    valid = sorted_key < num_experts
-    e = sorted_key.clamp(max=num_experts - 1)
-    rank = torch.arange(pairs, device=ids.device) - start[e]
-    dest = torch.where(valid, padded_end[e] - padded[e] + rank, max_len)  # invalid: spill slot
-    sorted_ids.scatter_(0, dest, order)
-    block_start = torch.arange(0, max_len, block_m, device=ids.device)
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1)
-    return sorted_ids[:max_len].to(torch.int32), block_expert.to(torch.int32)
 
 
 @triton.jit
@@ -308,10 +279,10 @@ def fused_moe(
     Quantized experts are weight-only: x stays in its dtype; each weight tile is converted to
     it exactly (fp8 values; int4 values minus their zero points), and its dot product scaled
     per column by the scale of its block (fp8) or group (int4): a K tile lies in one."""
-    num_experts, hidden, inter = _check(x, w13, w2, weights, ids, scales, int4)
+    dims = _check(x, w13, w2, weights, ids, scales, int4)  # E, H, I
+    num_experts = dims[0]
     num_tokens, top_k = ids.shape
-    pairs = num_tokens * top_k
-    if pairs == 0:
+    if num_tokens * top_k == 0:
         return torch.zeros_like(x) if add is None else add.clone()
     if use_gemv(num_tokens, top_k + num_shared, num_experts) if gemv is None else gemv:
         configs = gemv_configs or (None, None)
@@ -329,10 +300,29 @@ def fused_moe(
     # the larger tiles are sized for 16-bit unquantized experts (shared memory, registers)
     large = scales is None and int4 is None and x.element_size() == 2
     if block_m is None:
-        block_m = pick_block_m(pairs / num_experts, not large)
+        block_m = pick_block_m(num_tokens * top_k / num_experts, not large)
     tiles = grouped_tiles(block_m) if large else (64, 64, 4, 3)
-    block_n, block_k = block_n or tiles[0], block_k or tiles[1]
-    num_warps, num_stages = num_warps or tiles[2], num_stages or tiles[3]
+    tile = (block_m, block_n or tiles[0], block_k or tiles[1], num_warps or tiles[2],
+            num_stages or tiles[3], group_m or GROUP_M)  # fmt: skip
+    return _grouped(x, w13, w2, weights, ids, dims, tile, scales, int4, add)
+
+
+def _grouped(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2 * I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    weights: torch.Tensor,  # [T, k]
+    ids: torch.Tensor,  # [T, k]
+    dims: tuple[int, int, int],  # E, H, I
+    tile: tuple[int, int, int, int, int, int],  # block m / n / k, warps, stages, GROUP_M
+    scales: Scales | None,
+    int4: Int4 | None,
+    add: torch.Tensor | None,  # [T, H]
+) -> torch.Tensor:  # [T, H]
+    """The grouped path: pairs sorted by expert, the gate/up and down launches, the pair sum."""
+    (num_experts, hidden, inter), (num_tokens, top_k) = dims, ids.shape
+    pairs = num_tokens * top_k
+    block_m, block_n, block_k, num_warps, num_stages, group_m = tile
     if int4 is not None:
         s13, z13, s2, z2, g13, g2 = int4
         block_k = min(block_k, g13 & -g13, g2 & -g2)  # a K tile inside one group
@@ -349,71 +339,20 @@ def fused_moe(
         quant = dict(SCALED=False, INT4=False)
     sorted_ids, block_expert = align_by_expert(ids, num_experts, block_m)
     blocks_m = block_expert.numel()
+    launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **quant, GROUP_M=group_m,
+                  num_warps=num_warps, num_stages=num_stages)  # fmt: skip
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    grid = (blocks_m * triton.cdiv(inter, block_n),)
-    _gate_up_kernel[grid](
+    _gate_up_kernel[(blocks_m * triton.cdiv(inter, block_n),)](
         x, w13, act, sorted_ids, block_expert, s13, z13, pairs, blocks_m, TOP_K=top_k,
-        HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SBN=sb13[0], SBK=sb13[1], **quant, GROUP_M=group_m or GROUP_M,
-        num_warps=num_warps, num_stages=num_stages,
+        HIDDEN=hidden, INTER=inter, SBN=sb13[0], SBK=sb13[1], **launch,
     )  # fmt: skip
     per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
-    grid = (blocks_m * triton.cdiv(hidden, block_n),)
-    _down_kernel[grid](
+    _down_kernel[(blocks_m * triton.cdiv(hidden, block_n),)](
         act, w2, flat_weights, per_pair, sorted_ids, block_expert, s2, z2, pairs, blocks_m,
-        HIDDEN=hidden, INTER=inter, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        SBN=sb2[0], SBK=sb2[1], **quant, GROUP_M=group_m or GROUP_M,
-        num_warps=num_warps, num_stages=num_stages,
+        HIDDEN=hidden, INTER=inter, SBN=sb2[0], SBK=sb2[1], **launch,
     )  # fmt: skip
     return sum_pairs(per_pair, ids, num_experts, add)
-
-
-@triton.jit
-def _sum_pairs_kernel(
-    y_ptr,  # [T * k, H]: each pair's weighted output (pairs of other ranks' experts: unset)
-    ids_ptr,  # [T, k]
-    add_ptr,  # HAS_ADD: [T, H]
-    out_ptr,  # [T, H]
-    num_experts,
-    HIDDEN: tl.constexpr,
-    TOP_K: tl.constexpr,
-    KP: tl.constexpr,  # TOP_K rounded up to a power of two
-    BLOCK_H: tl.constexpr,
-    HAS_ADD: tl.constexpr,
-):
-    t, pid_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    j = tl.arange(0, KP)
-    e = tl.load(ids_ptr + t * TOP_K + j, mask=j < TOP_K, other=-1)
-    ok = (j < TOP_K) & (e >= 0) & (e < num_experts)  # [KP]
-    cols = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_ok = cols < HIDDEN
-    y = tl.load(y_ptr + (t * TOP_K + j)[:, None] * HIDDEN + cols[None, :],
-                mask=ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-    acc = tl.sum(y.to(tl.float32), axis=0)
-    if HAS_ADD:
-        acc += tl.load(add_ptr + t * HIDDEN + cols, mask=col_ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * HIDDEN + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-def sum_pairs(
-    per_pair: torch.Tensor,  # [T * k, H]
-    ids: torch.Tensor,  # [T, k]: pairs whose id is outside [0, E) count as 0
-    num_experts: int,
-    add: torch.Tensor | None = None,  # [T, H]: added to the sum (the shared experts' output)
-) -> torch.Tensor:  # [T, H]
-    """Each token's sum over its k pairs (in float32, rounded once), plus ``add``."""
-    num_tokens, top_k = ids.shape
-    hidden = per_pair.shape[1]
-    out = per_pair.new_empty(num_tokens, hidden)
-    block_h = min(1024, triton.next_power_of_2(hidden))
-    grid = (num_tokens, triton.cdiv(hidden, block_h))
-    _sum_pairs_kernel[grid](
-        per_pair, ids.contiguous(), out if add is None else add.contiguous(), out, num_experts,
-        HIDDEN=hidden, TOP_K=top_k, KP=triton.next_power_of_2(top_k), BLOCK_H=block_h,
-        HAS_ADD=add is not None, num_warps=4,
-    )  # fmt: skip
-    return out
 
 
 def dequantize_experts(

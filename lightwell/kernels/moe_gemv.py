@@ -295,5 +295,8 @@ def moe_gemv(
     ``fused_moe``, which checks them and calls this for steps ``moe_gemv_rule.use_gemv``
     accepts (its torch reference is ``fused_moe_ref`` there). With ``num_shared`` S, each token
     also takes the last S experts of ``w13`` / ``w2`` with weight 1 (after its k routed ones)."""
+    # one contiguous ids tensor for both launches: no copy may run between them (the down
+    # kernel reads the ids before its PDL wait, kernels/pdl.py)
+    ids = ids.contiguous()
     act = moe_gemv_gate_up(x, w13, ids, gate_up_config, num_shared)
     return moe_gemv_down(act, w2, weights, ids, down_config, num_shared, down_pairs_tile)

@@ -144,8 +144,10 @@ class MoEBlock(nn.Module):
         blocks = (16, 32, 64, 128) if large else (16, 32, 64)
         for block_m in blocks:
             method.apply(experts, x, weights, ids, block_m=block_m, gemv=False)
+        if experts.num_shared:  # large steps add the shared MLP's output in the pair sum
+            method.apply(experts, x, weights, ids, gemv=False, add=torch.zeros_like(x))
         method.apply(experts, x[:1], weights[:1], ids[:1])
-        return len(blocks) + 1
+        return len(blocks) + 1 + bool(experts.num_shared)
 
 
 class MoEDecoderLayer(nn.Module):

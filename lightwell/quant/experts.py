@@ -61,12 +61,12 @@ class StackedExperts:
         x: torch.Tensor,  # [T, H]
         weights: torch.Tensor,  # [T, k]
         ids: torch.Tensor,  # [T, k] local expert ids
-        **options: Any,  # fused_moe's tile options (CUDA); num_shared: the stack's shared
-        # experts; add: [T, H] added to the output
+        **options: Any,  # fused_moe's options (CUDA), num_shared, add
     ) -> torch.Tensor:  # [T, H]
         """``fused_moe`` on the format's kernel inputs on CUDA, elsewhere ``moe_loop_by`` over
         its per-expert weights (a quantized expert dequantized when it has tokens, one at a
-        time)."""
+        time). ``options``: fused_moe's tile options; ``num_shared``: the stack's shared
+        experts; ``add``: [T, H] added to the output."""
         w13, w2, quant = self.kernel_inputs(layer)
         if x.is_cuda:
             from lightwell.kernels.fused_moe import fused_moe

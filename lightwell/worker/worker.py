@@ -354,10 +354,10 @@ class Worker:
 
 
 def _routed_experts(hf: Any) -> int:
-    """A MoE layer's routed experts from the HF config (Mixtral's, DeepSeek's, Qwen-MoE's
-    field), 0 for a dense model."""
-    for name in ("num_local_experts", "n_routed_experts", "num_experts"):
-        n = getattr(hf, name, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return 0
+    """A MoE layer's routed experts from the HF config, 0 for a dense model."""
+    from lightwell.models.moe_blocks import num_experts_of
+
+    try:
+        return num_experts_of(hf)
+    except ValueError:  # no experts field: a dense model
+        return 0

@@ -753,6 +753,76 @@ print(json.dumps(out))
 """
 
 
+_PDL_MLA_MOE_SCRIPT = (
+    _PDL_PTX_SCRIPT.split("on = sys.argv")[0]
+    + r"""
+from lightwell.kernels import mla_decode as md, mla_output as mo, mla_prepare as mp
+from lightwell.kernels import moe_gemv as mg, moe_router as mr
+
+on = sys.argv[1] == "1"
+bf = "*bf16"
+mla = dict(LATENT=512, BLOCK_L=512)
+out = {
+    "router": ops(mr._moe_router_kernel, dict(logits_ptr="*fp32", bias_ptr="*fp32",
+        weights_ptr="*fp32", ids_ptr="*i64", scaling="fp32"), dict(TOP_K=6, BLOCK_KP=8,
+        NUM_GROUPS=1, TOPK_GROUPS=1, TOP2_GROUPS=False, BLOCK_G=1, BLOCK_EG=64, SIGMOID=False,
+        HAS_BIAS=False, RENORMALIZE=False, GDC=on), num_warps=1, launch_pdl=on),
+    "gate_up": ops(mg._moe_gemv_gate_up, dict(x_ptr=bf, w_ptr=bf, ids_ptr="*i64", out_ptr=bf),
+        dict(BLOCK_N=1, BLOCK_K=1024, EVEN_K=True, GDC=on), num_warps=2, launch_pdl=on),
+    "down": ops(mg._moe_gemv_down, dict(a_ptr=bf, w_ptr=bf, ids_ptr="*i64",
+        weight_ptr="*fp32", out_ptr=bf), dict(BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, GDC=on),
+        num_warps=4, launch_pdl=on),
+    "down_pairs": ops(mg._moe_gemv_down_pairs, dict(a_ptr=bf, w_ptr=bf, ids_ptr="*i64",
+        weight_ptr="*fp32", out_ptr=bf), dict(PAIRS=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=False,
+        GDC=on), num_warps=8, num_stages=1, launch_pdl=on),
+    "mla_decode": ops(md._mla_decode_kernel, dict(q_ptr=bf, cache_ptr=bf,
+        block_table_ptr="*i32", seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
+        out_ptr=bf, scale="fp32"), dict(mla, BLOCK_SIZE=16, ROPE=64, BLOCK_P=64, BLOCK_H=16,
+        BLOCK_S=32, DOT_PREC="tf32", SPLIT=True, GDC=on), num_warps=4, num_stages=2,
+        launch_pdl=on),
+    "combine": ops(md._combine_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=bf),
+        dict(mla, BLOCK_SPLITS=32, GDC=on), num_warps=4, launch_pdl=on),
+    "absorb": ops(mo._absorb_output_kernel, dict(o_ptr=bf, w_ptr=bf, out_ptr=bf), dict(
+        NOPE=128, VDIM=128, LATENT=512, BLOCK_V=32, BLOCK_T=16, BLOCK_R=128, PREC="tf32",
+        GDC=on), num_warps=4, launch_pdl=on),
+    "prepare": ops(mp._prepare_kernel, dict(q_ptr=bf, kv_ptr=bf, norm_ptr=bf, w_ptr=bf,
+        pos_ptr="*i64", cs_ptr="*fp32", out_ptr=bf, cache_ptr=bf, slot_ptr="*i64", eps="fp32"),
+        dict(mla, HEADS=16, NOPE=128, ROPE=64, VDIM=128, BLOCK_N=128, BLOCK_T=16, BLOCK_R=128,
+        HALF_PAD=32, IS_NEOX=False, PREC="tf32", GDC=on), num_warps=4, launch_pdl=on),
+}
+print(json.dumps(out))
+"""
+)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
+    """The MLA and MoE decode kernels with PDL on: each waits before any store, signals only
+    after its (first) wait (the down kernel's early read of the router's ids relies on the
+    gate/up kernel doing so); the router, gate/up, loop-down, attention and combine kernels
+    load nothing before it; the pairs-down kernel reads the ids through L2 (``.cg``). Off,
+    none of it is compiled in."""
+    kernels = _run_ptx_script(_PDL_MLA_MOE_SCRIPT, on)
+    assert len(kernels) == 8
+    for name, got in kernels.items():
+        found = got["ops"]
+        if not on:
+            assert not any(op.startswith("griddep") for op in found), (name, found)
+            assert not got["launch_pdl"], name
+            continue
+        assert got["launch_pdl"] and "griddepcontrol.wait" in found, (name, found)
+        wait = found.index("griddepcontrol.wait")
+        before = found[:wait]
+        assert not any(op.startswith(("st.", "griddep")) for op in before), (name, found)
+        assert "griddepcontrol.launch_dependents" in found[wait:], (name, found)
+        if name in ("router", "gate_up", "down", "mla_decode", "combine"):
+            assert not before, (name, found)
+        elif name == "down_pairs":
+            assert "ld.global.cg.b64" in before or any(".cg" in op for op in before), found
+        else:  # absorb, prepare: the first weight chunk
+            assert any(op.startswith("ld.global") for op in before), (name, found)
+
+
 @pytest.mark.parametrize("on", [True, False])
 def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
     """With PDL on, the gemv signals and loads only weights (16-byte vectors) before its
