@@ -214,3 +214,23 @@ def test_w4a16_matmul_routes_few_rows_to_skinny(monkeypatch):
         assert bool(calls) == skinny, (m, gs, dtype)
         ref = w4a16.w4a16_matmul_ref(x, qweight, scales.to(dtype), zeros.to(dtype), g_idx)
         _check_close(out, ref, dtype)
+
+
+def test_fp8_block_matmul_compiles_one_variant_for_any_row_count(monkeypatch):
+    """17, 32 and 33 rows (one tile size) launch one specialisation of the block-fp8 GEMM: a
+    step's token count never compiles a variant in the middle of serving."""
+    from lightwell.kernels import fp8_block
+    from tests.kernels.test_triton_kernels import _SpecRecorder
+
+    rec = _SpecRecorder(fp8_block._fp8_block_kernel)
+    monkeypatch.setattr(fp8_block, "_fp8_block_kernel", rec)
+    gen, fp8 = torch.Generator().manual_seed(6), torch.float8_e4m3fn
+    b = (torch.randn(64, 64, generator=gen) * 50).to(fp8).to(DEVICE)
+    sb = (torch.rand(2, 2, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+    for m in (17, 32, 33):
+        a = (torch.randn(m, 64, generator=gen) * 50).to(fp8).to(DEVICE)
+        sa = (torch.rand(m, 2, generator=gen) * 0.01 + 1e-3).to(DEVICE)
+        out = fp8_block.fp8_block_matmul(a, sa, b, sb, (32, 32), torch.float32)
+        ref = fp8_block.fp8_block_matmul_ref(a, sa, b, sb, (32, 32), torch.float32)
+        assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-3
+    assert len(rec.keys) == 1
