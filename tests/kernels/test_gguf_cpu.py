@@ -38,6 +38,10 @@ def test_dequantize_is_bit_exact_with_gguf(qtype):
     assert torch.equal(gguf_dequantize_ref(w, qtype), expected)
     ids = torch.tensor([5, 0, 36, 5, 17])
     assert torch.equal(gguf_cpu.gguf_dequant_rows(w, qtype, 96, ids), expected[ids])
+    long = [i % 37 for i in range(70)]  # (past 64 ids: checked by torch reductions)
+    for bad in ([3, 37], [-1, 2], long + [37], [-1] + long):
+        with pytest.raises(IndexError, match=r"row ids must be in \[0, 37\)"):
+            gguf_cpu.gguf_dequant_rows(w, qtype, 96, torch.tensor(bad))
 
 
 @pytest.mark.parametrize("qtype", TYPES)

@@ -133,6 +133,32 @@ def test_build_declines_what_the_kernel_does_not_run(tiny_gguf, tmp_path):
     assert CpuDecode.build(model, torch.float32) is None  # an 8-bit cache
 
 
+def test_the_decoder_refuses_values_outside_the_cache(tiny_gguf):
+    """Positions, slots, lengths and block ids outside the model and its cache: a clear
+    ValueError, never a read or write out of bounds."""
+    torch.set_num_threads(1)
+    model = load_ours(tiny_gguf, quantization="gguf")
+    PagedRunner(model, block_size=4, num_blocks=8, seed=1)  # (allocates the caches)
+    dec = CpuDecode.build(model, torch.float32).decoder
+    x = torch.zeros(2, 128)
+    pos, slots = torch.tensor([3, 9]), torch.tensor([3, 9])
+    table, lens = (
+        torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32),
+        torch.tensor([4, 10], dtype=torch.int32),
+    )
+    dec(x, pos, slots, table, lens)  # in range: runs
+    cases = [
+        ((torch.tensor([3, 256]), slots, table, lens), "positions must lie in"),
+        ((pos, torch.tensor([3, 32]), table, lens), "slots must lie in"),
+        ((pos, slots, table, torch.tensor([4, 13], dtype=torch.int32)), "seq_lens must lie in"),
+        ((pos, slots, torch.tensor([[0, 1, 2], [3, 8, 5]], dtype=torch.int32), lens),
+         "block ids must lie in"),
+    ]  # fmt: skip
+    for args, message in cases:
+        with pytest.raises(ValueError, match=message):
+            dec(x, *args)
+
+
 def _generate(path: str, fused: bool) -> tuple[list[list[int]], set[str]]:
     """Greedy tokens of PROMPTS through the engine, and the paths its steps took."""
     from lightwell import LLM, SamplingParams

@@ -116,12 +116,22 @@ def _check_mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> tor
     return out
 
 
+def value_range(t: torch.Tensor) -> tuple[int, int]:
+    """(min, max) of a non-empty integer tensor; a decode step's few values through a list,
+    cheaper than two reductions."""
+    if t.numel() <= 64:
+        values = t.flatten().tolist()
+        return min(values), max(values)
+    return int(t.min()), int(t.max())
+
+
 def _check_rows(w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # [R] int64, contiguous
     """The arguments of a row dequantization."""
     ids = ids.to(torch.int64).contiguous()
     if w.dtype != torch.uint8 or not w.is_contiguous():
         raise ValueError("gguf_dequant_rows takes contiguous uint8 blocks")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0]):
+    lo, hi = value_range(ids) if ids.numel() else (0, -1)
+    if lo < 0 or hi >= w.shape[0]:
         raise IndexError(f"gguf_dequant_rows: row ids must be in [0, {w.shape[0]})")
     return ids
 

@@ -193,12 +193,17 @@ class LlamaDecoder:
             raise ValueError(f"llama_decode: block_table must be int32 [{R}, W], rows contiguous")
         cache = self._keep[2][0].kv_cache
         capacity = block_table.shape[1] * cache.shape[2]
-        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > capacity:
+        value_range = gguf_cpu.value_range
+        lo, hi = value_range(seq_lens)
+        if lo < 1 or hi > capacity:
             raise ValueError(f"llama_decode: seq_lens must lie in [1, {capacity}]")
-        if int(positions.max()) >= self.max_positions or int(positions.min()) < 0:
+        lo, hi = value_range(positions)
+        if hi >= self.max_positions or lo < 0:
             raise ValueError(f"llama_decode: positions must lie in [0, {self.max_positions})")
         num_slots = cache.shape[1] * cache.shape[2]
-        if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
+        lo, hi = value_range(slots)
+        if lo < 0 or hi >= num_slots:
             raise ValueError(f"llama_decode: slots must lie in [0, {num_slots})")
-        if int(block_table.min()) < 0 or int(block_table.max()) >= cache.shape[1]:
+        lo, hi = value_range(block_table)
+        if lo < 0 or hi >= cache.shape[1]:
             raise ValueError(f"llama_decode: block ids must lie in [0, {cache.shape[1]})")
