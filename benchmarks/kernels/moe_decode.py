@@ -59,15 +59,14 @@ def _warm(jobs: list[tuple[str, tuple, mg.Config, bool]]) -> int:
     """Compile (not run) each kernel specialisation into Triton's disk cache (a worker)."""
     from lightwell.kernels import pdl
 
-    bf16, gdc = torch.bfloat16, pdl.use_pdl(torch.device("cuda"))  # (the engine's variant)
+    bf16, pdl_args = torch.bfloat16, pdl.kernel_args(torch.device("cuda"))  # the engine's
     for kind, ints, (bn, bk, warps, stages), even in jobs:
         if kind == "gate_up":
             kernel, ptrs = mg._moe_gemv_gate_up, (bf16, bf16, torch.int64, bf16)
         else:
             kernel, ptrs = mg._moe_gemv_down, (bf16, bf16, torch.int64, torch.float32, bf16)
-        kernel.warmup(*ptrs, *ints, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, GDC=gdc,
-                      num_warps=warps, num_stages=stages, grid=(1,),
-                      **pdl.launch_options(gdc))  # fmt: skip
+        kernel.warmup(*ptrs, *ints, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, num_warps=warps,
+                      num_stages=stages, grid=(1,), **pdl_args)  # fmt: skip
     return len(jobs)
 
 

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.pdl_sync import wait_then_signal
 
 
 # (per-step integers are not specialised: no variant compiles in the middle of serving)
@@ -50,9 +51,7 @@ def _mla_decode_kernel(
     SPLIT: tl.constexpr,  # several splits: partials and log-sum-exps, else the output
     GDC: tl.constexpr,  # launched with PDL: wait for the kernel before, then signal
 ):
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     req, head_block, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     num_splits = tl.num_programs(2)
     width = LATENT + ROPE
@@ -118,9 +117,7 @@ def _combine_kernel(
     BLOCK_L: tl.constexpr,
     GDC: tl.constexpr,  # as _mla_decode_kernel's
 ):
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     req, head = tl.program_id(0), tl.program_id(1)
     s, lat = tl.arange(0, BLOCK_SPLITS), tl.arange(0, BLOCK_L)
     rows = (req * num_splits + s) * num_heads + head  # [BS]
@@ -234,12 +231,11 @@ def mla_decode(
     part, lse = _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
                         out, config)  # fmt: skip
     if num_splits > 1:
-        gdc = _pdl.use_pdl(q.device)
         _combine_kernel[(num_reqs, num_heads)](
             part, lse, out, num_heads, out.stride(0), out.stride(1), num_splits,
             LATENT=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
-            BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)), GDC=gdc,
-            **_pdl.launch_options(gdc),
+            BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
+            **_pdl.kernel_args(q.device),
         )  # fmt: skip
     return out
 
@@ -255,7 +251,6 @@ def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
         part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
         lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
     grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
-    gdc = _pdl.use_pdl(q.device)
     _mla_decode_kernel[grid](
         q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, out, scale, num_heads,
         block_table.stride(0), out.stride(0), out.stride(1), BLOCK_SIZE=kv_cache.shape[2],
@@ -264,8 +259,8 @@ def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
         BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
         BLOCK_S=block_s, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        SPLIT=num_splits > 1, GDC=gdc, num_warps=warps, num_stages=stages,
-        **_pdl.launch_options(gdc),
+        SPLIT=num_splits > 1,  num_warps=warps, num_stages=stages,
+        **_pdl.kernel_args(q.device),
     )  # fmt: skip
     return part, lse
 

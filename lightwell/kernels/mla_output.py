@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.pdl_sync import wait_then_signal
 
 BLOCK_V = 32  # value dims a program
 BLOCK_R = 128  # latent values a step of the product
@@ -46,9 +47,7 @@ def _absorb_output_kernel(
     r = tl.arange(0, BLOCK_R)
     w_first = tl.load(w_head + v[:, None] * LATENT + r[None, :],
                       mask=v_ok[:, None] & (r < LATENT)[None, :], other=0.0)  # fmt: skip
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     for r0 in tl.static_range(0, LATENT, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < LATENT
@@ -77,12 +76,11 @@ def absorb_output(
         block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))
         block_t = 16 if num_tokens <= 16 else 64
         grid = (heads, triton.cdiv(num_tokens, block_t), triton.cdiv(vdim, block_v))
-        gdc = _pdl.use_pdl(o.device)
         _absorb_output_kernel[grid](
             o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
             NOPE=nope, VDIM=vdim, LATENT=latent, BLOCK_V=block_v, BLOCK_T=block_t,
             BLOCK_R=min(BLOCK_R, max(16, triton.next_power_of_2(latent))),
-            PREC="ieee" if out.dtype == torch.float32 else "tf32", GDC=gdc,
-            **_pdl.launch_options(gdc),
+            PREC="ieee" if out.dtype == torch.float32 else "tf32",
+            **_pdl.kernel_args(o.device),
         )  # fmt: skip
     return out

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.pdl_sync import wait_then_signal
 from lightwell.kernels.rmsnorm import norm_row
 
 
@@ -139,9 +140,7 @@ def _query_tile(
     w_head = w_ptr + h * (NOPE + VDIM) * LATENT
     w = tl.load(w_head + n[:, None] * LATENT + r[None, :], mask=n_ok[:, None] & r_ok[None, :],
                 other=0.0)  # fmt: skip
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     q_rows = q_ptr + t.to(tl.int64)[:, None] * stride_q + h * (NOPE + ROPE)  # [BT, 1]
     qn = tl.load(q_rows + n[None, :], mask=t_ok[:, None] & n_ok[None, :], other=0.0)
     o_rows = out_ptr + t.to(tl.int64)[:, None] * stride_o + h * (LATENT + ROPE)
@@ -215,9 +214,7 @@ def _prepare_kernel(
                     out_ptr, T, stride_q, stride_cs, stride_o, NOPE, ROPE, VDIM, LATENT, BLOCK_N,
                     BLOCK_T, BLOCK_R, HALF_PAD, IS_NEOX, PREC, GDC)  # fmt: skip
     else:
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        wait_then_signal(GDC)
         _entry_row(pid - queries, kv_ptr, norm_ptr, pos_ptr, cs_ptr, out_ptr, cache_ptr,
                    slot_ptr, stride_kv, 0, stride_cs, eps, LATENT, ROPE, BLOCK_L, HALF_PAD,
                    IS_NEOX, True, False)  # fmt: skip
@@ -320,14 +317,13 @@ def prepare_decode(
         block_r = min(BLOCK_R, max(16, triton.next_power_of_2(latent)))
         block_t = _block_t(num_tokens)
         queries = heads * triton.cdiv(num_tokens, block_t) * triton.cdiv(latent, block_r)
-        gdc = _pdl.use_pdl(q.device)
         _prepare_kernel[(queries + num_tokens,)](
             q, kv, norm[0], kv_b_weight, positions, rope[0], out, kv_cache.view(-1, width),
             slot_mapping, num_tokens, q.stride(0), kv.stride(0), rope[0].stride(0),
             out.stride(0), norm[1], HEADS=heads, NOPE=nope, ROPE=rope_dim, VDIM=vdim,
             LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=block_t,
             BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(latent),
-            HALF_PAD=_half_pad(rope_dim), IS_NEOX=rope[1], PREC=_prec(q.dtype), GDC=gdc,
-            **_pdl.launch_options(gdc),
+            HALF_PAD=_half_pad(rope_dim), IS_NEOX=rope[1], PREC=_prec(q.dtype),
+            **_pdl.kernel_args(q.device),
         )  # fmt: skip
     return out

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.pdl_sync import wait_then_signal
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 Config = tuple[int, int, int, int]
@@ -67,9 +68,7 @@ def _moe_gemv_gate_up(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     GDC: tl.constexpr,  # launched with PDL: wait for the router, then signal (kernels/pdl.py)
 ):  # fmt: skip
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     pair = tl.program_id(0)
     token = pair // (top_k + num_shared)
     j = pair - token * (top_k + num_shared)
@@ -115,9 +114,7 @@ def _moe_gemv_down(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     GDC: tl.constexpr,  # launched with PDL: wait for the gate/up kernel, then signal
 ):  # fmt: skip
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     token = tl.program_id(0)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
@@ -177,9 +174,7 @@ def _moe_gemv_down_pairs(
     rk = tl.arange(0, BLOCK_K)
     first = mine[:, None] & (rk < inter)[None, :]  # the first K tile
     w = tl.load(w_rows + rk[None, None, :], mask=first[:, None, :], other=0.0)
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     scale = tl.where(mine, _pair_weight(weight_ptr, token, j, top_k), 0.0)
     a = tl.load(a_rows + rk[None, :], mask=first, other=0.0)
     acc = w.to(tl.float32) * a.to(tl.float32)[:, None, :]
@@ -228,11 +223,10 @@ def moe_gemv_gate_up(
     pairs = num_tokens * (top_k + num_shared)
     act = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or pick_config(hidden, 2, num_tokens)
-    gdc = _pdl.use_pdl(x.device)
     _moe_gemv_gate_up[(pairs, triton.cdiv(act.shape[1], block_n))](
         x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, num_shared, hidden,
-        act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0, GDC=gdc,
-        num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
+        act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+        num_warps=warps, num_stages=stages, **_pdl.kernel_args(x.device),
     )  # fmt: skip
     return act
 
@@ -270,12 +264,11 @@ def moe_gemv_down(
     else:
         kernel, tile, extra = _moe_gemv_down, config or pick_config(inter, 1, num_tokens), {}
     block_n, block_k, warps, stages = tile
-    gdc = _pdl.use_pdl(act.device)
     kernel[(num_tokens, triton.cdiv(hidden, block_n))](
         act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
         num_shared, hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=inter % block_k == 0, GDC=gdc, num_warps=warps, num_stages=stages,
-        **extra, **_pdl.launch_options(gdc),
+        EVEN_K=inter % block_k == 0,  num_warps=warps, num_stages=stages,
+        **extra, **_pdl.kernel_args(act.device),
     )  # fmt: skip
     return out
 

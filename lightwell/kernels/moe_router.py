@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.pdl_sync import wait_then_signal
 
 # The widest router this kernel takes (DeepSeek-V3 has 256 experts).
 MAX_EXPERTS = 1024
@@ -40,9 +41,7 @@ def _moe_router_kernel(
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
     GDC: tl.constexpr,  # launched with PDL: wait for the logits' kernel, then signal
 ):  # fmt: skip
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    wait_then_signal(GDC)
     token = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]  # [BG, 1]
     j = tl.arange(0, BLOCK_EG)[None, :]  # [1, BEG]
@@ -148,7 +147,6 @@ def moe_router(
         logits = logits.contiguous()
     group_size = num_experts // num_groups
     bias = correction_bias.contiguous() if correction_bias is not None else weights
-    gdc = _pdl.use_pdl(logits.device)
     _moe_router_kernel[(num_tokens,)](
         logits, bias, weights, ids, logits.stride(0), group_size, float(scaling),
         TOP_K=top_k, BLOCK_KP=triton.next_power_of_2(top_k),
@@ -156,7 +154,7 @@ def moe_router(
         BLOCK_G=triton.next_power_of_2(num_groups),
         BLOCK_EG=triton.next_power_of_2(group_size),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=correction_bias is not None,
-        RENORMALIZE=renormalize, GDC=gdc, num_warps=1 if num_experts <= 64 else 2,
-        **_pdl.launch_options(gdc),
+        RENORMALIZE=renormalize,  num_warps=1 if num_experts <= 64 else 2,
+        **_pdl.kernel_args(logits.device),
     )  # fmt: skip
     return weights, ids

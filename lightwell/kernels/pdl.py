@@ -22,6 +22,9 @@ kernel of the step writes (a layer's weights) may come first. Our users:
   router has finished (ids are read through L2, ``.cg``). This is the one read of a step's
   output before a wait; it relies on that order of the three launches.
 
+Those that wait first and signal after do it through ``kernels/pdl_sync.py``'s
+``wait_then_signal`` and take their launch arguments from ``kernel_args``.
+
 Kernels that do not wait are never launched with PDL: they start only after the kernel before
 them has finished, as without it. The worker calls ``set_enabled`` once at start-up from the
 engine config (``DeviceConfig.pdl``); the setting is per process.
@@ -67,3 +70,10 @@ def use_pdl(device: torch.device) -> bool:
 def launch_options(gdc: bool) -> dict:
     """Extra keyword arguments of a Triton launch that waits (``gdc_wait``) when ``gdc``."""
     return {"launch_pdl": True} if gdc else {}
+
+
+def kernel_args(device: torch.device) -> dict:
+    """A launch's ``GDC`` constexpr and its PDL option on ``device`` (``use_pdl``), for the
+    kernels that wait through ``kernels/pdl_sync.py``."""
+    gdc = use_pdl(device)
+    return {"GDC": gdc, **launch_options(gdc)}

@@ -192,18 +192,19 @@ class LlamaDecoder:
         ):
             raise ValueError(f"llama_decode: block_table must be int32 [{R}, W], rows contiguous")
         cache = self._keep[2][0].kv_cache
-        capacity = block_table.shape[1] * cache.shape[2]
-        value_range = gguf_cpu.value_range
-        lo, hi = value_range(seq_lens)
-        if lo < 1 or hi > capacity:
-            raise ValueError(f"llama_decode: seq_lens must lie in [1, {capacity}]")
-        lo, hi = value_range(positions)
-        if hi >= self.max_positions or lo < 0:
-            raise ValueError(f"llama_decode: positions must lie in [0, {self.max_positions})")
-        num_slots = cache.shape[1] * cache.shape[2]
-        lo, hi = value_range(slots)
-        if lo < 0 or hi >= num_slots:
-            raise ValueError(f"llama_decode: slots must lie in [0, {num_slots})")
-        lo, hi = value_range(block_table)
-        if lo < 0 or hi >= cache.shape[1]:
-            raise ValueError(f"llama_decode: block ids must lie in [0, {cache.shape[1]})")
+        capacity, blocks = block_table.shape[1] * cache.shape[2], cache.shape[1]
+        bounds = (  # (values, first allowed, first past the end, what they are)
+            (seq_lens, 1, capacity + 1, f"seq_lens must lie in [1, {capacity}]"),
+            (positions, 0, self.max_positions, f"positions must lie in [0, {self.max_positions})"),
+            (
+                slots,
+                0,
+                blocks * cache.shape[2],
+                f"slots must lie in [0, {blocks * cache.shape[2]})",
+            ),
+            (block_table, 0, blocks, f"block ids must lie in [0, {blocks})"),
+        )
+        for values, first, end, what in bounds:
+            lo, hi = gguf_cpu.value_range(values)
+            if lo < first or hi >= end:
+                raise ValueError(f"llama_decode: {what}")

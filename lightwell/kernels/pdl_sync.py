@@ -1,0 +1,19 @@
+"""The in-kernel side of programmatic dependent launch (kernels/pdl.py) for the kernels that
+wait first and signal after: a Triton helper, so this module needs Triton (pdl.py does not).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def wait_then_signal(GDC: tl.constexpr):
+    """With ``GDC`` (launched with PDL): wait until the kernel before has finished and its
+    writes are visible, then let the next kernel's programs start. Signalling only after the
+    wait means that once the next kernel runs, every kernel before this one has finished: the
+    MoE down GEMV relies on it to read the router's ids before its own wait."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
