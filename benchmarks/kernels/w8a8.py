@@ -133,7 +133,7 @@ def measure(name: str, rows: list[int], sweep: bool, dev: torch.device) -> list[
 
 
 def sweep_int8(x: torch.Tensor, copies: list, base: dict, bf16_us: float) -> list[dict]:
-    default = pick_config(x.shape[0])
+    default = pick_config(x.shape[0], copies[0][0].shape[0])
     out = []
     for cfg in SWEEP:
         try:

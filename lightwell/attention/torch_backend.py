@@ -15,20 +15,18 @@ import torch
 import torch.nn.functional as F
 
 from lightwell.attention.metadata import AttentionMetadata
-from lightwell.quant.kv_cache import FP8, dequantize_kv, quantize_kv
+from lightwell.quant.kv_cache import dequantize_blocks, dequantize_kv, quantize_kv, write_rows
 
 
 def write_kv_cache(
-    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D'] (D' = D, or D + 4 for an int8 cache)
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D'] (D' = D, or D + 4 for an 8-bit cache)
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int64: block_id * B + offset
 ) -> None:
-    """Store k/v in the cache's dtype (``lightwell/quant/kv_cache.py``)."""
-    num_kv_heads, stored = kv_cache.shape[-2:]
+    """Store k/v in the cache's dtype and layout (``lightwell/quant/kv_cache.py``)."""
     for i, x in enumerate((k, v)):
-        rows = _raw(kv_cache[i].view(-1, num_kv_heads, stored))
-        rows.index_copy_(0, slot_mapping, _raw(quantize_kv(x, kv_cache.dtype)))
+        write_rows(kv_cache[i], x, slot_mapping)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -37,12 +35,14 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def gather_kv(
-    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D']
     block_ids: torch.Tensor,  # [nb]
     length: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([L, Hkv, D], [L, Hkv, D])
-    """The first ``length`` cached tokens of one request, in order."""
-    kv = _take_blocks(kv_cache, block_ids)[:, :length]  # [2, L, Hkv, D]
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([L, Hkv, D], [L, Hkv, D]) in dtype
+    """The first ``length`` cached tokens of one request, in order, dequantized to ``dtype``."""
+    blocks = dequantize_blocks(_take_blocks(kv_cache, block_ids), dtype)  # [2, nb, B, Hkv, D]
+    kv = blocks.flatten(1, 2)[:, :length]  # [2, L, Hkv, D]
     return kv[0], kv[1]
 
 
@@ -53,15 +53,15 @@ def _consecutive_start(blocks: torch.Tensor) -> int | None:  # blocks [1, nb]
 
 
 def _take_blocks(
-    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, N, B, Hkv, D']
     block_ids: torch.Tensor,  # [*S] any shape
-) -> torch.Tensor:  # [2, *S[:-1], S[-1] * B, Hkv, D]
+) -> torch.Tensor:  # [2, *S, B, Hkv, D'] whole blocks, in the cache's layout
     """Gather whole blocks with index_select (advanced indexing over dim 1 is ~10x slower)."""
     two, _, block_size, heads, dim = kv_cache.shape
     raw = _raw(kv_cache)
     flat = raw.view(two, kv_cache.shape[1], -1).index_select(1, block_ids.reshape(-1))
     flat = flat.view(kv_cache.dtype)
-    return flat.view(two, *block_ids.shape[:-1], block_ids.shape[-1] * block_size, heads, dim)
+    return flat.view(two, *block_ids.shape, block_size, heads, dim)
 
 
 @dataclass
@@ -211,8 +211,7 @@ def _attend_prefill(
         return
     block_size = kv_cache.shape[2]
     num_blocks = -(-length // block_size)
-    keys, values = gather_kv(kv_cache, meta.block_table[i, :num_blocks], length)
-    keys, values = dequantize_kv(keys, q.dtype), dequantize_kv(values, q.dtype)
+    keys, values = gather_kv(kv_cache, meta.block_table[i, :num_blocks], length, q.dtype)
     out[s:e] = _sdpa(q[s:e], keys, values, num_cached, scale, window)
 
 
@@ -222,9 +221,7 @@ def _as_stored(
 ) -> torch.Tensor:  # [n, Hkv, D]
     """``x`` as the cache gives it back: an 8-bit cache's round trip, so a fresh prompt sees the
     keys/values a later chunk, a decode or a prefix-cache hit reads (the Triton kernels too)."""
-    if cache_dtype not in (FP8, torch.int8):
-        return x
-    return dequantize_kv(quantize_kv(x, cache_dtype), x.dtype)
+    return dequantize_kv(*quantize_kv(x, cache_dtype), x.dtype)
 
 
 def _attend_decodes(
@@ -239,18 +236,17 @@ def _attend_decodes(
     """All query_len-1 requests at once: gather their blocks padded to the longest (keys out
     of the window are masked like the padding)."""
     device = q.device
-    num_kv_heads, stored, head_dim = *kv_cache.shape[-2:], q.shape[-1]
+    num_kv_heads, head_dim = kv_cache.shape[-2], q.shape[-1]
     tokens, num_reqs = plan.decode_tokens, len(plan.decodes)
     owned = plan.decode_first_block is None  # False: kv is a view into the cache
-    if not owned:  # [2, 1, nb * B, Hkv, D]
+    if not owned:  # [2, 1, nb, B, Hkv, D']
         nb = plan.decode_blocks.shape[1]
-        kv = kv_cache[:, plan.decode_first_block : plan.decode_first_block + nb]
-        kv = kv.reshape(2, 1, nb * kv_cache.shape[2], num_kv_heads, stored)
+        kv = kv_cache[:, None, plan.decode_first_block : plan.decode_first_block + nb]
     else:
-        kv = _take_blocks(kv_cache, plan.decode_blocks)  # [2, R, nb * B, Hkv, D]
-    kv = kv[:, :, : plan.decode_len]  # [2, R, L, Hkv, D]
+        kv = _take_blocks(kv_cache, plan.decode_blocks)  # [2, R, nb, B, Hkv, D']
     if kv.dtype != q.dtype:
-        kv, owned = dequantize_kv(kv, q.dtype), True
+        kv, owned = dequantize_blocks(kv, q.dtype), True
+    kv = kv.flatten(2, 3)[:, :, : plan.decode_len]  # [2, R, L, Hkv, D]
     pad = plan.decode_pad  # [R, L] or None
     if window is not None:  # the query sits at seq_len - 1
         key_pos = torch.arange(kv.shape[2], device=device)[None, :]

@@ -15,7 +15,8 @@ import triton
 
 from lightwell.attention.metadata import AttentionMetadata
 from lightwell.kernels.attention_tiles import default_config
-from lightwell.kernels.kv_quant import head_dim_of
+from lightwell.kernels.kv_dequant import copy_for_prefill
+from lightwell.kernels.kv_quant import head_dim_of, is_quantized
 from lightwell.kernels.kv_store import kv_store
 from lightwell.kernels.paged_attention import paged_attention
 
@@ -94,24 +95,32 @@ def compile_variants(
     sliding_window: int | None = None,
 ) -> int:
     """Launch, once, each variant of the kernel that serving can need for this layer's shapes:
-    decode rows with and without split-KV, a prefill within one query
-    tile and one over several. Each reads block 0 of ``kv_cache`` and writes a scratch output
-    only. Start-up calls it (after warm-up), because CUDA-graph capture covers only the
-    variants its own steps use, and an eager step (a mixed step that skips its graph) would
-    otherwise compile the rest in the middle of serving. Returns the launches made."""
+    decode rows with and without split-KV (in each decode tile the cache's dtype uses), a
+    prefill within one query tile and one over several (over an 8-bit cache: directly, and
+    over the copy long prompt chunks read, kernels/kv_dequant.py). Each reads block 0 of
+    ``kv_cache`` and writes a scratch output only. Start-up calls it (after warm-up), because
+    CUDA-graph capture covers only the variants its own steps use, and an eager step (a mixed
+    step that skips its graph) would otherwise compile the rest in the middle of serving.
+    Returns the launches made."""
     k_cache, v_cache = (kv_cache[0], kv_cache[1]) if not isinstance(kv_cache, tuple) else kv_cache
     device, block_size, num_kv_heads = k_cache.device, *k_cache.shape[1:3]
     head_dim = head_dim_of(k_cache)
+    quant = is_quantized(k_cache.dtype)
     gqa = num_heads // num_kv_heads
     cfg = default_config(head_dim, decode=False)
     block_q = max(cfg.block_m, triton.next_power_of_2(gqa)) // gqa
-    cases = (  # (query length, splits): decode split / unsplit, prefill in one tile / several
-        (1, 2),
-        (1, 1),
-        (min(2, block_q), 1),
-        (block_q + 1, 1),
-    )
-    for q_len, splits in cases:
+    cases = [  # (query length, splits, tiles, copy): decode split / unsplit, prefill 1 tile / more
+        (1, 2, None, False),
+        (1, 1, None, False),
+        (min(2, block_q), 1, None, False),
+        (block_q + 1, 1, None, False),
+    ]
+    wide = default_config(head_dim, True, quant, wide=True)
+    if wide != default_config(head_dim, True, quant):
+        cases += [(1, 2, wide, False), (1, 1, wide, False)]  # the tile of batches wider than SMs
+    if quant:
+        cases += [(min(2, block_q), 1, None, True), (block_q + 1, 1, None, True)]
+    for q_len, splits, tiles, copy in cases:
         seq_len = max(q_len, 2 * splits)
         blocks = triton.cdiv(seq_len, block_size)
         meta = AttentionMetadata(
@@ -126,7 +135,11 @@ def compile_variants(
             num_decodes=int(q_len == 1),
         )
         q = torch.zeros((q_len, num_heads, head_dim), dtype=dtype, device=device)
+        kv = (k_cache, v_cache)
+        if copy:  # what a long prompt chunk reads: the copy's kernel and the model-dtype kernel
+            k, v, table = copy_for_prefill(k_cache, v_cache, meta, 0, 1, dtype, force=True)
+            kv, meta = (k, v), dataclasses.replace(meta, block_table=table)
         paged_attention(
-            q, (k_cache, v_cache), meta, scale, num_splits=splits, sliding_window=sliding_window
+            q, kv, meta, scale, num_splits=splits, config=tiles, sliding_window=sliding_window
         )
     return len(cases)

@@ -3,7 +3,7 @@
 ``a`` [M, K] int8 (activations, per-token scales ``sa`` [M, 1] float32), ``b`` [N, K] int8
 (weights, per-channel scales ``sb`` [N] float32). Each program accumulates a [BLOCK_M, BLOCK_N]
 tile exactly in int32 (``tl.dot``), then scales it in fp32, adds the bias and writes the
-activation dtype: one pass over the output. Tiles are fixed per M (``pick_config``), no
+activation dtype: one pass over the output. Tiles are fixed per M and N (``pick_config``), no
 autotuning; ``config`` overrides them (benchmarks sweep it).
 """
 
@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels.split_kv import num_sms
+
 
 class Int8GemmConfig(NamedTuple):
     block_m: int
@@ -24,11 +26,17 @@ class Int8GemmConfig(NamedTuple):
     num_stages: int
 
 
-def pick_config(m: int) -> Int8GemmConfig:
-    """The tile for ``m`` rows: thin for decode, square-ish for prefill."""
+_SKINNY_MAX_ROWS = 256  # up to here, 64-row tiles when 128-row ones leave SMs without a tile
+
+
+def pick_config(m: int, n: int, sms: int = 132) -> Int8GemmConfig:
+    """The tile for ``m`` rows and ``n`` output columns on ``sms`` SMs: thin for decode,
+    square-ish for prefill; 64-row tiles up to ``_SKINNY_MAX_ROWS`` rows when 128 x 128 tiles
+    would number fewer than the SMs (a decode batch's qkv / o / down projections)."""
     if m <= 16:
         return Int8GemmConfig(16, 128, 128, 4, 4)
-    if m <= 64:
+    few_tiles = triton.cdiv(m, 128) * triton.cdiv(n, 128) < sms
+    if m <= 64 or (m <= _SKINNY_MAX_ROWS and few_tiles):
         return Int8GemmConfig(64, 128, 128, 4, 4)
     return Int8GemmConfig(128, 128, 128, 8, 3)
 
@@ -83,7 +91,7 @@ def int8_gemm(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    cfg = config or pick_config(m)
+    cfg = config or pick_config(m, n, _num_sms(a.device))
     sa = a_scale.reshape(m).float().contiguous()
     sb = b_scale.reshape(n).float().contiguous()
     bias_t = sb if bias is None else bias.to(out_dtype).contiguous()
@@ -94,6 +102,12 @@ def int8_gemm(
         BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def int8_gemm_ref(

@@ -1,14 +1,16 @@
 """8-bit KV-cache rows in the Triton kernels (the layout of ``lightwell/quant/kv_cache.py``).
 
 A cache of ``float8_e4m3fn`` or ``int8`` holds, per token and KV head, ``D`` 8-bit values and
-then the 4 bytes of their fp32 scale (``max|x| / 448`` or ``max|x| / 127``; 1 for an all-zero
-row): rows of ``D + 4`` elements, the scale read and written through a float32 pointer.
+an fp32 scale (``max|x| / 448`` or ``max|x| / 127``; 1 for an all-zero row). A block of B
+tokens is ``B * Hkv * (D + 4)`` bytes: the ``B * Hkv`` rows of values (token-major, as in a
+model-dtype block: ``row_ptrs``), then the ``Hkv * B`` scales (head-major: ``scale_ptrs``), so
+that rows start at multiples of D bytes and a head's scales in a block are contiguous.
 
 ``store_rows`` (the KV store, alone or fused with RoPE) quantizes like ``quantize_kv``, bit for
 bit on CPU and on CUDA, for the reasons act_quant.py gives: both divisions are ``div_rn``, the
 amax and clamps are exact, int8 rounds half to even (``rint``), fp8 is the round-to-nearest-even
-conversion (the interpreter first rounds to the e4m3 grid itself). ``load_scales`` gives
-paged attention a tile's per-key scales; it applies them to the scores and the probabilities.
+conversion (the interpreter first rounds to the e4m3 grid itself). Paged attention loads a
+tile's per-key scales through ``scale_ptrs`` and applies them to the scores and probabilities.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in QMAX
 
 
+def scales_offset(block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Bytes from a block's start to its scales."""
+    return block_size * num_kv_heads * head_dim
+
+
 def head_dim_of(cache: torch.Tensor) -> int:
     """D of a cache [..., D] or, 8-bit, [..., D + 4]."""
     return cache.shape[-1] - (SCALE_BYTES if is_quantized(cache.dtype) else 0)
@@ -39,12 +46,34 @@ def quant_mode(dtype: torch.dtype) -> int:
 
 
 @triton.jit
+def row_ptrs(block, tok, h, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Pointers to the value rows of token ``tok`` (in its block) and heads ``h``, in the block
+    at ``block``: the same for a model-dtype and an 8-bit block."""
+    return block + (tok * NUM_KV_HEADS + h) * HEAD_DIM
+
+
+@triton.jit
+def scale_ptrs(
+    block,
+    tok,
+    h,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """fp32 pointers to the scales of token ``tok`` and heads ``h`` in the 8-bit block at
+    ``block`` (either may be a tensor)."""
+    first = (block + BLOCK_SIZE * NUM_KV_HEADS * HEAD_DIM).to(tl.pointer_type(tl.float32))
+    return first + h * BLOCK_SIZE + tok
+
+
+@triton.jit
 def store_rows(
-    rows,  # [BLOCK_H] pointers: each head's row in the cache
+    rows,  # [BLOCK_H] pointers: each head's row of values in the cache
+    scales,  # [BLOCK_H] fp32 pointers: each head's scale (8-bit caches)
     d,  # [BLOCK_D] element offsets in a row
     mask,  # [BLOCK_H, BLOCK_D]
     x,  # [BLOCK_H, BLOCK_D] the keys or values
-    HEAD_DIM: tl.constexpr,
     KV_QUANT: tl.constexpr,  # quant_mode of the cache dtype
     INTERPRET: tl.constexpr,
 ):
@@ -70,13 +99,12 @@ def store_rows(
             q = y.to(tl.float8e4nv)
         tl.store(ptrs, q, mask=mask)
         row_ok = tl.max(mask.to(tl.int32), axis=1) > 0
-        tl.store((rows + HEAD_DIM).to(tl.pointer_type(tl.float32)), scale, mask=row_ok)
+        tl.store(scales, scale, mask=row_ok)
 
 
 @triton.jit
-def load_scales(rows, ok, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """[BLOCK_N] fp32 scales of the rows at ``rows`` (8-bit pointers); 0 where not ``ok``."""
-    ptrs = (rows + HEAD_DIM).to(tl.pointer_type(tl.float32))
+def load_scales(ptrs, ok, MASKED: tl.constexpr):
+    """[BLOCK_N] fp32 scales at ``ptrs``; 0 where not ``ok``."""
     if MASKED:
         s = tl.load(ptrs, mask=ok, other=0.0)
     else:

@@ -3,7 +3,8 @@
 Cache layout per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (K then V);
 token t goes to ``slot_mapping[t] = block_id * block_size + offset``. A negative slot means
 "skip this token" (the padding rows of a CUDA-graph batch). An 8-bit cache (fp8 e4m3 or int8)
-has rows of ``head_dim + 4``: the quantized values and their fp32 scale (kernels/kv_quant.py).
+has a last dim of ``head_dim + 4``: each block holds the quantized values, then their fp32
+scales (kernels/kv_quant.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,15 @@ import triton
 import triton.language as tl
 
 from lightwell import envs
-from lightwell.kernels.kv_quant import QMAX, SCALE_BYTES, head_dim_of, quant_mode, store_rows
+from lightwell.kernels.kv_quant import (
+    SCALE_BYTES,
+    head_dim_of,
+    quant_mode,
+    row_ptrs,
+    scale_ptrs,
+    store_rows,
+)
+from lightwell.quant.kv_cache import write_rows
 
 
 @triton.jit
@@ -28,8 +37,6 @@ def _kv_store_kernel(
     stride_vh,
     stride_c_kv,
     stride_c_blk,
-    stride_c_tok,
-    stride_c_head,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -49,11 +56,18 @@ def _kv_store_kernel(
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
     src_k = k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :]
     src_v = v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :]
-    rows = cache_ptr + blk * stride_c_blk + off * stride_c_tok + h * stride_c_head  # [BLOCK_H]
+    block = cache_ptr + blk * stride_c_blk
+    rows = row_ptrs(block, off, h, NUM_KV_HEADS, HEAD_DIM)  # [BLOCK_H]
+    if KV_QUANT:
+        scales = scale_ptrs(block, off, h, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+        v_scales = scale_ptrs(block + stride_c_kv, off, h, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    else:  # (not read)
+        scales = rows
+        v_scales = rows
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
-    store_rows(rows, d, mask, k, HEAD_DIM, KV_QUANT, INTERPRET)
-    store_rows(rows + stride_c_kv, d, mask, v, HEAD_DIM, KV_QUANT, INTERPRET)
+    store_rows(rows, scales, d, mask, k, KV_QUANT, INTERPRET)
+    store_rows(rows + stride_c_kv, v_scales, d, mask, v, KV_QUANT, INTERPRET)
 
 
 def kv_store(
@@ -81,8 +95,6 @@ def kv_store(
         v.stride(1),
         kv_cache.stride(0),
         kv_cache.stride(1),
-        kv_cache.stride(2),
-        kv_cache.stride(3),
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
@@ -101,29 +113,8 @@ def kv_store_ref(
     slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
 ) -> None:
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    hkv, width = kv_cache.shape[-2:]
-    raw = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.float8_e4m3fn else kv_cache
     for i, x in enumerate((k, v)):
-        raw[i].view(-1, hkv, width)[slots] = _raw(_quantize_ref(x[keep], kv_cache.dtype))
-
-
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # (no fp8 indexing)
-
-
-def _quantize_ref(
-    x: torch.Tensor,  # [T, Hkv, D]
-    dtype: torch.dtype,
-) -> torch.Tensor:  # [T, Hkv, D] or, 8-bit, [T, Hkv, D + 4] in dtype
-    if dtype not in QMAX:
-        return x.to(dtype)
-    qmax = QMAX[dtype]
-    amax = x.float().abs().amax(-1, keepdim=True)  # [T, Hkv, 1]
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
-    y = (x.float() / scale).clamp(-qmax, qmax)
-    q = y.to(dtype) if dtype == torch.float8_e4m3fn else torch.round(y).to(dtype)
-    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1).view(dtype)
+        write_rows(kv_cache[i], x[keep], slot_mapping[keep])
 
 
 def check_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

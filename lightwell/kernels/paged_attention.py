@@ -14,12 +14,13 @@ loaded, and tiles that start before the window of its last row are masked too. W
 ``SPLIT_KV`` (flash-decoding) the key range is cut into ``grid[2]`` chunks per request, each
 program writes a partial (max, sum, acc), and ``split_kv.reduce_splits`` combines them.
 
-An 8-bit cache (fp8 e4m3 or int8, ``KV_QUANT``; rows of D values and their fp32 scale,
-kernels/kv_quant.py) is read as is: the two products run in fp16 for 16-bit queries (bf16
+An 8-bit cache (fp8 e4m3 or int8, ``KV_QUANT``; blocks of rows of D values, then their fp32
+scales, kernels/kv_quant.py) is read as is: the two products run in fp16 for 16-bit queries (bf16
 queries convert exactly at fp16's normal magnitudes, the tiles always) and in fp32 for fp32
 queries; each key's scale multiplies its scores, and each value's scale its probabilities
 (times ``_V_LIFT``, undone at the end, so fp16 probabilities keep their precision); fp16
-operands are clamped to fp16's finite range.
+operands are clamped to fp16's finite range. Launches of prompt chunks long enough read a copy
+of their blocks in the query dtype instead (kernels/kv_dequant.py).
 
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);
@@ -28,6 +29,7 @@ when every request fits in one tile (decode) the tile id is the request index.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -41,12 +43,14 @@ from lightwell.kernels.attention_tiles import (
     load_tile,
     locate_tile,
 )
-from lightwell.kernels.kv_quant import SCALE_BYTES, is_quantized, load_scales
+from lightwell.kernels.kv_dequant import copy_for_prefill
+from lightwell.kernels.kv_quant import SCALE_BYTES, is_quantized, load_scales, scales_offset
 from lightwell.kernels.pdl import use_pdl
 from lightwell.kernels.split_kv import (
     MAX_SPLITS,
     SplitPartials,
     auto_num_splits,
+    num_sms,
     reduce_splits,
     store_partials,
 )
@@ -79,6 +83,8 @@ def _attend_tile(
     bt_row_ptr,
     k_base,
     v_base,
+    ks_base,  # 8-bit: the first block's scales of this KV head (byte pointers)
+    vs_base,
     stride_k_blk,
     stride_k_tok,
     stride_v_blk,
@@ -105,11 +111,10 @@ def _attend_tile(
         blk = tl.load(bt_row_ptr + offs_n // BLOCK_SIZE).to(tl.int64)
     in_blk = offs_n % BLOCK_SIZE
     k_off = blk * stride_k_blk + in_blk * stride_k_tok  # [BLOCK_N]
-    if KV_QUANT:  # rows of D + 4 bytes (D % 4 == 0): tell the compiler, for 4-byte loads
-        k_off = tl.multiple_of(k_off, 4)
     k = load_tile(k_base + k_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
     if KV_QUANT:
-        k_scale = load_scales(k_base + k_off, n_ok, MASKED, HEAD_DIM) * qk_scale  # [BLOCK_N]
+        ks = (ks_base + blk * stride_k_blk).to(tl.pointer_type(tl.float32)) + in_blk
+        k_scale = load_scales(ks, n_ok, MASKED) * qk_scale  # [BLOCK_N]
         s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PREC) * k_scale[None, :]
     else:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [BLOCK_M, BLOCK_N]
@@ -123,11 +128,10 @@ def _attend_tile(
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v_off = blk * stride_v_blk + in_blk * stride_v_tok
-    if KV_QUANT:
-        v_off = tl.multiple_of(v_off, 4)
     v = load_tile(v_base + v_off[:, None] + offs_d[None, :], n_ok, d_ok, MASKED, PAD_D)
     if KV_QUANT:
-        v_scale = load_scales(v_base + v_off, n_ok, MASKED, HEAD_DIM) * _V_LIFT  # [BLOCK_N]
+        vs = (vs_base + blk * stride_v_blk).to(tl.pointer_type(tl.float32)) + in_blk
+        v_scale = load_scales(vs, n_ok, MASKED) * _V_LIFT  # [BLOCK_N]
         if F16_DOT:
             pv = _to_f16(p * v_scale[None, :])
         else:
@@ -156,6 +160,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_k_blk, stride_k_tok, stride_k_head, stride_v_blk, stride_v_tok, stride_v_head,
     stride_bt,
+    scale_off,  # 8-bit: bytes from a block's start to its scales (kv_quant.scales_offset)
     GQA: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV-cache block
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -222,33 +227,31 @@ def _paged_attention_kernel(
     full_end = win_end + tl.maximum(tl.minimum(hi, ctx + t0 + 1) - win_end, 0) // BLOCK_N * BLOCK_N
 
     bt_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    if KV_QUANT:  # (4-byte aligned rows, as in _attend_tile)
-        k_base = k_cache_ptr + tl.multiple_of(kvh * stride_k_head, 4)
-        v_base = v_cache_ptr + tl.multiple_of(kvh * stride_v_head, 4)
-    else:
-        k_base = k_cache_ptr + kvh * stride_k_head
-        v_base = v_cache_ptr + kvh * stride_v_head
+    k_base = k_cache_ptr + kvh * stride_k_head
+    v_base = v_cache_ptr + kvh * stride_v_head
+    ks_base = k_cache_ptr + scale_off + kvh * (BLOCK_SIZE * 4)  # fp32 scales, if KV_QUANT
+    vs_base = v_cache_ptr + scale_off + kvh * (BLOCK_SIZE * 4)
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     if SLIDING:
         for start_n in range(lo, win_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
+                acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base, ks_base, vs_base,
                 stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
                 window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
                 F16_DOT,
             )  # fmt: skip
     for start_n in range(win_end, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
+            acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base, ks_base, vs_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
             window, BLOCK_SIZE, BLOCK_N, False, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
             F16_DOT,
         )  # fmt: skip
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base,
+            acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base, ks_base, vs_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
             window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
             F16_DOT,
@@ -320,14 +323,23 @@ def _launch(
     sliding_window: int | None,
 ) -> None:
     """One kernel launch over requests ``r0:r1`` (their tokens are contiguous in ``q``)."""
+    if max_query_len > 1:  # prompt chunks over an 8-bit cache may read a copy (kv_dequant.py)
+        copy = copy_for_prefill(k_cache, v_cache, meta, r0, r1, q.dtype)
+        if copy is not None:
+            k_cache, v_cache, table = copy
+            meta = dataclasses.replace(meta, block_table=table)
     num_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
-    cfg = config or default_config(head_dim, decode, is_quantized(k_cache.dtype))
+    quant = is_quantized(k_cache.dtype)
+    tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
+    if config is None:
+        wide = decode and (r1 - r0) * num_kv_heads >= _num_sms(q.device)
+        config = default_config(head_dim, decode, quant, wide)
+    cfg = config
     block_m = max(cfg.block_m, triton.next_power_of_2(gqa))
     block_q = 1 if decode else block_m // gqa
-    tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
     one_tile = max_query_len <= block_q
     num_tiles = r1 - r0 if one_tile else tok1 // block_q - tok0 // block_q + (r1 - r0)
     if num_splits is None:
@@ -342,24 +354,37 @@ def _launch(
         part_acc, part_m, part_l = parts.acc, parts.row_max, parts.row_sum
     else:
         part_acc = part_m = part_l = out  # unused
+    block_size = k_cache.shape[1]
+    if quant:  # the value rows' strides within a block; the scales follow them
+        tok_stride, head_stride = num_kv_heads * head_dim, head_dim
+        scale_off = scales_offset(block_size, num_kv_heads, head_dim)
+        k_strides = (k_cache.stride(0), tok_stride, head_stride)
+        v_strides = (v_cache.stride(0), tok_stride, head_stride)
+    else:
+        scale_off = 0
+        k_strides, v_strides = k_cache.stride()[:3], v_cache.stride()[:3]
     _paged_attention_kernel[(num_tiles, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_m, part_l,
         meta.query_start_loc, meta.seq_lens, meta.block_table, r0,
         r1 - r0, tok0, tok0 // block_q, scale * _LOG2E, sliding_window or 0,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        meta.block_table.stride(0),
-        GQA=gqa, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=k_cache.shape[1],
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_strides, *v_strides,
+        meta.block_table.stride(0), scale_off,
+        GQA=gqa, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=block_size,
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=cfg.block_n, SPLIT_KV=num_splits > 1,
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
-        PDL_SIGNAL=decode and use_pdl(q.device), KV_QUANT=is_quantized(k_cache.dtype),
-        F16_DOT=is_quantized(k_cache.dtype) and q.dtype != torch.float32,
+        PDL_SIGNAL=decode and use_pdl(q.device), KV_QUANT=quant,
+        F16_DOT=quant and q.dtype != torch.float32,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         reduce_splits(parts, out, meta.query_start_loc, tok0, covered_index=r1)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 30  # (the interpreter: every launch "narrow")
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -423,8 +448,11 @@ def _check(
         raise ValueError("q and the K/V caches need a contiguous last dim")
     if (k_cache.dtype != q.dtype and not quant) or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"cache dtype {k_cache.dtype} differs from q dtype {q.dtype}")
-    if quant and (head_dim % SCALE_BYTES or k_cache.stride(2) % SCALE_BYTES):
+    if quant and head_dim % SCALE_BYTES:
         raise ValueError("an 8-bit cache needs head_dim % 4 == 0 (4-byte aligned scales)")
+    block_strides = (k_cache.shape[2] * row, row, 1)
+    if quant and (k_cache.stride()[1:] != block_strides or v_cache.stride()[1:] != block_strides):
+        raise ValueError("an 8-bit cache needs contiguous blocks")
     if q.shape[0] != meta.num_tokens:
         raise ValueError(f"{q.shape[0]} tokens given, metadata describes {meta.num_tokens}")
     if meta.block_table.stride(1) != 1 or meta.query_start_loc.dtype != torch.int32:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from lightwell import envs
-from lightwell.kernels.kv_quant import quant_mode, store_rows
+from lightwell.kernels.kv_quant import quant_mode, row_ptrs, scale_ptrs, store_rows
 from lightwell.kernels.kv_store import check_store
 
 
@@ -50,7 +50,7 @@ def _rotary_kernel(
     k_ptr,  # [T, Hkv * D]
     cache_ptr,  # [max_pos, ROT_DIM] fp32: cos | sin
     v_ptr,  # [T, Hkv * D] (STORE_KV)
-    kvc_ptr,  # [2, N, BLOCK_SIZE, Hkv, ROW] the layer's KV cache (STORE_KV)
+    kvc_ptr,  # [2, N, BLOCK_SIZE, Hkv, D] (8-bit: D + 4) the layer's KV cache (STORE_KV)
     slot_ptr,  # [T] int; < 0: not stored (STORE_KV)
     stride_q,
     stride_k,
@@ -69,7 +69,6 @@ def _rotary_kernel(
     STORE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    ROW: tl.constexpr,  # a cache row: HEAD_DIM, or HEAD_DIM + 4 in an 8-bit cache
     KV_QUANT: tl.constexpr,  # kv_quant.quant_mode of the cache dtype
     INTERPRET: tl.constexpr,
 ):
@@ -100,19 +99,18 @@ def _rotary_kernel(
             src = h[:, None] * HEAD_DIM + d[None, :]  # [BLOCK_HK, BLOCK_D]
             key = tl.load(k_ptr + row * stride_k + src, mask=mask)
             val = tl.load(v_ptr + row * stride_v + src, mask=mask)
-            tok = (
-                kvc_ptr
-                + (slot // BLOCK_SIZE) * stride_c_blk
-                + (slot % BLOCK_SIZE) * (NUM_KV_HEADS * ROW)
-            )
+            block = kvc_ptr + (slot // BLOCK_SIZE) * stride_c_blk
+            tok = slot % BLOCK_SIZE
+            rows = row_ptrs(block, tok, h, NUM_KV_HEADS, HEAD_DIM)  # [BLOCK_HK]
             if KV_QUANT == 0:
-                dst = tok + src
+                dst = rows[:, None] + d[None, :]
                 tl.store(dst, key.to(kvc_ptr.dtype.element_ty), mask=mask)
                 tl.store(dst + stride_c_kv, val.to(kvc_ptr.dtype.element_ty), mask=mask)
-            else:  # 8-bit rows of ROW = HEAD_DIM + 4: values and their scale
-                rows = tok + h * ROW  # [BLOCK_HK]
-                store_rows(rows, d, mask, key, HEAD_DIM, KV_QUANT, INTERPRET)
-                store_rows(rows + stride_c_kv, d, mask, val, HEAD_DIM, KV_QUANT, INTERPRET)
+            else:  # 8-bit blocks: values, then their scales (kernels/kv_quant.py)
+                k_s = scale_ptrs(block, tok, h, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+                v_s = scale_ptrs(block + stride_c_kv, tok, h, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+                store_rows(rows, k_s, d, mask, key, KV_QUANT, INTERPRET)
+                store_rows(rows + stride_c_kv, v_s, d, mask, val, KV_QUANT, INTERPRET)
 
 
 def rotary_embedding(
@@ -158,7 +156,6 @@ def rotary_embedding(
         IS_NEOX=is_neox_style, STORE_KV=store,
         BLOCK_SIZE=kv_cache.shape[2] if store else 1,
         BLOCK_D=triton.next_power_of_2(head_dim),
-        ROW=kv_cache.shape[-1] if store else head_dim,
         KV_QUANT=quant_mode(kv_cache.dtype) if store else 0, INTERPRET=envs.triton_interpret(),
         num_warps=4 if block_hq * half_pad >= 2048 else 1,
     )  # fmt: skip

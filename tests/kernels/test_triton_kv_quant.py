@@ -1,5 +1,6 @@
 """8-bit KV caches (fp8 e4m3, int8) on the Triton path, under TRITON_INTERPRET=1 on CPU: the
-store (alone and fused with RoPE) writes the bytes ``quantize_kv`` writes; paged attention over
+store (alone and fused with RoPE) writes the values and scales ``quantize_kv`` gives, in the
+block layout of quant/kv_cache.py (values, then head-major scales); paged attention over
 the 8-bit cache equals ``paged_attention_ref`` over the dequantized cache; the Triton backend
 equals the torch backend on the same 8-bit cache (outputs and cache bytes)."""
 
@@ -10,11 +11,19 @@ import torch
 
 from lightwell.attention.torch_backend import TorchAttentionBackend, write_kv_cache
 from lightwell.attention.triton_backend import TritonAttentionBackend, compile_variants
+from lightwell.kernels import kv_dequant as kvd
 from lightwell.kernels import kv_store as ks
 from lightwell.kernels import paged_attention as pa
 from lightwell.kernels import rotary as rot
 from lightwell.kernels.kv_quant import QMAX
-from lightwell.quant.kv_cache import FP8_MAX, dequantize_kv, quantize_kv
+from lightwell.quant.kv_cache import (
+    FP8_MAX,
+    dequantize_blocks,
+    dequantize_kv,
+    quantize_blocks,
+    quantize_kv,
+    split_blocks,
+)
 from tests.kernels.test_triton_kernels import DEVICE, _paged_batch, _randn
 
 FP8 = torch.float8_e4m3fn
@@ -56,9 +65,18 @@ def test_kv_store_writes_the_bytes_of_quantize_kv(kv, dt):
     write_kv_cache(torch_ref, k[keep], v[keep], slots[keep])  # the torch backend's store
     assert torch.equal(_bytes(cache), _bytes(ref))
     assert torch.equal(_bytes(cache), _bytes(torch_ref))
-    rows = cache[0].view(-1, hkv, d + 4)[slots[keep]]
-    assert torch.equal(_bytes(rows), _bytes(quantize_kv(k[keep], kv_dtype)))
-    err = (dequantize_kv(rows, torch.float32) - k[keep].float()).abs().amax(-1)
+    values, scales = split_blocks(cache[0])
+    blk, off = slots[keep] // bs, slots[keep] % bs
+    want_q, want_s = quantize_kv(k[keep], kv_dtype)
+    assert torch.equal(_bytes(values)[blk, off], _bytes(want_q))
+    assert torch.equal(scales[blk, :, off], want_s)
+    # by hand: token slots[0]'s head 1 values at (off * hkv + 1) * d, its scale after all rows
+    raw = _bytes(cache[0, blk[0]]).flatten()
+    row = (int(off[0]) * hkv + 1) * d
+    assert torch.equal(raw[row : row + d], _bytes(want_q[0, 1]))
+    at = bs * hkv * d + 4 * (1 * bs + int(off[0]))
+    assert torch.equal(raw[at : at + 4].view(torch.float32), want_s[0, 1:2])
+    err = (dequantize_kv(want_q, want_s, torch.float32) - k[keep].float()).abs().amax(-1)
     assert (err <= k[keep].float().abs().amax(-1) / (16 if kv == "fp8" else 254) + 1e-7).all()
 
 
@@ -108,14 +126,14 @@ def test_paged_attention_over_an_8bit_cache(case, dt, kv):
     q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=3)
     gen = torch.Generator().manual_seed(5)
     cache *= torch.rand(cache.shape[:3], generator=gen).to(DEVICE)[..., None, None] * 4 + 0.05
-    quant = quantize_kv(cache.flatten(0, 1), kv_dtype).unflatten(0, (2, -1))
+    quant = quantize_blocks(cache, kv_dtype)
     q = (q * 2).to(dtype)
     config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
     out = pa.paged_attention(
         q, quant, meta, d**-0.5, num_splits=splits, config=config, sliding_window=window
     )
     ref = pa.paged_attention_ref(
-        q.float(), dequantize_kv(quant, torch.float32), meta, d**-0.5, sliding_window=window
+        q.float(), dequantize_blocks(quant, torch.float32), meta, d**-0.5, sliding_window=window
     )
     tol = {torch.float32: 1e-4, torch.float16: 4e-3}[dtype]
     torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
@@ -131,7 +149,7 @@ def test_triton_backend_matches_torch_backend_on_an_8bit_cache(kv):
     kv_dtype = KV_DTYPES[kv]
     qlens, ctxs, hkv, d = [1, 7, 4], [20, 9, 3], 2, 32
     q, cache, meta = _paged_batch(qlens, ctxs, hkv, 2, d, torch.float32, seed=5)
-    cache = quantize_kv(cache.flatten(0, 1), kv_dtype).unflatten(0, (2, -1))
+    cache = quantize_blocks(cache, kv_dtype)
     gen = torch.Generator().manual_seed(6)
     k = _randn(q.shape[0], hkv, d, dtype=torch.float32, gen=gen)
     v = _randn(q.shape[0], hkv, d, dtype=torch.float32, gen=gen)
@@ -151,10 +169,66 @@ def test_triton_backend_matches_torch_backend_on_an_8bit_cache(kv):
 def test_compile_variants_reads_an_8bit_cache():
     cache = _empty_cache(3, 16, 2, 32, FP8)
     cache.view(torch.uint8).zero_()
-    assert compile_variants(4, cache, 0.2, torch.float16) == 4
+    # the 4 of a model-dtype cache, decode split / unsplit in the tile of wide batches and
+    # the two prefill tilings over the copy long prompt chunks read
+    assert compile_variants(4, cache, 0.2, torch.float16) == 8
+    assert pa.default_config(128, True, True, wide=True) == pa.AttentionConfig(16, 64, 2, 3)
+    assert pa.default_config(128, True, True) == pa.AttentionConfig(16, 128, 4, 3)
+    assert pa.default_config(128, True, False, wide=True) == pa.AttentionConfig(16, 64, 4, 3)
 
 
 def test_8bit_cache_refuses_a_head_dim_without_aligned_scales():
     q, _, meta = _paged_batch([1], [3], 1, 1, 24, torch.float32)
     with pytest.raises(ValueError, match="head_dim % 4"):
         pa.paged_attention(q[..., :22].contiguous(), _empty_cache(2, 16, 1, 22, FP8), meta, 1.0)
+
+
+@pytest.mark.parametrize(
+    "case,dt,kv",
+    [
+        ("mixed_prefix_gqa4_split2", "fp32", "fp8"),
+        ("prefill_ragged_tiles", "fp16", "int8"),
+        ("prefix_default_tiles_w20", "fp16", "fp8"),
+    ],
+)
+def test_prompt_chunks_read_a_dequantized_copy(monkeypatch, case, dt, kv):
+    """Launches of prompt chunks of at least MIN_COPY_TOKENS tokens attend over a copy of their
+    blocks in the query dtype (kernels/kv_dequant.py): against the fp32 reference on the
+    dequantized cache, as the direct path."""
+    qlens, ctxs, hkv, gqa, d, splits, tiles, window = QUANT_CASES[case]
+    dtype, kv_dtype = DTYPES[dt], KV_DTYPES[kv]
+    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    cache *= torch.rand(cache.shape[:3], generator=gen).to(DEVICE)[..., None, None] * 4 + 0.05
+    quant = quantize_blocks(cache, kv_dtype)
+    q = (q * 2).to(dtype)
+    calls = []
+    real = kvd.dequantize_cache_blocks
+    monkeypatch.setattr(kvd, "dequantize_cache_blocks", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kvd, "MIN_COPY_TOKENS", 1)
+    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
+    out = pa.paged_attention(q, quant, meta, d**-0.5, num_splits=splits, config=config,
+                             sliding_window=window)  # fmt: skip
+    assert calls  # the copy was read
+    ref = pa.paged_attention_ref(
+        q.float(), dequantize_blocks(quant, torch.float32), meta, d**-0.5, sliding_window=window
+    )
+    tol = {torch.float32: 1e-4, torch.float16: 4e-3}[dtype]
+    # (K and V rounded to the query dtype, keys up to 4x: an error relative to the outputs' scale)
+    torch.testing.assert_close(out.float(), ref, atol=tol * float(ref.abs().max()), rtol=tol)
+
+
+def test_dequantized_copy_is_the_blocks_and_when_it_is_made():
+    q, cache, meta = _paged_batch([40, 1], [30, 5], 2, 2, 32, torch.float32, seed=9)
+    quant = quantize_blocks(cache, FP8)
+    ids = torch.tensor([3, 0, 3], dtype=torch.int32, device=DEVICE)
+    k, v = kvd.dequantize_cache_blocks(quant[0], quant[1], ids, torch.float32)
+    want = dequantize_blocks(quant[:, ids.long()], torch.float32)
+    assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+    assert kvd.copy_for_prefill(quant[0], quant[1], meta, 0, 2, torch.float32) is None  # 41 tokens
+    k, v, table = kvd.copy_for_prefill(quant[0], quant[1], meta, 0, 2, torch.float32, force=True)
+    assert table.tolist() == [[0, 1, 2, 3, 4], [5, 0, 0, 0, 0]]  # 70 and 6 tokens: 5 + 1 blocks
+    src = torch.cat([meta.block_table[0, :5], meta.block_table[1, :1]]).long()
+    want = dequantize_blocks(quant[:, src], torch.float32)
+    assert torch.equal(k, want[0]) and torch.equal(v, want[1])
+    assert kvd.copy_for_prefill(cache[0], cache[1], meta, 0, 2, torch.float32, force=True) is None

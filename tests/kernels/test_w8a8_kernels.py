@@ -147,3 +147,18 @@ def test_int8_gemm_compiles_one_variant_for_any_row_count(monkeypatch):
         got = int8_gemm(a, b, sa, sb, torch.float32)
         assert torch.allclose(got, int8_gemm_ref(a, b, sa, sb, torch.float32), rtol=1e-5)
     assert len(rec.keys) == 1
+
+
+def test_int8_gemm_tiles_by_rows_and_columns():
+    """Decode batches up to 256 rows take 64-row tiles where 128 x 128 tiles would number fewer
+    than the SMs (llama-3-8b's qkv, o and down at 128-256 rows), 128-row tiles otherwise."""
+    from lightwell.kernels.int8_gemm import pick_config
+
+    assert pick_config(8, 4096).block_m == 16
+    assert pick_config(48, 28672).block_m == 64
+    for n in (6144, 4096):  # qkv, o / down
+        assert pick_config(256, n, 132).block_m == 64
+        assert pick_config(128, n, 132).block_m == 64
+        assert pick_config(257, n, 132).block_m == 128  # prefill-sized steps
+    assert pick_config(256, 28672, 132).block_m == 128  # gate_up: 448 tiles already
+    assert pick_config(256, 4096, 16).block_m == 128  # 64 tiles fill a 16-SM GPU

@@ -8,7 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightwell.quant.kv_cache import dequantize_kv, quantize_kv
+from lightwell.quant.kv_cache import (
+    dequantize_blocks,
+    dequantize_kv,
+    quantize_blocks,
+    quantize_kv,
+    split_blocks,
+)
 from tests.models.paged import PagedRunner
 from tests.models.tiny import hf_logits, hf_tiny_model, load_ours, rel_err, save_hf, tiny_config
 
@@ -20,17 +26,37 @@ BOUND = {"fp8": 0.08, "int8": 0.02}
 def test_kv_round_trip_within_format_bounds():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(7, 3, 16, generator=gen) * torch.tensor([0.01, 1.0, 50.0])[None, :, None]
-    q = quantize_kv(x, torch.int8)
-    assert q.shape == (7, 3, 20) and q.dtype == torch.int8
+    q, s = quantize_kv(x, torch.int8)
+    assert q.shape == (7, 3, 16) and q.dtype == torch.int8 and s.shape == (7, 3)
     step = x.abs().amax(-1, keepdim=True) / 127  # one int8 step per token and head
-    assert ((dequantize_kv(q, torch.float32) - x).abs() <= step / 2 + 1e-7).all()
-    f = quantize_kv(x, FP8)
-    assert f.shape == (7, 3, 20) and f.dtype == FP8
+    assert ((dequantize_kv(q, s, torch.float32) - x).abs() <= step / 2 + 1e-7).all()
+    f, s = quantize_kv(x, FP8)
+    assert f.shape == (7, 3, 16) and f.dtype == FP8
     scale = x.abs().amax(-1, keepdim=True) / 448
-    err = (dequantize_kv(f, torch.float32) - x).abs()
+    err = (dequantize_kv(f, s, torch.float32) - x).abs()
     normal = x.abs() >= scale * 2**-6  # e4m3's normal range: 3 mantissa bits, nearest
     assert (err[normal] <= x.abs()[normal] / 16 + 1e-7).all()
     assert (err[~normal] <= (scale * 2**-10).expand_as(x)[~normal] + 1e-9).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, FP8])
+def test_block_layout_values_then_head_major_scales(dtype):
+    """A block of B tokens x Hkv heads: B * Hkv rows of D values (token-major), then the Hkv * B
+    fp32 scales (head-major); ``split_blocks`` views them, the round trip is the rows'."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 4, 2, 8, generator=gen)  # [N, B, Hkv, D]
+    blocks = quantize_blocks(x, dtype)
+    assert blocks.shape == (3, 4, 2, 12) and blocks.dtype == dtype
+    q, s = quantize_kv(x, dtype)
+    raw = blocks.view(torch.uint8).view(3, -1)  # a block's bytes
+    assert torch.equal(raw[:, : 4 * 2 * 8], q.reshape(3, -1).view(torch.uint8))
+    assert torch.equal(raw[:, 4 * 2 * 8 :].contiguous().view(torch.float32).view(3, 2, 4),
+                       s.transpose(1, 2))  # fmt: skip
+    values, scales = split_blocks(blocks)
+    assert values.data_ptr() == blocks.data_ptr() and scales.shape == (3, 2, 4)
+    torch.testing.assert_close(
+        dequantize_blocks(blocks, torch.float32), dequantize_kv(q, s, torch.float32)
+    )
 
 
 @pytest.fixture(scope="module")
