@@ -153,9 +153,10 @@ class CacheConfig:
     kv_cache_dtype: str = _opt(
         "auto",
         "KV-cache storage. auto: the model dtype; fp8 (e4m3) or int8: 8-bit values with an "
-        "fp32 scale per token and KV head stored beside them (head_dim + 4 bytes a row: 1.94x "
-        "the tokens of bf16 at head_dim 128). Both attention backends (Triton on GPU, torch on "
-        "CPU) read and write them; not for latent (MLA) caches.",
+        "fp32 scale per token and KV head, stored after each block's values (head_dim + 4 "
+        "bytes a token and head: 1.94x the tokens of bf16 at head_dim 128; head_dim must be a "
+        "multiple of 4). Both attention backends (Triton on GPU, torch on CPU) read and write "
+        "them; not for latent (MLA) caches.",
         KV_CACHE_DTYPES,
     )
 

@@ -3,7 +3,8 @@
 Runs wherever the kernels do: CUDA, or the CPU under ``TRITON_INTERPRET=1`` (tests). Without a
 KV cache (profiling runs), every request must be a fresh prefill; the new k/v are then read in
 place as a cache of one-token blocks, so the same kernel serves. The cache may be 8-bit (fp8 /
-int8 with in-band scales, ``--kv-cache-dtype``): the store quantizes, attention dequantizes.
+int8 with a scale per token and head, ``--kv-cache-dtype``): the store quantizes, attention
+dequantizes (long prompt chunks through a copy of their blocks, kernels/kv_dequant.py).
 """
 
 from __future__ import annotations

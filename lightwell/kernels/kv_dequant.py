@@ -5,10 +5,12 @@ in decode, where the keys' bytes are the cost. A prompt chunk's tiles instead re
 for many query rows, and converting 8-bit tiles to 16 bits inside the kernel costs more than
 the bytes it saves (the converted tile goes through registers before the tensor cores read it).
 So a launch of prompt chunks with at least ``MIN_COPY_TOKENS`` query tokens first dequantizes
-its requests' blocks (each once) into a scratch cache of the query dtype, then runs the
+each request's blocks (a block two requests share, once for each; all of a request's blocks,
+even those before a sliding window) into a scratch cache of the query dtype, then runs the
 model-dtype kernel over it through a block table renumbered to the copy. The copy is skipped
-(the direct path serves) while a CUDA graph is captured, whose block tables change between
-replays, and when it would exceed ``MAX_COPY_BYTES``.
+(the direct path serves) for metadata whose host-side lengths are not the step's (CUDA graphs:
+``static_layout``; capture), and when it would exceed ``MAX_COPY_BYTES``, the memory start-up
+sets aside for it (``reserve_bytes``).
 """
 
 from __future__ import annotations
@@ -31,12 +33,10 @@ _ROWS = 32  # (token, head) rows a program converts
 
 @triton.jit
 def _dequant_blocks_kernel(
-    src_ptr,  # [2, N, B, Hkv, D + 4] 8-bit cache
+    src_ptr,  # [N, B, Hkv, D + 4] 8-bit cache (K or V)
     ids_ptr,  # [M] int32: the blocks to copy
-    dst_ptr,  # [2, M, B, Hkv, D] query dtype
-    stride_src_kv,
+    dst_ptr,  # [M, B, Hkv, D] query dtype
     stride_src_blk,
-    stride_dst_kv,
     stride_dst_blk,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -45,10 +45,9 @@ def _dequant_blocks_kernel(
     ROWS: tl.constexpr,
 ):
     i = tl.program_id(0)
-    kv = tl.program_id(1)
     blk = tl.load(ids_ptr + i).to(tl.int64)
-    src = src_ptr + kv * stride_src_kv + blk * stride_src_blk
-    r = tl.program_id(2) * ROWS + tl.arange(0, ROWS)  # rows token * Hkv + head
+    src = src_ptr + blk * stride_src_blk
+    r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # rows token * Hkv + head
     d = tl.arange(0, BLOCK_D)
     r_ok = r < BLOCK_SIZE * NUM_KV_HEADS
     mask = r_ok[:, None] & (d[None, :] < HEAD_DIM)
@@ -59,12 +58,12 @@ def _dequant_blocks_kernel(
         other=0.0,
     )
     out = vals.to(tl.float32) * scale[:, None]
-    dst = dst_ptr + kv * stride_dst_kv + i.to(tl.int64) * stride_dst_blk
+    dst = dst_ptr + i.to(tl.int64) * stride_dst_blk
     tl.store(dst + r[:, None] * HEAD_DIM + d[None, :], out.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def dequantize_cache_blocks(
-    k_cache: torch.Tensor,  # [N, B, Hkv, D + 4] 8-bit (a view of the layer's [2, ...] cache)
+    k_cache: torch.Tensor,  # [N, B, Hkv, D + 4] 8-bit
     v_cache: torch.Tensor,
     block_ids: torch.Tensor,  # [M] int32
     dtype: torch.dtype,
@@ -73,19 +72,18 @@ def dequantize_cache_blocks(
     ``dequantize_blocks``, rounded once to ``dtype``)."""
     _, block_size, heads, _ = k_cache.shape
     head_dim = head_dim_of(k_cache)
-    stride_kv = v_cache.data_ptr() - k_cache.data_ptr()  # bytes (8-bit elements)
-    if v_cache.stride() != k_cache.stride() or stride_kv % 16:
-        raise ValueError("K and V must be views of one cache tensor")
-    out = torch.empty((2, block_ids.numel(), block_size, heads, head_dim), dtype=dtype,
-                      device=k_cache.device)  # fmt: skip
+    shape = (block_ids.numel(), block_size, heads, head_dim)
+    # (two allocations: each copy starts aligned whatever M, so M specialises nothing)
+    out = [torch.empty(shape, dtype=dtype, device=k_cache.device) for _ in range(2)]
     if block_ids.numel() == 0:
         return out[0], out[1]
-    grid = (block_ids.numel(), 2, triton.cdiv(block_size * heads, _ROWS))
-    _dequant_blocks_kernel[grid](
-        k_cache, block_ids, out, stride_kv, k_cache.stride(0), out.stride(0), out.stride(1),
-        NUM_KV_HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_D=triton.next_power_of_2(head_dim), ROWS=_ROWS, num_warps=4,
-    )  # fmt: skip
+    grid = (block_ids.numel(), triton.cdiv(block_size * heads, _ROWS))
+    for src, dst in zip((k_cache, v_cache), out):
+        _dequant_blocks_kernel[grid](
+            src, block_ids, dst, src.stride(0), dst.stride(0),
+            NUM_KV_HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_D=triton.next_power_of_2(head_dim), ROWS=_ROWS, num_warps=4,
+        )  # fmt: skip
     return out[0], out[1]
 
 
@@ -101,7 +99,7 @@ def copy_for_prefill(
     """(K copy, V copy, block table [r1, nb]: rows r0:r1 renumbered into the copy) for the
     prompt chunks of requests ``r0:r1``, or None where the direct path serves (the module
     docstring says when; ``force`` skips the token threshold: start-up compiles)."""
-    if not is_quantized(k_cache.dtype):
+    if not is_quantized(k_cache.dtype) or meta.static_layout:
         return None
     tokens = meta.query_start_loc_cpu[r1] - meta.query_start_loc_cpu[r0]
     if (tokens < MIN_COPY_TOKENS and not force) or _capturing(k_cache.device):
@@ -126,6 +124,12 @@ def copy_for_prefill(
     ids, table = plan
     k, v = dequantize_cache_blocks(k_cache, v_cache, ids, dtype)
     return k, v, table
+
+
+def reserve_bytes(cache_dtype: torch.dtype, concurrent: int = 1) -> int:
+    """Memory the copies may take at once (``concurrent`` attention calls in flight), outside
+    the profiled peak of a forward without a cache."""
+    return MAX_COPY_BYTES * concurrent if is_quantized(cache_dtype) else 0
 
 
 def _capturing(device: torch.device) -> bool:

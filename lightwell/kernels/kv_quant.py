@@ -22,7 +22,7 @@ from triton.language.extra import libdevice
 
 from lightwell.kernels.act_quant import _rint, _round_e4m3
 
-SCALE_BYTES = 4  # an fp32 scale per token and head, after its D values
+SCALE_BYTES = 4  # an fp32 scale per token and head, after the block's values
 QMAX = {torch.float8_e4m3fn: 448.0, torch.int8: 127.0}
 
 

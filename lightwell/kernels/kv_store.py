@@ -15,6 +15,7 @@ import triton.language as tl
 
 from lightwell import envs
 from lightwell.kernels.kv_quant import (
+    QMAX,
     SCALE_BYTES,
     head_dim_of,
     quant_mode,
@@ -22,7 +23,6 @@ from lightwell.kernels.kv_quant import (
     scale_ptrs,
     store_rows,
 )
-from lightwell.quant.kv_cache import write_rows
 
 
 @triton.jit
@@ -112,9 +112,39 @@ def kv_store_ref(
     kv_cache: torch.Tensor,  # [2, N, B, Hkv, D] (8-bit: D + 4)
     slot_mapping: torch.Tensor,  # [T] int64; < 0 = skip
 ) -> None:
+    """The store in torch, written from the layout's description (kernels/kv_quant.py)."""
     keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    num_blocks, block, heads, width = kv_cache.shape[1:]
+    blk, off = slots // block, slots % block
     for i, x in enumerate((k, v)):
-        write_rows(kv_cache[i], x[keep], slot_mapping[keep])
+        raw = _raw(kv_cache[i])
+        if kv_cache.dtype not in QMAX:
+            raw.view(-1, heads, width)[slots] = _raw(x[keep].to(kv_cache.dtype))
+            continue
+        q, scale = _quantize_ref(x[keep], kv_cache.dtype)  # [T, Hkv, D], [T, Hkv]
+        dim = width - SCALE_BYTES
+        per_block = raw.view(num_blocks, -1).view(torch.uint8)  # a block's bytes
+        values = per_block[:, : block * heads * dim].view(num_blocks, block, heads, dim)
+        scales = per_block[:, block * heads * dim :].view(num_blocks, heads, block, SCALE_BYTES)
+        values[blk, off] = _raw(q).view(torch.uint8)
+        scales[blk, :, off] = scale.contiguous().view(torch.uint8).view(-1, heads, SCALE_BYTES)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # (no fp8 indexing)
+
+
+def _quantize_ref(
+    x: torch.Tensor,  # [T, Hkv, D]
+    dtype: torch.dtype,  # fp8 e4m3 or int8
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hkv, D] in dtype, [T, Hkv] fp32 scales)
+    qmax = QMAX[dtype]
+    amax = x.float().abs().amax(-1, keepdim=True)  # [T, Hkv, 1]
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
+    y = (x.float() / scale).clamp(-qmax, qmax)
+    q = y.to(dtype) if dtype == torch.float8_e4m3fn else torch.round(y).to(dtype)
+    return q, scale.squeeze(-1)
 
 
 def check_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

@@ -284,7 +284,8 @@ def paged_attention(
     (with ``sliding_window`` W: query position p over keys ``p - W < j <= p``).
 
     ``kv_cache`` is one ``[2, N, B, Hkv, D]`` tensor or a ``(k_cache, v_cache)`` pair of
-    ``[N, B, Hkv, D]`` views, in q's dtype, or 8-bit (fp8 e4m3 / int8) with rows of D + 4.
+    ``[N, B, Hkv, D]`` views, in q's dtype, or 8-bit (fp8 e4m3 / int8) with a last dim of D + 4
+    (kernels/kv_quant.py's block layout).
     ``num_splits``: None picks split-KV automatically for decode batches, 1 forces it off, > 1
     forces that many splits (any batch). ``config`` overrides the tile shape (tests, tuning).
     When the first ``num_decodes`` requests are exactly the decodes, they get their own

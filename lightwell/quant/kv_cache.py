@@ -47,6 +47,8 @@ def split_blocks(
     """Views of an 8-bit cache's values and scales (the layout in this module's docstring)."""
     *lead, block, heads, row = cache.shape
     dim = row - SCALE_BYTES
+    if dim % SCALE_BYTES:
+        raise ValueError(f"an 8-bit KV cache needs head_dim % 4 == 0 (fp32 scales), got {dim}")
     if cache.stride(-1) != 1 or cache.stride(-2) != row or cache.stride(-3) != heads * row:
         raise ValueError(f"8-bit KV blocks must be contiguous; got strides {cache.stride()}")
     flat = cache.flatten(-3)  # [..., B * Hkv * (D + 4)]

@@ -263,7 +263,13 @@ class Worker:
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         util = self.config.cache.gpu_memory_utilization
-        if self.config.parallel.stages_share_gpu:  # each stage its share; the rest is theirs
+        from lightwell.kernels.kv_dequant import reserve_bytes  # (a CUDA path: Triton)
+
+        p = self.config.parallel
+        peak += reserve_bytes(
+            self.runner.kv_dtype, p.dual_stream_micro_batches if p.dual_stream else 1
+        )
+        if p.stages_share_gpu:  # each stage its share; the rest is theirs
             return total * util / self.world_size - peak
         return total * util - peak - max(used_by_others, 0)
 

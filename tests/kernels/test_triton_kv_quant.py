@@ -6,6 +6,8 @@ equals the torch backend on the same 8-bit cache (outputs and cache bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -172,6 +174,9 @@ def test_compile_variants_reads_an_8bit_cache():
     # the 4 of a model-dtype cache, decode split / unsplit in the tile of wide batches and
     # the two prefill tilings over the copy long prompt chunks read
     assert compile_variants(4, cache, 0.2, torch.float16) == 8
+    odd = _empty_cache(3, 5, 3, 20, FP8)  # K/V 1,440 bytes apart, rows of 20 bytes
+    odd.view(torch.uint8).zero_()
+    assert compile_variants(6, odd, 0.2, torch.float16) == 8
     assert pa.default_config(128, True, True, wide=True) == pa.AttentionConfig(16, 64, 2, 3)
     assert pa.default_config(128, True, True) == pa.AttentionConfig(16, 128, 4, 3)
     assert pa.default_config(128, True, False, wide=True) == pa.AttentionConfig(16, 64, 4, 3)
@@ -232,3 +237,5 @@ def test_dequantized_copy_is_the_blocks_and_when_it_is_made():
     want = dequantize_blocks(quant[:, src], torch.float32)
     assert torch.equal(k, want[0]) and torch.equal(v, want[1])
     assert kvd.copy_for_prefill(cache[0], cache[1], meta, 0, 2, torch.float32, force=True) is None
+    graphed = dataclasses.replace(meta, static_layout=True)  # host lengths not the step's
+    assert kvd.copy_for_prefill(*quant, graphed, 0, 2, torch.float32, force=True) is None

@@ -104,6 +104,21 @@ def test_kv_cache_dtype_sizes_the_cache_on_either_backend(pair):
     assert all(a.backend.name == "triton" for a in runner.attn_layers)
 
 
+def test_8bit_cache_refuses_a_head_dim_without_aligned_scales(pair, monkeypatch):
+    from lightwell.layers.attention import Attention
+    from lightwell.worker.model_runner import ModelRunner
+
+    _, ours = pair
+    kw = dict(block_size=16, vocab_size=300, device=torch.device("cpu"), dtype=torch.float32)
+    layer = next(m for m in ours.modules() if isinstance(m, Attention))
+    monkeypatch.setattr(layer, "head_dim", 18)
+    with pytest.raises(ValueError, match="head_dim % 4"):
+        ModelRunner(ours, kv_cache_dtype="fp8", **kw)
+    ModelRunner(ours, **kw)  # the model-dtype cache takes any head_dim
+    with pytest.raises(ValueError, match="head_dim % 4"):
+        split_blocks(torch.zeros(2, 4, 1, 10, dtype=torch.int8))  # D = 6
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     hf = hf_tiny_model(tiny_config("base", max_position_embeddings=256), seed=6)
