@@ -70,6 +70,21 @@ _TOKEN_IDS = {
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
+# A llama file's config is a plain PretrainedConfig with LlamaConfig's defaults for the fields
+# the file may leave out: importing transformers' LlamaConfig imports much of transformers (and
+# sympy, through torch's distributed tensors), about 70 MB of resident memory a CPU process
+# serving a small GGUF model does not otherwise need.
+_LLAMA_DEFAULTS: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+}
+
 
 def open_gguf(path: str) -> Any:
     """A ``GGUFFile`` (``lightwell.models.gguf_file``) for ``path``, shared between config and
@@ -129,7 +144,10 @@ def gguf_hf_config(path: str) -> Any:
     if spec.optional_biases:
         kw["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
         kw["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in names)
-    config = getattr(transformers, spec.config_class)(**kw)
+    if spec is GGUF_ARCHS["llama"]:
+        config = transformers.PretrainedConfig(**{**_LLAMA_DEFAULTS, **kw})
+    else:
+        config = getattr(transformers, spec.config_class)(**kw)
     if ROPE_FREQS_TENSOR in names:
         config.rope_freq_factors = _rope_freq_factors(reader)
     return config

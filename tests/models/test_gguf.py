@@ -214,3 +214,29 @@ def test_auto_keeps_blocks_only_when_every_layer_matrix_takes_the_kernels(tmp_pa
         write_tiny_gguf(path, hf, layer_types=types)
         fits = _gguf_kernels_fit(SimpleNamespace(path=path), "gguf", torch.float32, cpu)
         assert fits == (name == "blocks")
+
+
+def test_llama_gguf_config_has_llamaconfigs_values_without_importing_it(smollm2_gguf):
+    """A llama file's config is a plain PretrainedConfig (transformers' LlamaConfig imports
+    sympy and much of transformers: ~70 MB resident) with the values LlamaConfig gives."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from lightwell.models.gguf_config import gguf_hf_config
+
+    ours = gguf_hf_config(smollm2_gguf)
+    theirs = transformers.LlamaConfig(**{k: v for k, v in ours.to_dict().items() if k not in (
+        "transformers_version", "model_type")})  # fmt: skip
+    fields = ["hidden_act", "rms_norm_eps", "max_position_embeddings", "attention_bias",
+              "mlp_bias", "num_key_value_heads", "tie_word_embeddings", "vocab_size"]  # fmt: skip
+    assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
+    assert get_rope_config(ours) == get_rope_config(theirs)
+    code = (
+        "import sys; from lightwell.models.gguf_config import gguf_hf_config; "
+        f"gguf_hf_config({smollm2_gguf!r}); "
+        "print('sympy' in sys.modules, 'transformers.models.llama' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]

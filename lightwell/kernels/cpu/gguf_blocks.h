@@ -205,12 +205,55 @@ static inline __attribute__((always_inline)) __m256 q8_block_dot(__m256i w, __m2
     return _mm256_cvtepi32_ps(p);
 }
 
+/* Q4_1 against one int8 row, two blocks a step: their (d, m) halves converted by one
+ * instruction and multiplied by the row's (d, s) pairs in one, even and odd blocks summed
+ * apart; the same operations in the same order as the general loop below (bit-identical). */
+static inline __attribute__((always_inline)) float row_dot_q4_1_one(const uint8_t *wrow, int nb,
+                                                                    const q8_rows *x) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128 macc = _mm_setzero_ps(); /* lanes 1 and 3: the even and odd blocks' m * s */
+    const __m256i low = _mm256_set1_epi8(0xf), ones = _mm256_set1_epi16(1);
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *p = wrow + (int64_t)b * 20;
+        int32_t h0, h1;
+        memcpy(&h0, p, 4), memcpy(&h1, p + 20, 4);
+        __m128 sc = _mm_mul_ps(_mm_cvtph_ps(_mm_set_epi32(0, 0, h1, h0)), _mm_loadu_ps(x->ds + 2 * b));
+        macc = _mm_add_ps(macc, sc); /* (d0 dx0, m0 sx0, d1 dx1, m1 sx1) */
+        __m128i r0 = _mm_loadu_si128((const __m128i *)(p + 4));
+        __m128i r1 = _mm_loadu_si128((const __m128i *)(p + 24));
+        __m256i w0 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r0, 4), r0), low);
+        __m256i w1 = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(r1, 4), r1), low);
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(x->q + b * QK));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(x->q + (b + 1) * QK));
+        __m256 f0 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w0, x0), ones));
+        __m256 f1 = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(w1, x1), ones));
+        acc0 = _mm256_fmadd_ps(_mm256_broadcastss_ps(sc), f0, acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_broadcastss_ps(_mm_movehl_ps(sc, sc)), f1, acc1);
+    }
+    float m0 = _mm_cvtss_f32(_mm_shuffle_ps(macc, macc, 1));
+    float m1 = _mm_cvtss_f32(_mm_shuffle_ps(macc, macc, 3));
+    if (b < nb) { /* an odd block count: the last block is an even one */
+        __m256i sw;
+        float dw, mw;
+        __m256i w = q8_weights(wrow + (int64_t)b * 20, Q4_1, &sw, &dw, &mw);
+        __m256 f = q8_block_dot(w, sw, x->q + b * QK, Q4_1);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(dw * x->ds[2 * b]), f, acc0);
+        m0 += mw * x->ds[2 * b + 1];
+    }
+    return hsum(_mm256_add_ps(acc0, acc1)) + m0 + m1;
+}
+
 static inline __attribute__((always_inline)) void row_dot_q8_typed(
     const uint8_t *wrow, int nb, int qtype, int bb, const q8_rows *x, int R, float *out,
     int64_t ldo) {
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
     float macc[4] = {0};
+    if (R == 1 && qtype == Q4_1) {
+        out[0] = row_dot_q4_1_one(wrow, nb, x);
+        return;
+    }
     if (R == 1) { /* two blocks a step, two accumulators */
         int b = 0;
         for (; b < nb; b += 2) {
