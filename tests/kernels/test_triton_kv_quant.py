@@ -109,6 +109,17 @@ QUANT_CASES = {
 }
 
 
+def _quant_batch(case: str, dt: str, kv: str, seed: int) -> tuple:
+    """(q in dt, the exact fp32 cache, it in the 8-bit layout, metadata, tiles) for a case;
+    key magnitudes vary by token, so the per-token scales matter."""
+    qlens, ctxs, hkv, gqa, d, _, tiles, _ = QUANT_CASES[case]
+    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    cache *= torch.rand(cache.shape[:3], generator=gen).to(DEVICE)[..., None, None] * 4 + 0.05
+    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
+    return (q * 2).to(DTYPES[dt]), cache, quantize_blocks(cache, KV_DTYPES[kv]), meta, config
+
+
 @pytest.mark.parametrize(
     "case,dt,kv",
     [
@@ -123,14 +134,8 @@ QUANT_CASES = {
 def test_paged_attention_over_an_8bit_cache(case, dt, kv):
     """Against the fp32 reference on the dequantized cache; key magnitudes vary by token (so
     the per-token scales matter) and the 16-bit case keeps small probabilities apart."""
-    qlens, ctxs, hkv, gqa, d, splits, tiles, window = QUANT_CASES[case]
-    dtype, kv_dtype = DTYPES[dt], KV_DTYPES[kv]
-    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=3)
-    gen = torch.Generator().manual_seed(5)
-    cache *= torch.rand(cache.shape[:3], generator=gen).to(DEVICE)[..., None, None] * 4 + 0.05
-    quant = quantize_blocks(cache, kv_dtype)
-    q = (q * 2).to(dtype)
-    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
+    q, cache, quant, meta, config = _quant_batch(case, dt, kv, seed=3)
+    d, splits, window, dtype = q.shape[-1], QUANT_CASES[case][5], QUANT_CASES[case][7], q.dtype
     out = pa.paged_attention(
         q, quant, meta, d**-0.5, num_splits=splits, config=config, sliding_window=window
     )
@@ -200,18 +205,12 @@ def test_prompt_chunks_read_a_dequantized_copy(monkeypatch, case, dt, kv):
     """Launches of prompt chunks of at least MIN_COPY_TOKENS tokens attend over a copy of their
     blocks in the query dtype (kernels/kv_dequant.py): against the fp32 reference on the
     dequantized cache, as the direct path."""
-    qlens, ctxs, hkv, gqa, d, splits, tiles, window = QUANT_CASES[case]
-    dtype, kv_dtype = DTYPES[dt], KV_DTYPES[kv]
-    q, cache, meta = _paged_batch(qlens, ctxs, hkv, gqa, d, torch.float32, seed=7)
-    gen = torch.Generator().manual_seed(8)
-    cache *= torch.rand(cache.shape[:3], generator=gen).to(DEVICE)[..., None, None] * 4 + 0.05
-    quant = quantize_blocks(cache, kv_dtype)
-    q = (q * 2).to(dtype)
+    q, _, quant, meta, config = _quant_batch(case, dt, kv, seed=7)
+    d, splits, window, dtype = q.shape[-1], QUANT_CASES[case][5], QUANT_CASES[case][7], q.dtype
     calls = []
     real = kvd.dequantize_cache_blocks
     monkeypatch.setattr(kvd, "dequantize_cache_blocks", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(kvd, "MIN_COPY_TOKENS", 1)
-    config = pa.AttentionConfig(tiles[0], tiles[1], 4, 1) if tiles else None
     out = pa.paged_attention(q, quant, meta, d**-0.5, num_splits=splits, config=config,
                              sliding_window=window)  # fmt: skip
     assert calls  # the copy was read
