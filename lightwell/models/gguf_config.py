@@ -70,12 +70,12 @@ _TOKEN_IDS = {
 
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 
-# A llama file's config is a plain PretrainedConfig with LlamaConfig's defaults for the fields
-# the file may leave out: importing transformers' LlamaConfig imports much of transformers (and
-# sympy, through torch's distributed tensors), about 70 MB of resident memory a CPU process
-# serving a small GGUF model does not otherwise need.
+# A llama file's config is a PretrainedConfig of model_type "llama" (saved, it reads back as a
+# LlamaConfig) with LlamaConfig's defaults for the fields the file may leave out: importing
+# transformers' LlamaConfig imports much of transformers (and sympy, through torch's
+# distributed tensors), about 60 MB of resident memory a CPU process serving a small GGUF
+# model does not otherwise need.
 _LLAMA_DEFAULTS: dict[str, Any] = {
-    "model_type": "llama",
     "hidden_act": "silu",
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-6,
@@ -145,12 +145,22 @@ def gguf_hf_config(path: str) -> Any:
         kw["attention_bias"] = any(n.endswith(".attn_q.bias") for n in names)
         kw["mlp_bias"] = any(n.endswith(".ffn_up.bias") for n in names)
     if spec is GGUF_ARCHS["llama"]:
-        config = transformers.PretrainedConfig(**{**_LLAMA_DEFAULTS, **kw})
+        config = _llama_config_class()(**{**_LLAMA_DEFAULTS, **kw})
     else:
         config = getattr(transformers, spec.config_class)(**kw)
     if ROPE_FREQS_TENSOR in names:
         config.rope_freq_factors = _rope_freq_factors(reader)
     return config
+
+
+@functools.cache
+def _llama_config_class() -> type:
+    import transformers
+
+    class GGUFLlamaConfig(transformers.PretrainedConfig):
+        model_type = "llama"
+
+    return GGUFLlamaConfig
 
 
 def _vocab_and_tokens(reader: Any) -> dict[str, Any]:

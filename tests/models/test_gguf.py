@@ -216,7 +216,7 @@ def test_auto_keeps_blocks_only_when_every_layer_matrix_takes_the_kernels(tmp_pa
         assert fits == (name == "blocks")
 
 
-def test_llama_gguf_config_has_llamaconfigs_values_without_importing_it(smollm2_gguf):
+def test_llama_gguf_config_has_llamaconfigs_values_without_importing_it(smollm2_gguf, tmp_path):
     """A llama file's config is a plain PretrainedConfig (transformers' LlamaConfig imports
     sympy and much of transformers: ~70 MB resident) with the values LlamaConfig gives."""
     import subprocess
@@ -233,6 +233,10 @@ def test_llama_gguf_config_has_llamaconfigs_values_without_importing_it(smollm2_
               "mlp_bias", "num_key_value_heads", "tie_word_embeddings", "vocab_size"]  # fmt: skip
     assert {f: getattr(ours, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
     assert get_rope_config(ours) == get_rope_config(theirs)
+    ours.save_pretrained(str(tmp_path))  # saved, it reads back as a LlamaConfig
+    back = transformers.AutoConfig.from_pretrained(str(tmp_path))
+    assert type(back) is transformers.LlamaConfig
+    assert {f: getattr(back, f) for f in fields} == {f: getattr(theirs, f) for f in fields}
     code = (
         "import sys; from lightwell.models.gguf_config import gguf_hf_config; "
         f"gguf_hf_config({smollm2_gguf!r}); "
