@@ -13,7 +13,8 @@ no interleave back into input order. Rows of x past M re-read row M - 1 and are 
 Split over K (``SPLIT_K`` > 1: the narrow weights, whose columns alone give too few programs),
 each program stores its fp32 partial sums and counts itself in a per-column-tile counter; the
 last one of a tile adds the partials, writes the output and resets the counter to zero, so the
-counters (a cached zeroed buffer per device) are ready for the next call and CUDA graphs.
+counters (a cached zeroed buffer per device and stream, kernels/split_counters.py) are ready
+for the next call and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels.split_counters import split_counters
 from lightwell.kernels.w4a16 import _planes
 
 MAX_M = 16
-_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 # (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP, X_SPLIT)
 Config = tuple[int, int, int, int, int, bool, bool]
@@ -173,16 +174,6 @@ def pick_config(n: int, k: int, m: int) -> Config:
     return 128, 128, 4 if n >= 16384 else 8, 4, 3, True, True
 
 
-def _counters(device: torch.device, tiles: int) -> torch.Tensor:
-    index = device.index if device.type == "cuda" else -1
-    key = (index, torch.cuda.current_stream(device).stream_id if device.type == "cuda" else 0)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def w4a16_skinny(
     x: torch.Tensor,  # [M, K], 2 <= M <= MAX_M
     qweight: torch.Tensor,  # [N, K / 8] int32
@@ -209,7 +200,7 @@ def w4a16_skinny(
     cnt = scales
     if split > 1:
         part = torch.empty((split, MAX_M, n), dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, tiles_n)
+        cnt = split_counters(x.device, tiles_n)
     _w4a16_skinny_kernel[(tiles_n, split)](
         x, qweight, scales, zeros, bias if bias is not None else scales, out, part, cnt,
         m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),

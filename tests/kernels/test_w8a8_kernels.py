@@ -149,16 +149,51 @@ def test_int8_gemm_compiles_one_variant_for_any_row_count(monkeypatch):
     assert len(rec.keys) == 1
 
 
-def test_int8_gemm_tiles_by_rows_and_columns():
-    """Decode batches up to 256 rows take 64-row tiles where 128 x 128 tiles would number fewer
-    than the SMs (llama-3-8b's qkv, o and down at 128-256 rows), 128-row tiles otherwise."""
+def test_int8_gemm_tiles_by_rows_and_shape():
+    """Up to 16 rows: 16-row tiles; decode batches (17-256 rows): gate_up-wide weights 64-row
+    tiles up to 64 rows, then 128; long K (down) past 128 rows split in two over K; others
+    64 x 64 tiles, as many programs an SM as the tiles need for one wave; prefill-sized steps
+    128 x 128."""
+    from lightwell.kernels.int8_gemm import Int8GemmConfig as C
     from lightwell.kernels.int8_gemm import pick_config
 
-    assert pick_config(8, 4096).block_m == 16
-    assert pick_config(48, 28672).block_m == 64
-    for n in (6144, 4096):  # qkv, o / down
-        assert pick_config(256, n, 132).block_m == 64
-        assert pick_config(128, n, 132).block_m == 64
-        assert pick_config(257, n, 132).block_m == 128  # prefill-sized steps
-    assert pick_config(256, 28672, 132).block_m == 128  # gate_up: 448 tiles already
-    assert pick_config(256, 4096, 16).block_m == 128  # 64 tiles fill a 16-SM GPU
+    assert pick_config(8, 4096, 4096).block_m == 16
+    assert pick_config(48, 28672, 4096) == C(64, 128, 128, 4, 4)
+    assert pick_config(256, 28672, 4096) == C(128, 128, 128, 8, 3)
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336)):  # qkv, o, down
+        assert pick_config(64, n, k) == C(64, 64, 256, 4, 4)
+        assert pick_config(257, n, k) == C(128, 128, 128, 8, 3)
+    assert pick_config(128, 4096, 4096) == C(64, 64, 256, 4, 4)  # 128 tiles: one an SM
+    assert pick_config(128, 6144, 4096) == C(64, 64, 256, 4, 3)  # 192: two an SM
+    assert pick_config(256, 6144, 4096) == C(64, 64, 128, 4, 4)  # 384: three an SM
+    assert pick_config(128, 4096, 4096, sms=66) == C(64, 64, 256, 4, 3)
+    assert pick_config(128, 4096, 14336) == C(64, 64, 256, 4, 4)
+    assert pick_config(256, 4096, 14336) == C(128, 64, 128, 4, 4, 2)
+
+
+def _int8_operands(m: int, n: int, k: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randint(-128, 128, (m, k), generator=gen, dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    return a, b, torch.rand(m, 1, generator=gen) * 0.01, torch.rand(n, generator=gen) * 0.01
+
+
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_int8_gemm_split_k_equals_unsplit(split):
+    """Split over K (the last share shorter, or empty with 8 splits of 3 tiles), the partials
+    added exactly: the same output bit for bit as the reference, on two calls in a row (the
+    per-tile counters are back at zero after each)."""
+    from lightwell.kernels.split_counters import split_counters
+
+    a, b, sa, sb = _int8_operands(21, 40, 80, seed=split)
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(1))
+    ref = int8_gemm_ref(a, b, sa, sb, torch.float32, bias)
+    args = [t.to(DEVICE) for t in (a, b, sa, sb)]
+    cfg = Int8GemmConfig(16, 16, 32, 4, 1, split)  # 3 K tiles, 2 x 3 output tiles
+    for _ in range(2):
+        got = int8_gemm(*args, torch.float32, bias.to(DEVICE), config=cfg)
+        if DEVICE == "cpu":
+            assert torch.equal(got.cpu(), ref)
+        else:  # the epilogue's multiply and bias add contract into one FMA on the GPU
+            torch.testing.assert_close(got.cpu(), ref, rtol=2.0**-22, atol=2.0**-22 * 1e3)
+        assert not split_counters(got.device, 6)[:6].any()
