@@ -1,8 +1,9 @@
 """Per-token (row) activation quantization in one launch: fp8 e4m3 or int8, dynamic or static.
 
-One program per row walks K twice in ``BLOCK`` chunks: amax of ``|x|`` (dynamic), then
-``q = x / scale`` saturated (fp8: to +-448; int8: rounded to nearest even, clamped to
-[-128, 127]). Dynamic ``scale = amax / QMAX`` (1 for an all-zero row); static: the given scalar.
+One program per row: the amax of ``|x|`` (dynamic), then ``q = x / scale`` saturated (fp8: to
++-448; int8: rounded to nearest even, clamped to [-128, 127]). A row of up to ``block`` (16,384)
+inputs is read once and kept in registers; a longer one is walked twice in ``block`` chunks.
+Dynamic ``scale = amax / QMAX`` (1 for an all-zero row); static: the given scalar.
 ``q`` and ``scale`` equal the torch references (``quantize_fp8`` in quant/fp8.py,
 ``quantize_activations`` in quant/int8.py) bit for bit, on CPU and on CUDA, because every step is
 exactly rounded on both sides:
@@ -36,38 +37,57 @@ INT8_MAX = 127.0
 def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,  # the row fits one BLOCK: read once, kept in registers
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    if STATIC:
-        scale = tl.load(static_ptr).to(tl.float32)
-    else:
-        amax = tl.zeros([BLOCK], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0)
-            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-        top = tl.max(amax, axis=0)
-        scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
-    tl.store(s_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        mask = k0 + cols < K
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=mask, other=0.0).to(tl.float32)
-        y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
-        if IS_INT8:
-            # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
-            y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)
-            if INTERPRET:
-                y = _rint(y)
-            else:
-                y = libdevice.rint(y)
-            q = y.to(tl.int8)  # exact: y is an integer in range
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    if ONE_PASS:
+        mask = cols < K
+        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
         else:
-            y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-            if INTERPRET:
-                y = _round_e4m3(y)  # exact conversion below: y is on the e4m3 grid
-            q = y.to(tl.float8e4nv)
-        tl.store(q_ptr + row * stride_q + k0 + cols, q, mask=mask)
+            top = tl.max(tl.abs(x), axis=0)
+            scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
+        tl.store(s_ptr + row, scale)
+        tl.store(q_row + cols, _quantize(x, scale, QMAX, IS_INT8, INTERPRET), mask=mask)
+    else:
+        if STATIC:
+            scale = tl.load(static_ptr).to(tl.float32)
+        else:
+            amax = tl.zeros([BLOCK], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0)
+                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+            top = tl.max(amax, axis=0)
+            scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
+        tl.store(s_ptr + row, scale)
+        for k0 in range(0, K, BLOCK):
+            mask = k0 + cols < K
+            x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+            q = _quantize(x, scale, QMAX, IS_INT8, INTERPRET)
+            tl.store(q_row + k0 + cols, q, mask=mask)
+
+
+@triton.jit
+def _quantize(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``x / scale`` (IEEE division), saturated, as int8 or fp8 (module docstring)."""
+    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    if IS_INT8:
+        # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
+        y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)
+        if INTERPRET:
+            y = _rint(y)
+        else:
+            y = libdevice.rint(y)
+        return y.to(tl.int8)  # exact: y is an integer in range
+    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+    if INTERPRET:
+        y = _round_e4m3(y)  # exact conversion below: y is on the e4m3 grid
+    return y.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -95,7 +115,7 @@ def act_quant(
     x: torch.Tensor,  # [T, K] fp32/fp16/bf16, last dim contiguous
     out_dtype: torch.dtype,  # torch.float8_e4m3fn or torch.int8
     static_scale: torch.Tensor | None = None,  # one element, or None: dynamic per row
-    block: int = 1024,
+    block: int = 16384,  # the longest row read once (a power of two); longer ones in chunks
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] out_dtype, [T, 1] float32)
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"act_quant: x must be 2-D with a contiguous last dim, got {x.shape}")
@@ -114,8 +134,8 @@ def act_quant(
     _act_quant_kernel[(t,)](
         x, q, scale, static, k, x.stride(0), q.stride(0),
         QMAX=INT8_MAX if is_int8 else FP8_MAX, IS_INT8=is_int8,
-        STATIC=static_scale is not None, BLOCK=block, INTERPRET=envs.triton_interpret(),
-        num_warps=4 if block >= 512 else 1,
+        STATIC=static_scale is not None, BLOCK=block, ONE_PASS=block >= k,
+        INTERPRET=envs.triton_interpret(), num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
     return q, scale
 
