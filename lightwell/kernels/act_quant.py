@@ -83,11 +83,13 @@ def _quantize(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, INTERPRET: tl
             y = _rint(y)
         else:
             y = libdevice.rint(y)
-        return y.to(tl.int8)  # exact: y is an integer in range
-    y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
-    if INTERPRET:
-        y = _round_e4m3(y)  # exact conversion below: y is on the e4m3 grid
-    return y.to(tl.float8e4nv)
+        q = y.to(tl.int8)  # exact: y is an integer in range
+    else:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if INTERPRET:
+            y = _round_e4m3(y)  # exact conversion below: y is on the e4m3 grid
+        q = y.to(tl.float8e4nv)
+    return q
 
 
 @triton.jit
