@@ -125,6 +125,8 @@ def act_quant(
         raise ValueError(f"act_quant: out_dtype must be float8_e4m3fn or int8, got {out_dtype}")
     if static_scale is not None and static_scale.numel() != 1:
         raise ValueError(f"act_quant: static scale must have one element, got {static_scale.shape}")
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"act_quant: block must be a power of two >= 16, got {block}")
     t, k = x.shape
     q = torch.empty((t, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)

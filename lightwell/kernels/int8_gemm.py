@@ -3,15 +3,15 @@
 ``a`` [M, K] int8 (activations, per-token scales ``sa`` [M, 1] float32), ``b`` [N, K] int8
 (weights, per-channel scales ``sb`` [N] float32). Each program accumulates a [BLOCK_M, BLOCK_N]
 tile exactly in int32 (``tl.dot``), then scales it in fp32, adds the bias and writes the
-activation dtype: one pass over the output. Tiles are fixed per M, N and K (``pick_config``,
-from an H200 sweep at llama-3-8b's shapes), no autotuning; ``config`` overrides them (benchmarks
-sweep it).
+activation dtype: one pass over the output (split over K: after the partials' pass). Tiles are
+fixed per M, N and K (``pick_config``, from an H200 sweep at llama-3-8b's shapes), no
+autotuning; ``config`` overrides them (benchmarks sweep it).
 
 Split over K (``split_k`` > 1), each program stores its int32 partial sums and counts itself in
 a per-tile counter; the last one of a tile adds the partials (exactly: the result equals the
-unsplit kernel's bit for bit), runs the epilogue and resets the counter to zero, so the counters
-(a cached zeroed buffer per device and stream, kernels/split_counters.py) are ready for the next
-call and CUDA graphs.
+unsplit kernel's bit for bit), runs the epilogue and resets the counter to zero, so the
+counters (one zeroed buffer per device, kernels/split_counters.py) are ready for the next call
+and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.split_counters import split_counters
+from lightwell import envs
+from lightwell.kernels.split_counters import last_to_arrive, split_counters
 from lightwell.kernels.split_kv import num_sms
 
 
@@ -39,14 +40,14 @@ _DECODE_ROWS = 256  # up to here, tiles for a decode batch
 
 
 def pick_config(m: int, n: int, k: int, sms: int = 132) -> Int8GemmConfig:
-    """The tile for ``m`` rows, an [n, k] weight and ``sms`` SMs. Up to 16
-    rows: 16-row tiles. Up to 256 (decode batches; benchmarks/kernels/w8a8.py --sweep on the
-    H200 at llama-3-8b's shapes): wide weights (n >= 16,384: gate_up) 64 x 128 tiles up to 64
-    rows, then 128 x 128; long K (k >= 8,192: down) past 128 rows 128 x 64 tiles split in two
-    over K; others 64 x 64 tiles in one wave: 256-input K
-    steps and four stages while the tiles are no more than the SMs (a program an SM), three
-    stages up to twice the SMs (two an SM), else 128-input steps (three an SM). Above 256
-    rows: 128 x 128."""
+    """The tile for ``m`` rows, an [n, k] weight and ``sms`` SMs, the best of
+    benchmarks/kernels/w8a8.py --sweep at llama-3-8b's shapes on the H200. Up to 16 rows:
+    16-row tiles. Up to 256 (decode batches): wide weights (n >= 16,384: gate_up) 64 x 128
+    tiles up to 64 rows, then 128 x 128; long K (k >= 8,192: down) past 128 rows 128 x 64 tiles
+    split in two over K; others 64 x 64 tiles, 256-input K steps in four stages while the tiles
+    are no more than the SMs (a program an SM), three stages up to twice the SMs (two an SM,
+    by the H200's shared memory), else 128-input steps (three an SM). Above 256 rows:
+    128 x 128."""
     if m <= 16:
         return Int8GemmConfig(16, 128, 128, 4, 4)
     if m > _DECODE_ROWS:
@@ -72,6 +73,7 @@ def _int8_gemm_kernel(
     stride_am, stride_bn, stride_om,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    FENCE: tl.constexpr,  # compiled for a GPU: split_counters.last_to_arrive's fence
 ):  # fmt: skip
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -80,13 +82,11 @@ def _int8_gemm_kernel(
     a_rows = a_ptr + rm[:, None].to(tl.int64) * stride_am
     b_rows = b_ptr + rn[:, None].to(tl.int64) * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
+    k_lo, k_hi = 0, K
     if SPLIT_K > 1:  # this program's share of the K tiles
         per = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
         k_lo = tl.program_id(2) * per
         k_hi = tl.minimum(K, k_lo + per)
-    else:
-        k_lo = 0
-        k_hi = K
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k = k0 + rk
         a = tl.load(a_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0)
@@ -96,19 +96,26 @@ def _int8_gemm_kernel(
     if SPLIT_K > 1:
         tile = rm[:, None] * N + rn[None, :]  # [BM, BN] in one split's [M, N] partials
         tl.store(part_ptr + tl.program_id(2) * M * N + tile, acc, mask=o_mask)
-        tl.debug_barrier()  # every thread's partials stored before the count releases them
         counter = cnt_ptr + pid_m * tl.num_programs(1) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
-            for s in tl.static_range(SPLIT_K):
-                acc += tl.load(part_ptr + s * M * N + tile, mask=o_mask, other=0,
-                               cache_modifier=".cg")  # fmt: skip
+        if last_to_arrive(counter, SPLIT_K, rm, FENCE):
+            acc = _sum_partials(part_ptr, tile, M * N, o_mask, SPLIT_K)
             tl.atomic_xchg(counter, 0)
             _epilogue(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, rm, rn, M, N, stride_om, o_mask,
                       HAS_BIAS)  # fmt: skip
     else:
         _epilogue(acc, sa_ptr, sb_ptr, bias_ptr, out_ptr, rm, rn, M, N, stride_om, o_mask,
                   HAS_BIAS)  # fmt: skip
+
+
+@triton.jit
+def _sum_partials(part_ptr, tile, split_stride, o_mask, SPLIT_K: tl.constexpr):
+    """The tile's int32 sum over the splits' partials (read past L1: other programs wrote
+    them)."""
+    acc = tl.load(part_ptr + tile, mask=o_mask, other=0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(part_ptr + s * split_stride + tile, mask=o_mask, other=0,
+                       cache_modifier=".cg")  # fmt: skip
+    return acc
 
 
 @triton.jit
@@ -152,9 +159,7 @@ def int8_gemm(
     sb = b_scale.reshape(n).float().contiguous()
     bias_t = sb if bias is None else bias.to(out_dtype).contiguous()
     grid_m, grid_n = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
-    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
-    if split * m * n >= 2**31:  # the partials' offsets are int32
-        split = 1
+    split = _splits(cfg, m, n, k)
     part, cnt = out, sb  # (unread without a split)
     if split > 1:
         part = torch.empty((split, m, n), dtype=torch.int32, device=a.device)
@@ -162,11 +167,19 @@ def int8_gemm(
     _int8_gemm_kernel[(grid_m, grid_n, split)](
         a, b, sa, sb, bias_t, out, part, cnt, m, n, k, a.stride(0), b.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=split,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        BLOCK_K=cfg.block_k, SPLIT_K=split, FENCE=not envs.triton_interpret(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return out
+
+
+def _splits(cfg: Int8GemmConfig, m: int, n: int, k: int) -> int:
+    """The launch's K splits: the config's, each a share of whole K tiles and none empty (so
+    no more than the tiles), 1 where the partials' int32 offsets could overflow."""
+    tiles = triton.cdiv(k, cfg.block_k)
+    split = max(1, min(cfg.split_k, tiles))
+    split = triton.cdiv(tiles, triton.cdiv(tiles, split))
+    return 1 if split * m * n >= 2**31 else split
 
 
 def _num_sms(device: torch.device) -> int:

@@ -13,8 +13,8 @@ no interleave back into input order. Rows of x past M re-read row M - 1 and are 
 Split over K (``SPLIT_K`` > 1: the narrow weights, whose columns alone give too few programs),
 each program stores its fp32 partial sums and counts itself in a per-column-tile counter; the
 last one of a tile adds the partials, writes the output and resets the counter to zero, so the
-counters (a cached zeroed buffer per device and stream, kernels/split_counters.py) are ready
-for the next call and CUDA graphs.
+counters (one zeroed buffer per device, kernels/split_counters.py) are ready for the next call
+and CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lightwell.kernels.split_counters import split_counters
+from lightwell import envs
+from lightwell.kernels.split_counters import last_to_arrive, split_counters
 from lightwell.kernels.w4a16 import _planes
 
 MAX_M = 16
@@ -107,6 +108,7 @@ def _w4a16_skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # inputs a group, a multiple of BLOCK_K (K: one group a column)
     HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    FENCE: tl.constexpr,  # compiled for a GPU: split_counters.last_to_arrive's fence
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,8 +138,7 @@ def _w4a16_skinny_kernel(
     if SPLIT_K > 1:
         tile = rm[:, None] * N + rn[None, :]  # [BM, BN] in one split's [BLOCK_M, N] partials
         tl.store(part_ptr + pid_k * BLOCK_M * N + tile, acc, mask=omask)
-        tl.debug_barrier()  # every thread's partials stored before the count releases them
-        if tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel") == SPLIT_K - 1:
+        if last_to_arrive(cnt_ptr + pid_n, SPLIT_K, rn, FENCE):
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for s in range(SPLIT_K):
                 acc += tl.load(part_ptr + s * BLOCK_M * N + tile, mask=omask, other=0.0,
@@ -207,6 +208,6 @@ def w4a16_skinny(
         BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_SIZE=gs,
         HAS_BIAS=bias is not None, SWAP=swap, X_SPLIT=x_split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=warps, num_stages=stages,
+        FENCE=not envs.triton_interpret(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

@@ -35,10 +35,11 @@ def _same(got: tuple, ref: tuple) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
-def test_act_quant_bit_identical_to_torch(dtype, static, out):
+@pytest.mark.parametrize("block", [64, 16384], ids=["chunked", "one_pass"])
+def test_act_quant_bit_identical_to_torch(dtype, static, out, block):
     x = _activations(6, 200, dtype)  # K not a multiple of the block: a masked tail
     scale = torch.tensor(0.05, device=DEVICE) if static else None
-    got = act_quant(x, out, scale, block=64)
+    got = act_quant(x, out, scale, block=block)
     _same(got, act_quant_ref(x, out, scale))
     cpu = x.cpu()
     if out == FP8:  # the CPU path of quant/fp8.py
@@ -169,6 +170,14 @@ def test_int8_gemm_tiles_by_rows_and_shape():
     assert pick_config(128, 4096, 4096, sms=66) == C(64, 64, 256, 4, 3)
     assert pick_config(128, 4096, 14336) == C(64, 64, 256, 4, 4)
     assert pick_config(256, 4096, 14336) == C(128, 64, 128, 4, 4, 2)
+    # the boundaries
+    assert pick_config(16, 4096, 4096).block_m == 16 and pick_config(17, 4096, 4096).block_m == 64
+    assert pick_config(129, 4096, 14336).split_k == 2
+    assert pick_config(129, 4096, 8191) == C(64, 64, 256, 4, 3)  # 192 tiles, K short
+    assert pick_config(128, 16383, 4096).block_n == 64
+    assert pick_config(128, 16384, 4096) == C(128, 128, 128, 8, 3)
+    assert pick_config(128, 4224, 4096) == C(64, 64, 256, 4, 4)  # 132 tiles: one wave
+    assert pick_config(128, 4288, 4096) == C(64, 64, 256, 4, 3)  # 134 tiles
 
 
 def _int8_operands(m: int, n: int, k: int, seed: int):
@@ -178,22 +187,90 @@ def _int8_operands(m: int, n: int, k: int, seed: int):
     return a, b, torch.rand(m, 1, generator=gen) * 0.01, torch.rand(n, generator=gen) * 0.01
 
 
-@pytest.mark.parametrize("split", [2, 3, 8])
-def test_int8_gemm_split_k_equals_unsplit(split):
-    """Split over K (the last share shorter, or empty with 8 splits of 3 tiles), the partials
-    added exactly: the same output bit for bit as the reference, on two calls in a row (the
-    per-tile counters are back at zero after each)."""
+@pytest.mark.parametrize("split,k", [(2, 96), (4, 150)])
+def test_int8_gemm_split_k_equals_unsplit(split, k):
+    """Split over K (3 tiles in two shares of 2 and 1; 4 asked over 5 tiles: three shares of
+    2, 2 and 1, none empty), the partials added exactly: the unsplit kernel's output bit for
+    bit, and the reference's, on two calls in a row (the per-tile counters are back at zero
+    after each)."""
+    from lightwell.kernels.int8_gemm import _splits
     from lightwell.kernels.split_counters import split_counters
 
-    a, b, sa, sb = _int8_operands(21, 40, 80, seed=split)
+    a, b, sa, sb = _int8_operands(21, 40, k, seed=split)
     bias = torch.randn(40, generator=torch.Generator().manual_seed(1))
     ref = int8_gemm_ref(a, b, sa, sb, torch.float32, bias)
     args = [t.to(DEVICE) for t in (a, b, sa, sb)]
-    cfg = Int8GemmConfig(16, 16, 32, 4, 1, split)  # 3 K tiles, 2 x 3 output tiles
+    cfg = Int8GemmConfig(16, 16, 32, 4, 1, split)  # 2 x 3 output tiles
+    assert _splits(cfg, 21, 40, k) == {96: 2, 150: 3}[k]
+    whole = int8_gemm(*args, torch.float32, bias.to(DEVICE), config=cfg._replace(split_k=1))
     for _ in range(2):
         got = int8_gemm(*args, torch.float32, bias.to(DEVICE), config=cfg)
+        assert torch.equal(got, whole)
         if DEVICE == "cpu":
             assert torch.equal(got.cpu(), ref)
         else:  # the epilogue's multiply and bias add contract into one FMA on the GPU
             torch.testing.assert_close(got.cpu(), ref, rtol=2.0**-22, atol=2.0**-22 * 1e3)
         assert not split_counters(got.device, 6)[:6].any()
+
+
+def test_split_counters_are_one_buffer_per_device_of_fixed_size():
+    """The counters of every split-K launch on a device are one buffer (graphs captured over
+    it stay valid); a launch of more tiles than it holds is refused."""
+    from lightwell.kernels.split_counters import COUNTER_CAPACITY, split_counters
+
+    device = torch.device(DEVICE)
+    first = split_counters(device, 6)
+    assert split_counters(device, COUNTER_CAPACITY).data_ptr() == first.data_ptr()
+    assert first.numel() == COUNTER_CAPACITY and first.dtype == torch.int32
+    with pytest.raises(ValueError, match="split-K launch"):
+        split_counters(device, COUNTER_CAPACITY + 1)
+
+
+# The split-K kernels compiled for sm_90 (no GPU needed): the order of their barriers, counter
+# atomics, fences and partial loads in the PTX.
+_SPLIT_PTX_SCRIPT = r"""
+import inspect, json, re, sys, triton
+from triton.backends.compiler import GPUTarget
+from lightwell.kernels import int8_gemm as ig, w4a16_skinny as ws
+
+def order(fn, types, consts, **options):
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: types.get(n, "i32") for n in names if n not in consts}
+    src = triton.compiler.ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
+                                    constexprs=consts)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return re.findall(r"\b(bar\.sync|atom\.[\w.]+|fence\.acq_rel[\w.]*|ld\.global\.cg[\w.]*)",
+                      k.asm["ptx"])
+
+fence = sys.argv[1] == "1"
+print(json.dumps({
+    "int8": order(ig._int8_gemm_kernel, dict(a_ptr="*i8", b_ptr="*i8", sa_ptr="*fp32",
+        sb_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*i32", cnt_ptr="*i32"),
+        dict(HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, FENCE=fence),
+        num_warps=4, num_stages=3),
+    "w4a16": order(ws._w4a16_skinny_kernel, dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16",
+        z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
+        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, GROUP_SIZE=128, HAS_BIAS=False,
+        SWAP=True, X_SPLIT=True, PRECISION="tf32", FENCE=fence), num_warps=4, num_stages=3),
+}))
+"""
+
+
+@pytest.mark.parametrize("fence", [True, False])
+def test_split_k_kernels_fence_before_reading_the_partials(fence):
+    """Compiled for a GPU, the split-K kernels (int8 GEMM, W4A16 skinny) count a tile's
+    programs in after a barrier (every thread's partial stores issued), with an acquire-release
+    atomic at GPU scope; then every thread of the last program fences (acquire-release, GPU)
+    before its loads of the partials (past L1). The interpreter's form has no fence."""
+    from tests.kernels.test_triton_kernels import _run_ptx_script
+
+    for name, ops in _run_ptx_script(_SPLIT_PTX_SCRIPT, fence).items():
+        count = next(i for i, op in enumerate(ops) if op.startswith("atom.global.gpu.acq_rel.add"))
+        assert ops[count - 1] == "bar.sync", (name, ops)
+        loads = [i for i, op in enumerate(ops) if op.startswith("ld.global.cg")]
+        assert loads and min(loads) > count, (name, ops)
+        fences = [i for i, op in enumerate(ops) if op == "fence.acq_rel.gpu"]
+        if fence:
+            assert len(fences) == 1 and count < fences[0] < min(loads), (name, ops)
+        else:
+            assert not fences, (name, ops)
