@@ -1,10 +1,7 @@
-"""The fused launches around DeepSeek-V2-Lite's MLA decode attention against the separate ones,
-bf16, one layer (16 heads, kv_lora_rank 512, RoPE 64, nope 128, v 128), at 1, 4, 16 and 64
-requests of a 1,024-token context: before it, ``prepare_decode`` (latent entry + absorbed query,
-one launch) vs ``latent_entry`` then ``absorb_query``, checked bit for bit (queries and cache
-rows) first; after it, the split-KV decode with the splits combined by ``absorb_output``
-(``mla_decode_partials``, a decode-only step's path) vs the decode kernel, the combine kernel
-and ``absorb_output`` (checked first: within 2 bf16 ulps of the largest output).
+"""The fused launch before DeepSeek-V2-Lite's MLA decode attention against the separate ones,
+bf16, one layer (16 heads, kv_lora_rank 512, RoPE 64, nope 128, v 128), at 1, 4 and 16 requests
+of a 1,024-token context: ``prepare_decode`` (latent entry + absorbed query, one launch) vs
+``latent_entry`` then ``absorb_query``, checked bit for bit (queries and cache rows) first.
 
 One command, under a minute:
 
@@ -22,8 +19,6 @@ import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record
-from lightwell.kernels.mla_decode import mla_decode, mla_decode_partials, pick_num_splits
-from lightwell.kernels.mla_output import absorb_output
 from lightwell.kernels.mla_prepare import absorb_query, latent_entry, prepare_decode
 
 HEADS, RANK, ROPE, NOPE, VDIM, BLOCK, CTX = 16, 512, 64, 128, 128, 16, 1024
@@ -77,41 +72,18 @@ def _prepare(x: dict, batch: int) -> tuple[float, float, torch.Tensor]:
     return graph_replay_us(separate), graph_replay_us(fused), got
 
 
-def _output(x: dict, q: torch.Tensor, batch: int) -> tuple[float, float, int]:
-    """(separate us, fused us, splits) of the attention + output through W_UV."""
-    splits = pick_num_splits(batch, HEADS, CTX)
-    args = (q, x["cache"], x["table"], x["lens"], 0.1, RANK)
-
-    def separate():
-        return absorb_output(mla_decode(*args, splits), x["w"], (NOPE, VDIM))
-
-    def fused():
-        part, lse = mla_decode_partials(*args, splits)
-        return absorb_output(part, x["w"], (NOPE, VDIM), lse)
-
-    want, got = separate().float(), fused().float()
-    err = ((got - want).abs().max() / want.abs().max()).item()
-    if err > 2 * 2.0**-8:
-        raise AssertionError(f"batch {batch}: the combine in the output kernel is {err} off")
-    return graph_replay_us(separate), graph_replay_us(fused), splits
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = []
-    for batch in (1, 4, 16, 64):
+    for batch in (1, 4, 16):
         x = _inputs(batch)
-        sep_prep, fused_prep, q = _prepare(x, batch)
-        sep_out, fused_out, splits = _output(x, q, batch)
-        print(f"batch {batch}: prepare {sep_prep:.1f} -> {fused_prep:.1f} us, attention + "
-              f"output ({splits} splits) {sep_out:.1f} -> {fused_out:.1f} us")  # fmt: skip
+        sep_prep, fused_prep, _ = _prepare(x, batch)
+        print(f"batch {batch}: prepare {sep_prep:.1f} -> {fused_prep:.1f} us")
         common = dict(batch=batch, context=CTX, heads=HEADS)
         rows.append(record("mla_prepare_fused_us", fused_prep, separate_us=round(sep_prep, 1),
                            **common))  # fmt: skip
-        rows.append(record("mla_attention_output_fused_us", fused_out, splits=splits,
-                           separate_us=round(sep_out, 1), **common))  # fmt: skip
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

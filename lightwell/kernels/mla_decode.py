@@ -8,11 +8,9 @@ loaded once for all those heads and go through two dots (scores against the late
 part, then probabilities times the latent). A request's keys are cut into ``num_splits`` equal
 runs of whole tiles by its own length (inside the kernel, so a graph captured for long contexts
 spreads a short one over all its splits). Each split writes its partial output with its
-log-sum-exp and ``_combine_kernel`` rescales and sums them into the output (``mla_decode``), or
-the output kernel does (``mla_decode_partials``, then kernels/mla_output.py's
-``absorb_output``: a decode-only step); with one split the decode kernel writes the output
-itself. Entry width ``L + P`` (512 + 64 for DeepSeek) need not be a power of two: the latent and
-RoPE parts are loaded apart.
+log-sum-exp and ``_combine_kernel`` rescales and sums them into the output; with one split the
+decode kernel writes the output itself. Entry width ``L + P`` (512 + 64 for
+DeepSeek) need not be a power of two: the latent and RoPE parts are loaded apart.
 ``store_latent`` writes a step's entries into the cache, skipping slots < 0 (CUDA-graph padding).
 Nothing here reads host-side metadata per step, so decode steps can replay from CUDA graphs.
 """
@@ -240,29 +238,6 @@ def mla_decode(
             **_pdl.kernel_args(q.device),
         )  # fmt: skip
     return out
-
-
-def mla_decode_partials(
-    q: torch.Tensor,  # [R, H, L + P]: one absorbed query per request
-    kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
-    block_table: torch.Tensor,  # [R, max_blocks] int32
-    seq_lens: torch.Tensor,  # [R] int32
-    scale: float,
-    kv_lora_rank: int,
-    num_splits: int = 1,
-    config: Config | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The decode kernel without the combine: with one split the output ``[R, H, L]`` in
-    q.dtype and None; with more, the splits' partial outputs ``[R, S, H, L]`` and log-sum-exps
-    ``[R, S, H]`` (float32), which kernels/mla_output.py's ``absorb_output`` combines."""
-    num_reqs, num_heads, width = q.shape
-    _check(q, kv_cache, block_table, num_splits)
-    out = q.new_empty(num_reqs, num_heads, kv_lora_rank)
-    if num_reqs == 0:
-        return out, None
-    part, lse = _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
-                        out, config)  # fmt: skip
-    return (out, None) if num_splits == 1 else (part, lse)
 
 
 def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits, out, config):

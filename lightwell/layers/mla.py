@@ -8,7 +8,7 @@ the query's no-RoPE part goes through ``W_UK`` into latent space, the latent out
 ``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``). A decode-only step on the
 kernels runs that work around the attention in two launches (``kernels/mla_prepare.py``:
 the entry's norm, RoPE and store with the absorbed query and its RoPE; ``kernels/mla_output.py``:
-the key splits' combine and the output through ``W_UV``) around the split-KV decode kernel.
+the output through ``W_UV``) around the split-KV decode kernel.
 Any other step on the kernels runs its single-token requests the absorbed way and every other
 request at once in the expanded form (``lightwell/attention/mla_prefill.py``: the cached
 latents through ``kv_b_proj``, plain queries, the paged attention kernel); the output means the
@@ -137,24 +137,6 @@ class LatentAttention(Attention):
         return mla_decode(
             q.contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
             self.scale, self.kv_lora_rank, splits, out=out,
-        )  # fmt: skip
-
-    def decode_partials(
-        self,
-        q: torch.Tensor,  # [n, H, kv_lora_rank + rope_dim]: absorbed, entries already stored
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A decode-only step's attention (``decode_only``) through the kernel, its key splits
-        left for ``absorb_output`` (kernels/mla_output.py) to combine: ([n, H, kv_lora_rank],
-        None) with one split, else the float32 partials [n, S, H, kv_lora_rank] and their
-        log-sum-exps [n, S, H] (kernels/mla_decode.py's ``mla_decode_partials``)."""
-        from lightwell.kernels.mla_decode import mla_decode_partials, pick_num_splits
-
-        meta = get_attention_metadata()
-        n = q.shape[0]
-        splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
-        return mla_decode_partials(
-            q.contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
-            self.scale, self.kv_lora_rank, splits,
         )  # fmt: skip
 
     def forward(  # type: ignore[override]
@@ -286,8 +268,7 @@ class MLAttention(nn.Module):
         hidden: torch.Tensor,  # [T, H]
     ) -> torch.Tensor:  # [T, heads * v_dim / tp]
         """``attend`` for a decode-only step after the projections: the entry and the query
-        in one launch, the split-KV attention, the output through ``W_UV`` (which combines the
-        key splits)."""
+        in one launch, the split-KV attention, the output through ``W_UV``."""
         # imported here: Triton kernels load on the kernel path only (the CPU image has no Triton)
         from lightwell.kernels.mla_output import absorb_output
         from lightwell.kernels.mla_prepare import prepare_decode
@@ -299,8 +280,7 @@ class MLAttention(nn.Module):
         rope = (rot.cos_sin_cache, rot.is_neox_style)
         norm_eps = (norm.weight, norm.eps)
         q = prepare_decode(positions, query, kv, norm_eps, w, dims, rope, self.attn.kv_cache, slots)
-        latent, lse = self.attn.decode_partials(q)
-        return absorb_output(latent, w, (self.nope, self.v_dim), lse)
+        return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
         return self.o_proj(self.attend(positions, hidden))
@@ -321,22 +301,9 @@ class MLAttention(nn.Module):
         splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= MAX_SPLITS]
         for s in splits:
             mla_decode(q, cache, table, lens, 1.0, self.rank, s)
-        launches = len(splits) + self._compile_output(q, table, lens)
         if self.v_dim > self.nope + self.rope:
-            return launches
-        return launches + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
-
-    def _compile_output(self, q: torch.Tensor, table: torch.Tensor, lens: torch.Tensor) -> int:
-        """The decode-only step's output kernel, on a latent output and on split partials."""
-        from lightwell.kernels.mla_decode import mla_decode_partials
-        from lightwell.kernels.mla_output import absorb_output
-
-        w, dims = self.kv_b_proj.weight, (self.nope, self.v_dim)
-        for splits in (1, 2):
-            latent, lse = mla_decode_partials(q, self.attn.kv_cache, table, lens, 1.0, self.rank,
-                                              splits)  # fmt: skip
-            absorb_output(latent, w, dims, lse)
-        return 4
+            return len(splits)
+        return len(splits) + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
 
     def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H]: this rank's o_proj partial sum, not all-reduced."""

@@ -48,8 +48,7 @@ def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path, monk
     """A tiny DeepSeek-V3 with its decodes through the kernel (mixed with a prefill chunk in
     the same steps, then decode-only steps through the fused path) gives the torch path's
     logits; three key splits (all but one empty at these lengths), combined by the combine
-    kernel in mixed steps and by the output kernel (kernels/mla_output.py) in decode-only
-    ones."""
+    kernel."""
     import lightwell.kernels.mla_decode as mla_decode_module
     from lightwell.layers.mla import LatentAttention
 

@@ -94,38 +94,3 @@ def test_prepare_decode_is_the_entry_and_query_launches_in_one(dtype, tokens):
     with pytest.raises(ValueError, match="does not fit the latent cache"):
         prepare_decode(positions, q, kv[:, 1:], (weight, 1e-6), w, dims, (cs, False),
                        caches[1], slots)  # fmt: skip
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,splits", [(1, 3), (20, 2)])
-def test_absorb_output_combines_split_partials(dtype, tokens, splits):
-    """``absorb_output`` on the split-KV decode's partials (``mla_decode_partials``) equals the
-    combine (``_combine_kernel``'s rule in torch: weights exp(lse - max), empty splits 0, the
-    result rounded to the weight's dtype) followed by ``absorb_output`` on the combined rows;
-    empty splits' partials (NaN here) are not read; one and two token tiles, two latent
-    chunks (128 + a masked 32)."""
-    latent = LONG_LATENT
-    gen = torch.Generator().manual_seed(tokens * 10 + splits)
-    part = torch.randn(tokens, splits, HEADS, latent, generator=gen)
-    lse = torch.randn(tokens, splits, HEADS, generator=gen) * 3
-    lse[0, -1, 1] = float("-inf")  # an empty split of head 1: past the request's keys
-    part[0, -1, 1] = float("nan")
-    if tokens > 1:
-        lse[-1, :, 0] = float("-inf")  # every split empty (a graph's padding row): zeros
-        part[-1, :, 0] = float("nan")
-    w = (torch.randn(HEADS * (NOPE + VDIM), latent, generator=gen) / 8).to(dtype)
-    live = lse > float("-inf")
-    top = torch.where(live, lse, torch.tensor(-1e30)).amax(dim=1, keepdim=True)
-    weight = torch.where(live, (lse - top).exp(), torch.zeros(()))  # [T, S, H]
-    total = weight.sum(dim=1)
-    combined = (torch.where(live[..., None], part, 0.0) * weight[..., None]).sum(dim=1)
-    combined = (combined / torch.where(total > 0, total, 1.0)[..., None]).to(dtype)
-    want = absorb_output(combined.to(DEVICE), w.to(DEVICE), (NOPE, VDIM))
-    got = absorb_output(part.to(DEVICE), w.to(DEVICE), (NOPE, VDIM), lse.to(DEVICE))
-    assert got.dtype == dtype and got.shape == (tokens, HEADS * VDIM)
-    assert not got.isnan().any()
-    assert _rel(got.cpu(), want.cpu()) < (1e-6 if dtype == torch.float32 else 2e-3)
-    if tokens > 1:
-        assert (got.cpu().view(tokens, HEADS, VDIM)[-1, 0] == 0).all()
-    with pytest.raises(ValueError, match="partials"):
-        absorb_output(part.to(DEVICE), w.to(DEVICE), (NOPE, VDIM), lse[:, :1].to(DEVICE))
