@@ -44,20 +44,18 @@ def _act_quant_kernel(
     cols = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
     if ONE_PASS:
         mask = cols < K
         x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
+        if not STATIC:
             top = tl.max(tl.abs(x), axis=0)
             scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
         tl.store(s_ptr + row, scale)
         tl.store(q_row + cols, _quantize(x, scale, QMAX, IS_INT8, INTERPRET), mask=mask)
     else:
-        if STATIC:
-            scale = tl.load(static_ptr).to(tl.float32)
-        else:
+        if not STATIC:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
                 x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from lightwell import envs
 from lightwell.kernels.split_counters import last_to_arrive, split_counters
-from lightwell.kernels.split_kv import num_sms
+from lightwell.kernels.split_kv import device_sms
 
 
 class Int8GemmConfig(NamedTuple):
@@ -154,7 +154,7 @@ def int8_gemm(
     out = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    cfg = config or pick_config(m, n, k, _num_sms(a.device))
+    cfg = config or pick_config(m, n, k, device_sms(a.device) or 132)
     sa = a_scale.reshape(m).float().contiguous()
     sb = b_scale.reshape(n).float().contiguous()
     bias_t = sb if bias is None else bias.to(out_dtype).contiguous()
@@ -180,12 +180,6 @@ def _splits(cfg: Int8GemmConfig, m: int, n: int, k: int) -> int:
     split = max(1, min(cfg.split_k, tiles))
     split = triton.cdiv(tiles, triton.cdiv(tiles, split))
     return 1 if split * m * n >= 2**31 else split
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def int8_gemm_ref(

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from lightwell import envs
+from lightwell.kernels.act_quant import act_quant_ref
 from lightwell.kernels.kv_quant import (
     QMAX,
     SCALE_BYTES,
@@ -122,29 +123,17 @@ def kv_store_ref(
         if kv_cache.dtype not in QMAX:
             raw.view(-1, heads, width)[slots] = _raw(x[keep].to(kv_cache.dtype))
             continue
-        q, scale = _quantize_ref(x[keep], kv_cache.dtype)  # [T, Hkv, D], [T, Hkv]
         dim = width - SCALE_BYTES
+        q, scale = act_quant_ref(x[keep].reshape(-1, dim), kv_cache.dtype)  # a row per head
         per_block = raw.view(num_blocks, -1).view(torch.uint8)  # a block's bytes
         values = per_block[:, : block * heads * dim].view(num_blocks, block, heads, dim)
         scales = per_block[:, block * heads * dim :].view(num_blocks, heads, block, SCALE_BYTES)
-        values[blk, off] = _raw(q).view(torch.uint8)
-        scales[blk, :, off] = scale.contiguous().view(torch.uint8).view(-1, heads, SCALE_BYTES)
+        values[blk, off] = _raw(q).view(torch.uint8).view(-1, heads, dim)
+        scales[blk, :, off] = scale.view(torch.uint8).view(-1, heads, SCALE_BYTES)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # (no fp8 indexing)
-
-
-def _quantize_ref(
-    x: torch.Tensor,  # [T, Hkv, D]
-    dtype: torch.dtype,  # fp8 e4m3 or int8
-) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Hkv, D] in dtype, [T, Hkv] fp32 scales)
-    qmax = QMAX[dtype]
-    amax = x.float().abs().amax(-1, keepdim=True)  # [T, Hkv, 1]
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, qmax), torch.ones_like(amax))
-    y = (x.float() / scale).clamp(-qmax, qmax)
-    q = y.to(dtype) if dtype == torch.float8_e4m3fn else torch.round(y).to(dtype)
-    return q, scale.squeeze(-1)
 
 
 def check_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:

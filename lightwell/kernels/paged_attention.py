@@ -50,7 +50,7 @@ from lightwell.kernels.split_kv import (
     MAX_SPLITS,
     SplitPartials,
     auto_num_splits,
-    num_sms,
+    device_sms,
     reduce_splits,
     store_partials,
 )
@@ -336,7 +336,7 @@ def _launch(
     quant = is_quantized(k_cache.dtype)
     tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
     if config is None:
-        wide = decode and (r1 - r0) * num_kv_heads >= _num_sms(q.device)
+        wide = decode and (r1 - r0) * num_kv_heads >= (device_sms(q.device) or 1 << 30)
         config = default_config(head_dim, decode, quant, wide)
     cfg = config
     block_m = max(cfg.block_m, triton.next_power_of_2(gqa))
@@ -380,12 +380,6 @@ def _launch(
     )  # fmt: skip
     if num_splits > 1:
         reduce_splits(parts, out, meta.query_start_loc, tok0, covered_index=r1)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1 << 30  # (the interpreter: every launch "narrow")
-    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -41,12 +41,19 @@ def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def device_sms(device: torch.device) -> int | None:
+    """The SMs of a CUDA device (its index, or the current device's); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    return num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def auto_num_splits(num_programs: int, max_seq_len: int, device: torch.device) -> int:
     """Split only when the unsplit grid leaves SMs idle and contexts are long (at least
     ``MIN_KEYS_PER_SPLIT`` keys per split); aims at about two programs per SM."""
-    if device.type != "cuda":
+    sms = device_sms(device)
+    if sms is None:
         return 1
-    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if num_programs > sms:
         return 1
     by_len = max_seq_len // MIN_KEYS_PER_SPLIT

@@ -41,14 +41,23 @@ def stored_head_size(dtype: torch.dtype, head_dim: int) -> int:
     return head_dim + SCALE_BYTES if is_quantized(dtype) else head_dim
 
 
+def check_head_dim(head_dim: int, dtype: torch.dtype) -> None:
+    """An 8-bit cache's fp32 scales follow rows of ``head_dim`` bytes: 4-byte aligned only if
+    ``head_dim % 4 == 0``."""
+    if is_quantized(dtype) and head_dim % SCALE_BYTES:
+        raise ValueError(
+            f"an 8-bit KV cache (--kv-cache-dtype fp8 / int8) needs head_dim % 4 == 0 (fp32 "
+            f"scales), got {head_dim}"
+        )
+
+
 def split_blocks(
     cache: torch.Tensor,  # [..., B, Hkv, D + 4] 8-bit, each block's last three dims contiguous
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([..., B, Hkv, D] values, [..., Hkv, B] fp32 scales)
     """Views of an 8-bit cache's values and scales (the layout in this module's docstring)."""
     *lead, block, heads, row = cache.shape
     dim = row - SCALE_BYTES
-    if dim % SCALE_BYTES:
-        raise ValueError(f"an 8-bit KV cache needs head_dim % 4 == 0 (fp32 scales), got {dim}")
+    check_head_dim(dim, cache.dtype)
     if cache.stride(-1) != 1 or cache.stride(-2) != row or cache.stride(-3) != heads * row:
         raise ValueError(f"8-bit KV blocks must be contiguous; got strides {cache.stride()}")
     flat = cache.flatten(-3)  # [..., B * Hkv * (D + 4)]

@@ -18,7 +18,7 @@ from lightwell.distributed.parallel_state import get_tp_size, tp_broadcast
 from lightwell.dual_stream import DualStream
 from lightwell.layers.attention import Attention
 from lightwell.layers.rotary import rope_table_length
-from lightwell.quant.kv_cache import SCALE_BYTES, cache_dtype, stored_head_size
+from lightwell.quant.kv_cache import cache_dtype, check_head_dim, stored_head_size
 from lightwell.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from lightwell.worker import context_parallel
 from lightwell.worker.cuda_graph import CudaGraphRunner
@@ -75,12 +75,8 @@ class ModelRunner:
             raise ValueError(
                 f"kv_cache_dtype {kv_cache_dtype} does not apply to {latent[0]} layers"
             )
-        if self.kv_dtype != dtype:  # (the fp32 scales follow rows of head_dim bytes)
-            odd = [a.head_dim for a in self.attn_layers if a.head_dim % SCALE_BYTES]
-            if odd:
-                raise ValueError(
-                    f"kv_cache_dtype {kv_cache_dtype} needs head_dim % 4 == 0, not {odd[0]}"
-                )
+        for layer in self.attn_layers:
+            check_head_dim(layer.head_dim, self.kv_dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
         self.cpu_decode: CpuDecode | None = None  # set by the worker (--fused-cpu-decode)
