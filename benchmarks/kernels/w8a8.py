@@ -5,7 +5,11 @@ quantization ops; ``_int_mm`` or an fp32 matmul, then the scaling in torch). One
 
     run(command="python3 -m benchmarks.kernels.w8a8 --out $OUT/w8a8.json")  # ~1 min
     [--rows 1 16 256 2048 8192] [--sweep]  (--sweep: also the int8 GEMM's tiles, ~2 min at
-    128 and 256 rows)
+    128 and 256 rows) [--silu-mul-only]
+
+Then the down projection with its activation (``silu_and_mul``, act_quant, GEMM) against
+act_quant's ``silu_mul`` form (activation and quantization in one launch), int8 and fp8: the
+outputs must be equal bit for bit.
 
 Each call includes the activation quantization, as a linear runs it. Checked first: the kernel
 paths' quantized activations equal the torch ones bit for bit; the int8 output equals the old
@@ -26,6 +30,7 @@ import torch
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record, write_json
 from lightwell.kernels.act_quant import act_quant, act_quant_ref
+from lightwell.kernels.activation import silu_and_mul
 from lightwell.kernels.int8_gemm import Int8GemmConfig, int8_gemm, pick_config
 from lightwell.quant.fp8 import scaled_mm_rowwise
 
@@ -155,6 +160,45 @@ def sweep_int8(x: torch.Tensor, copies: list, base: dict, bf16_us: float) -> lis
     return out
 
 
+def measure_silu_mul(rows: list[int], dev: torch.device) -> list[dict]:
+    """The down projection with its input activation: ``silu_and_mul`` then act_quant then the
+    GEMM (``unfused``) against act_quant's ``silu_mul`` form then the GEMM (``fused``), for
+    int8 and fp8; bf16 (the activation kernel, then cuBLAS) for scale. The fused outputs must
+    equal the unfused ones bit for bit."""
+    n, k = SHAPES["tp1 down"]
+    ws = weights(n, k, dev)
+    out = []
+    for m in rows:
+        gate_up = torch.randn(m, 2 * k, device=dev, dtype=torch.bfloat16)
+        paths = {
+            "bf16": (lambda x, w: silu_and_mul(x) @ w.t(), ws["bf16"]),
+            "int8_unfused": (lambda x, w, s: int8_new(silu_and_mul(x), w, s), ws["int8"]),
+            "int8_fused": (lambda x, w, s: int8_fused(x, w, s), ws["int8"]),
+            "fp8_unfused": (lambda x, w, s: fp8_new(silu_and_mul(x), w, s), ws["fp8"]),
+            "fp8_fused": (lambda x, w, s: fp8_fused(x, w, s), ws["fp8"]),
+        }
+        for dtype in ("int8", "fp8"):
+            fused = paths[f"{dtype}_fused"][0](gate_up, *ws[dtype][0])
+            if not torch.equal(fused, paths[f"{dtype}_unfused"][0](gate_up, *ws[dtype][0])):
+                raise AssertionError(f"m={m}: {dtype} fused activation quantization differs")
+        us = {p: time_path(fn, gate_up, copies) for p, (fn, copies) in paths.items()}
+        print(json.dumps({"silu_mul_down": m, **{p: round(v, 2) for p, v in us.items()}}))
+        base = dict(shape="tp1 down with silu_mul", n=n, k=k, m=m, bit_identical=True)
+        for path, v in us.items():
+            out.append(record("w8a8_silu_mul_down_us", v, path=path, **base))
+    return out
+
+
+def int8_fused(x, w, sw):  # [T, 2K] bf16 gate_up, [N, K] int8, [N] float32
+    qx, sx = act_quant(x, torch.int8, silu_mul=True)
+    return int8_gemm(qx, w, sx, sw, x.dtype)
+
+
+def fp8_fused(x, w, sw):  # [T, 2K] bf16 gate_up, [N, K] fp8, [1, N] float32
+    qx, sx = act_quant(x, FP8, silu_mul=True)
+    return scaled_mm_rowwise(qx, w, sx, sw, x.dtype)
+
+
 def summarize(rows: list[dict]) -> None:
     print("\nshape           m   bf16 us   fp8 (old)          int8 (old)        x bf16 fp8 int8")
     for r in rows:
@@ -172,13 +216,18 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="write the rows as a JSON results file")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256, 2048, 8192])
     ap.add_argument("--sweep", action="store_true", help="also time the int8 GEMM's tiles")
+    ap.add_argument("--silu-mul-only", action="store_true",
+                    help="only the down projection with its activation, fused and not")  # fmt: skip
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     torch.manual_seed(0)
     dev = torch.device("cuda", 0)
-    rows = [r for name in SHAPES for r in measure(name, args.rows, args.sweep, dev)]
-    summarize(rows)
+    rows = []
+    if not args.silu_mul_only:
+        rows = [r for name in SHAPES for r in measure(name, args.rows, args.sweep, dev)]
+        summarize(rows)
+    rows += measure_silu_mul(args.rows, dev)
     if args.out:
         write_json(args.out, rows)
     return 0

@@ -3,7 +3,10 @@
 One program per row: the amax of ``|x|`` (dynamic), then ``q = x / scale`` saturated (fp8: to
 +-448; int8: rounded to nearest even, clamped to [-128, 127]). A row of up to ``block`` (16,384)
 inputs is read once and kept in registers; a longer one is walked twice in ``block`` chunks.
-Dynamic ``scale = amax / QMAX`` (1 for an all-zero row); static: the given scalar.
+Dynamic ``scale = amax / QMAX`` (1 for an all-zero row); static: the given scalar. With
+``silu_mul`` the row is a gated MLP's ``[gate | up]`` and what is quantized is
+``silu(gate) * up`` rounded to x's dtype, computed as kernels/activation.py computes it (the
+W8A8 down projection's input: the 16-bit activation is never written).
 ``q`` and ``scale`` equal the torch references (``quantize_fp8`` in quant/fp8.py,
 ``quantize_activations`` in quant/int8.py) bit for bit, on CPU and on CUDA, because every step is
 exactly rounded on both sides:
@@ -38,6 +41,7 @@ def _act_quant_kernel(
     x_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_q,
     QMAX: tl.constexpr, IS_INT8: tl.constexpr, STATIC: tl.constexpr, BLOCK: tl.constexpr,
     ONE_PASS: tl.constexpr,  # the row fits one BLOCK: read once, kept in registers
+    SILU_MUL: tl.constexpr,  # x rows are [gate | up] (2K wide): quantize silu(gate) * up
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
@@ -48,7 +52,7 @@ def _act_quant_kernel(
         scale = tl.load(static_ptr).to(tl.float32)
     if ONE_PASS:
         mask = cols < K
-        x = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _load_row(x_row, cols, mask, K, SILU_MUL)
         if not STATIC:
             top = tl.max(tl.abs(x), axis=0)
             scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
@@ -58,16 +62,28 @@ def _act_quant_kernel(
         if not STATIC:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
             for k0 in range(0, K, BLOCK):
-                x = tl.load(x_row + k0 + cols, mask=k0 + cols < K, other=0.0)
-                amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+                x = _load_row(x_row, k0 + cols, k0 + cols < K, K, SILU_MUL)
+                amax = tl.maximum(amax, tl.abs(x))
             top = tl.max(amax, axis=0)
             scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
         tl.store(s_ptr + row, scale)
         for k0 in range(0, K, BLOCK):
             mask = k0 + cols < K
-            x = tl.load(x_row + k0 + cols, mask=mask, other=0.0).to(tl.float32)
+            x = _load_row(x_row, k0 + cols, mask, K, SILU_MUL)
             q = _quantize(x, scale, QMAX, IS_INT8, INTERPRET)
             tl.store(q_row + k0 + cols, q, mask=mask)
+
+
+@triton.jit
+def _load_row(x_row, cols, mask, K, SILU_MUL: tl.constexpr):
+    """``x[row, cols]`` in fp32 (0 where masked); with SILU_MUL, ``silu(gate) * up`` at cols,
+    rounded to x's dtype first, as kernels/activation.py's kernel computes and stores it."""
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if SILU_MUL:
+        up = tl.load(x_row + K + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = x.to(tl.float32)
+        x = (gate / (1.0 + tl.exp(-gate)) * up).to(x.dtype)
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -112,20 +128,27 @@ def _round_e4m3(y):
 
 
 def act_quant(
-    x: torch.Tensor,  # [T, K] fp32/fp16/bf16, last dim contiguous
+    x: torch.Tensor,  # [T, K] fp32/fp16/bf16, last dim contiguous ([T, 2K] with silu_mul)
     out_dtype: torch.dtype,  # torch.float8_e4m3fn or torch.int8
     static_scale: torch.Tensor | None = None,  # one element, or None: dynamic per row
     block: int = 16384,  # the longest row read once (a power of two); longer ones in chunks
+    *,
+    silu_mul: bool = False,  # x is a gated MLP's [gate | up]: quantize silu(gate) * up
 ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] out_dtype, [T, 1] float32)
+    """Per-row quantization of ``x``; with ``silu_mul``, of ``silu_and_mul(x)``
+    (kernels/activation.py) in the same launch, bit for bit as that kernel's output then this
+    one, without writing and reading back the activation."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"act_quant: x must be 2-D with a contiguous last dim, got {x.shape}")
+    if silu_mul and x.shape[1] % 2:
+        raise ValueError(f"act_quant: silu_mul needs x [T, 2K], got {tuple(x.shape)}")
     if out_dtype not in (torch.float8_e4m3fn, torch.int8):
         raise ValueError(f"act_quant: out_dtype must be float8_e4m3fn or int8, got {out_dtype}")
     if static_scale is not None and static_scale.numel() != 1:
         raise ValueError(f"act_quant: static scale must have one element, got {static_scale.shape}")
     if block < 16 or block & (block - 1):
         raise ValueError(f"act_quant: block must be a power of two >= 16, got {block}")
-    t, k = x.shape
+    t, k = x.shape[0], x.shape[1] // (1 + silu_mul)
     q = torch.empty((t, k), dtype=out_dtype, device=x.device)
     scale = torch.empty((t, 1), dtype=torch.float32, device=x.device)
     if t == 0:
@@ -136,7 +159,7 @@ def act_quant(
     _act_quant_kernel[(t,)](
         x, q, scale, static, k, x.stride(0), q.stride(0),
         QMAX=INT8_MAX if is_int8 else FP8_MAX, IS_INT8=is_int8,
-        STATIC=static_scale is not None, BLOCK=block, ONE_PASS=block >= k,
+        STATIC=static_scale is not None, BLOCK=block, ONE_PASS=block >= k, SILU_MUL=silu_mul,
         INTERPRET=envs.triton_interpret(), num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
     return q, scale

@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from lightwell.quant.base import WeightLoader
-from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear
-from lightwell.quant.int8 import int8_w8a8_linear, int8_weight_only_linear
+from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear, fp8_w8a8_silu_mul
+from lightwell.quant.int8 import int8_w8a8_linear, int8_w8a8_silu_mul, int8_weight_only_linear
 from lightwell.quant.utils import (
     add_param,
     check_divisible,
@@ -226,3 +226,17 @@ class ScaledMethod:
         if self.activations == "none":
             return int8_weight_only_linear(x, layer.weight, layer.weight_scale, bias)
         return int8_w8a8_linear(x, layer.weight, layer.weight_scale, static, bias)
+
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:  # [T, N]; None: the caller runs the activation, then ``apply``
+        """W8A8 on CUDA: the activation computed and quantized in one launch, the same bits as
+        the activation kernel then ``apply``; weight-only and CPU: None."""
+        if not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+            return None
+        static = layer.input_scale if self.activations == "static" else None
+        if self.dtype == FP8:
+            return fp8_w8a8_silu_mul(gate_up, layer.weight, layer.weight_scale, static, bias)
+        if self.activations == "none":
+            return None
+        return int8_w8a8_silu_mul(gate_up, layer.weight, layer.weight_scale, static, bias)

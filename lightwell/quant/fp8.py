@@ -71,12 +71,38 @@ def fp8_w8a8_linear(
 ) -> torch.Tensor:  # [T, N]
     static = None if input_scale is None else input_scale.reshape(1, 1)
     qx, sx = quantize_fp8(x, static)
+    return fp8_w8a8_matmul(qx, sx, weight, weight_scale, bias, x.dtype)
+
+
+def fp8_w8a8_silu_mul(
+    gate_up: torch.Tensor,  # [T, 2K] a gated MLP's [gate | up], on CUDA
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N] float32
+    input_scale: torch.Tensor | None,  # [] static, or None: dynamic per token
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N]: fp8_w8a8_linear(silu_and_mul(gate_up), ...), the same bits
+    """The activation computed and quantized in one launch (kernels/act_quant.py): the 16-bit
+    activation is never written."""
+    from lightwell.kernels.act_quant import act_quant
+
+    qx, sx = act_quant(gate_up, FP8, input_scale, silu_mul=True)
+    return fp8_w8a8_matmul(qx, sx, weight, weight_scale, bias, gate_up.dtype)
+
+
+def fp8_w8a8_matmul(
+    qx: torch.Tensor,  # [T, K] fp8
+    sx: torch.Tensor,  # [T, 1] float32
+    weight: torch.Tensor,  # [N, K] fp8
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [T, N]
     sw = weight_scale.float().reshape(1, -1).contiguous()
     # CUDA's row-wise _scaled_mm wants K, N multiples of 16; CPU's is a slow reference
-    if x.is_cuda and x.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
-        out = scaled_mm_rowwise(qx, weight, sx, sw, x.dtype)
+    if qx.is_cuda and qx.shape[1] % 16 == 0 and weight.shape[0] % 16 == 0:
+        out = scaled_mm_rowwise(qx, weight, sx, sw, out_dtype)
     else:
-        out = ((qx.float() @ weight.float().t()) * sx * sw).to(x.dtype)
+        out = ((qx.float() @ weight.float().t()) * sx * sw).to(out_dtype)
     return out if bias is None else out + bias
 
 
@@ -110,8 +136,12 @@ class Fp8W8A8Method(UnquantizedLinearMethod):
     ) -> torch.Tensor:  # [T, N]
         return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, None, bias)
 
-    def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor, bias: Any) -> None:
-        return None
+    def apply_silu_mul(
+        self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor | None:  # [T, N] on CUDA (activation quantized in one launch), else None
+        if not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+            return None
+        return fp8_w8a8_silu_mul(gate_up, layer.weight, layer.weight_scale, None, bias)
 
 
 def dequantize_blocks(

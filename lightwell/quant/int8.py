@@ -92,13 +92,39 @@ def int8_w8a8_linear(
     bias: torch.Tensor | None,  # [N]
 ) -> torch.Tensor:  # [T, N]
     qx, sx = quantize_activations(x, input_scale)
-    if x.is_cuda and x.shape[1] % 16 == 0:
+    return int8_w8a8_matmul(qx, sx, weight, weight_scale, bias, x.dtype)
+
+
+def int8_w8a8_silu_mul(
+    gate_up: torch.Tensor,  # [T, 2K] a gated MLP's [gate | up], on CUDA
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] float32
+    input_scale: torch.Tensor | None,  # [] static, or None: dynamic per token
+    bias: torch.Tensor | None,  # [N]
+) -> torch.Tensor:  # [T, N]: int8_w8a8_linear(silu_and_mul(gate_up), ...), the same bits
+    """The activation computed and quantized in one launch (kernels/act_quant.py): the 16-bit
+    activation is never written."""
+    from lightwell.kernels.act_quant import act_quant
+
+    qx, sx = act_quant(gate_up, torch.int8, input_scale, silu_mul=True)
+    return int8_w8a8_matmul(qx, sx, weight, weight_scale, bias, gate_up.dtype)
+
+
+def int8_w8a8_matmul(
+    qx: torch.Tensor,  # [T, K] int8
+    sx: torch.Tensor,  # [T, 1] float32
+    weight: torch.Tensor,  # [N, K] int8
+    weight_scale: torch.Tensor,  # [N] float32
+    bias: torch.Tensor | None,  # [N]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:  # [T, N]
+    if qx.is_cuda and qx.shape[1] % 16 == 0:
         from lightwell.kernels.int8_gemm import int8_gemm
 
-        return int8_gemm(qx, weight, sx, weight_scale, x.dtype, bias)
-    if x.is_cuda and (qx.shape[0] <= 16 or qx.shape[1] % 8 or weight.shape[0] % 8):
+        return int8_gemm(qx, weight, sx, weight_scale, out_dtype, bias)
+    if qx.is_cuda and (qx.shape[0] <= 16 or qx.shape[1] % 8 or weight.shape[0] % 8):
         acc = (qx.float() @ weight.float().t()).to(torch.int32)  # _int_mm's CUDA limits
     else:
         acc = torch._int_mm(qx, weight.t())  # [T, N] int32
-    out = (acc.float() * sx * weight_scale.float()[None, :]).to(x.dtype)
+    out = (acc.float() * sx * weight_scale.float()[None, :]).to(out_dtype)
     return out if bias is None else out + bias

@@ -79,12 +79,64 @@ def test_act_quant_scale_is_a_true_division(out, amax):
     assert torch.equal(got[1].cpu().reshape(-1), true)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+@pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("block", [64, 16384], ids=["chunked", "one_pass"])
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_act_quant_silu_mul_equals_activation_then_quant(dtype, static, out, block):
+    """``silu_mul``: the activation kernel's output quantized, bit for bit, in one launch (a
+    masked tail; gate and up of several magnitudes, an all-zero row)."""
+    from lightwell.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    gate_up = _activations(6, 400, dtype, seed=4)  # [6, 2 x 200]
+    scale = torch.tensor(0.05, device=DEVICE) if static else None
+    got = act_quant(gate_up, out, scale, block=block, silu_mul=True)
+    assert got[0].shape == (6, 200)
+    _same(got, act_quant(silu_and_mul(gate_up), out, scale, block=block))
+    # and the torch activation's quantization up to one step of the rounding of exp
+    ref = act_quant_ref(silu_and_mul_ref(gate_up.cpu()), out, None if scale is None else scale)
+    deq, deq_ref = got[0].cpu().float() * got[1].cpu(), ref[0].float() * ref[1]
+    step = ref[1] * (1.0 if out == torch.int8 else 2.0**-3 * 448.0)
+    assert ((deq - deq_ref).abs() <= step + 1e-6).all()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+def test_w8a8_silu_mul_linears_equal_activation_then_linear():
+    """``int8_w8a8_silu_mul`` / ``fp8_w8a8_silu_mul`` (the MLP down projection's fused path)
+    against the activation kernel then ``int8_w8a8_linear`` / ``fp8_w8a8_linear``: the same
+    bits. The methods take the fused path on CUDA only (None elsewhere and for weight-only
+    int8, whose caller runs the activation and ``apply``)."""
+    from lightwell.kernels.activation import silu_and_mul
+    from lightwell.quant.compressed_tensors import ScaledMethod
+
+    gate_up = _activations(5, 128, torch.float32, seed=6)  # [5, 2 x 64]
+    gen = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(24, 64, generator=gen), torch.randn(24, generator=gen)
+    act = silu_and_mul(gate_up).cpu()
+    w8, s8 = int8.quantize_rows(weight)
+    got = int8.int8_w8a8_silu_mul(gate_up, w8.to(DEVICE), s8.to(DEVICE), None, bias.to(DEVICE))
+    assert torch.equal(got.cpu(), int8.int8_w8a8_linear(act, w8, s8, None, bias))
+    wf, sf = fp8.quantize_fp8(weight)
+    sf = sf.reshape(-1)
+    static = torch.tensor(0.03)
+    got = fp8.fp8_w8a8_silu_mul(gate_up, wf.to(DEVICE), sf.to(DEVICE), static.to(DEVICE), None)
+    assert torch.equal(got.cpu(), fp8.fp8_w8a8_linear(act, wf, sf, static, None))
+    layer = torch.nn.Module()
+    layer.weight, layer.weight_scale = torch.nn.Parameter(w8, False), torch.nn.Parameter(s8)
+    cpu = gate_up.cpu()
+    assert ScaledMethod(torch.int8, "channel", "dynamic").apply_silu_mul(layer, cpu, None) is None
+    assert ScaledMethod(torch.int8, "channel", "none").apply_silu_mul(layer, cpu, None) is None
+
+
 def test_act_quant_checks_input():
     x = torch.zeros(4, 32, device=DEVICE)
     with pytest.raises(ValueError, match="out_dtype"):
         act_quant(x, torch.float16)
     with pytest.raises(ValueError, match="static scale"):
         act_quant(x, torch.int8, torch.ones(4, device=DEVICE))
+    with pytest.raises(ValueError, match="silu_mul"):
+        act_quant(torch.zeros(4, 33, device=DEVICE), torch.int8, silu_mul=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
