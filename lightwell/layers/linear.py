@@ -375,8 +375,9 @@ class RowParallelLinear(LinearBase):
 
     def fused_silu_mul(self, gate_up: torch.Tensor, reduce: bool) -> torch.Tensor | None:
         """``forward`` (``reduce``) or ``partial`` of ``silu(gate) * up`` for a gated MLP's
-        ``gate_up = [gate | up]`` ([T, 2 * in/tp]), with the activation fused into the matmul,
-        where the quant method fuses it for this input (``apply_silu_mul``); else None."""
+        ``gate_up = [gate | up]`` ([T, 2 * in/tp]), with the activation fused into the matmul
+        (16-bit GEMV at batch-1 decode) or into the activations' quantization (W8A8), where the
+        quant method fuses it for this input (``apply_silu_mul``); else None."""
         fused = getattr(self.quant_method, "apply_silu_mul", None)
         out = fused(self, gate_up, self.bias if self.tp_rank == 0 else None) if fused else None
         if out is not None and reduce and self.reduce_results and self.tp_size > 1:

@@ -80,7 +80,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate_up = self.gate_up_proj(x)
-        out = self.down_proj.fused_silu_mul(gate_up, reduce=True)  # batch-1 decode on GPU
+        out = self.down_proj.fused_silu_mul(gate_up, reduce=True)  # where the method fuses it
         return out if out is not None else self.down_proj(self.act_fn(gate_up))
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced

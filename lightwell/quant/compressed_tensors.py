@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightwell.quant import utils as quant_utils
 from lightwell.quant.base import WeightLoader
 from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear, fp8_w8a8_silu_mul
 from lightwell.quant.int8 import int8_w8a8_linear, int8_w8a8_silu_mul, int8_weight_only_linear
@@ -232,7 +233,7 @@ class ScaledMethod:
     ) -> torch.Tensor | None:  # [T, N]; None: the caller runs the activation, then ``apply``
         """W8A8 on CUDA: the activation computed and quantized in one launch, the same bits as
         the activation kernel then ``apply``; weight-only and CPU: None."""
-        if not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        if not quant_utils.quantizes_silu_mul(gate_up):
             return None
         static = layer.input_scale if self.activations == "static" else None
         if self.dtype == FP8:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightwell.quant import utils as quant_utils
 from lightwell.quant.base import UnquantizedLinearMethod, WeightLoader
 from lightwell.quant.utils import add_param, check_divisible, replace_params
 
@@ -139,7 +140,7 @@ class Fp8W8A8Method(UnquantizedLinearMethod):
     def apply_silu_mul(
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:  # [T, N] on CUDA (activation quantized in one launch), else None
-        if not gate_up.is_cuda or gate_up.dim() != 2 or gate_up.stride(1) != 1:
+        if not quant_utils.quantizes_silu_mul(gate_up):
             return None
         return fp8_w8a8_silu_mul(gate_up, layer.weight, layer.weight_scale, None, bias)
 

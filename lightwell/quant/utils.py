@@ -10,6 +10,13 @@ from torch import nn
 from lightwell.quant.base import WeightLoader, set_weight_attrs
 
 
+def quantizes_silu_mul(gate_up: torch.Tensor) -> bool:
+    """Whether a W8A8 method computes and quantizes ``silu(gate) * up`` from ``gate_up`` in one
+    Triton launch (kernels/act_quant.py): a CUDA tensor, 2-D, last dim contiguous. Elsewhere the
+    caller runs the activation, then ``apply``."""
+    return gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(1) == 1
+
+
 def add_param(
     layer: nn.Module,
     name: str,

@@ -101,14 +101,30 @@ def test_act_quant_silu_mul_equals_activation_then_quant(dtype, static, out, blo
     assert ((deq - deq_ref).abs() <= step + 1e-6).all()
 
 
+_CUDA_ONLY = pytest.mark.skipif(DEVICE == "cpu", reason="the interpreter's bf16 is inexact")
+
+
+@pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, pytest.param(torch.bfloat16, marks=_CUDA_ONLY)], ids=["fp32", "bf16"]
+)
+def test_act_quant_silu_mul_scales_show_each_activation(out, dtype):
+    """One activation a row: its dynamic scale is ``|silu(gate) * up| / QMAX``, so every row's
+    scale exposes the activation's bits (an ulp off in the formula shows in many rows)."""
+    from lightwell.kernels.activation import silu_and_mul
+
+    gen = torch.Generator().manual_seed(8)
+    gate_up = (4 * torch.randn(512, 2, generator=gen)).to(dtype).to(DEVICE)
+    got = act_quant(gate_up, out, silu_mul=True)
+    _same(got, act_quant(silu_and_mul(gate_up), out))
+
+
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")
 def test_w8a8_silu_mul_linears_equal_activation_then_linear():
     """``int8_w8a8_silu_mul`` / ``fp8_w8a8_silu_mul`` (the MLP down projection's fused path)
     against the activation kernel then ``int8_w8a8_linear`` / ``fp8_w8a8_linear``: the same
-    bits. The methods take the fused path on CUDA only (None elsewhere and for weight-only
-    int8, whose caller runs the activation and ``apply``)."""
+    bits."""
     from lightwell.kernels.activation import silu_and_mul
-    from lightwell.quant.compressed_tensors import ScaledMethod
 
     gate_up = _activations(5, 128, torch.float32, seed=6)  # [5, 2 x 64]
     gen = torch.Generator().manual_seed(7)
@@ -122,11 +138,60 @@ def test_w8a8_silu_mul_linears_equal_activation_then_linear():
     static = torch.tensor(0.03)
     got = fp8.fp8_w8a8_silu_mul(gate_up, wf.to(DEVICE), sf.to(DEVICE), static.to(DEVICE), None)
     assert torch.equal(got.cpu(), fp8.fp8_w8a8_linear(act, wf, sf, static, None))
+
+
+def _scaled_layer(dtype: torch.dtype, static: bool) -> torch.nn.Module:
+    """A linear's parameters as the W8A8 methods keep them: 8-bit [N, K] weight, [N] fp32
+    scales, a 0-dim static input scale."""
+    weight = torch.randn(24, 64, generator=torch.Generator().manual_seed(9))
+    if dtype == FP8:
+        q, scale = fp8.quantize_fp8(weight)
+    else:
+        q, scale = int8.quantize_rows(weight)
     layer = torch.nn.Module()
-    layer.weight, layer.weight_scale = torch.nn.Parameter(w8, False), torch.nn.Parameter(s8)
-    cpu = gate_up.cpu()
-    assert ScaledMethod(torch.int8, "channel", "dynamic").apply_silu_mul(layer, cpu, None) is None
-    assert ScaledMethod(torch.int8, "channel", "none").apply_silu_mul(layer, cpu, None) is None
+    layer.weight = torch.nn.Parameter(q.to(DEVICE), requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale.reshape(-1).to(DEVICE), requires_grad=False)
+    if static:
+        layer.input_scale = torch.nn.Parameter(torch.tensor(0.02, device=DEVICE), False)
+    return layer
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(
+    "method,weights,static",
+    [
+        ("ct", torch.int8, "dynamic"), ("ct", torch.int8, "static"), ("ct", FP8, "dynamic"),
+        ("ct", FP8, "static"), ("ct", torch.int8, "none"), ("fp8", FP8, "dynamic"),
+    ],
+)  # fmt: skip
+def test_w8a8_methods_fuse_the_down_projections_activation(monkeypatch, dtype, method, weights,
+                                                           static):  # fmt: skip
+    """``apply_silu_mul`` of compressed-tensors' ScaledMethod and of ``--quantization fp8``
+    (the device check forced on: on CPU the kernel runs in the interpreter) equals the
+    activation kernel then ``apply`` bit for bit, its static input scale included; int8
+    weight-only answers None (the caller runs the activation, then ``apply``). Off CUDA every
+    method answers None."""
+    from lightwell.kernels.activation import silu_and_mul
+    from lightwell.quant import utils as quant_utils
+    from lightwell.quant.compressed_tensors import ScaledMethod
+
+    if method == "ct":
+        m = ScaledMethod(weights, "channel", static)
+    else:
+        m = fp8.Fp8W8A8Method()
+    layer = _scaled_layer(weights, static == "static")
+    gate_up = _activations(5, 128, dtype, seed=10)
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEVICE)
+    if DEVICE == "cpu":
+        assert m.apply_silu_mul(layer, gate_up, bias) is None
+    monkeypatch.setattr(quant_utils, "quantizes_silu_mul", lambda gate_up: True)
+    got = m.apply_silu_mul(layer, gate_up, bias)
+    if static == "none":
+        assert got is None
+        return
+    want = m.apply(layer, silu_and_mul(gate_up), bias)
+    assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_act_quant_checks_input():

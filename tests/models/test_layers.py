@@ -152,8 +152,9 @@ def test_linear_rope_scaling_stretches_positions():
 
 
 def test_llama_mlp_takes_the_fused_activation_where_the_quant_method_offers_it():
-    """A quant method whose ``apply_silu_mul`` answers (the GPU's batch-1 path) replaces the
-    activation + down projection; one that answers None (everything on CPU) leaves both."""
+    """A quant method whose ``apply_silu_mul`` answers (the GPU's batch-1 GEMV, W8A8 on the
+    GPU) replaces the activation + down projection; one that answers None (everything on CPU)
+    leaves both."""
     from types import SimpleNamespace
 
     from lightwell.models.llama import LlamaMLP
