@@ -22,8 +22,8 @@ from torch import nn
 
 from lightwell.quant import utils as quant_utils
 from lightwell.quant.base import WeightLoader
-from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear, fp8_w8a8_silu_mul
-from lightwell.quant.int8 import int8_w8a8_linear, int8_w8a8_silu_mul, int8_weight_only_linear
+from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear, fp8_w8a8_matmul
+from lightwell.quant.int8 import int8_w8a8_linear, int8_w8a8_matmul, int8_weight_only_linear
 from lightwell.quant.utils import (
     add_param,
     check_divisible,
@@ -235,9 +235,9 @@ class ScaledMethod:
         the activation kernel then ``apply``; weight-only and CPU: None."""
         if not quant_utils.quantizes_silu_mul(gate_up):
             return None
+        if self.dtype != FP8 and self.activations == "none":
+            return None  # int8 weight-only
         static = layer.input_scale if self.activations == "static" else None
-        if self.dtype == FP8:
-            return fp8_w8a8_silu_mul(gate_up, layer.weight, layer.weight_scale, static, bias)
-        if self.activations == "none":
-            return None
-        return int8_w8a8_silu_mul(gate_up, layer.weight, layer.weight_scale, static, bias)
+        qx, sx = quant_utils.quantize_silu_mul(gate_up, self.dtype, static)
+        matmul = fp8_w8a8_matmul if self.dtype == FP8 else int8_w8a8_matmul
+        return matmul(qx, sx, layer.weight, layer.weight_scale, bias, gate_up.dtype)

@@ -75,21 +75,6 @@ def fp8_w8a8_linear(
     return fp8_w8a8_matmul(qx, sx, weight, weight_scale, bias, x.dtype)
 
 
-def fp8_w8a8_silu_mul(
-    gate_up: torch.Tensor,  # [T, 2K] a gated MLP's [gate | up], on CUDA
-    weight: torch.Tensor,  # [N, K] fp8
-    weight_scale: torch.Tensor,  # [N] float32
-    input_scale: torch.Tensor | None,  # [] static, or None: dynamic per token
-    bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [T, N]: fp8_w8a8_linear(silu_and_mul(gate_up), ...), the same bits
-    """The activation computed and quantized in one launch (kernels/act_quant.py): the 16-bit
-    activation is never written."""
-    from lightwell.kernels.act_quant import act_quant
-
-    qx, sx = act_quant(gate_up, FP8, input_scale, silu_mul=True)
-    return fp8_w8a8_matmul(qx, sx, weight, weight_scale, bias, gate_up.dtype)
-
-
 def fp8_w8a8_matmul(
     qx: torch.Tensor,  # [T, K] fp8
     sx: torch.Tensor,  # [T, 1] float32
@@ -142,7 +127,8 @@ class Fp8W8A8Method(UnquantizedLinearMethod):
     ) -> torch.Tensor | None:  # [T, N] on CUDA (activation quantized in one launch), else None
         if not quant_utils.quantizes_silu_mul(gate_up):
             return None
-        return fp8_w8a8_silu_mul(gate_up, layer.weight, layer.weight_scale, None, bias)
+        qx, sx = quant_utils.quantize_silu_mul(gate_up, FP8, None)
+        return fp8_w8a8_matmul(qx, sx, layer.weight, layer.weight_scale, bias, gate_up.dtype)
 
 
 def dequantize_blocks(

@@ -95,21 +95,6 @@ def int8_w8a8_linear(
     return int8_w8a8_matmul(qx, sx, weight, weight_scale, bias, x.dtype)
 
 
-def int8_w8a8_silu_mul(
-    gate_up: torch.Tensor,  # [T, 2K] a gated MLP's [gate | up], on CUDA
-    weight: torch.Tensor,  # [N, K] int8
-    weight_scale: torch.Tensor,  # [N] float32
-    input_scale: torch.Tensor | None,  # [] static, or None: dynamic per token
-    bias: torch.Tensor | None,  # [N]
-) -> torch.Tensor:  # [T, N]: int8_w8a8_linear(silu_and_mul(gate_up), ...), the same bits
-    """The activation computed and quantized in one launch (kernels/act_quant.py): the 16-bit
-    activation is never written."""
-    from lightwell.kernels.act_quant import act_quant
-
-    qx, sx = act_quant(gate_up, torch.int8, input_scale, silu_mul=True)
-    return int8_w8a8_matmul(qx, sx, weight, weight_scale, bias, gate_up.dtype)
-
-
 def int8_w8a8_matmul(
     qx: torch.Tensor,  # [T, K] int8
     sx: torch.Tensor,  # [T, 1] float32

@@ -12,9 +12,22 @@ from lightwell.quant.base import WeightLoader, set_weight_attrs
 
 def quantizes_silu_mul(gate_up: torch.Tensor) -> bool:
     """Whether a W8A8 method computes and quantizes ``silu(gate) * up`` from ``gate_up`` in one
-    Triton launch (kernels/act_quant.py): a CUDA tensor, 2-D, last dim contiguous. Elsewhere the
-    caller runs the activation, then ``apply``."""
+    Triton launch (``quantize_silu_mul``): a CUDA tensor, 2-D, last dim contiguous. Elsewhere
+    the caller runs the activation, then ``apply``."""
     return gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(1) == 1
+
+
+def quantize_silu_mul(
+    gate_up: torch.Tensor,  # [T, 2K] a gated MLP's [gate | up]
+    dtype: torch.dtype,  # torch.int8 or torch.float8_e4m3fn
+    input_scale: torch.Tensor | None,  # [] static, or None: dynamic per token
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, K] dtype, [T, 1] float32)
+    """``silu_and_mul(gate_up)`` quantized per token as the W8A8 linears quantize their input,
+    the same bits, in one launch (kernels/act_quant.py): the 16-bit activation is never
+    written. For the down projection's ``apply_silu_mul``."""
+    from lightwell.kernels.act_quant import act_quant
+
+    return act_quant(gate_up, dtype, input_scale, silu_mul=True)
 
 
 def add_param(

@@ -119,27 +119,6 @@ def test_act_quant_silu_mul_scales_show_each_activation(out, dtype):
     _same(got, act_quant(silu_and_mul(gate_up), out))
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp")
-def test_w8a8_silu_mul_linears_equal_activation_then_linear():
-    """``int8_w8a8_silu_mul`` / ``fp8_w8a8_silu_mul`` (the MLP down projection's fused path)
-    against the activation kernel then ``int8_w8a8_linear`` / ``fp8_w8a8_linear``: the same
-    bits."""
-    from lightwell.kernels.activation import silu_and_mul
-
-    gate_up = _activations(5, 128, torch.float32, seed=6)  # [5, 2 x 64]
-    gen = torch.Generator().manual_seed(7)
-    weight, bias = torch.randn(24, 64, generator=gen), torch.randn(24, generator=gen)
-    act = silu_and_mul(gate_up).cpu()
-    w8, s8 = int8.quantize_rows(weight)
-    got = int8.int8_w8a8_silu_mul(gate_up, w8.to(DEVICE), s8.to(DEVICE), None, bias.to(DEVICE))
-    assert torch.equal(got.cpu(), int8.int8_w8a8_linear(act, w8, s8, None, bias))
-    wf, sf = fp8.quantize_fp8(weight)
-    sf = sf.reshape(-1)
-    static = torch.tensor(0.03)
-    got = fp8.fp8_w8a8_silu_mul(gate_up, wf.to(DEVICE), sf.to(DEVICE), static.to(DEVICE), None)
-    assert torch.equal(got.cpu(), fp8.fp8_w8a8_linear(act, wf, sf, static, None))
-
-
 def _scaled_layer(dtype: torch.dtype, static: bool) -> torch.nn.Module:
     """A linear's parameters as the W8A8 methods keep them: 8-bit [N, K] weight, [N] fp32
     scales, a 0-dim static input scale."""
