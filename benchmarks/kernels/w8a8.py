@@ -173,9 +173,9 @@ def measure_silu_mul(rows: list[int], dev: torch.device) -> list[dict]:
         paths = {
             "bf16": (lambda x, w: silu_and_mul(x) @ w.t(), ws["bf16"]),
             "int8_unfused": (lambda x, w, s: int8_new(silu_and_mul(x), w, s), ws["int8"]),
-            "int8_fused": (lambda x, w, s: int8_fused(x, w, s), ws["int8"]),
+            "int8_fused": (int8_fused, ws["int8"]),
             "fp8_unfused": (lambda x, w, s: fp8_new(silu_and_mul(x), w, s), ws["fp8"]),
-            "fp8_fused": (lambda x, w, s: fp8_fused(x, w, s), ws["fp8"]),
+            "fp8_fused": (fp8_fused, ws["fp8"]),
         }
         for dtype in ("int8", "fp8"):
             fused = paths[f"{dtype}_fused"][0](gate_up, *ws[dtype][0])

@@ -233,7 +233,7 @@ class ScaledMethod:
     ) -> torch.Tensor | None:  # [T, N]; None: the caller runs the activation, then ``apply``
         """W8A8 on CUDA: the activation computed and quantized in one launch, the same bits as
         the activation kernel then ``apply``; weight-only and CPU: None."""
-        if not quant_utils.quantizes_silu_mul(gate_up):
+        if not quant_utils.silu_mul_fusable(gate_up):
             return None
         if self.dtype != FP8 and self.activations == "none":
             return None  # int8 weight-only

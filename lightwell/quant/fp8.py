@@ -125,7 +125,7 @@ class Fp8W8A8Method(UnquantizedLinearMethod):
     def apply_silu_mul(
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor | None:  # [T, N] on CUDA (activation quantized in one launch), else None
-        if not quant_utils.quantizes_silu_mul(gate_up):
+        if not quant_utils.silu_mul_fusable(gate_up):
             return None
         qx, sx = quant_utils.quantize_silu_mul(gate_up, FP8, None)
         return fp8_w8a8_matmul(qx, sx, layer.weight, layer.weight_scale, bias, gate_up.dtype)

@@ -10,7 +10,7 @@ from torch import nn
 from lightwell.quant.base import WeightLoader, set_weight_attrs
 
 
-def quantizes_silu_mul(gate_up: torch.Tensor) -> bool:
+def silu_mul_fusable(gate_up: torch.Tensor) -> bool:
     """Whether a W8A8 method computes and quantizes ``silu(gate) * up`` from ``gate_up`` in one
     Triton launch (``quantize_silu_mul``): a CUDA tensor, 2-D, last dim contiguous. Elsewhere
     the caller runs the activation, then ``apply``."""

@@ -164,7 +164,7 @@ def test_w8a8_methods_fuse_the_down_projections_activation(monkeypatch, dtype, m
     bias = torch.randn(24, generator=torch.Generator().manual_seed(11)).to(dtype).to(DEVICE)
     if DEVICE == "cpu":
         assert m.apply_silu_mul(layer, gate_up, bias) is None
-    monkeypatch.setattr(quant_utils, "quantizes_silu_mul", lambda gate_up: True)
+    monkeypatch.setattr(quant_utils, "silu_mul_fusable", lambda gate_up: True)
     got = m.apply_silu_mul(layer, gate_up, bias)
     if static == "none":
         assert got is None
