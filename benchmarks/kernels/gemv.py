@@ -10,7 +10,8 @@ that no launch finds it in L2, median of 20 replays, µs a launch and weight byt
 ``--sweep``: every tile (BLOCK_N, BLOCK_K, warps, stages) with 32-256 bytes of W a thread per
 K step, at one row; the best five are then timed at every row count too. ``--silu``: the down
 projections with the SiLU-and-mul fused in, against the activation apart. ``--shapes "tp2 qkv"``
-picks shapes. Reference result: benchmarks/results/kernels_gemv_h200.json.
+picks shapes (DeepSeek-V2-Lite's narrow ones only when named: ``--shapes "v2-lite qkv_a,v2-lite
+o,v2-lite router"``). Reference result: benchmarks/results/kernels_gemv_h200.json.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import record, write_json
 from lightwell.kernels.gemv import gemv, gemv_ref, pick_config
 
-# name: (N, K) of the weight on one GPU: kernels/blas.py's eight and the LM head at TP=2 and TP=1
-SHAPES = {**BLAS_SHAPES, "tp2 lm_head": (64128, 4096), "tp1 lm_head": (128256, 4096)}
+# name: (N, K) of the weight on one GPU: kernels/blas.py's eight, the LM head at TP=2 and TP=1,
+# and DeepSeek-V2-Lite's narrow ones (fused q + kv_a, o_proj, the router)
+SHAPES = {
+    **BLAS_SHAPES,
+    "tp2 lm_head": (64128, 4096),
+    "tp1 lm_head": (128256, 4096),
+    "v2-lite qkv_a": (3648, 2048),
+    "v2-lite o": (2048, 2048),
+    "v2-lite router": (64, 2048),
+}
+DEFAULT_SHAPES = [name for name in SHAPES if not name.startswith("v2-lite")]
 ROWS = (1, 2, 4)
 
 
@@ -68,10 +78,10 @@ def measure_shape(name: str, sweep: bool, dev: torch.device) -> list[dict]:
             except Exception as e:  # a tile Triton cannot build (registers, shared memory)
                 print(f"  {name} {cfg}: {type(e).__name__}", flush=True)
         ranked.sort()
-    default = pick_config(n, k)
-    candidates = [default] + [c for _, c in ranked[:5] if c != default]
     rows = []
     for m in ROWS:
+        default = pick_config(n, k, m)  # the tile gemv() takes at m rows
+        candidates = [default] + [c for _, c in ranked[:5] if c != default]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ref = gemv_ref(x.float(), ws[0].float())
         err_cublas = float((torch.matmul(x, ws[0].t()).float() - ref).abs().max())
@@ -155,7 +165,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated SHAPES names")
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                    help=f"comma-separated SHAPES names (of {', '.join(SHAPES)})")  # fmt: skip
     ap.add_argument("--silu", action="store_true", help="the down shapes with the activation")
     args = ap.parse_args()
     dev = torch.device("cuda", 0)

@@ -91,12 +91,22 @@ Config = tuple[int, int, int, int]
 def pick_config(n: int, k: int, m: int = 1, silu_mul: bool = False) -> Config:
     """The tile for an [N, K] weight and M rows: two rows a program, 1,024-wide K steps, one
     warp, 3 stages, within a few percent of the best tile on every llama-3-8b shape (the
-    kernel benchmark's tile sweep). With ``silu_mul`` every program recomputes the activation
-    of its K range (an exponential per element), so a program takes 8 weight rows, an
-    exponential per 8 weight elements instead of per 2 (faster than the activation kernel
-    then the gemv; 2 and 16 rows a program are slower)."""
+    kernel benchmark's tile sweep). Narrower weights have too few programs to keep enough
+    loads in flight at a warp each: up to 2,048 rows (DeepSeek-V2-Lite's o_proj) four warps a
+    program; up to 256 (MoE routers) K up to 2,048 wide in one step, a row a program for one
+    token, two rows on eight warps for more (a warp's accumulator would spill). With
+    ``silu_mul`` every program recomputes the activation of its K range (an exponential per
+    element), so a program takes 8 weight rows, an exponential per 8 weight elements instead
+    of per 2 (faster than the activation kernel then the gemv; 2 and 16 rows a program are
+    slower)."""
     if silu_mul:
         return 8, min(1024, triton.next_power_of_2(k)), 4, 1
+    if n <= 256:
+        if m == 1:
+            return 1, min(2048, triton.next_power_of_2(k)), 1, 3
+        return 2, min(2048, triton.next_power_of_2(k)), 8, 1
+    if n <= 2048:
+        return 2, min(1024, triton.next_power_of_2(k)), 4, 3
     return 2, min(1024, triton.next_power_of_2(k)), 1, 3
 
 
