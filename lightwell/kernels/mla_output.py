@@ -1,6 +1,11 @@
 """MLA decode's output through ``W_UV``: the latent output ``[T, H, L]`` becomes ``[T, H * V]``,
-``o @ W_UV^T`` per head (tl.dot on 16- or 64-token tiles; grid (heads, token tiles, 32-wide
-value chunks)), ``W_UV`` read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]``.
+``o @ W_UV^T`` per head, ``W_UV`` read in place from ``kv_b_proj``'s weight ``[H * (N + V), L]``.
+
+Up to ``FEW_TOKENS`` tokens (batch-1 decode): grid (heads, 16-wide value chunks); each
+program loads its whole ``[16, L]`` slice of ``W_UV`` (no kernel's output) before its PDL wait,
+so the slice streams while the attention finishes, then per token multiplies on the CUDA cores
+in fp32. More tokens: tl.dot on 16- or 64-token tiles, grid (heads, token tiles, 32-wide value
+chunks), the first weight chunk loaded before the wait.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from lightwell.kernels.pdl_sync import wait_then_signal
 
 BLOCK_V = 32  # value dims a program
 BLOCK_R = 128  # latent values a step of the product
+FEW_TOKENS = 1  # up to this many tokens: _absorb_few_kernel
+FEW_BLOCK_V = 16  # value dims a program of _absorb_few_kernel
 
 
 # (per-step integers are not specialised: no variant compiles in the middle of serving)
@@ -62,6 +69,36 @@ def _absorb_output_kernel(
     tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
 
 
+@triton.jit(do_not_specialize=["T"])
+def _absorb_few_kernel(
+    o_ptr,  # [T, H, L]
+    w_ptr,  # [H * (N + V), L]
+    out_ptr,  # [T, H * V]
+    T,
+    stride_ot,
+    stride_oh,
+    stride_y,
+    NOPE: tl.constexpr,
+    VDIM: tl.constexpr,
+    LATENT: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    GDC: tl.constexpr,  # launched with PDL: the W_UV slice loads before the wait
+):
+    h, chunk = tl.program_id(0), tl.program_id(1)
+    v = chunk * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = v < VDIM
+    r = tl.arange(0, BLOCK_L)
+    r_ok = r < LATENT
+    w_rows = w_ptr + (h * (NOPE + VDIM) + NOPE + v)[:, None] * LATENT
+    w = tl.load(w_rows + r[None, :], mask=v_ok[:, None] & r_ok[None, :], other=0.0)
+    wait_then_signal(GDC)
+    for t in range(T):
+        o = tl.load(o_ptr + t * stride_ot + h * stride_oh + r, mask=r_ok, other=0.0)
+        y = tl.sum(w.to(tl.float32) * o.to(tl.float32)[None, :], axis=1)  # [BV]
+        tl.store(out_ptr + t * stride_y + h * VDIM + v, y.to(out_ptr.dtype.element_ty), mask=v_ok)
+
+
 def absorb_output(
     o: torch.Tensor,  # [T, H, L] (rows contiguous in L)
     kv_b_weight: torch.Tensor,  # [H * (N + V), L]
@@ -72,7 +109,15 @@ def absorb_output(
     if o.stride(2) != 1 or kv_b_weight.shape != (heads * (nope + vdim), latent):
         raise ValueError(f"absorb_output: o {tuple(o.shape)} does not fit kv_b_proj's weight")
     out = o.new_empty(num_tokens, heads * vdim)
-    if num_tokens:
+    if 0 < num_tokens <= FEW_TOKENS:
+        block_v = min(FEW_BLOCK_V, max(16, triton.next_power_of_2(vdim)))
+        _absorb_few_kernel[(heads, triton.cdiv(vdim, block_v))](
+            o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
+            NOPE=nope, VDIM=vdim, LATENT=latent,
+            BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_V=block_v, num_warps=4,
+            **_pdl.kernel_args(o.device),
+        )  # fmt: skip
+    elif num_tokens:
         block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))
         block_t = 16 if num_tokens <= 16 else 64
         grid = (heads, triton.cdiv(num_tokens, block_t), triton.cdiv(vdim, block_v))

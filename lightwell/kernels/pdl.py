@@ -13,8 +13,9 @@ kernel of the step writes (a layer's weights) may come first. Our users:
 - both signal at their start, and so does the decode attention kernel, so the next kernel's
   programs can start early;
 - MLA decode (``kernels/mla_prepare.py``, ``mla_decode.py``, ``mla_output.py``): the prepare
-  and output kernels load their first ``kv_b_proj`` weight chunk before waiting, the attention
-  and split-combine kernels wait first; each signals after its wait;
+  and output kernels load their first ``kv_b_proj`` weight chunk before waiting (the output
+  for one token, its whole ``W_UV`` slice), the attention and split-combine kernels wait
+  first; each signals after its wait;
 - MoE decode (``kernels/moe_router.py``, ``kernels/moe_gemv.py``): the router and the gate/up
   GEMV wait first, then signal; the down GEMV over a token's pairs loads its first weight tile
   before waiting. The expert ids that tile needs are the router's output, two kernels back:

@@ -287,13 +287,15 @@ class MLAttention(nn.Module):
 
     def compile_kernel_variants(self) -> int:
         """Start-up on CUDA: the expanded prefill's attention kernel variants
-        (attention/mla_prefill.compile_variants) and the decode kernel at each split-count
-        variant (eager mixed steps pick splits by their batch), compiled before serving.
-        Returns the launches made."""
+        (attention/mla_prefill.compile_variants), the decode kernel at each split-count
+        variant (eager mixed steps pick splits by their batch) and the output's few-token
+        kernel (kernels/mla_output.py), compiled before serving. Returns the launches made."""
         cache, dims = self.attn.kv_cache, (self.nope, self.rope, self.v_dim)
         if cache is None or not self.attn._kernel(cache):
             return 0
-        from lightwell.kernels.mla_decode import MAX_SPLITS, mla_decode  # (Triton: lazily)
+        # (Triton: lazily)
+        from lightwell.kernels.mla_decode import MAX_SPLITS, mla_decode
+        from lightwell.kernels.mla_output import absorb_output
 
         q = cache.new_zeros(1, self.num_heads, cache.shape[-1])  # one request, one key
         table = torch.zeros(1, 1, dtype=torch.int32, device=cache.device)
@@ -301,9 +303,12 @@ class MLAttention(nn.Module):
         splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= MAX_SPLITS]
         for s in splits:
             mla_decode(q, cache, table, lens, 1.0, self.rank, s)
+        latent = q.new_zeros(1, self.num_heads, self.rank)  # the output's few-token kernel
+        absorb_output(latent, self.kv_b_proj.weight, (self.nope, self.v_dim))
+        launches = len(splits) + 1
         if self.v_dim > self.nope + self.rope:
-            return len(splits)
-        return len(splits) + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
+            return launches
+        return launches + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)
 
     def partial(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H]: this rank's o_proj partial sum, not all-reduced."""

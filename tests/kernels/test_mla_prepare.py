@@ -1,8 +1,9 @@
 """The kernels around MLA's decode attention (kernels/mla_prepare.py) vs the layer's torch ops:
 RMSNorm + RoPE of the latent entry (and its store, padding slots skipped), the absorbed query
-(q_nope @ W_UK, RoPE on q_pe) and the absorbed output (o @ W_UV^T), both RoPE styles, token
-counts of one and of two tiles; the entry and the query in one launch (``prepare_decode``)
-against the two. CPU under TRITON_INTERPRET=1 (fp32/fp16), compiled on CUDA."""
+(q_nope @ W_UK, RoPE on q_pe) and the absorbed output (o @ W_UV^T: the tile kernel, and the
+few-token kernel against it), both RoPE styles, token counts of one and of two tiles;
+the entry and the query in one launch (``prepare_decode``) against the two. CPU under
+TRITON_INTERPRET=1 (fp32/fp16), compiled on CUDA."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("neox", [True, False], ids=["neox", "gptj"])
-@pytest.mark.parametrize("tokens", [3, 20])
+@pytest.mark.parametrize("tokens", [2, 3, 20])
 def test_prepare_kernels_match_the_torch_ops(neox, tokens):
     gen = torch.Generator().manual_seed(tokens)
     rot = RotaryEmbedding(ROPE, ROPE, 64, 10000.0, neox)
@@ -61,6 +62,29 @@ def test_prepare_kernels_match_the_torch_ops(neox, tokens):
     assert got_q.shape == (tokens, HEADS, LATENT + ROPE) and _rel(got_q.cpu(), want_q) < TOL
     got_o = absorb_output(dev[4], dev[3], (NOPE, VDIM))
     assert got_o.shape == (tokens, HEADS * VDIM) and _rel(got_o.cpu(), want_o) < TOL
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_absorb_output_few_token_kernel_matches_the_tile_kernel(dtype, monkeypatch):
+    """One and two tokens through the few-token kernel (its W_UV slice in registers, products
+    on the CUDA cores) give what the tile kernel gives; a latent of 40 pads to 64, values to
+    16."""
+    import lightwell.kernels.mla_output as mo
+
+    gen = torch.Generator().manual_seed(5)
+    w = (torch.randn(HEADS * (NOPE + VDIM), 40, generator=gen) / 4).to(DEVICE, dtype)
+    o = torch.randn(2, HEADS, 40, generator=gen).to(DEVICE, dtype)
+    want = torch.einsum("thr,hvr->thv", o.float(), w.view(HEADS, NOPE + VDIM, 40)[:, NOPE:].float())
+    for tokens in (1, 2):
+        monkeypatch.setattr(mo, "FEW_TOKENS", 2)
+        few = absorb_output(o[:tokens], w, (NOPE, VDIM))
+        monkeypatch.setattr(mo, "FEW_TOKENS", 0)
+        tile = absorb_output(o[:tokens], w, (NOPE, VDIM))
+        assert few.shape == (tokens, HEADS * VDIM)
+        assert _rel(few, want[:tokens].reshape(tokens, -1)) < (
+            TOL if dtype == torch.float32 else 2e-3
+        )
+        assert _rel(few, tile) < (TOL if dtype == torch.float32 else 2e-3)
 
 
 LONG_LATENT = 160  # two latent chunks of absorb_query (128 + a masked 32)

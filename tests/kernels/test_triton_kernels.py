@@ -782,6 +782,9 @@ out = {
         launch_pdl=on),
     "combine": ops(md._combine_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=bf),
         dict(mla, BLOCK_SPLITS=32, GDC=on), num_warps=4, launch_pdl=on),
+    "absorb_few": ops(mo._absorb_few_kernel, dict(o_ptr=bf, w_ptr=bf, out_ptr=bf), dict(
+        NOPE=128, VDIM=128, LATENT=512, BLOCK_L=512, BLOCK_V=16, GDC=on), num_warps=4,
+        launch_pdl=on),
     "absorb": ops(mo._absorb_output_kernel, dict(o_ptr=bf, w_ptr=bf, out_ptr=bf), dict(
         NOPE=128, VDIM=128, LATENT=512, BLOCK_V=32, BLOCK_T=16, BLOCK_R=128, PREC="tf32",
         GDC=on), num_warps=4, launch_pdl=on),
@@ -803,7 +806,7 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
     load nothing before it; the pairs-down kernel reads the ids through L2 (``.cg``). Off,
     none of it is compiled in."""
     kernels = _run_ptx_script(_PDL_MLA_MOE_SCRIPT, on)
-    assert len(kernels) == 8
+    assert len(kernels) == 9
     for name, got in kernels.items():
         found = got["ops"]
         if not on:
@@ -819,7 +822,7 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
             assert not before, (name, found)
         elif name == "down_pairs":
             assert "ld.global.cg.b64" in before or any(".cg" in op for op in before), found
-        else:  # absorb, prepare: the first weight chunk
+        else:  # absorb, prepare: the first weight chunk; absorb_few: its W_UV slice
             assert any(op.startswith("ld.global") for op in before), (name, found)
 
 
