@@ -67,8 +67,8 @@ def test_prepare_kernels_match_the_torch_ops(neox, tokens):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_absorb_output_few_token_kernel_matches_the_tile_kernel(dtype, monkeypatch):
     """One and two tokens through the few-token kernel (its W_UV slice in registers, products
-    on the CUDA cores) give what the tile kernel gives; a latent of 40 pads to 64, values to
-    16."""
+    on the CUDA cores) give what the tile kernel gives; a latent of 40 padded to 64, 24 value
+    dims in 16-wide chunks (the second masked)."""
     import lightwell.kernels.mla_output as mo
 
     gen = torch.Generator().manual_seed(5)

@@ -411,7 +411,10 @@ def test_attention_layer_rope_fused_with_the_store_matches_the_torch_path(monkey
     assert not torch.equal(caches[0], cache)  # the step's keys did go in
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 48, 96), (3, 40, 300), (4, 64, 520), (2, 7, 64)])
+# (default tiles: up to 256 rows a router's, one row or several; 300 and 520 rows four warps)
+@pytest.mark.parametrize(
+    "m,n,k", [(1, 48, 96), (3, 40, 300), (4, 64, 520), (2, 7, 64), (1, 300, 96), (2, 520, 64)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gemv_matches_reference(m, n, k, dtype):
     from lightwell.kernels.gemv import gemv, gemv_ref
