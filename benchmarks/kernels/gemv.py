@@ -11,7 +11,8 @@ that no launch finds it in L2, median of 20 replays, µs a launch and weight byt
 K step, at one row; the best five are then timed at every row count too. ``--silu``: the down
 projections with the SiLU-and-mul fused in, against the activation apart. ``--shapes "tp2 qkv"``
 picks shapes (DeepSeek-V2-Lite's narrow ones only when named: ``--shapes "v2-lite qkv_a,v2-lite
-o,v2-lite router"``). Reference result: benchmarks/results/kernels_gemv_h200.json.
+o,v2-lite router,v2-lite router fp32"``; the last with an fp32 weight and fp32 product, as
+DeepSeek's router runs). Reference result: benchmarks/results/kernels_gemv_h200.json.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ SHAPES = {
     "v2-lite qkv_a": (3648, 2048),
     "v2-lite o": (2048, 2048),
     "v2-lite router": (64, 2048),
+    "v2-lite router fp32": (64, 2048),
 }
+# shapes whose weight is fp32 (and so the product, as the MoE Router computes it: logits in
+# the weight's dtype from bf16 activations); bf16 otherwise
+FP32_WEIGHTS = {"v2-lite router fp32"}
 DEFAULT_SHAPES = [name for name in SHAPES if not name.startswith("v2-lite")]
 ROWS = (1, 2, 4)
 
@@ -55,18 +60,23 @@ def sweep_configs() -> list[tuple[int, int, int, int]]:
 
 def measure_shape(name: str, sweep: bool, dev: torch.device) -> list[dict]:
     n, k = SHAPES[name]
-    nbytes = n * k * 2
+    wdt = torch.float32 if name in FP32_WEIGHTS else torch.bfloat16
+    nbytes = n * k * wdt.itemsize
     copies = max(2, -(-MIN_BYTES // nbytes))
-    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) / 64 for _ in range(copies)]
-    outs = [torch.empty(max(ROWS), n, device=dev, dtype=torch.bfloat16) for _ in ws]
+    ws = [torch.randn(n, k, device=dev, dtype=wdt) / 64 for _ in range(copies)]
+    outs = [torch.empty(max(ROWS), n, device=dev, dtype=wdt) for _ in ws]
+
+    def ours(x: torch.Tensor, w: torch.Tensor, cfg=None) -> torch.Tensor:
+        return gemv(x, w, config=cfg, out_dtype=wdt)
 
     def ours_us(x: torch.Tensor, cfg) -> float:
-        return graph_replay_us(lambda: [gemv(x, w, config=cfg) for w in ws], calls=copies)
+        return graph_replay_us(lambda: [ours(x, w, cfg) for w in ws], calls=copies)
 
     def cublas_us(x: torch.Tensor) -> float:
         m = x.shape[0]
         return graph_replay_us(
-            lambda: [torch.matmul(x, w.t(), out=o[:m]) for w, o in zip(ws, outs)], calls=copies
+            lambda: [torch.matmul(x.to(wdt), w.t(), out=o[:m]) for w, o in zip(ws, outs)],
+            calls=copies,
         )
 
     ranked: list[tuple[float, tuple]] = []
@@ -84,12 +94,12 @@ def measure_shape(name: str, sweep: bool, dev: torch.device) -> list[dict]:
         candidates = [default] + [c for _, c in ranked[:5] if c != default]
         x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
         ref = gemv_ref(x.float(), ws[0].float())
-        err_cublas = float((torch.matmul(x, ws[0].t()).float() - ref).abs().max())
+        err_cublas = float((torch.matmul(x.to(wdt), ws[0].t()).float() - ref).abs().max())
         row = dict(shape=name, n=n, k=k, m=m, cublas_us=round(cublas_us(x), 2))
         row["cublas_tbps"] = round(nbytes / row["cublas_us"] / 1e6, 2)
         row["configs"] = []
         for cfg in candidates:
-            err = float((gemv(x, ws[0], config=cfg).float() - ref).abs().max())
+            err = float((ours(x, ws[0], cfg).float() - ref).abs().max())
             us = ours_us(x, cfg)
             row["configs"].append(
                 dict(
