@@ -95,20 +95,16 @@ def pick_config(n: int, k: int, m: int = 1, silu_mul: bool = False) -> Config:
     loads in flight at a warp each: up to 2,048 rows (DeepSeek-V2-Lite's o_proj) four warps a
     program; up to 256 (MoE routers) K up to 2,048 wide in one step, a row a program for one
     token, two rows on eight warps for more (faster at 2 and 4 rows; timed on bf16 weights,
-    while DeepSeek's routers are fp32). With
-    ``silu_mul`` every program recomputes the activation of its K range (an exponential per
-    element), so a program takes 8 weight rows, an exponential per 8 weight elements instead
-    of per 2 (faster than the activation kernel then the gemv; 2 and 16 rows a program are
-    slower)."""
+    while DeepSeek's routers are fp32). With ``silu_mul`` every program recomputes the
+    activation of its K range (an exponential per element), so a program takes 8 weight rows,
+    an exponential per 8 weight elements instead of per 2 (faster than the activation kernel
+    then the gemv; 2 and 16 rows a program are slower)."""
+    k_pow2 = triton.next_power_of_2(k)
     if silu_mul:
-        return 8, min(1024, triton.next_power_of_2(k)), 4, 1
+        return 8, min(1024, k_pow2), 4, 1
     if n <= 256:
-        if m == 1:
-            return 1, min(2048, triton.next_power_of_2(k)), 1, 3
-        return 2, min(2048, triton.next_power_of_2(k)), 8, 1
-    if n <= 2048:
-        return 2, min(1024, triton.next_power_of_2(k)), 4, 3
-    return 2, min(1024, triton.next_power_of_2(k)), 1, 3
+        return (1, min(2048, k_pow2), 1, 3) if m == 1 else (2, min(2048, k_pow2), 8, 1)
+    return 2, min(1024, k_pow2), 4 if n <= 2048 else 1, 3
 
 
 def gemv(

@@ -93,9 +93,10 @@ def _absorb_few_kernel(
     w_rows = w_ptr + (h * (NOPE + VDIM) + NOPE + v)[:, None] * LATENT
     w = tl.load(w_rows + r[None, :], mask=v_ok[:, None] & r_ok[None, :], other=0.0)
     wait_then_signal(GDC)
+    w = w.to(tl.float32)
     for t in range(T):
         o = tl.load(o_ptr + t * stride_ot + h * stride_oh + r, mask=r_ok, other=0.0)
-        y = tl.sum(w.to(tl.float32) * o.to(tl.float32)[None, :], axis=1)  # [BV]
+        y = tl.sum(w * o.to(tl.float32)[None, :], axis=1)  # [BV]
         tl.store(out_ptr + t * stride_y + h * VDIM + v, y.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
@@ -110,11 +111,10 @@ def absorb_output(
         raise ValueError(f"absorb_output: o {tuple(o.shape)} does not fit kv_b_proj's weight")
     out = o.new_empty(num_tokens, heads * vdim)
     if 0 < num_tokens <= FEW_TOKENS:
-        block_v = min(FEW_BLOCK_V, max(16, triton.next_power_of_2(vdim)))
-        _absorb_few_kernel[(heads, triton.cdiv(vdim, block_v))](
+        _absorb_few_kernel[(heads, triton.cdiv(vdim, FEW_BLOCK_V))](
             o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
             NOPE=nope, VDIM=vdim, LATENT=latent,
-            BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_V=block_v, num_warps=4,
+            BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_V=FEW_BLOCK_V, num_warps=4,
             **_pdl.kernel_args(o.device),
         )  # fmt: skip
     elif num_tokens:
