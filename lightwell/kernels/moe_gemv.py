@@ -9,10 +9,13 @@ cores, in the style of kernels/gemv.py: ``BLOCK_K``-wide contiguous loads, an fp
 ``[BLOCK_N, BLOCK_K]`` accumulator reduced once after the loop, loads unmasked when ``BLOCK_K``
 divides the reduced size (rows past the end re-read the last row and store nothing).
 
-- ``_moe_gemv_gate_up``: grid (pairs, cdiv(I, BLOCK_N)): the gate and up rows of the pair's
-  expert against the token's x, ``silu(gate) * up`` -> ``act`` [T * k, I] in x's dtype. Pairs
-  are the fastest grid axis, so pairs sharing an expert read the same rows at about the same
-  time, where L2 can serve all but the first read.
+- ``_moe_gemv_gate_up``: one program per (pair, BLOCK_N rows): the gate and up rows of the
+  pair's expert against the token's x, ``silu(gate) * up`` -> ``act`` [T * (k + S), I] in x's
+  dtype. The shared experts' programs come first (tokens fastest): launched with PDL they load
+  their first K tile before waiting, under the router kernel (which lets them start before
+  its own wait), as their expert needs no router. The routed pairs' programs follow, pairs
+  fastest, so pairs sharing an expert read the same rows at about the same time, where L2 can
+  serve all but the first read.
 - ``_moe_gemv_down``: grid (T, cdiv(H, BLOCK_N)): one program loops over its token's k pairs,
   each pair's W2 rows against its ``act`` row times its router weight, summed in fp32 in a
   fixed order (no atomics: deterministic) -> [T, H] in x's dtype. ``_moe_gemv_down_pairs``:
@@ -58,33 +61,56 @@ def _pair_weight(weight_ptr, token, j, top_k):
     return tl.where(j < top_k, scale, 1.0)
 
 
-@triton.jit(do_not_specialize=["top_k", "num_experts", "num_shared"])  # no compile per k or E
+@triton.jit(do_not_specialize=["num_tokens", "top_k", "num_experts", "num_shared"])
 def _moe_gemv_gate_up(
     x_ptr,  # [T, H]
     w_ptr,  # [E, 2 * I, H]: gate rows, then up rows
     ids_ptr,  # [T * k] expert ids
     out_ptr,  # [T * (k + S), I]
-    top_k, num_experts, num_shared, hidden, inter,
+    num_tokens, top_k, num_experts, num_shared, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    GDC: tl.constexpr,  # launched with PDL: wait for the router, then signal (kernels/pdl.py)
+    GDC: tl.constexpr,  # launched with PDL: shared pairs load their first tile, then all wait
 ):  # fmt: skip
+    # programs: the shared experts' (tokens fastest, then experts, then row blocks) first, so
+    # they are the ones resident early; then the routed pairs' (pairs fastest, then row blocks)
+    prog = tl.program_id(0)
+    row_blocks = tl.cdiv(inter, BLOCK_N)
+    shared_progs = num_tokens * num_shared * row_blocks
+    is_shared = prog < shared_progs
+    group = tl.where(is_shared, num_tokens * num_shared, num_tokens * top_k)
+    index = tl.where(is_shared, prog, prog - shared_progs)
+    in_group, row_block = index % group, index // group
+    token = tl.where(is_shared, in_group % num_tokens, in_group // top_k)
+    j = tl.where(is_shared, top_k + in_group // num_tokens, in_group % top_k)
+    pair = token * (top_k + num_shared) + j
+    rn = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, inter - 1).to(tl.int64)  # past I: re-read the last row
+    rk = tl.arange(0, BLOCK_K)
+    # the shared experts' rows need no router: with PDL they are read before the wait
+    if GDC:
+        early = is_shared
+    else:
+        early = prog < 0
+    shared_base = w_ptr + (num_experts - num_shared + j - top_k).to(tl.int64) * 2 * inter * hidden
+    first = rk[None, :] < tl.where(early, hidden, 0)  # [1, BK]: this tile, read early
+    gate0 = tl.load(shared_base + rows[:, None] * hidden + rk[None, :], mask=first, other=0.0)
+    up0 = tl.load(shared_base + (rows + inter)[:, None] * hidden + rk[None, :], mask=first,
+                  other=0.0)  # fmt: skip
     wait_then_signal(GDC)
-    pair = tl.program_id(0)
-    token = pair // (top_k + num_shared)
-    j = pair - token * (top_k + num_shared)
     expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)
     if (expert < 0) | (expert >= num_experts):
         return  # another rank's expert
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.minimum(rn, inter - 1).to(tl.int64)  # past I: re-read the last row
-    rk = tl.arange(0, BLOCK_K)
     base = w_ptr + expert * 2 * inter * hidden
     gate_rows = base + rows[:, None] * hidden  # [BN, 1]
     up_rows = base + (rows + inter)[:, None] * hidden  # [BN, 1]
     x_row = x_ptr + token.to(tl.int64) * hidden
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    late = rk[None, :] < tl.where(early, 0, hidden)  # [1, BK]: this tile, read now
+    gate = gate0 + tl.load(gate_rows + rk[None, :], mask=late, other=0.0)
+    up = up0 + tl.load(up_rows + rk[None, :], mask=late, other=0.0)
+    x = tl.load(x_row + rk, mask=rk < hidden, other=0.0).to(tl.float32)[None, :]
+    acc_gate = gate.to(tl.float32) * x
+    acc_up = up.to(tl.float32) * x
+    for k0 in range(BLOCK_K, hidden, BLOCK_K):
         k = k0 + rk
         if EVEN_K:
             gate = tl.load(gate_rows + k[None, :])
@@ -223,9 +249,9 @@ def moe_gemv_gate_up(
     pairs = num_tokens * (top_k + num_shared)
     act = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or pick_config(hidden, 2, num_tokens)
-    _moe_gemv_gate_up[(pairs, triton.cdiv(act.shape[1], block_n))](
-        x, w13, ids.reshape(-1).contiguous(), act, top_k, num_experts, num_shared, hidden,
-        act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
+    _moe_gemv_gate_up[(pairs * triton.cdiv(act.shape[1], block_n),)](
+        x, w13, ids.reshape(-1).contiguous(), act, num_tokens, top_k, num_experts, num_shared,
+        hidden, act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
         num_warps=warps, num_stages=stages, **_pdl.kernel_args(x.device),
     )  # fmt: skip
     return act

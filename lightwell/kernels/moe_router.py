@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
-from lightwell.kernels.pdl_sync import wait_then_signal
+from lightwell.kernels.pdl_sync import signal_then_wait
 
 # The widest router this kernel takes (DeepSeek-V3 has 256 experts).
 MAX_EXPERTS = 1024
@@ -39,9 +39,9 @@ def _moe_router_kernel(
     NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, TOP2_GROUPS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
     SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, RENORMALIZE: tl.constexpr,
-    GDC: tl.constexpr,  # launched with PDL: wait for the logits' kernel, then signal
+    GDC: tl.constexpr,  # launched with PDL: signal, then wait for the logits' kernel
 ):  # fmt: skip
-    wait_then_signal(GDC)
+    signal_then_wait(GDC)  # the gate/up kernel's shared experts load under this one
     token = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, BLOCK_G)[:, None]  # [BG, 1]
     j = tl.arange(0, BLOCK_EG)[None, :]  # [1, BEG]

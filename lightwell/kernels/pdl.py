@@ -16,15 +16,18 @@ kernel of the step writes (a layer's weights) may come first. Our users:
   and output kernels load their first ``kv_b_proj`` weight chunk before waiting (the output
   for one token, its whole ``W_UV`` slice), the attention and split-combine kernels wait
   first; each signals after its wait;
-- MoE decode (``kernels/moe_router.py``, ``kernels/moe_gemv.py``): the router and the gate/up
-  GEMV wait first, then signal; the down GEMV over a token's pairs loads its first weight tile
-  before waiting. The expert ids that tile needs are the router's output, two kernels back:
-  the gate/up kernel signals only after its own wait, so when the down kernel starts the
-  router has finished (ids are read through L2, ``.cg``). This is the one read of a step's
-  output before a wait; it relies on that order of the three launches.
+- MoE decode (``kernels/moe_router.py``, ``kernels/moe_gemv.py``): the router signals, then
+  waits, so the gate/up GEMV's shared-expert programs load their first weight tile under it
+  (their expert needs no router); the gate/up GEMV waits, then signals; the down GEMV over a
+  token's pairs loads its first weight tile before waiting. The expert ids that tile needs are
+  the router's output, two kernels back: the gate/up kernel signals only after its own wait,
+  so when the down kernel starts the router has finished (ids are read through L2, ``.cg``).
+  This is the one read of a step's output before a wait; it relies on that order of the
+  three launches.
 
 Those that wait first and signal after do it through ``kernels/pdl_sync.py``'s
-``wait_then_signal`` and take their launch arguments from ``kernel_args``.
+``wait_then_signal`` (the router, ``signal_then_wait``) and take their launch arguments from
+``kernel_args``.
 
 Kernels that do not wait are never launched with PDL: they start only after the kernel before
 them has finished, as without it. The worker calls ``set_enabled`` once at start-up from the

@@ -17,3 +17,13 @@ def wait_then_signal(GDC: tl.constexpr):
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def signal_then_wait(GDC: tl.constexpr):
+    """With ``GDC``: let the next kernel's programs start, then wait until the kernel before has
+    finished and its writes are visible. For a kernel whose next kernel reads nothing before
+    its own wait but a layer's weights: the next kernel's early reads then overlap this one."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

@@ -803,11 +803,12 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("on", [True, False])
 def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
-    """The MLA and MoE decode kernels with PDL on: each waits before any store, signals only
-    after its (first) wait (the down kernel's early read of the router's ids relies on the
-    gate/up kernel doing so); the router, gate/up, loop-down, attention and combine kernels
-    load nothing before it; the pairs-down kernel reads the ids through L2 (``.cg``). Off,
-    none of it is compiled in."""
+    """The MLA and MoE decode kernels with PDL on: each waits before any store; all but the
+    router signal only after their (first) wait (the down kernel's early read of the router's
+    ids relies on the gate/up kernel doing so), the router before it, so the gate/up kernel's
+    shared-expert tiles load under it; the router, loop-down, attention and combine kernels
+    load nothing before the wait, the gate/up kernel weights only; the pairs-down kernel reads
+    the ids through L2 (``.cg``). Off, none of it is compiled in."""
     kernels = _run_ptx_script(_PDL_MLA_MOE_SCRIPT, on)
     assert len(kernels) == 9
     for name, got in kernels.items():
@@ -819,10 +820,15 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
         assert got["launch_pdl"] and "griddepcontrol.wait" in found, (name, found)
         wait = found.index("griddepcontrol.wait")
         before = found[:wait]
+        if name == "router":
+            assert before == ["griddepcontrol.launch_dependents"], found
+            continue
         assert not any(op.startswith(("st.", "griddep")) for op in before), (name, found)
         assert "griddepcontrol.launch_dependents" in found[wait:], (name, found)
-        if name in ("router", "gate_up", "down", "mla_decode", "combine"):
+        if name in ("down", "mla_decode", "combine"):
             assert not before, (name, found)
+        elif name == "gate_up":  # the shared experts' first gate and up tiles
+            assert before and all(op.startswith("ld.global") for op in before), found
         elif name == "down_pairs":
             assert "ld.global.cg.b64" in before or any(".cg" in op for op in before), found
         else:  # absorb, prepare: the first weight chunk; absorb_few: its W_UV slice
