@@ -61,12 +61,14 @@ def _warm(jobs: list[tuple[str, tuple, mg.Config, bool]]) -> int:
 
     bf16, pdl_args = torch.bfloat16, pdl.kernel_args(torch.device("cuda"))  # the engine's
     for kind, ints, (bn, bk, warps, stages), even in jobs:
-        if kind == "gate_up":  # (its sizes begin with the token count)
+        extra = {}
+        if kind == "gate_up":  # (its sizes begin with the token count; no shared experts here)
             kernel, ptrs, ints = mg._moe_gemv_gate_up, (bf16, bf16, torch.int64, bf16), (1, *ints)
+            extra = {"EARLY": False}
         else:
             kernel, ptrs = mg._moe_gemv_down, (bf16, bf16, torch.int64, torch.float32, bf16)
         kernel.warmup(*ptrs, *ints, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=even, num_warps=warps,
-                      num_stages=stages, grid=(1,), **pdl_args)  # fmt: skip
+                      num_stages=stages, grid=(1,), **extra, **pdl_args)  # fmt: skip
     return len(jobs)
 
 

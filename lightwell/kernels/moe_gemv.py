@@ -6,8 +6,9 @@ With a handful of (token, choice) pairs the grouped GEMM of kernels/fused_moe.py
 in the sort and padding launches and in ``tl.dot`` over mostly padded rows. Here each program
 reads its pair's expert id straight from ``ids`` and streams that expert's rows on the CUDA
 cores, in the style of kernels/gemv.py: ``BLOCK_K``-wide contiguous loads, an fp32
-``[BLOCK_N, BLOCK_K]`` accumulator reduced once after the loop, loads unmasked when ``BLOCK_K``
-divides the reduced size (rows past the end re-read the last row and store nothing).
+``[BLOCK_N, BLOCK_K]`` accumulator reduced once after the loop, the loop's loads unmasked when
+``BLOCK_K`` divides the reduced size (rows past the end re-read the last row and store
+nothing).
 
 - ``_moe_gemv_gate_up``: one program per (pair, BLOCK_N rows): the gate and up rows of the
   pair's expert against the token's x, ``silu(gate) * up`` -> ``act`` [T * (k + S), I] in x's
@@ -69,7 +70,8 @@ def _moe_gemv_gate_up(
     out_ptr,  # [T * (k + S), I]
     num_tokens, top_k, num_experts, num_shared, hidden, inter,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    GDC: tl.constexpr,  # launched with PDL: shared pairs load their first tile, then all wait
+    EARLY: tl.constexpr,  # the shared experts' programs load their first K tile first
+    GDC: tl.constexpr,  # with EARLY: then wait for the router (kernels/pdl.py), then signal
 ):  # fmt: skip
     # programs: the shared experts' (tokens fastest, then experts, then row blocks) first, so
     # they are the ones resident early; then the routed pairs' (pairs fastest, then row blocks)
@@ -86,16 +88,12 @@ def _moe_gemv_gate_up(
     rn = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(rn, inter - 1).to(tl.int64)  # past I: re-read the last row
     rk = tl.arange(0, BLOCK_K)
-    # the shared experts' rows need no router: with PDL they are read before the wait
-    if GDC:
-        early = is_shared
-    else:
-        early = prog < 0
-    shared_base = w_ptr + (num_experts - num_shared + j - top_k).to(tl.int64) * 2 * inter * hidden
-    first = rk[None, :] < tl.where(early, hidden, 0)  # [1, BK]: this tile, read early
-    gate0 = tl.load(shared_base + rows[:, None] * hidden + rk[None, :], mask=first, other=0.0)
-    up0 = tl.load(shared_base + (rows + inter)[:, None] * hidden + rk[None, :], mask=first,
-                  other=0.0)  # fmt: skip
+    if EARLY:  # a shared expert's rows need no router: read before the wait
+        shared = w_ptr + (num_experts - num_shared + j - top_k).to(tl.int64) * 2 * inter * hidden
+        early = rk[None, :] < tl.where(is_shared, hidden, 0)  # [1, BK] (none if routed)
+        gate0 = tl.load(shared + rows[:, None] * hidden + rk[None, :], mask=early, other=0.0)
+        up0 = tl.load(shared + (rows + inter)[:, None] * hidden + rk[None, :], mask=early,
+                      other=0.0)  # fmt: skip
     wait_then_signal(GDC)
     expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)
     if (expert < 0) | (expert >= num_experts):
@@ -104,10 +102,21 @@ def _moe_gemv_gate_up(
     gate_rows = base + rows[:, None] * hidden  # [BN, 1]
     up_rows = base + (rows + inter)[:, None] * hidden  # [BN, 1]
     x_row = x_ptr + token.to(tl.int64) * hidden
-    late = rk[None, :] < tl.where(early, 0, hidden)  # [1, BK]: this tile, read now
-    gate = gate0 + tl.load(gate_rows + rk[None, :], mask=late, other=0.0)
-    up = up0 + tl.load(up_rows + rk[None, :], mask=late, other=0.0)
-    x = tl.load(x_row + rk, mask=rk < hidden, other=0.0).to(tl.float32)[None, :]
+    if EARLY:  # the routed programs' first tile (the shared ones hold theirs)
+        late = rk[None, :] < tl.where(is_shared, 0, hidden)  # [1, BK]
+        gate = gate0 + tl.load(gate_rows + rk[None, :], mask=late, other=0.0)
+        up = up0 + tl.load(up_rows + rk[None, :], mask=late, other=0.0)
+    elif EVEN_K:
+        gate = tl.load(gate_rows + rk[None, :])
+        up = tl.load(up_rows + rk[None, :])
+    else:
+        gate = tl.load(gate_rows + rk[None, :], mask=rk[None, :] < hidden, other=0.0)
+        up = tl.load(up_rows + rk[None, :], mask=rk[None, :] < hidden, other=0.0)
+    if EVEN_K:
+        x = tl.load(x_row + rk)
+    else:
+        x = tl.load(x_row + rk, mask=rk < hidden, other=0.0)
+    x = x.to(tl.float32)[None, :]
     acc_gate = gate.to(tl.float32) * x
     acc_up = up.to(tl.float32) * x
     for k0 in range(BLOCK_K, hidden, BLOCK_K):
@@ -243,16 +252,21 @@ def moe_gemv_gate_up(
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped, their rows left unset)
     config: Config | None = None,  # default: pick_config(H, 2, T)
     num_shared: int = 0,  # the last S experts of w13 are every token's (after its k)
+    pdl: bool | None = None,  # default kernels.pdl.use_pdl: the shared experts' first tile
+    # loads before the router's output is waited for (with PDL launch on sm_90+)
 ) -> torch.Tensor:  # [T * (k + S), I] silu(gate) * up per pair, in x's dtype
     num_tokens, top_k = ids.shape
     num_experts, two_inter, hidden = w13.shape
     pairs = num_tokens * (top_k + num_shared)
     act = torch.empty(pairs, two_inter // 2, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = config or pick_config(hidden, 2, num_tokens)
+    early = _pdl.use_pdl(x.device) if pdl is None else pdl
+    gdc = early and _pdl.device_supports(x.device)
     _moe_gemv_gate_up[(pairs * triton.cdiv(act.shape[1], block_n),)](
         x, w13, ids.reshape(-1).contiguous(), act, num_tokens, top_k, num_experts, num_shared,
         hidden, act.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=hidden % block_k == 0,
-        num_warps=warps, num_stages=stages, **_pdl.kernel_args(x.device),
+        EARLY=early and num_shared > 0, GDC=gdc, num_warps=warps, num_stages=stages,
+        **_pdl.launch_options(gdc),
     )  # fmt: skip
     return act
 

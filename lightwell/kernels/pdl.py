@@ -10,8 +10,8 @@ kernel of the step writes (a layer's weights) may come first. Our users:
   registers before waiting, so the weight stream starts under the previous kernel's tail (a
   norm, the attention, the other MLP matmul); ``kernels/w4a16.py``'s 4-bit GEMV likewise;
 - ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
-- both signal at their start, and so does the decode attention kernel, so the next kernel's
-  programs can start early;
+- both signal at their start, and so do the decode attention kernel and the MoE router
+  kernel (below), so the next kernel's programs can start early;
 - MLA decode (``kernels/mla_prepare.py``, ``mla_decode.py``, ``mla_output.py``): the prepare
   and output kernels load their first ``kv_b_proj`` weight chunk before waiting (the output
   for one token, its whole ``W_UV`` slice), the attention and split-combine kernels wait
@@ -25,9 +25,9 @@ kernel of the step writes (a layer's weights) may come first. Our users:
   This is the one read of a step's output before a wait; it relies on that order of the
   three launches.
 
-Those that wait first and signal after do it through ``kernels/pdl_sync.py``'s
-``wait_then_signal`` (the router, ``signal_then_wait``) and take their launch arguments from
-``kernel_args``.
+The MLA and MoE kernels wait and signal through ``kernels/pdl_sync.py``'s
+``wait_then_signal`` (the router: ``signal_then_wait``) and take their launch arguments from
+``kernel_args`` (the gate/up GEMV, like the GEMVs, from ``launch_options``).
 
 Kernels that do not wait are never launched with PDL: they start only after the kernel before
 them has finished, as without it. The worker calls ``set_enabled`` once at start-up from the

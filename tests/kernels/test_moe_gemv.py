@@ -38,7 +38,7 @@ CASES = [
     (2, 2, 8, 48, 24, torch.float32, None),  # default tiles
     (3, 6, 64, 24, 20, torch.float32, ((8, 16, 1, 1), (16, 8, 1, 1))),
     (4, 6, 64, 24, 20, FP16, ((8, 32, 1, 1), (8, 32, 4, 1))),
-    (4, 2, 8, 32, 40, torch.float32, ((16, 32, 1, 1), (4, 64, 1, 1))),  # shared experts
+    (4, 2, 8, 32, 40, torch.float32, ((16, 32, 1, 1), (4, 64, 1, 1))),  # 16 + 32 K tiles
 ]
 
 
@@ -78,29 +78,59 @@ def test_fused_moe_routes_few_tokens_to_gemv():
     assert _rel_err(routed, grouped) < TOL[x.dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, FP16])
-def test_shared_experts_ride_in_the_routed_launches(dtype):
+@pytest.mark.parametrize(
+    "dtype,tokens,shared",
+    [(torch.float32, 2, 2), (FP16, 2, 2), (torch.float32, 1, 1), (FP16, 2, 3)],
+)
+def test_shared_experts_ride_in_the_routed_launches(dtype, tokens, shared):
     """``num_shared`` S: the last S experts of the stack are every token's, weight 1, after
     its k routed ones (ids hold only the routed): the same as the reference over the ids and
-    weights extended by them, and as the routed result plus each shared expert alone."""
+    weights extended by them, and as the routed result plus each shared expert alone; the
+    gate/up row blocks do not divide I (clamped rows)."""
     from lightwell.kernels.fused_moe import with_shared
 
-    x, w13, w2, weights, ids = _case(2, 2, 10, 40, 24, dtype, seed=11)
-    ids = ids % 8  # routed experts 0-7; 8 and 9 are the shared ones
-    configs = ((8, 16, 1, 1), (16, 16, 1, 1))
-    got = fused_moe(x, w13, w2, weights, ids, gemv_configs=configs, num_shared=2)
-    wide_w, wide_ids = with_shared(weights, ids, 10, 2)
-    assert wide_ids[:, 2:].tolist() == [[8, 9]] * 2 and wide_w[:, 2:].eq(1).all()
+    experts = 8 + shared  # routed experts 0-7, then the shared ones
+    x, w13, w2, weights, ids = _case(tokens, 2, experts, 40, 24, dtype, seed=11 + shared)
+    ids = ids % 8
+    configs = ((16, 16, 1, 1), (16, 16, 1, 1))
+    got = fused_moe(x, w13, w2, weights, ids, gemv_configs=configs, num_shared=shared)
+    wide_w, wide_ids = with_shared(weights, ids, experts, shared)
+    assert wide_ids[:, 2:].tolist() == [list(range(8, experts))] * tokens
+    assert wide_w[:, 2:].eq(1).all()
     want = fused_moe_ref(x, w13, w2, wide_w, wide_ids)
     assert _rel_err(got, want) < TOL[dtype]
-    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, num_shared=2), want)
+    assert torch.equal(fused_moe_ref(x, w13, w2, weights, ids, num_shared=shared), want)
     routed = fused_moe_ref(x, w13, w2, weights, ids)
-    ones = torch.ones(2, 1, device=DEVICE)
-    alone = [fused_moe_ref(x, w13, w2, ones, torch.full_like(ids[:, :1], e)) for e in (8, 9)]
-    assert _rel_err(got, routed.float() + alone[0].float() + alone[1].float()) < TOL[dtype]
+    ones = torch.ones(tokens, 1, device=DEVICE)
+    alone = [
+        fused_moe_ref(x, w13, w2, ones, torch.full_like(ids[:, :1], e)).float()
+        for e in range(8, experts)
+    ]
+    assert _rel_err(got, routed.float() + sum(alone)) < TOL[dtype]
     assert not use_gemv(3, 2 + 2, 10)  # more pairs than experts: the grouped path refuses
     with pytest.raises(ValueError, match="GEMV path only"):
-        fused_moe(x, w13, w2, weights, ids, gemv=False, num_shared=2)
+        fused_moe(x, w13, w2, weights, ids, gemv=False, num_shared=shared)
+
+
+@pytest.mark.parametrize("tokens,shared", [(1, 2), (2, 0), (3, 1), (5, 3)])
+def test_gate_up_early_shared_tiles_give_the_same_bits(tokens, shared):
+    """PDL's form of the gate/up kernel (the shared experts' programs load their first K tile
+    before the wait; routed programs after it) gives the plain form's bits: tiles that divide
+    neither I (clamped rows) nor H (masked K), and one that holds H in its first tile; with
+    no shared experts, other ranks' expert ids among the routed (their rows left unset)."""
+    from lightwell.kernels.moe_gemv import moe_gemv_gate_up
+
+    experts = 8 + shared
+    x, w13, _, _, ids = _case(tokens, 2, experts, 40, 24, FP16, seed=tokens * 10 + shared)
+    ids = ids % 8
+    if not shared:
+        ids[0, 1], ids[-1, 0] = -1, experts  # another rank's experts: skipped
+    for config in ((16, 16, 1, 1), (8, 64, 2, 1)):
+        early = moe_gemv_gate_up(x, w13, ids, config, shared, pdl=True)
+        plain = moe_gemv_gate_up(x, w13, ids, config, shared, pdl=False)
+        pairs = torch.arange(early.shape[0], device=DEVICE).view(tokens, 2 + shared)
+        live = torch.cat([(ids >= 0) & (ids < experts), pairs[:, 2:] >= 0], dim=1).view(-1)
+        assert torch.equal(early[live], plain[live]), config
 
 
 def test_fused_moe_folds_shared_experts_exactly_where_the_gemv_path_runs():

@@ -771,7 +771,8 @@ out = {
         NUM_GROUPS=1, TOPK_GROUPS=1, TOP2_GROUPS=False, BLOCK_G=1, BLOCK_EG=64, SIGMOID=False,
         HAS_BIAS=False, RENORMALIZE=False, GDC=on), num_warps=1, launch_pdl=on),
     "gate_up": ops(mg._moe_gemv_gate_up, dict(x_ptr=bf, w_ptr=bf, ids_ptr="*i64", out_ptr=bf),
-        dict(BLOCK_N=1, BLOCK_K=1024, EVEN_K=True, GDC=on), num_warps=2, launch_pdl=on),
+        dict(BLOCK_N=1, BLOCK_K=1024, EVEN_K=True, EARLY=on, GDC=on), num_warps=2,
+        launch_pdl=on),
     "down": ops(mg._moe_gemv_down, dict(a_ptr=bf, w_ptr=bf, ids_ptr="*i64",
         weight_ptr="*fp32", out_ptr=bf), dict(BLOCK_N=4, BLOCK_K=1024, EVEN_K=True, GDC=on),
         num_warps=4, launch_pdl=on),
@@ -827,8 +828,8 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
         assert "griddepcontrol.launch_dependents" in found[wait:], (name, found)
         if name in ("down", "mla_decode", "combine"):
             assert not before, (name, found)
-        elif name == "gate_up":  # the shared experts' first gate and up tiles
-            assert before and all(op.startswith("ld.global") for op in before), found
+        elif name == "gate_up":  # the shared experts' first gate and up tiles, 16-byte vectors
+            assert before == ["ld.global.v4.b32"] * 4, found  # (1 row x 1,024 x 2 / 64 threads)
         elif name == "down_pairs":
             assert "ld.global.cg.b64" in before or any(".cg" in op for op in before), found
         else:  # absorb, prepare: the first weight chunk; absorb_few: its W_UV slice
