@@ -22,7 +22,12 @@ from lightwell.distributed.parallel_state import (
     tp_all_gather,
     tp_all_reduce,
 )
-from lightwell.quant.base import QuantMethod, UnquantizedLinearMethod, set_weight_attrs
+from lightwell.quant.base import (
+    QuantizedInput,
+    QuantMethod,
+    UnquantizedLinearMethod,
+    set_weight_attrs,
+)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -176,8 +181,14 @@ class ColumnParallelLinear(LinearBase):
         rank, tp = self.tp_rank, self.tp_size
         _load_sharded(param, loaded_weight, dim, 0, size, rank * size, tp * size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [T, in] -> [T, out(/tp)]
-        out = self.quant_method.apply(self, x, self.bias)
+    def forward(
+        self,
+        x: torch.Tensor | QuantizedInput,  # [T, in]; quantized by the norm before (W8A8)
+    ) -> torch.Tensor:  # [T, out(/tp)]
+        if isinstance(x, QuantizedInput):
+            out = self.quant_method.apply_quantized(self, x, self.bias)
+        else:
+            out = self.quant_method.apply(self, x, self.bias)
         return tp_all_gather(out, dim=-1) if self.gather_output else out
 
 

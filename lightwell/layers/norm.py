@@ -3,11 +3,15 @@ precedes it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from lightwell.distributed.parallel_state import tp_all_reduce, tp_all_reduce_add_rmsnorm
+from lightwell.quant import utils as quant_utils
+from lightwell.quant.base import QuantizedInput
 
 
 class RMSNorm(nn.Module):
@@ -37,6 +41,23 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (self.weight * h.to(dtype)).to(dtype)
         return out if residual is None else (out, residual)
+
+    def quantized(
+        self,
+        x: torch.Tensor,  # [T, H]
+        residual: torch.Tensor | None,  # [T, H]
+        quant: tuple[torch.dtype, torch.Tensor | None],  # the next linear's ``input_quant``
+    ) -> tuple[QuantizedInput, torch.Tensor]:  # (normalised rows quantized, new residual)
+        """``forward`` with the output quantized per row for the W8A8 linear after it, in one
+        launch (kernels/rmsnorm.py's ``rmsnorm_quant``: ``forward`` then the linear's own
+        quantization, up to the last bit of the norm's rstd). Without ``residual`` the residual
+        returned is ``x``."""
+        from lightwell.kernels.rmsnorm import rmsnorm_quant
+
+        dtype, static = quant
+        q, scale, res = rmsnorm_quant(x, residual, self.weight, self.eps, dtype, static)
+        out = QuantizedInput(q, scale, torch.result_type(x, self.weight))
+        return out, res if res is not None else x
 
     def _forward_triton(
         self,
@@ -84,16 +105,31 @@ def reduce_norm(
     norm: nn.Module,
     partial: torch.Tensor,  # [T, H]: a row-parallel layer's partial sum, not all-reduced
     residual: torch.Tensor,  # [T, H]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
+    quant: Any = None,  # the next linear's ``input_quant`` (quant/base.py), or None
+) -> tuple[torch.Tensor | QuantizedInput, torch.Tensor]:  # (normalised, new residual [T, H])
     """The norm that consumes a row-parallel output: all-reduce ``partial`` over the TP group,
     add the residual, normalise. One kernel where the all-reduce strategy fuses the add + norm
     (``hostmem`` with an RMSNorm whose hidden size divides its block), else the all-reduce then
-    the norm's own fused add. At TP=1 just the norm."""
+    the norm's own fused add. At TP=1 just the norm. With ``quant``, an RMSNorm on the GPU
+    writes its output quantized for the W8A8 linear after it (``RMSNorm.quantized``)."""
     if isinstance(norm, RMSNorm):
         fused = tp_all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
         if fused is not None:
             return fused
-    return norm(tp_all_reduce(partial), residual)
+    return _norm(norm, tp_all_reduce(partial), residual, quant)
+
+
+def _norm(
+    norm: nn.Module,
+    x: torch.Tensor,  # [T, H]
+    residual: torch.Tensor | None,  # [T, H]
+    quant: Any,  # the next linear's ``input_quant``, or None
+) -> tuple[torch.Tensor | QuantizedInput, torch.Tensor]:
+    if quant is not None and isinstance(norm, RMSNorm) and quant_utils.norm_quant_fusable(x):
+        return norm.quantized(x, residual, quant)
+    if residual is None:
+        return norm(x), x
+    return norm(x, residual)
 
 
 def pre_norm(
@@ -101,12 +137,11 @@ def pre_norm(
     hidden: torch.Tensor,  # [T, H]: the previous layer's output
     residual: torch.Tensor | None,  # [T, H]; None before the first layer
     partial: bool = False,  # hidden is a partial sum still to be all-reduced (reduce_norm)
-) -> tuple[torch.Tensor, torch.Tensor]:  # (normalised [T, H], new residual [T, H])
+    quant: Any = None,  # the next linear's ``input_quant`` (quant/base.py), or None
+) -> tuple[torch.Tensor | QuantizedInput, torch.Tensor]:  # (normalised, new residual [T, H])
     """A decoder layer's input norm: the first layer normalises its input, which becomes the
     residual; later layers add the residual first (fused into the norm), all-reducing the
-    previous layer's output first when it is ``partial``."""
-    if residual is None:
-        return norm(hidden), hidden
-    if partial:
-        return reduce_norm(norm, hidden, residual)
-    return norm(hidden, residual)
+    previous layer's output first when it is ``partial``. With ``quant``, as ``reduce_norm``."""
+    if residual is not None and partial:
+        return reduce_norm(norm, hidden, residual, quant)
+    return _norm(norm, hidden, residual, quant)

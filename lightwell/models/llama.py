@@ -29,7 +29,7 @@ from lightwell.layers.rotary import RotaryEmbedding, get_rope
 from lightwell.models.hf_config import get_rope_config
 from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
 from lightwell.models.weight_utils import load_packed_weights
-from lightwell.quant.base import QuantMethod
+from lightwell.quant.base import QuantMethod, input_quant
 
 
 def head_dim_of(config: Any) -> int:
@@ -192,10 +192,28 @@ class LlamaDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, H]: the embedding, or the previous layer's partial sum
         residual: torch.Tensor | None,  # [T, H]; None before the first layer
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] MLP partial sum, [T, H] residual)
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual, partial=True)
+        attn_quant, mlp_quant = self.norm_output_quant()
+        hidden, residual = pre_norm(
+            self.input_layernorm, hidden, residual, partial=True, quant=attn_quant
+        )
         hidden = self.self_attn.partial(positions, hidden)
-        hidden, residual = reduce_norm(self.post_attention_layernorm, hidden, residual)
+        hidden, residual = reduce_norm(
+            self.post_attention_layernorm, hidden, residual, quant=mlp_quant
+        )
         return self.mlp.partial(hidden), residual
+
+    def norm_output_quant(self) -> tuple[Any, Any]:
+        """What the two norms may write their output quantized as (quant/base.py's
+        ``input_quant``): the qkv projection's when the attention's ``attend`` is this
+        module's (the normalised rows feed that projection alone), the gate/up projection's
+        when the MLP is ``LlamaMLP``; None elsewhere (16-bit and weight-only methods, MoE
+        blocks)."""
+        attn = mlp = None
+        if type(self.self_attn).attend is LlamaAttention.attend:
+            attn = input_quant(self.self_attn.qkv_proj.quant_method, self.self_attn.qkv_proj)
+        if type(self.mlp) is LlamaMLP:
+            mlp = input_quant(self.mlp.gate_up_proj.quant_method, self.mlp.gate_up_proj)
+        return attn, mlp
 
 
 class LlamaModel(nn.Module):

@@ -20,7 +20,7 @@ Parameter attributes the layers' weight loaders read (set with ``set_weight_attr
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,23 @@ def set_weight_attrs(param: torch.Tensor, attrs: dict[str, Any]) -> None:
         if hasattr(param, key):
             raise AttributeError(f"parameter already has attribute {key!r}")
         setattr(param, key, value)
+
+
+class QuantizedInput(NamedTuple):
+    """A linear's input already quantized per row as its method would (``input_quant``), by
+    the kernel before it (kernels/rmsnorm.py's ``rmsnorm_quant``): the linear runs
+    ``apply_quantized`` on it."""
+
+    q: torch.Tensor  # [T, K] int8 or fp8
+    scale: torch.Tensor  # [T, 1] float32
+    dtype: torch.dtype  # the 16/32-bit dtype of the rows it replaces (the output's dtype)
+
+
+def input_quant(method: Any, layer: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | None:
+    """What a W8A8 method quantizes ``layer``'s input to, (int8 or fp8, the static scale or
+    None for per-row dynamic scales), where it takes a ``QuantizedInput``; None otherwise."""
+    spec = getattr(method, "input_quant", None)
+    return spec(layer) if spec is not None else None
 
 
 @runtime_checkable
@@ -65,6 +82,10 @@ class QuantMethod(Protocol):
         bias: torch.Tensor | None,  # [out_per_partition]
     ) -> torch.Tensor:  # [T, out_per_partition]
         ...
+
+    # W8A8 methods also have ``input_quant(layer)`` (the dtype and static scale they quantize
+    # the input to, or None) and ``apply_quantized(layer, x: QuantizedInput, bias)``, so the
+    # norm before a column-parallel linear can write its input quantized.
 
 
 class UnquantizedLinearMethod:

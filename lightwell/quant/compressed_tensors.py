@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from lightwell.quant import utils as quant_utils
-from lightwell.quant.base import WeightLoader
+from lightwell.quant.base import QuantizedInput, WeightLoader
 from lightwell.quant.fp8 import FP8, Fp8BlockMethod, fp8_w8a8_linear, fp8_w8a8_matmul
 from lightwell.quant.int8 import int8_w8a8_linear, int8_w8a8_matmul, int8_weight_only_linear
 from lightwell.quant.utils import (
@@ -227,6 +227,19 @@ class ScaledMethod:
         if self.activations == "none":
             return int8_weight_only_linear(x, layer.weight, layer.weight_scale, bias)
         return int8_w8a8_linear(x, layer.weight, layer.weight_scale, static, bias)
+
+    def input_quant(self, layer: nn.Module) -> tuple[torch.dtype, torch.Tensor | None] | None:
+        """W8A8: (int8 or fp8, the static input scale or None); weight-only: None."""
+        if self.dtype != FP8 and self.activations == "none":
+            return None
+        return self.dtype, layer.input_scale if self.activations == "static" else None
+
+    def apply_quantized(
+        self, layer: nn.Module, x: QuantizedInput, bias: torch.Tensor | None
+    ) -> torch.Tensor:  # [T, N]
+        """``apply`` of rows the norm before quantized as ``input_quant`` says."""
+        matmul = fp8_w8a8_matmul if self.dtype == FP8 else int8_w8a8_matmul
+        return matmul(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
 
     def apply_silu_mul(
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None

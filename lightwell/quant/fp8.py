@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightwell.quant import utils as quant_utils
-from lightwell.quant.base import UnquantizedLinearMethod, WeightLoader
+from lightwell.quant.base import QuantizedInput, UnquantizedLinearMethod, WeightLoader
 from lightwell.quant.utils import add_param, check_divisible, replace_params
 
 FP8 = torch.float8_e4m3fn
@@ -121,6 +121,16 @@ class Fp8W8A8Method(UnquantizedLinearMethod):
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
         return fp8_w8a8_linear(x, layer.weight, layer.weight_scale, None, bias)
+
+    def input_quant(self, layer: nn.Module) -> tuple[torch.dtype, None]:
+        """fp8 with per-row dynamic scales."""
+        return FP8, None
+
+    def apply_quantized(
+        self, layer: nn.Module, x: QuantizedInput, bias: torch.Tensor | None
+    ) -> torch.Tensor:  # [T, N]
+        """``apply`` of rows the norm before quantized (``input_quant``)."""
+        return fp8_w8a8_matmul(x.q, x.scale, layer.weight, layer.weight_scale, bias, x.dtype)
 
     def apply_silu_mul(
         self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None

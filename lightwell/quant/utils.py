@@ -17,6 +17,13 @@ def silu_mul_fusable(gate_up: torch.Tensor) -> bool:
     return gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(1) == 1
 
 
+def norm_quant_fusable(x: torch.Tensor) -> bool:
+    """Whether an RMSNorm writes its output quantized for the W8A8 linear after it in one
+    Triton launch (kernels/rmsnorm.py's ``rmsnorm_quant``): a CUDA tensor, 2-D, last dim
+    contiguous. Elsewhere the norm writes its rows and the linear quantizes them."""
+    return x.is_cuda and x.dim() == 2 and x.stride(1) == 1
+
+
 def quantize_silu_mul(
     gate_up: torch.Tensor,  # [T, 2K] a gated MLP's [gate | up]
     dtype: torch.dtype,  # torch.int8 or torch.float8_e4m3fn

@@ -79,6 +79,40 @@ def test_act_quant_scale_is_a_true_division(out, amax):
     assert torch.equal(got[1].cpu().reshape(-1), true)
 
 
+@pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
+def test_act_quant_quotients_at_rounding_boundaries(out):
+    """The dynamic scale's division (a product by the reciprocal corrected with two FMAs) on
+    inputs whose exact quotients sit at or within a few ulps of the output format's rounding
+    boundaries, in rows of many magnitudes, including rows too small for the product (exact
+    division there): the same bits as torch's IEEE division."""
+    qmax = 127.0 if out == torch.int8 else 448.0
+    if out == torch.int8:
+        ties = torch.arange(-128, 127, dtype=torch.float64) + 0.5
+    else:
+        grid = torch.arange(256, dtype=torch.uint8).view(FP8).double()
+        grid = grid[torch.isfinite(grid)].unique()
+        ties = (grid[1:] + grid[:-1]) / 2
+    gen = torch.Generator().manual_seed(3)
+    amaxes = [1e-30, 2.0**-60 * qmax, 3e-12, 1.0, 3.0, 1234.5, 7.1e5, 3e30]
+    amaxes += (10 ** (torch.rand(8, generator=gen) * 8 - 4)).tolist()
+    rows = []
+    for amax in amaxes:
+        top = torch.tensor(amax, dtype=torch.float32)
+        scale = (top.double() / qmax).float().double()  # the kernel's scale, exactly
+        exact = (ties * scale).float()  # each tie's nearest fp32, then its neighbours
+        cols = [exact]
+        for steps in (1, 2, 3):
+            up, down = exact.clone(), exact.clone()
+            for _ in range(steps):
+                up = torch.nextafter(up, torch.full_like(up, float("inf")))
+                down = torch.nextafter(down, torch.full_like(down, -float("inf")))
+            cols += [up, down]
+        row = torch.cat(cols).clamp(-top, top)
+        rows.append(torch.cat([top.reshape(1), row]))
+    x = torch.stack(rows).to(DEVICE)
+    _same(act_quant(x, out), act_quant_ref(x.cpu(), out))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
 @pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
@@ -171,6 +205,61 @@ def test_w8a8_methods_fuse_the_down_projections_activation(monkeypatch, dtype, m
         return
     want = m.apply(layer, silu_and_mul(gate_up), bias)
     assert got.dtype == dtype and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "add_norm"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_rmsnorm_quant_equals_norm_then_act_quant(dtype, out, residual, static):
+    """kernels/rmsnorm.py's ``rmsnorm_quant``: the norm kernel's output (and new residual) then
+    ``act_quant``, in one launch (rows of several magnitudes, a masked tail): bit for bit in the
+    interpreter (compiled, the sum of squares may add in another order)."""
+    from lightwell.kernels import rmsnorm as rn
+
+    x = _activations(6, 200, dtype, seed=12)
+    x[1] = 1.0  # (an all-zero row has no norm)
+    gen = torch.Generator().manual_seed(13)
+    res = (torch.randn(6, 200, generator=gen)).to(dtype).to(DEVICE) if residual else None
+    w = (torch.rand(200, generator=gen) + 0.5).to(dtype).to(DEVICE)
+    scale = torch.tensor(0.05, device=DEVICE) if static else None
+    q, s, new_res = rn.rmsnorm_quant(x, res, w, 1e-6, out, scale)
+    if residual:
+        normed, want_res = rn.fused_add_rmsnorm(x, res, w, 1e-6)
+        assert torch.equal(new_res, want_res)
+    else:
+        normed = rn.rmsnorm(x, w, 1e-6)
+        assert new_res is None
+    _same((q, s), act_quant(normed, out, scale))
+
+
+@pytest.mark.parametrize(
+    "method,weights,static",
+    [
+        ("ct", torch.int8, "dynamic"), ("ct", torch.int8, "static"), ("ct", FP8, "dynamic"),
+        ("ct", torch.int8, "none"), ("fp8", FP8, "dynamic"),
+    ],
+)  # fmt: skip
+def test_w8a8_methods_take_the_input_quantized(method, weights, static):
+    """``input_quant`` says what a W8A8 method quantizes its input to (None: weight-only), and
+    ``apply_quantized`` of the input so quantized equals ``apply`` bit for bit."""
+    from lightwell.quant.base import QuantizedInput, input_quant
+    from lightwell.quant.compressed_tensors import ScaledMethod
+
+    m = ScaledMethod(weights, "channel", static) if method == "ct" else fp8.Fp8W8A8Method()
+    layer = _scaled_layer(weights, static == "static")
+    spec = input_quant(m, layer)
+    if static == "none":
+        assert spec is None
+        return
+    dtype, scale = spec
+    assert dtype == weights and (
+        scale is layer.input_scale if static == "static" else scale is None
+    )
+    x = _activations(5, 64, torch.float16, seed=14)
+    bias = torch.randn(24, generator=torch.Generator().manual_seed(15)).half().to(DEVICE)
+    got = m.apply_quantized(layer, QuantizedInput(*act_quant(x, dtype, scale), x.dtype), bias)
+    assert got.dtype == x.dtype and torch.equal(got, m.apply(layer, x, bias))
 
 
 def test_act_quant_checks_input():

@@ -218,6 +218,51 @@ def test_w8a8_formats_match_emulation_within_bounds(tmp_path, key):
 
 
 @pytest.mark.parametrize(
+    "key", ["ct_int8_w8a8_dynamic", "ct_int8_w8a8_static_tensor", "ct_fp8_dynamic", "online_fp8"]
+)
+def test_w8a8_norms_write_the_quantized_input(tmp_path, monkeypatch, key):
+    """The device check forced on (on CPU the kernels run in the interpreter): both norms of
+    every layer write their output quantized for the qkv and gate/up projections (one
+    ``rmsnorm_quant`` launch each), which take it as is; the logits stay as close to HF with
+    the same activation quantization emulated as the unfused path's, and greedy tokens match."""
+    from lightwell.kernels import rmsnorm as rn
+    from lightwell.model_files import resolve_model
+    from lightwell.models.hf_config import load_hf_config
+    from lightwell.models.loader import load_model
+    from lightwell.quant import utils as quant_utils
+
+    quant_config, make, quantization, fake, _ = W8A8[key]
+    hf, folder = build(tmp_path, key, quant_config, make)
+    if quant_config is None:
+        with torch.no_grad():
+            for name, p in hf.named_parameters():
+                if name.rsplit(".", 2)[-2] in qp.LINEARS:
+                    p.copy_(make(p.float())[1])
+    files = resolve_model(folder)
+    model = load_model(
+        files, load_hf_config(files), torch.float32, "cpu", quantization=quantization
+    )
+    _, plain = run_ours(model, steps=3)
+    calls = []
+    fused = rn.rmsnorm_quant
+
+    def counted(*args, **kwargs):
+        calls.append(args[4])
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(rn, "rmsnorm_quant", counted)
+    monkeypatch.setattr(quant_utils, "norm_quant_fusable", lambda x: True)
+    prefill, seqs = run_ours(model, steps=3)
+    layers = qp.QUANT_CONFIG["num_hidden_layers"]
+    want = FP8 if "fp8" in key else torch.int8
+    assert len(calls) == 3 * 2 * layers and set(calls) == {want}  # 3 steps, 2 norms a layer
+    assert seqs == plain
+    with_input_quant(hf, fake)
+    for p, lg in zip(PROMPTS, prefill):
+        assert rel_err(lg, hf_logits(hf, p)) < 2e-3, key
+
+
+@pytest.mark.parametrize(
     "quant_config",
     [gptq_cfg(act=True), WEIGHT_ONLY["awq_4b_g32"][0], W8A8["hf_fp8_block16"][0], ct_w()],
     ids=["gptq_actorder", "awq", "hf_fp8_block", "ct_w4a16"],
