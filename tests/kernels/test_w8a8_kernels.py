@@ -81,10 +81,9 @@ def test_act_quant_scale_is_a_true_division(out, amax):
 
 @pytest.mark.parametrize("out", [FP8, torch.int8], ids=["fp8", "int8"])
 def test_act_quant_quotients_at_rounding_boundaries(out):
-    """The dynamic scale's division (a product by the reciprocal corrected with two FMAs) on
-    inputs whose exact quotients sit at or within a few ulps of the output format's rounding
-    boundaries, in rows of many magnitudes, including rows too small for the product (exact
-    division there): the same bits as torch's IEEE division."""
+    """The dynamic scale's division on inputs whose exact quotients sit at or within a few ulps
+    of the output format's rounding boundaries, in rows of many magnitudes (tiny and huge
+    scales): the same bits as torch's IEEE division."""
     qmax = 127.0 if out == torch.int8 else 448.0
     if out == torch.int8:
         ties = torch.arange(-128, 127, dtype=torch.float64) + 0.5
