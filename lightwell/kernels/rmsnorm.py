@@ -33,6 +33,28 @@ def norm_row(x, w, eps, HIDDEN: tl.constexpr):
 
 
 @triton.jit
+def _norm_program_row(
+    x_ptr, res_ptr, w_ptr, res_out_ptr, stride_x, stride_res, stride_res_out, eps,
+    HIDDEN: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, GDC: tl.constexpr,
+):  # fmt: skip
+    """This program's row (after the PDL wait with GDC): the residual added and stored (with
+    HAS_RESIDUAL), then ``norm_row`` in fp32; (row, offsets, mask, normalised row)."""
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HIDDEN
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return row, offs, mask, norm_row(x, w, eps, HIDDEN)
+
+
+@triton.jit
 def _rmsnorm_kernel(
     x_ptr,  # [T, H]
     res_ptr,  # [T, H] (read only when HAS_RESIDUAL)
@@ -49,19 +71,10 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     GDC: tl.constexpr,  # launched with PDL (kernels/pdl.py): signal, then wait, before any access
 ):
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out = norm_row(x, w, eps, HIDDEN)
+    row, offs, mask, out = _norm_program_row(
+        x_ptr, res_ptr, w_ptr, res_out_ptr, stride_x, stride_res, stride_res_out, eps,
+        HIDDEN, BLOCK, HAS_RESIDUAL, GDC,
+    )  # fmt: skip
     tl.store(out_ptr + row * stride_out + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -75,19 +88,11 @@ def _rmsnorm_quant_kernel(
     INTERPRET: tl.constexpr,  # under TRITON_INTERPRET=1 (act_quant's rounding steps)
     GDC: tl.constexpr,  # launched with PDL (kernels/pdl.py): signal, then wait, before any access
 ):  # fmt: skip
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < HIDDEN
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_res_out + offs, x, mask=mask)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = norm_row(x, w, eps, HIDDEN).to(OUT_DTYPE).to(tl.float32)  # the unfused norm's output
+    row, offs, mask, out = _norm_program_row(
+        x_ptr, res_ptr, w_ptr, res_out_ptr, stride_x, stride_res, stride_res_out, eps,
+        HIDDEN, BLOCK, HAS_RESIDUAL, GDC,
+    )  # fmt: skip
+    y = out.to(OUT_DTYPE).to(tl.float32)  # the unfused norm's output
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
     else:

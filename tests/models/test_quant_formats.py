@@ -189,16 +189,18 @@ W8A8 = {  # key: (quant_config or None, make, --quantization, fake input quant, 
 }
 
 
-@pytest.mark.parametrize("key", sorted(W8A8))
-def test_w8a8_formats_match_emulation_within_bounds(tmp_path, key):
+def load_w8a8(tmp_path, key: str) -> tuple:
+    """(HF reference, our model loaded from W8A8[key]'s checkpoint, the unquantized HF model's
+    logits of PROMPTS). For online methods the reference then holds the weights as the method
+    quantizes them."""
     from lightwell.model_files import resolve_model
     from lightwell.models.hf_config import load_hf_config
     from lightwell.models.loader import load_model
 
-    quant_config, make, quantization, fake, bound = W8A8[key]
+    quant_config, make, quantization, _, _ = W8A8[key]
     hf, folder = build(tmp_path, key, quant_config, make)
-    fp32 = [hf_logits(hf, p) for p in PROMPTS]  # for online methods: the unquantized model
-    if quant_config is None:  # the reference holds the weights as the method quantizes them
+    fp32 = [hf_logits(hf, p) for p in PROMPTS]
+    if quant_config is None:
         with torch.no_grad():
             for name, p in hf.named_parameters():
                 if name.rsplit(".", 2)[-2] in qp.LINEARS:
@@ -207,6 +209,13 @@ def test_w8a8_formats_match_emulation_within_bounds(tmp_path, key):
     model = load_model(
         files, load_hf_config(files), torch.float32, "cpu", quantization=quantization
     )
+    return hf, model, fp32
+
+
+@pytest.mark.parametrize("key", sorted(W8A8))
+def test_w8a8_formats_match_emulation_within_bounds(tmp_path, key):
+    quant_config, _, _, fake, bound = W8A8[key]
+    hf, model, fp32 = load_w8a8(tmp_path, key)
     prefill, _ = run_ours(model, steps=1)
     exact = [hf_logits(hf, p) for p in PROMPTS]  # dequantized weights, fp32 activations
     with_input_quant(hf, fake)
@@ -226,22 +235,10 @@ def test_w8a8_norms_write_the_quantized_input(tmp_path, monkeypatch, key):
     ``rmsnorm_quant`` launch each), which take it as is; the logits stay as close to HF with
     the same activation quantization emulated as the unfused path's, and greedy tokens match."""
     from lightwell.kernels import rmsnorm as rn
-    from lightwell.model_files import resolve_model
-    from lightwell.models.hf_config import load_hf_config
-    from lightwell.models.loader import load_model
     from lightwell.quant import utils as quant_utils
 
-    quant_config, make, quantization, fake, _ = W8A8[key]
-    hf, folder = build(tmp_path, key, quant_config, make)
-    if quant_config is None:
-        with torch.no_grad():
-            for name, p in hf.named_parameters():
-                if name.rsplit(".", 2)[-2] in qp.LINEARS:
-                    p.copy_(make(p.float())[1])
-    files = resolve_model(folder)
-    model = load_model(
-        files, load_hf_config(files), torch.float32, "cpu", quantization=quantization
-    )
+    fake = W8A8[key][3]
+    hf, model, _ = load_w8a8(tmp_path, key)
     _, plain = run_ours(model, steps=3)
     calls = []
     fused = rn.rmsnorm_quant
