@@ -111,7 +111,8 @@ def reduce_norm(
     add the residual, normalise. One kernel where the all-reduce strategy fuses the add + norm
     (``hostmem`` with an RMSNorm whose hidden size divides its block), else the all-reduce then
     the norm's own fused add. At TP=1 just the norm. With ``quant``, an RMSNorm on the GPU
-    writes its output quantized for the W8A8 linear after it (``RMSNorm.quantized``)."""
+    writes its output quantized for the W8A8 linear after it (``RMSNorm.quantized``), except
+    where the all-reduce fused the norm (16-bit rows: the linear quantizes them)."""
     if isinstance(norm, RMSNorm):
         fused = tp_all_reduce_add_rmsnorm(partial, residual, norm.weight, norm.eps)
         if fused is not None:

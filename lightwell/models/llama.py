@@ -161,6 +161,9 @@ class LlamaAttention(nn.Module):
         return self.o_proj.partial(self.attend(positions, hidden))
 
 
+_ATTN_ENTRIES = ("attend", "partial", "forward")  # where an attention module reads its input
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(
         self,
@@ -204,12 +207,13 @@ class LlamaDecoderLayer(nn.Module):
 
     def norm_output_quant(self) -> tuple[Any, Any]:
         """What the two norms may write their output quantized as (quant/base.py's
-        ``input_quant``): the qkv projection's when the attention's ``attend`` is this
-        module's (the normalised rows feed that projection alone), the gate/up projection's
-        when the MLP is ``LlamaMLP``; None elsewhere (16-bit and weight-only methods, MoE
-        blocks)."""
+        ``input_quant``): the qkv projection's when the attention's ``attend``, ``partial``
+        and ``forward`` are ``LlamaAttention``'s (the normalised rows feed that projection
+        alone), the gate/up projection's when the MLP is ``LlamaMLP``; None elsewhere (16-bit
+        and weight-only methods, MoE blocks)."""
         attn = mlp = None
-        if type(self.self_attn).attend is LlamaAttention.attend:
+        cls = type(self.self_attn)
+        if all(getattr(cls, f) is getattr(LlamaAttention, f) for f in _ATTN_ENTRIES):
             attn = input_quant(self.self_attn.qkv_proj.quant_method, self.self_attn.qkv_proj)
         if type(self.mlp) is LlamaMLP:
             mlp = input_quant(self.mlp.gate_up_proj.quant_method, self.mlp.gate_up_proj)

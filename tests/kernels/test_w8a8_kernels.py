@@ -83,7 +83,9 @@ def test_act_quant_scale_is_a_true_division(out, amax):
 def test_act_quant_quotients_at_rounding_boundaries(out):
     """The dynamic scale's division on inputs whose exact quotients sit at or within a few ulps
     of the output format's rounding boundaries, in rows of many magnitudes (tiny and huge
-    scales): the same bits as torch's IEEE division."""
+    scales): the same bits as torch's IEEE division. (In the interpreter Triton's ``/`` is exact
+    too, so this tells a product by a reciprocal from a division, not ``div_rn`` from ``/``:
+    compiled on CUDA it tells both.)"""
     qmax = 127.0 if out == torch.int8 else 448.0
     if out == torch.int8:
         ties = torch.arange(-128, 127, dtype=torch.float64) + 0.5
@@ -236,7 +238,7 @@ def test_rmsnorm_quant_equals_norm_then_act_quant(dtype, out, residual, static):
     "method,weights,static",
     [
         ("ct", torch.int8, "dynamic"), ("ct", torch.int8, "static"), ("ct", FP8, "dynamic"),
-        ("ct", torch.int8, "none"), ("fp8", FP8, "dynamic"),
+        ("ct", FP8, "static"), ("ct", torch.int8, "none"), ("fp8", FP8, "dynamic"),
     ],
 )  # fmt: skip
 def test_w8a8_methods_take_the_input_quantized(method, weights, static):
@@ -259,6 +261,21 @@ def test_w8a8_methods_take_the_input_quantized(method, weights, static):
     bias = torch.randn(24, generator=torch.Generator().manual_seed(15)).half().to(DEVICE)
     got = m.apply_quantized(layer, QuantizedInput(*act_quant(x, dtype, scale), x.dtype), bias)
     assert got.dtype == x.dtype and torch.equal(got, m.apply(layer, x, bias))
+
+
+def test_rms_norm_quantized_input_keeps_the_unfused_output_dtype():
+    """``RMSNorm.quantized`` tags its rows with the dtype the unfused norm would write (bf16
+    rows and an fp32 weight: fp32), which the linear's output takes."""
+    from lightwell.kernels import rmsnorm as rn
+    from lightwell.layers.norm import RMSNorm
+
+    norm = RMSNorm(64).to(DEVICE)  # fp32 weight
+    x = _activations(3, 64, torch.bfloat16, seed=16)
+    x[1] = 1.0
+    out, res = norm.quantized(x, None, (torch.int8, None))
+    want = rn.rmsnorm(x, norm.weight, norm.eps)
+    assert out.dtype == want.dtype == torch.float32 and res is x
+    _same((out.q, out.scale), act_quant(want, torch.int8))
 
 
 def test_act_quant_checks_input():
