@@ -2,13 +2,16 @@
 kernels/w4a16.py's layout (its module docstring describes it).
 
 Each program owns BLOCK_N output columns (and, split over K, a share of the K tiles) and walks K
-in tiles that lie inside one group, so a tile's scale and zero point are one value per column
-and come out of the sum: with ``P = sum_k x[m, k] * q[n, k]`` and ``S = sum_k x[m, k]`` over the
-tile, the tile adds ``scale[n] * (P - zero[n] * S)``. P is eight tensor-core dots, one per value
-position j of the words: the j-th nibbles of a [BLOCK_N, BLOCK_K / 8] word tile (as integers in
-the activation dtype: exact) against x's columns ``8w + j``, read as strided loads (x is small and
-stays in cache). So a weight costs a shift, a mask and a conversion; no multiply by its scale,
-no interleave back into input order. Rows of x past M re-read row M - 1 and are not stored.
+in tiles that lie inside one group, so a tile's scale and zero point are one value per column:
+the tile adds ``scale[n] * P`` with ``P = sum_k x[m, k] * (q[n, k] - zero[n])``. P is eight
+tensor-core dots, one per value position j of the words: the j-th nibbles of a [BLOCK_N,
+BLOCK_K / 8] word tile minus the zero point (small integers in the activation dtype: exact)
+against x's columns ``8w + j``. For 16-bit x two nibbles (j and j + 4) are masked at once into
+the mantissas of a pair of 16-bit floats whose exponent makes a mantissa step 1, and the zero
+point (plus that exponent's value) is subtracted from the pair in one packed instruction: about
+half an instruction a weight for each of mask, subtract and pairing the halves for the tensor
+cores. No multiply by the scale per weight, no interleave back into input order. Rows of x past
+M re-read row M - 1 and are not stored.
 
 Split over K (``SPLIT_K`` > 1: the narrow weights, whose columns alone give too few programs),
 each program stores its fp32 partial sums and counts itself in a per-column-tile counter; the
@@ -34,11 +37,32 @@ Config = tuple[int, int, int, int, int, bool, bool]
 
 
 @triton.jit
-def _plane(words, J: tl.constexpr, dtype: tl.constexpr):
-    """Value J of each word as an integer 0..15 in ``dtype`` (exact): the nibble ORed into the
-    mantissa of 2^23 and 2^23 subtracted, no integer-to-float conversion."""
-    f = (((words >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-    return (f - 8388608.0).to(dtype)
+def _plane(words, J: tl.constexpr, zo):
+    """Value J of each word minus its column's zero point, exact in zo's dtype (zo: [BN, 1],
+    the zero points plus ``_offset``). 16-bit: values J and J + 4 as the two halves of a word
+    ``(words >> 4 (J % 4)) & 0x000F000F`` ORed with the exponent of 128 (bf16) or 1024 (fp16), so
+    each half reads 128 + q or 1024 + q (the two planes share the mask once compiled); fp32: the
+    nibble in the mantissa of 2^23. No integer-to-float conversion."""
+    if zo.dtype == tl.float32:
+        f = (((words >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+        return f - zo
+    if zo.dtype == tl.bfloat16:
+        pair = ((words >> (4 * (J % 4))) & 0x000F000F) | 0x43004300
+    else:
+        pair = ((words >> (4 * (J % 4))) & 0x000F000F) | 0x64006400
+    if J >= 4:
+        pair = pair >> 16
+    return pair.to(tl.int16).to(zo.dtype, bitcast=True) - zo
+
+
+@triton.jit
+def _offset(dtype: tl.constexpr):
+    """The value ``_plane``'s float holds for a nibble of 0 in ``dtype``."""
+    if dtype == tl.bfloat16:
+        return 128.0
+    if dtype == tl.float16:
+        return 1024.0
+    return 8388608.0
 
 
 @triton.jit
@@ -50,9 +74,10 @@ def _x_planes(x_rows, k0, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _plane_dot(p, words, xj, J: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
-    """p plus x's plane J against the words' value J ([BM, BN]; SWAP: [BN, BM])."""
-    qj = _plane(words, J, xj.dtype)
+def _plane_dot(p, words, zo, xj, J: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+    """p plus x's plane J against the words' value J minus the zero point ([BM, BN]; SWAP:
+    [BN, BM])."""
+    qj = _plane(words, J, zo)
     if SWAP:
         p = tl.dot(qj, tl.trans(xj), p, input_precision=PRECISION)
     else:
@@ -62,12 +87,12 @@ def _plane_dot(p, words, xj, J: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.
 
 @triton.jit
 def _tile_sums(
-    x_rows, q_rows, k0,
+    x_rows, q_rows, zo, k0,
     BLOCK_K: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """(P, S) of the K tile at k0: P = x @ q.T ([BM, BN]; SWAP: [BN, BM]) and S the rows' sums
-    of x ([BM, 1]; SWAP: [1, BM]). x_rows [BM, 1], q_rows [BN, 1]: row pointers. X_SPLIT: x's
-    planes from one contiguous load (else eight strided loads)."""
+    """P of the K tile at k0: x @ (q - zero).T ([BM, BN]; SWAP: [BN, BM]). x_rows [BM, 1], q_rows
+    [BN, 1]: row pointers; zo [BN, 1]: the zero points plus ``_offset`` in x's dtype. X_SPLIT:
+    x's planes from one contiguous load (else eight strided loads)."""
     TW: tl.constexpr = BLOCK_K // 8
     rw = tl.arange(0, TW)[None, :]  # [1, TW]
     words = tl.load(q_rows + (k0 // 8 + rw))  # [BN, TW]
@@ -77,28 +102,19 @@ def _tile_sums(
         p = tl.zeros([x_rows.shape[0], q_rows.shape[0]], dtype=tl.float32)
     if X_SPLIT:
         x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_rows, k0, BLOCK_K)
-        p = _plane_dot(p, words, x0, 0, SWAP, PRECISION)
-        p = _plane_dot(p, words, x1, 1, SWAP, PRECISION)
-        p = _plane_dot(p, words, x2, 2, SWAP, PRECISION)
-        p = _plane_dot(p, words, x3, 3, SWAP, PRECISION)
-        p = _plane_dot(p, words, x4, 4, SWAP, PRECISION)
-        p = _plane_dot(p, words, x5, 5, SWAP, PRECISION)
-        p = _plane_dot(p, words, x6, 6, SWAP, PRECISION)
-        p = _plane_dot(p, words, x7, 7, SWAP, PRECISION)
-        s = tl.sum(tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :]).to(tl.float32), axis=1)
+        p = _plane_dot(p, words, zo, x0, 0, SWAP, PRECISION)
+        p = _plane_dot(p, words, zo, x1, 1, SWAP, PRECISION)
+        p = _plane_dot(p, words, zo, x2, 2, SWAP, PRECISION)
+        p = _plane_dot(p, words, zo, x3, 3, SWAP, PRECISION)
+        p = _plane_dot(p, words, zo, x4, 4, SWAP, PRECISION)
+        p = _plane_dot(p, words, zo, x5, 5, SWAP, PRECISION)
+        p = _plane_dot(p, words, zo, x6, 6, SWAP, PRECISION)
+        p = _plane_dot(p, words, zo, x7, 7, SWAP, PRECISION)
     else:
         xk = x_rows + (k0 + 8 * rw)  # [BM, TW]: input 8w of the tile
-        s = tl.zeros([x_rows.shape[0], TW], dtype=tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(xk + j)
-            p = _plane_dot(p, words, xj, j, SWAP, PRECISION)
-            s += xj.to(tl.float32)
-        s = tl.sum(s, axis=1)
-    if SWAP:
-        s = s[None, :]
-    else:
-        s = s[:, None]
-    return p, s
+            p = _plane_dot(p, words, zo, tl.load(xk + j), j, SWAP, PRECISION)
+    return p
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -124,14 +140,15 @@ def _w4a16_skinny_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for t in range(pid_k * per, tl.minimum(tiles, pid_k * per + per)):
         k0 = t * BLOCK_K
-        p, xs = _tile_sums(x_rows, q_rows, k0, BLOCK_K, SWAP, X_SPLIT, PRECISION)
         g = k0 // GROUP_SIZE
         sc = tl.load(s_ptr + wn * stride_sn + g).to(tl.float32)
-        zp = tl.load(z_ptr + wn * stride_sn + g).to(tl.float32)
+        zp = tl.load(z_ptr + wn * stride_sn + g).to(tl.float32) + _offset(x_ptr.dtype.element_ty)
+        zo = zp.to(x_ptr.dtype.element_ty)[:, None]  # exact: integer zero points
+        p = _tile_sums(x_rows, q_rows, zo, k0, BLOCK_K, SWAP, X_SPLIT, PRECISION)
         if SWAP:
-            acc += (p - zp[:, None] * xs) * sc[:, None]
+            acc += p * sc[:, None]
         else:
-            acc += (p - xs * zp[None, :]) * sc[None, :]
+            acc += p * sc[None, :]
     if SWAP:
         acc = tl.trans(acc)  # [BM, BN]
     omask = (rm[:, None] < M) & (rn[None, :] < N)
@@ -170,9 +187,12 @@ def supports(m: int, k: int, group_size: int) -> bool:
 
 def pick_config(n: int, k: int, m: int) -> Config:
     """The tile for an [N, K] weight and M rows: the H200 sweep's best on llama-3-8b's shapes at
-    4 and 16 rows (benchmarks/kernels/w4a16.py --skinny-sweep): 128 columns a program, the
-    weights as the dot's first operand, x read whole; K split in 8 (wide weights: 4)."""
-    return 128, 128, 4 if n >= 16384 else 8, 4, 3, True, True
+    2-16 rows (benchmarks/kernels/w4a16.py --skinny-sweep), the weights as the dot's first
+    operand, x read whole: wide weights (N >= 16,384, gate_up) 256 columns a program, K split in
+    2; others 128 columns, K split in 8, on eight warps where K is long (> 4,096, down)."""
+    if n >= 16384:
+        return 256, 128, 2, 4, 3, True, True
+    return 128, 128, 8, 8 if k > 4096 else 4, 3, True, True
 
 
 def w4a16_skinny(
