@@ -11,10 +11,18 @@ W8A8 down projection's input: the 16-bit activation is never written).
 ``quantize_activations`` in quant/int8.py) bit for bit, on CPU and on CUDA, because every step is
 exactly rounded on both sides:
 
-- both divisions are ``tl.math.div_rn`` (PTX ``div.rn.f32``; Triton's ``/`` is the approximate
+- ``amax / QMAX`` is ``tl.math.div_rn`` (PTX ``div.rn.f32``; Triton's ``/`` is the approximate
   ``div.full.f32``), and the references divide by a tensor: torch's CUDA ``tensor / python
   scalar`` multiplies by the rounded reciprocal instead, which differs in the last bit for about
   half of the fp32 values divided by 448 (5% for 127);
+- int8 with a dynamic scale divides by Markstein's correction of the product by the
+  reciprocal: ``inv = div_rn(1, scale)``, ``q = x * inv``, ``r = fma(-q, scale, x)`` (exact),
+  ``fma(r, inv, q)``, the correctly rounded quotient when ``inv`` is the correctly rounded
+  reciprocal and nothing overflows or underflows; a scale outside [2**-60, 2**60] and its row
+  are first multiplied by 2**64 or 2**-64 (exact; |x / scale| <= 127, and inputs that the
+  scaling would make subnormal have quotients that round to zero). Two FMAs and a product an
+  element instead of ``div.rn.f32``'s sequence and range check. fp8 and static scales use
+  ``div_rn``: the corrected product turns -0 into +0, which fp8 keeps (int8 has one zero);
 - the amax is a max of exact values; the clamps are exact;
 - int8 rounds half to even with ``cvt.rni.f32.f32`` (libdevice ``rint``, as ``torch.round``),
   the interpreter with the add-and-subtract of 1.5 * 2**23 (no product, nothing to contract);
@@ -57,7 +65,7 @@ def _act_quant_kernel(
             top = tl.max(tl.abs(x), axis=0)
             scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
         tl.store(s_ptr + row, scale)
-        tl.store(q_row + cols, _quantize(x, scale, QMAX, IS_INT8, INTERPRET), mask=mask)
+        tl.store(q_row + cols, _quantize(x, scale, QMAX, IS_INT8, STATIC, INTERPRET), mask=mask)
     else:
         if not STATIC:
             amax = tl.zeros([BLOCK], dtype=tl.float32)
@@ -70,7 +78,7 @@ def _act_quant_kernel(
         for k0 in range(0, K, BLOCK):
             mask = k0 + cols < K
             x = _load_row(x_row, k0 + cols, mask, K, SILU_MUL)
-            q = _quantize(x, scale, QMAX, IS_INT8, INTERPRET)
+            q = _quantize(x, scale, QMAX, IS_INT8, STATIC, INTERPRET)
             tl.store(q_row + k0 + cols, q, mask=mask)
 
 
@@ -87,9 +95,30 @@ def _load_row(x_row, cols, mask, K, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _quantize(x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, INTERPRET: tl.constexpr):
-    """fp32 ``x / scale`` (IEEE division), saturated, as int8 or fp8 (module docstring)."""
-    y = tl.math.div_rn(x, tl.zeros_like(x) + scale)
+def _divide(x, scale, STATIC: tl.constexpr, FAST: tl.constexpr):
+    """``x / scale`` correctly rounded (fp32 x, one scalar scale; module docstring); FAST: by
+    the corrected product, without a branch."""
+    if STATIC or not FAST:
+        return tl.math.div_rn(x, tl.zeros_like(x) + scale)
+    # a row's scale outside [2**-60, 2**60] and its inputs scaled by 2**64 or 2**-64 first:
+    # exact, and the quotient unchanged
+    k = tl.where(scale < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
+    k = tl.where(scale > 1.152921504606847e18, 5.421010862427522e-20, k)
+    s = scale * k
+    inv = tl.math.div_rn(1.0, s)
+    xs = x * k
+    q = xs * inv
+    y = tl.fma(-q, tl.zeros_like(x) + s, xs)
+    return tl.fma(y, tl.zeros_like(x) + inv, q)
+
+
+@triton.jit
+def _quantize(
+    x, scale, QMAX: tl.constexpr, IS_INT8: tl.constexpr, STATIC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """fp32 ``x / scale`` (correctly rounded), saturated, as int8 or fp8 (module docstring)."""
+    y = _divide(x, scale, STATIC, IS_INT8)
     if IS_INT8:
         # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
         y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)

@@ -99,7 +99,7 @@ def _rmsnorm_quant_kernel(
         top = tl.max(tl.abs(y), axis=0)
         scale = tl.where(top > 0, tl.math.div_rn(top, QMAX), 1.0)
     tl.store(s_ptr + row, scale)
-    q = _aq._quantize(y, scale, QMAX, IS_INT8, INTERPRET)
+    q = _aq._quantize(y, scale, QMAX, IS_INT8, STATIC, INTERPRET)
     tl.store(q_ptr + row * stride_q + offs, q, mask=mask)
 
 
