@@ -1,8 +1,13 @@
-"""The W4A16 GEMV compiled for sm_90 on a machine without a GPU (Triton's bundled ptxas and
+"""The W4A16 kernels compiled for sm_90 on a machine without a GPU (Triton's bundled ptxas and
 cuobjdump): registers, stack and the main loop's SASS per tile, the instructions a weight
-(times rows of x) a thread, and the shared-memory traffic (LDS, STS, BAR) in the loop.
+a thread (the GEMV: times rows of x), and the shared-memory traffic (LDS, STS, BAR) in the loop.
 
     python -m benchmarks.kernels.w4a16_sass [--tiles 4,2048,4,1 16,256,1,1] [--rows 1]
+    python -m benchmarks.kernels.w4a16_sass --kernel skinny [--tiles 128,128,8,4,3]
+
+GEMV tiles are (BLOCK_N, BLOCK_K, warps, stages); skinny tiles (kernels/w4a16_skinny.py, 16
+rows of x, the weights as the dot's first operand, x read whole) are (BLOCK_N, BLOCK_K,
+SPLIT_K, warps, stages). Group 128 (the skinny kernel's BLOCK_K 256: group 256), bf16.
 """
 
 from __future__ import annotations
@@ -19,29 +24,26 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 from lightwell.kernels import w4a16_gemv as gv
+from lightwell.kernels import w4a16_skinny as sk
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-SHOWN = ("LDG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "PRMT", "IMAD")
+SHOWN = ("LDG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SHF", "PRMT", "IMAD",
+         "HADD2", "HGMMA")  # fmt: skip
+TYPES = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32",
+             b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
+DEFAULT_TILES = {"gemv": ["4,2048,4,1", "4,2048,2,1", "16,256,1,1"],
+                 "skinny": ["128,128,8,4,3", "256,128,2,4,3", "128,128,8,8,3"]}  # fmt: skip
 
 
-def compile_sass(tile: tuple[int, ...], rows: int) -> tuple[str, str]:
-    """(SASS, resource usage) of the GEMV at (BLOCK_N, BLOCK_K, warps, stages), group 128, bf16."""
-    bn, bk, warps, stages = tile
-    consts = dict(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=bn, BLOCK_K=bk, TG=min(bk, 128),
-                  GROUP_SIZE=128, EVEN_K=True, HAS_BIAS=False, GDC=True)  # fmt: skip
-    names = list(inspect.signature(gv._w4a16_gemv_kernel.fn).parameters)
-    types = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32",
-                 b_ptr="*bf16", out_ptr="*bf16")  # fmt: skip
-    sig = {n: types.get(n, "i32") for n in names if n not in consts}
+def compile_sass(fn, consts: dict, warps: int, stages: int, **options) -> tuple[str, str]:
+    """(SASS, resource usage) of kernel ``fn`` with its constexprs ``consts``."""
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: TYPES.get(n, "i32") for n in names if n not in consts}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if n in sig and n not in ("M", "ONE")}  # fmt: skip
-    src = triton.compiler.ASTSource(
-        fn=gv._w4a16_gemv_kernel,
-        constexprs=consts,
-        attrs=attrs,
-        signature=dict(sig, **{k: "constexpr" for k in consts}),
-    )
-    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True, launch_pdl=True)
+    sig.update(dict.fromkeys(consts, "constexpr"))
+    src = triton.compiler.ASTSource(fn=fn, constexprs=consts, attrs=attrs, signature=sig)
+    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True, **options)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -50,6 +52,25 @@ def compile_sass(tile: tuple[int, ...], rows: int) -> tuple[str, str]:
         sass = subprocess.run([dump[0], "-sass", dump[1]], capture_output=True, text=True)
         res = subprocess.run([dump[0], "-res-usage", dump[1]], capture_output=True, text=True)
     return sass.stdout, res.stdout
+
+
+def gemv_sass(tile: tuple[int, ...], rows: int) -> tuple[str, str, int]:
+    """(SASS, resource usage, weights a thread an iteration times rows) of the GEMV."""
+    bn, bk, warps, stages = tile
+    consts = dict(BLOCK_M=triton.next_power_of_2(rows), BLOCK_N=bn, BLOCK_K=bk, TG=min(bk, 128),
+                  GROUP_SIZE=128, EVEN_K=True, HAS_BIAS=False, GDC=True)  # fmt: skip
+    sass, res = compile_sass(gv._w4a16_gemv_kernel, consts, warps, stages, launch_pdl=True)
+    return sass, res, bn * bk * rows // (32 * warps)
+
+
+def skinny_sass(tile: tuple[int, ...]) -> tuple[str, str, int]:
+    """(SASS, resource usage, weights a thread an iteration) of the skinny kernel."""
+    bn, bk, split, warps, stages = tile
+    consts = dict(BLOCK_M=sk.MAX_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+                  GROUP_SIZE=max(bk, 128), HAS_BIAS=False, SWAP=True, X_SPLIT=True,
+                  PRECISION="tf32", FENCE=True)  # fmt: skip
+    sass, res = compile_sass(sk._w4a16_skinny_kernel, consts, warps, stages)
+    return sass, res, bn * bk // (32 * warps)
 
 
 def loop_ops(sass: str) -> collections.Counter:
@@ -65,17 +86,21 @@ def loop_ops(sass: str) -> collections.Counter:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tiles", nargs="+", default=["4,2048,4,1", "4,2048,2,1", "16,256,1,1"])
-    ap.add_argument("--rows", type=int, default=1)
+    ap.add_argument("--kernel", choices=("gemv", "skinny"), default="gemv")
+    ap.add_argument("--tiles", nargs="+", default=None, help="default: three of the kernel's")
+    ap.add_argument("--rows", type=int, default=1, help="rows of x (the GEMV)")
     args = ap.parse_args()
     print(f"{'tile':16} regs stack loop a-weight " + " ".join(SHOWN))
-    for text in args.tiles:
+    for text in args.tiles or DEFAULT_TILES[args.kernel]:
         tile = tuple(int(v) for v in text.split(","))
-        sass, res = compile_sass(tile, args.rows)
+        if args.kernel == "gemv":
+            sass, res, weights = gemv_sass(tile, args.rows)
+        else:
+            sass, res, weights = skinny_sass(tile)
         ops = loop_ops(sass)
         regs, stack = re.search(r"REG:(\d+)", res)[1], re.search(r"STACK:(\d+)", res)[1]
-        per = sum(ops.values()) * 32 * tile[2] / (tile[0] * tile[1] * args.rows)
-        print(f"{text:16} {regs:>4} {stack:>5} {sum(ops.values()):4} {per:8.2f} "
+        print(f"{text:16} {regs:>4} {stack:>5} {sum(ops.values()):4} "
+              f"{sum(ops.values()) / weights:8.2f} "
               + " ".join(f"{ops.get(o, 0):>{len(o)}}" for o in SHOWN))  # fmt: skip
     return 0
 
