@@ -68,7 +68,7 @@ def skinny_sass(tile: tuple[int, ...]) -> tuple[str, str, int]:
     bn, bk, split, warps, stages = tile
     consts = dict(BLOCK_M=sk.MAX_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                   GROUP_SIZE=max(bk, 128), HAS_BIAS=False, SWAP=True, X_SPLIT=True,
-                  PRECISION="tf32", FENCE=True)  # fmt: skip
+                  PRECISION="tf32", FENCE=True, ZERO_OFFSET=128.0)  # fmt: skip
     sass, res = compile_sass(sk._w4a16_skinny_kernel, consts, warps, stages)
     return sass, res, bn * bk // (32 * warps)
 

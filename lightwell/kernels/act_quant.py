@@ -22,7 +22,9 @@ exactly rounded on both sides:
   are first multiplied by 2**64 or 2**-64 (exact; |x / scale| <= 127, and inputs that the
   scaling would make subnormal have quotients that round to zero). Two FMAs and a product an
   element instead of ``div.rn.f32``'s sequence and range check. fp8 and static scales use
-  ``div_rn``: the corrected product turns -0 into +0, which fp8 keeps (int8 has one zero);
+  ``div_rn``: the corrected product turns -0 into +0, which fp8 keeps (int8 has one zero).
+  Outside the claim: an fp32 row whose amax is below 127 * 2**-149 gets a scale of 0 (its
+  values multiply that 0 whatever they quantize to); 16-bit inputs cannot get there;
 - the amax is a max of exact values; the clamps are exact;
 - int8 rounds half to even with ``cvt.rni.f32.f32`` (libdevice ``rint``, as ``torch.round``),
   the interpreter with the add-and-subtract of 1.5 * 2**23 (no product, nothing to contract);
@@ -100,8 +102,8 @@ def _divide(x, scale, STATIC: tl.constexpr, FAST: tl.constexpr):
     the corrected product, without a branch."""
     if STATIC or not FAST:
         return tl.math.div_rn(x, tl.zeros_like(x) + scale)
-    # a row's scale outside [2**-60, 2**60] and its inputs scaled by 2**64 or 2**-64 first:
-    # exact, and the quotient unchanged
+    # a row's scale outside [2**-60, 2**60] and its inputs scaled by 2**64 or 2**-64 first: the
+    # quotient unchanged (inputs the scaling makes subnormal have quotients that round to zero)
     k = tl.where(scale < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
     k = tl.where(scale > 1.152921504606847e18, 5.421010862427522e-20, k)
     s = scale * k

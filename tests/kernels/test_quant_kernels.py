@@ -15,12 +15,12 @@ TOL = {torch.float32: 1e-4, torch.float16: 3e-3}
 
 def _w4(k: int, n: int, group: int, act_order: bool, dtype, gen, sym: bool = False):
     """(qweight [N, K/8], scales [N, G], zeros [N, G], g_idx [K]) with random values (``sym``:
-    every zero point 8, as symmetric checkpoints store them)."""
+    every zero point 8, as symmetric checkpoints store them; else 0-16, GPTQ v1's +1 included)."""
     gs = group if group > 0 else k
     q = torch.randint(0, 16, (n, k), generator=gen)
     groups = -(-k // gs)
     scales = (torch.rand(n, groups, generator=gen) * 0.05 + 0.01).to(dtype)
-    zeros = torch.randint(0, 16, (n, groups), generator=gen).to(dtype)
+    zeros = torch.randint(0, 17, (n, groups), generator=gen).to(dtype)  # GPTQ v1: up to 16
     if sym:
         zeros = torch.full_like(zeros, 8)
     g_idx = torch.arange(k) // gs
@@ -179,7 +179,8 @@ def test_w4a16_skinny_matches_reference(m, k, n, group, sym, config):
     from lightwell.kernels.w4a16_skinny import w4a16_skinny
 
     gen = torch.Generator().manual_seed(m * 1000 + k + n)
-    for dtype in (torch.float32, torch.float16):
+    dtypes = (torch.float32, torch.float16) + ((torch.bfloat16,) if DEVICE == "cuda" else ())
+    for dtype in dtypes:  # (the interpreter cannot bitcast 16 bits to bf16)
         qweight, scales, zeros, g_idx = _w4(k, n, group, False, dtype, gen, sym)
         x = torch.randn(m, k, generator=gen).to(dtype).to(DEVICE)
         bias = torch.randn(n, generator=gen).to(dtype).to(DEVICE) if m != 16 else None
@@ -189,6 +190,25 @@ def test_w4a16_skinny_matches_reference(m, k, n, group, sym, config):
             out = w4a16_skinny(x, qweight, scales, zeros, bias, gs, config)
             assert out.shape == (m, n) and out.dtype == dtype
             _check_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_w4a16_skinny_is_exact_on_exact_inputs(dtype):
+    """Integer x, power-of-two scales, zero points 0-16: every product and sum is exact in
+    fp32, so the kernel's output equals the reference's bit for bit (each weight's q - z is
+    exact, whatever the unpacking)."""
+    from lightwell.kernels.w4a16_skinny import w4a16_skinny
+
+    gen = torch.Generator().manual_seed(7)
+    m, k, n = 4, 512, 48
+    qweight, _, zeros, g_idx = _w4(k, n, 128, False, dtype, gen)
+    scales = (2.0 ** -torch.randint(1, 5, tuple(zeros.shape), generator=gen)).to(dtype)
+    x = torch.randint(-4, 5, (m, k), generator=gen).to(dtype).to(DEVICE)
+    scales = scales.to(DEVICE)
+    assert (zeros == 16).any() and (zeros == 0).any()
+    ref = w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx)
+    out = w4a16_skinny(x, qweight, scales, zeros, None, 128, (16, 128, 2, 4, 1, True, True))
+    assert torch.equal(out, ref)
 
 
 def test_w4a16_matmul_routes_few_rows_to_skinny(monkeypatch):
