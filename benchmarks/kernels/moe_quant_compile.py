@@ -9,11 +9,7 @@ the compile error. A check before spending GPU time, ~1 min on a CPU:
 
 from __future__ import annotations
 
-import inspect
-
-import triton
-from triton.backends.compiler import GPUTarget
-
+from benchmarks.kernels.w4a16_sass import compile_sm90
 from lightwell.kernels import fused_moe as fm
 from lightwell.kernels import moe_gemv_quant as gq
 
@@ -28,13 +24,7 @@ GEMV_TILES = ((1, 2048, 4, 3), (2, 256, 1, 3), (4, 512, 1, 1), (2, 2048, 2, 3))
 
 
 def compile_kernel(fn, types: dict, consts: dict, warps: int = 4, stages: int = 3) -> int:
-    names = list(inspect.signature(fn.fn).parameters)
-    sig = {n: types.get(n, "i32") for n in names if n not in consts}
-    src = triton.compiler.ASTSource(
-        fn=fn, constexprs=consts, attrs={}, signature=dict(sig, **{k: "constexpr" for k in consts})
-    )
-    options = dict(num_warps=warps, num_stages=stages)
-    return len(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"])
+    return len(compile_sm90(fn, types, consts, warps, stages).asm["cubin"])
 
 
 def variants():

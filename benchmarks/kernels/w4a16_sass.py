@@ -35,16 +35,26 @@ DEFAULT_TILES = {"gemv": ["4,2048,4,1", "4,2048,2,1", "16,256,1,1"],
                  "skinny": ["128,128,8,4,3", "256,128,2,4,3", "128,128,8,8,3"]}  # fmt: skip
 
 
-def compile_sass(fn, consts: dict, warps: int, stages: int, **options) -> tuple[str, str]:
-    """(SASS, resource usage) of kernel ``fn`` with its constexprs ``consts``."""
+def compile_sm90(fn, types: dict, consts: dict, warps: int, stages: int, divisible=(), **options):
+    """Kernel ``fn`` compiled for sm_90 without a GPU: pointer ``types`` by argument name (the
+    other arguments i32), constexprs ``consts``, the arguments named in ``divisible`` marked
+    divisible by 16, Triton ``options`` beside the warps and stages."""
     names = list(inspect.signature(fn.fn).parameters)
-    sig = {n: TYPES.get(n, "i32") for n in names if n not in consts}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if n in sig and n not in ("M", "ONE")}  # fmt: skip
+    sig = {n: types.get(n, "i32") for n in names if n not in consts}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names) if n in divisible}
     sig.update(dict.fromkeys(consts, "constexpr"))
     src = triton.compiler.ASTSource(fn=fn, constexprs=consts, attrs=attrs, signature=sig)
-    options = dict(num_warps=warps, num_stages=stages, enable_fp_fusion=True, **options)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    options = dict(num_warps=warps, num_stages=stages, **options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_sass(fn, consts: dict, warps: int, stages: int, **options) -> tuple[str, str]:
+    """(SASS, resource usage) of kernel ``fn`` with its constexprs ``consts`` (every other
+    argument but M and ONE divisible by 16)."""
+    names = [n for n in inspect.signature(fn.fn).parameters if n not in consts]
+    divisible = [n for n in names if n not in ("M", "ONE")]
+    kernel = compile_sm90(fn, TYPES, consts, warps, stages, divisible, enable_fp_fusion=True,
+                          **options)  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
@@ -68,7 +78,7 @@ def skinny_sass(tile: tuple[int, ...]) -> tuple[str, str, int]:
     bn, bk, split, warps, stages = tile
     consts = dict(BLOCK_M=sk.MAX_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
                   GROUP_SIZE=max(bk, 128), HAS_BIAS=False, SWAP=True, X_SPLIT=True,
-                  PRECISION="tf32", FENCE=True, ZERO_OFFSET=128.0)  # fmt: skip
+                  PRECISION="tf32", FENCE=True)  # fmt: skip
     sass, res = compile_sass(sk._w4a16_skinny_kernel, consts, warps, stages)
     return sass, res, bn * bk // (32 * warps)
 

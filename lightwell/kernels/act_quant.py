@@ -97,10 +97,10 @@ def _load_row(x_row, cols, mask, K, SILU_MUL: tl.constexpr):
 
 
 @triton.jit
-def _divide(x, scale, STATIC: tl.constexpr, FAST: tl.constexpr):
-    """``x / scale`` correctly rounded (fp32 x, one scalar scale; module docstring); FAST: by
-    the corrected product, without a branch."""
-    if STATIC or not FAST:
+def _divide(x, scale, CORRECTED: tl.constexpr):
+    """``x / scale`` correctly rounded (fp32 x, one scalar scale; module docstring); CORRECTED
+    (int8, dynamic scale): by the corrected product, without a branch."""
+    if not CORRECTED:
         return tl.math.div_rn(x, tl.zeros_like(x) + scale)
     # a row's scale outside [2**-60, 2**60] and its inputs scaled by 2**64 or 2**-64 first: the
     # quotient unchanged (inputs the scaling makes subnormal have quotients that round to zero)
@@ -120,7 +120,7 @@ def _quantize(
     INTERPRET: tl.constexpr,
 ):  # fmt: skip
     """fp32 ``x / scale`` (correctly rounded), saturated, as int8 or fp8 (module docstring)."""
-    y = _divide(x, scale, STATIC, IS_INT8)
+    y = _divide(x, scale, IS_INT8 and not STATIC)
     if IS_INT8:
         # clamp to the integer bounds, then round half to even (the same as round-then-clamp)
         y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX)

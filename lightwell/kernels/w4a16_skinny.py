@@ -36,15 +36,10 @@ MAX_M = 16
 Config = tuple[int, int, int, int, int, bool, bool]
 
 
-# per x dtype, the float whose mantissa step is 1 (bits 0x4B000000, 0x6400, 0x4300): a nibble
-# ORed into its mantissa reads OFFSET + q
-OFFSET = {torch.float32: 8388608.0, torch.float16: 1024.0, torch.bfloat16: 128.0}
-
-
 @triton.jit
 def _plane(words, J: tl.constexpr, zo):
     """Value J of each word minus its column's zero point, exact in zo's dtype (zo: [BN, 1],
-    the zero points plus ``OFFSET``). 16-bit: values J and J + 4 as the two halves of a word
+    the zero points plus ``_offset``). 16-bit: values J and J + 4 as the two halves of a word
     ``(words >> 4 (J % 4)) & 0x000F000F`` ORed with the exponent of 128 (bf16) or 1024 (fp16), so
     each half reads 128 + q or 1024 + q (the two planes share the mask once compiled); fp32: the
     nibble in the mantissa of 2^23. No integer-to-float conversion."""
@@ -58,6 +53,17 @@ def _plane(words, J: tl.constexpr, zo):
     if J >= 4:
         pair = pair >> 16
     return pair.to(tl.int16).to(zo.dtype, bitcast=True) - zo
+
+
+@triton.jit
+def _offset(dtype: tl.constexpr):
+    """What ``_plane``'s float reads for a nibble of 0 in ``dtype``: the float whose mantissa
+    step is 1 (bits 0x4300, 0x6400, 0x4B000000)."""
+    if dtype == tl.bfloat16:
+        return 128.0
+    if dtype == tl.float16:
+        return 1024.0
+    return 8388608.0
 
 
 @triton.jit
@@ -86,7 +92,7 @@ def _tile_sums(
     BLOCK_K: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """P of the K tile at k0: x @ (q - zero).T ([BM, BN]; SWAP: [BN, BM]). x_rows [BM, 1], q_rows
-    [BN, 1]: row pointers; zo [BN, 1]: the zero points plus ``OFFSET`` in x's dtype. X_SPLIT:
+    [BN, 1]: row pointers; zo [BN, 1]: the zero points plus ``_offset`` in x's dtype. X_SPLIT:
     x's planes from one contiguous load (else eight strided loads)."""
     TW: tl.constexpr = BLOCK_K // 8
     rw = tl.arange(0, TW)[None, :]  # [1, TW]
@@ -120,7 +126,6 @@ def _w4a16_skinny_kernel(
     GROUP_SIZE: tl.constexpr,  # inputs a group, a multiple of BLOCK_K (K: one group a column)
     HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
     FENCE: tl.constexpr,  # compiled for a GPU: split_counters.last_to_arrive's fence
-    ZERO_OFFSET: tl.constexpr,  # OFFSET[x.dtype]: what _plane's floats hold for a nibble of 0
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,7 +143,7 @@ def _w4a16_skinny_kernel(
         k0 = t * BLOCK_K
         g = k0 // GROUP_SIZE
         sc = tl.load(s_ptr + wn * stride_sn + g).to(tl.float32)
-        zp = tl.load(z_ptr + wn * stride_sn + g).to(tl.float32) + ZERO_OFFSET
+        zp = tl.load(z_ptr + wn * stride_sn + g).to(tl.float32) + _offset(x_ptr.dtype.element_ty)
         zo = zp.to(x_ptr.dtype.element_ty)[:, None]  # exact: integer zero points
         p = _tile_sums(x_rows, q_rows, zo, k0, BLOCK_K, SWAP, X_SPLIT, PRECISION)
         if SWAP:
@@ -225,7 +230,6 @@ def w4a16_skinny(
         BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_SIZE=gs,
         HAS_BIAS=bias is not None, SWAP=swap, X_SPLIT=x_split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        FENCE=not envs.triton_interpret(), ZERO_OFFSET=OFFSET[x.dtype], num_warps=warps,
-        num_stages=stages,
+        FENCE=not envs.triton_interpret(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
