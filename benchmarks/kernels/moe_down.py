@@ -1,10 +1,11 @@
 """The MoE down projection for a few tokens (lightwell/kernels/moe_gemv.py): the loop over a
-token's pairs (``_moe_gemv_down``, its ``pick_config`` tile) against the pairs as a dimension of
-the tile (``_moe_gemv_down_pairs``, a sweep of tiles), bf16, at 1, 2 and 4 tokens, on
-DeepSeek-V2-Lite's shapes (6 routed + 2 shared experts a token, H 2,048, I 1,408),
-Mixtral-8x7B's (2 a token, H 4,096, I 14,336), Qwen2-MoE-A2.7B's (4 of 60, I 1,408) and
-Qwen3-MoE-30B-A3B's (8 of 128, I 768). The rule ``use_pairs_tile`` and
-``PAIRS_TILE_CONFIG`` come from these rows. One device call, about two minutes:
+token's pairs (``_moe_gemv_down``, its ``pick_config`` tile), the pairs as a dimension of one
+program's tile (``_moe_gemv_down_pairs``, ``PAIRS_TILE_CONFIG``) and a program per pair with
+the partials added by the last (``_moe_gemv_down_split``: its ``split_config`` tile and a sweep
+of tiles), bf16, at 1, 2 and 4 tokens, on DeepSeek-V2-Lite's shapes (6 routed + 2 shared
+experts a token, H 2,048, I 1,408), Mixtral-8x7B's (2 a token, H 4,096, I 14,336),
+Qwen2-MoE-A2.7B's (4 of 60, I 1,408) and Qwen3-MoE-30B-A3B's (8 of 128, I 768). The rule
+``use_split`` and ``split_config`` come from these rows. One device call, about two minutes:
 
     run(command="python3 -m benchmarks.kernels.moe_down --out $OUT/moe_down.json")
 
@@ -35,7 +36,7 @@ SHAPES = {
     "qwen3-moe-30b-a3b": (128, 8, 0, 2048, 768),
 }
 TOKENS = (1, 2, 4)
-TILES = list(itertools.product((1, 2, 4, 8, 16), (128, 256, 512, 1024), (4, 8), (1, 3)))
+TILES = list(itertools.product((4, 16, 32, 64), (128, 256, 512), (1, 2), (1, 3)))
 
 
 def _compile(tiles: list[mg.Config]) -> int:
@@ -48,7 +49,7 @@ def _compile(tiles: list[mg.Config]) -> int:
             weights = torch.rand(tokens, k, device=dev)
             for tile in tiles:
                 try:
-                    mg.moe_gemv_down(act, w2, weights, ids, tile, shared, pairs_tile=True)
+                    mg.moe_gemv_down(act, w2, weights, ids, tile, shared, kernel="split")
                     done += 1
                 except Exception as e:  # skipped when timed too
                     print(f"compile {tile}: {type(e).__name__}: {str(e)[:150]}", flush=True)
@@ -79,20 +80,20 @@ def measure(name: str, dev: torch.device) -> list[dict]:
             )  # fmt: skip
         gb = (min(experts - shared, tokens * k) + shared) * hidden * inter * 2 / 1e9
 
-        def timed(tile, pairs_tile, calls=calls):
+        def timed(tile, kernel, calls=calls):
             return graph_replay_us(
                 lambda: [
-                    mg.moe_gemv_down(a, w, wt, ids, tile, shared, pairs_tile=pairs_tile)
+                    mg.moe_gemv_down(a, w, wt, ids, tile, shared, kernel=kernel)
                     for w, ids, wt, a in calls
                 ],
                 calls=len(calls),
             )
 
         w, ids, wt, a = calls[0]
-        ref = mg.moe_gemv_down(a, w, wt, ids, None, shared, pairs_tile=False).float()
+        ref = mg.moe_gemv_down(a, w, wt, ids, None, shared, kernel="loop").float()
         loop_tile = mg.pick_config(inter, 1, tokens)
         base = dict(shape=name, tokens=tokens, pairs_a_token=k + shared, gb=gb)
-        us = timed(loop_tile, False)
+        us = timed(loop_tile, "loop")
         rows.append(
             record(
                 "moe_down_us", us, kernel="loop", tile=list(loop_tile), tb_s=gb / us * 1e3, **base
@@ -101,26 +102,30 @@ def measure(name: str, dev: torch.device) -> list[dict]:
         best = None
         for tile in TILES:
             try:
-                got = mg.moe_gemv_down(a, w, wt, ids, tile, shared, pairs_tile=True).float()
+                got = mg.moe_gemv_down(a, w, wt, ids, tile, shared, kernel="split").float()
             except Exception:
                 continue
             err = ((got - ref).abs().max() / ref.abs().max()).item()
             if not err < 1e-2:
                 print(f"{name} T={tokens} {tile}: error {err:.3g}: not timed", flush=True)
                 continue
-            us_t = timed(tile, True)
+            us_t = timed(tile, "split")
             if best is None or us_t < best[0]:
                 best = (us_t, tile, err)
         if best is not None:
             us_t, tile, err = best
-            rows.append(record("moe_down_us", us_t, kernel="pairs_tile_best", tile=list(tile),
+            rows.append(record("moe_down_us", us_t, kernel="split_best", tile=list(tile),
                                tb_s=gb / us_t * 1e3, rel_err=err, **base))  # fmt: skip
-        fixed = timed(mg.PAIRS_TILE_CONFIG, True)
-        default = dict(kernel="pairs_tile_default", tile=list(mg.PAIRS_TILE_CONFIG))
-        rows.append(record("moe_down_us", fixed, tb_s=gb / fixed * 1e3, **default, **base))
-        print(f"{name} T={tokens}: loop {us:.2f} us, pairs tile {mg.PAIRS_TILE_CONFIG} "
-              f"{fixed:.2f}, best {best[1] if best else None} {best[0] if best else 0:.2f}",
-              flush=True)  # fmt: skip
+        pairs = timed(mg.PAIRS_TILE_CONFIG, "pairs")
+        rows.append(record("moe_down_us", pairs, kernel="pairs", tile=list(mg.PAIRS_TILE_CONFIG),
+                           tb_s=gb / pairs * 1e3, **base))  # fmt: skip
+        split_tile = mg.split_config(tokens)
+        split = timed(split_tile, "split")
+        rows.append(record("moe_down_us", split, kernel="split_default", tile=list(split_tile),
+                           tb_s=gb / split * 1e3, **base))  # fmt: skip
+        print(f"{name} T={tokens}: loop {us:.2f} us, pairs tile {pairs:.2f}, split "
+              f"{split_tile} {split:.2f}, best {best[1] if best else None} "
+              f"{best[0] if best else 0:.2f}", flush=True)  # fmt: skip
     return rows
 
 

@@ -19,9 +19,13 @@ nothing).
   serve all but the first read.
 - ``_moe_gemv_down``: grid (T, cdiv(H, BLOCK_N)): one program loops over its token's k pairs,
   each pair's W2 rows against its ``act`` row times its router weight, summed in fp32 in a
-  fixed order (no atomics: deterministic) -> [T, H] in x's dtype. ``_moe_gemv_down_pairs``:
-  the same with the pairs a dimension of the tile instead of a loop (all pairs' loads in
-  flight together), for one or two tokens of many pairs each (``use_pairs_tile``).
+  fixed order (no atomics: deterministic) -> [T, H] in x's dtype. For one or two tokens of
+  many pairs each (``use_split``), ``_moe_gemv_down_split``: one program per (token, rows,
+  pair), each pair's weighted rows stored as an fp32 partial, the last program of a row block
+  to finish (kernels/split_counters.py) adding them in pair order (deterministic too): many
+  small programs keep more of the weight stream in flight than a program per row block.
+  ``_moe_gemv_down_pairs`` (the pairs a dimension of one program's tile) is the benchmark's
+  baseline (benchmarks/kernels/moe_down.py), not the default anywhere.
 
 Shared experts (``num_shared`` S: DeepSeek's, split into experts of the routed size) are the
 last S of the stack: every token takes them after its k routed ones, with weight 1 (pairs are
@@ -38,6 +42,7 @@ import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
 from lightwell.kernels.pdl_sync import wait_then_signal
+from lightwell.kernels.split_counters import last_to_arrive, split_counters
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 Config = tuple[int, int, int, int]
@@ -230,6 +235,66 @@ def _moe_gemv_down_pairs(
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
 
 
+@triton.jit(do_not_specialize=["top_k", "num_experts", "num_shared"])
+def _moe_gemv_down_split(
+    a_ptr,  # [T * (k + S), I]
+    w_ptr,  # [E, H, I]
+    ids_ptr,  # [T * k] expert ids
+    weight_ptr,  # [T * k] fp32 router weights
+    part_ptr,  # [T, k + S, H] fp32: each pair's weighted rows
+    cnt_ptr,  # [T * cdiv(H, BLOCK_N)] zeroed int32 counters (kernels/split_counters.py)
+    out_ptr,  # [T, H]
+    top_k, num_experts, num_shared, hidden, inter,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    FENCE: tl.constexpr,  # compiled for a GPU: split_counters.last_to_arrive's fence
+    GDC: tl.constexpr,  # launched with PDL: the first weight tile loads before the wait
+):  # fmt: skip
+    """One program per (token, BLOCK_N rows, pair), pairs fastest: the pair's rows of W2
+    against its ``act`` row times its router weight, stored as an fp32 partial; the last of a
+    row block's k + S programs to finish adds the partials in pair order (deterministic) and
+    writes the output. The first weight tile loads before the PDL wait, as in
+    ``_moe_gemv_down_pairs`` (the router's ids, read through L2, are two kernels back)."""
+    pairs = top_k + num_shared
+    pid = tl.program_id(0)
+    row_blocks = tl.cdiv(hidden, BLOCK_N)
+    j, rest = pid % pairs, pid // pairs
+    row_block, token = rest % row_blocks, rest // row_blocks
+    rn = row_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(rn, hidden - 1).to(tl.int64)  # past H: re-read the last row
+    expert = _pair_expert(ids_ptr, token, j, top_k, num_experts, num_shared)
+    mine = (expert >= 0) & (expert < num_experts)  # else: another rank's expert
+    w_rows = w_ptr + tl.where(mine, expert, 0) * hidden * inter + rows[:, None] * inter
+    rk = tl.arange(0, BLOCK_K)
+    first = (rk < tl.where(mine, inter, 0))[None, :]
+    w = tl.load(w_rows + rk[None, :], mask=first, other=0.0)
+    wait_then_signal(GDC)
+    pair = token * pairs + j
+    a_row = a_ptr + pair.to(tl.int64) * inter
+    a = tl.load(a_row + rk, mask=rk < inter, other=0.0)
+    acc = w.to(tl.float32) * a.to(tl.float32)[None, :]
+    for k0 in range(BLOCK_K, inter, BLOCK_K):
+        k = k0 + rk
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=first, other=0.0)
+            a = tl.load(a_row + k)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=first & (k < inter)[None, :], other=0.0)
+            a = tl.load(a_row + k, mask=k < inter, other=0.0)
+        acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
+    scale = tl.where(mine, _pair_weight(weight_ptr, token, j, top_k), 0.0)
+    row_part = part_ptr + (token.to(tl.int64) * pairs) * hidden + rn  # [BN] pair 0's
+    tl.store(row_part + j * hidden, tl.sum(acc, axis=1) * scale, mask=rn < hidden)
+    counter = cnt_ptr + token * row_blocks + row_block
+    if last_to_arrive(counter, pairs, rn, FENCE):
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for i in range(pairs):
+            total += tl.load(row_part + i * hidden, mask=rn < hidden, other=0.0,
+                             cache_modifier=".cg")  # fmt: skip
+        tl.atomic_xchg(counter, 0)
+        out = out_ptr + token.to(tl.int64) * hidden + rn
+        tl.store(out, total.to(out_ptr.dtype.element_ty), mask=rn < hidden)
+
+
 def pick_config(k: int, mats: int = 1, num_tokens: int = 1) -> Config:
     """The tile of a kernel reducing over ``k`` (H for gate/up, I for down) that streams
     ``mats`` matrices at once (2 for gate/up), for a step of ``num_tokens`` tokens; the best
@@ -271,15 +336,24 @@ def moe_gemv_gate_up(
     return act
 
 
-def use_pairs_tile(num_tokens: int, pairs_per_token: int) -> bool:
-    """Whether ``moe_gemv_down`` takes ``_moe_gemv_down_pairs`` by default: many pairs a token
+def use_split(num_tokens: int, pairs_per_token: int) -> bool:
+    """Whether ``moe_gemv_down`` takes ``_moe_gemv_down_split`` by default: many pairs a token
     (k + S >= 4) and at most 2 tokens, where the loop over pairs leaves the memory system idle
-    between pairs; the rule of benchmarks/kernels/moe_down.py's results (DeepSeek-V2-Lite's
-    8 pairs a token, Qwen3-MoE's 8, Qwen2-MoE's 4 and Mixtral's 2, at 1, 2 and 4 tokens)."""
+    between pairs. The rule the pairs-in-one-tile kernel's rows set against the loop
+    (kernels_moe_down_h200.json: DeepSeek-V2-Lite's 8 pairs a token, Qwen3-MoE's 8, Qwen2-MoE's
+    4 and Mixtral's 2, at 1, 2 and 4 tokens); the split kernel, faster than that one on
+    V2-Lite's shapes at 1 and 2 tokens, took its place under it."""
     return pairs_per_token >= 4 and num_tokens <= 2
 
 
 PAIRS_TILE_CONFIG: Config = (8, 256, 8, 1)  # _moe_gemv_down_pairs's tile (moe_down.py)
+
+
+def split_config(num_tokens: int) -> Config:
+    """``_moe_gemv_down_split``'s tile, the best of a sweep on DeepSeek-V2-Lite's shapes with
+    benchmarks/kernels/moe_down.py's timing: one token, 16 rows and 256-wide K steps on one
+    warp; two, 64 rows and 128-wide steps on two."""
+    return (16, 256, 1, 3) if num_tokens == 1 else (64, 128, 2, 1)
 
 
 def moe_gemv_down(
@@ -287,28 +361,42 @@ def moe_gemv_down(
     w2: torch.Tensor,  # [E, H, I]
     weights: torch.Tensor,  # [T, k] router weights
     ids: torch.Tensor,  # [T, k] expert ids (outside [0, E): skipped)
-    config: Config | None = None,  # default: pick_config(I, 1, T) or PAIRS_TILE_CONFIG
+    config: Config | None = None,  # the kernel's tile; default: the kernel's own rule
     num_shared: int = 0,  # the last S experts of w2 are every token's, weight 1
-    pairs_tile: bool | None = None,  # _moe_gemv_down_pairs; default: use_pairs_tile when
-    # config is None (a config given alone is the loop's tile)
+    kernel: str | None = None,  # "loop", "split" or "pairs"; default: "split" where
+    # use_split and no config is given (a config given alone is the loop's tile), else "loop"
 ) -> torch.Tensor:  # [T, H] in act's dtype
     num_tokens, top_k = ids.shape
     num_experts, hidden, inter = w2.shape
+    pairs = top_k + num_shared
     out = torch.empty(num_tokens, hidden, dtype=act.dtype, device=act.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()  # [T * k]
-    if pairs_tile is None:
-        pairs_tile = config is None and use_pairs_tile(num_tokens, top_k + num_shared)
-    if pairs_tile:
-        kernel, tile = _moe_gemv_down_pairs, config or PAIRS_TILE_CONFIG
-        extra = {"PAIRS": triton.next_power_of_2(top_k + num_shared)}
+    ids = ids.reshape(-1).contiguous()
+    if kernel is None:
+        kernel = "split" if config is None and use_split(num_tokens, pairs) else "loop"
+    if kernel == "split":
+        block_n, block_k, warps, stages = config or split_config(num_tokens)
+        blocks = num_tokens * triton.cdiv(hidden, block_n)
+        part = torch.empty(num_tokens, pairs, hidden, dtype=torch.float32, device=act.device)
+        _moe_gemv_down_split[(blocks * pairs,)](
+            act, w2, ids, flat_weights, part, split_counters(act.device, blocks), out, top_k,
+            num_experts, num_shared, hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k,
+            EVEN_K=inter % block_k == 0, FENCE=act.is_cuda, num_warps=warps,
+            num_stages=stages, **_pdl.kernel_args(act.device),
+        )  # fmt: skip
+        return out
+    if kernel == "pairs":
+        fn, tile = _moe_gemv_down_pairs, config or PAIRS_TILE_CONFIG
+        extra = {"PAIRS": triton.next_power_of_2(pairs)}
+    elif kernel == "loop":
+        fn, tile, extra = _moe_gemv_down, config or pick_config(inter, 1, num_tokens), {}
     else:
-        kernel, tile, extra = _moe_gemv_down, config or pick_config(inter, 1, num_tokens), {}
+        raise ValueError(f"moe_gemv_down: kernel {kernel!r} (loop, split or pairs)")
     block_n, block_k, warps, stages = tile
-    kernel[(num_tokens, triton.cdiv(hidden, block_n))](
-        act, w2, ids.reshape(-1).contiguous(), flat_weights, out, top_k, num_experts,
-        num_shared, hidden, inter, BLOCK_N=block_n, BLOCK_K=block_k,
-        EVEN_K=inter % block_k == 0,  num_warps=warps, num_stages=stages,
-        **extra, **_pdl.kernel_args(act.device),
+    fn[(num_tokens, triton.cdiv(hidden, block_n))](
+        act, w2, ids, flat_weights, out, top_k, num_experts, num_shared, hidden, inter,
+        BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=inter % block_k == 0,  num_warps=warps,
+        num_stages=stages, **extra, **_pdl.kernel_args(act.device),
     )  # fmt: skip
     return out
 
@@ -322,7 +410,7 @@ def moe_gemv(
     gate_up_config: Config | None = None,  # default: pick_config(H, 2, T)
     down_config: Config | None = None,  # default: see moe_gemv_down
     num_shared: int = 0,  # the last S experts: every token's, weight 1 (DeepSeek's shared)
-    down_pairs_tile: bool | None = None,  # moe_gemv_down's pairs_tile
+    down_kernel: str | None = None,  # moe_gemv_down's kernel
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """The MoE MLP of a few tokens in two launches; shapes as kernels/fused_moe.py's
     ``fused_moe``, which checks them and calls this for steps ``moe_gemv_rule.use_gemv``
@@ -332,4 +420,4 @@ def moe_gemv(
     # kernel reads the ids before its PDL wait, kernels/pdl.py)
     ids = ids.contiguous()
     act = moe_gemv_gate_up(x, w13, ids, gate_up_config, num_shared)
-    return moe_gemv_down(act, w2, weights, ids, down_config, num_shared, down_pairs_tile)
+    return moe_gemv_down(act, w2, weights, ids, down_config, num_shared, down_kernel)

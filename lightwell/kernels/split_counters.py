@@ -1,11 +1,13 @@
-"""The per-tile counters of split-K kernels (kernels/int8_gemm.py, kernels/w4a16_skinny.py): the
-programs of an output tile count themselves in (``last_to_arrive``), the last adds the partials
-and sets the count back to zero, so one zeroed int32 buffer per device serves every call and
-every CUDA graph replay.
+"""The per-tile counters of split-K kernels (kernels/int8_gemm.py, kernels/w4a16_skinny.py, and
+kernels/moe_gemv.py's down projection split by pair): the programs of an output tile count
+themselves in (``last_to_arrive``), the last adds the partials and sets the count back to zero,
+so one zeroed int32 buffer per device serves every call and every CUDA graph replay.
 
 One buffer per device: two split-K launches must never run at once on one device (every GEMM
 runs on the step's main stream; the dual-stream overlap's second stream carries only
-all-reduces), or their counts would mix. The buffer is allocated (zeroed) on first use, which
+all-reduces), or their counts would mix. A kernel launched with programmatic dependent launch
+(kernels/pdl.py) touches the counters only after its wait, when the kernel before it has
+finished. The buffer is allocated (zeroed) on first use, which
 must come before any CUDA-graph capture (the runner's warm-up forwards do that): allocated
 inside a capture it would live in the graph's pool and be zeroed by no replay of other graphs.
 """

@@ -146,15 +146,17 @@ def test_fused_moe_folds_shared_experts_exactly_where_the_gemv_path_runs():
 
 @pytest.mark.parametrize("dtype", [torch.float32, FP16])
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_down_with_pairs_in_the_tile_matches_the_loop(tokens, dtype):
-    """``_moe_gemv_down_pairs`` (every pair of a token in one tile; masked pairs past k + S and
-    of other ranks) against the reference and the loop over pairs: shared experts, an id of
-    another rank, I not a multiple of BLOCK_K, H not of BLOCK_N, k + S not a power of two."""
+def test_down_split_and_pairs_tile_match_the_loop(tokens, dtype):
+    """``_moe_gemv_down_split`` (a program per pair, the last of a row block adding the
+    partials) and ``_moe_gemv_down_pairs`` (every pair of a token in one tile) against the
+    reference and the loop over pairs: shared experts, an id of another rank, I not a multiple
+    of BLOCK_K, H not of BLOCK_N, k + S not a power of two. The split kernel is deterministic
+    and leaves its counters at zero (a second call gives the same bits)."""
     from lightwell.kernels.fused_moe import with_shared
-    from lightwell.kernels.moe_gemv import PAIRS_TILE_CONFIG, moe_gemv_down, use_pairs_tile
+    from lightwell.kernels.moe_gemv import PAIRS_TILE_CONFIG, moe_gemv_down, split_config, use_split
 
-    assert use_pairs_tile(1, 8) and use_pairs_tile(2, 4)
-    assert not use_pairs_tile(4, 8) and not use_pairs_tile(1, 2)  # Mixtral's 2 pairs: the loop
+    assert use_split(1, 8) and use_split(2, 4)
+    assert not use_split(4, 8) and not use_split(1, 2)  # Mixtral's 2 pairs: the loop
     x, w13, w2, weights, ids = _case(tokens, 4, 12, 40, 44, dtype, seed=13)
     ids = ids % 9
     ids[0, 1] = 17  # another rank's expert: skipped
@@ -167,10 +169,15 @@ def test_down_with_pairs_in_the_tile_matches_the_loop(tokens, dtype):
             if 0 <= e < 12:
                 row = act[t * 7 + j].float().cpu()
                 want[t] += float(wide_w[t, j]) * (w2[e].float().cpu() @ row)
-    loop = moe_gemv_down(act, w2, weights, ids, (16, 16, 1, 1), 3, pairs_tile=False)
-    for config in ((16, 16, 1, 1), (4, 32, 2, 1), PAIRS_TILE_CONFIG):
-        tiled = moe_gemv_down(act, w2, weights, ids, config, 3, pairs_tile=True)
-        assert _rel_err(tiled.cpu(), want) < TOL[dtype]
-        assert _rel_err(tiled, loop) < TOL[dtype]
-    assert torch.equal(moe_gemv_down(act, w2, weights, ids, None, 3), tiled)  # the default
+    loop = moe_gemv_down(act, w2, weights, ids, (16, 16, 1, 1), 3, kernel="loop")
+    for kernel, config in (("pairs", (4, 32, 2, 1)), ("pairs", PAIRS_TILE_CONFIG),
+                           ("split", (16, 16, 1, 1)), ("split", (4, 32, 2, 1)),
+                           ("split", split_config(tokens))):  # fmt: skip
+        got = moe_gemv_down(act, w2, weights, ids, config, 3, kernel=kernel)
+        assert _rel_err(got.cpu(), want) < TOL[dtype], (kernel, config)
+        assert _rel_err(got, loop) < TOL[dtype], (kernel, config)
+        again = moe_gemv_down(act, w2, weights, ids, config, 3, kernel=kernel)
+        assert torch.equal(again, got), (kernel, config)
+    split = moe_gemv_down(act, w2, weights, ids, split_config(tokens), 3, kernel="split")
+    assert torch.equal(moe_gemv_down(act, w2, weights, ids, None, 3), split)  # the default
     assert torch.equal(moe_gemv_down(act, w2, weights, ids, (16, 16, 1, 1), 3), loop)  # a tile

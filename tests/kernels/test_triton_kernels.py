@@ -779,6 +779,10 @@ out = {
     "down_pairs": ops(mg._moe_gemv_down_pairs, dict(a_ptr=bf, w_ptr=bf, ids_ptr="*i64",
         weight_ptr="*fp32", out_ptr=bf), dict(PAIRS=8, BLOCK_N=8, BLOCK_K=256, EVEN_K=False,
         GDC=on), num_warps=8, num_stages=1, launch_pdl=on),
+    "down_split": ops(mg._moe_gemv_down_split, dict(a_ptr=bf, w_ptr=bf, ids_ptr="*i64",
+        weight_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", out_ptr=bf), dict(BLOCK_N=16,
+        BLOCK_K=256, EVEN_K=False, FENCE=True, GDC=on), num_warps=1, num_stages=3,
+        launch_pdl=on),
     "mla_decode": ops(md._mla_decode_kernel, dict(q_ptr=bf, cache_ptr=bf,
         block_table_ptr="*i32", seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
         out_ptr=bf, scale="fp32"), dict(mla, BLOCK_SIZE=16, ROPE=64, BLOCK_P=64, BLOCK_H=16,
@@ -808,10 +812,10 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
     router signal only after their (first) wait (the down kernel's early read of the router's
     ids relies on the gate/up kernel doing so), the router before it, so the gate/up kernel's
     shared-expert tiles load under it; the router, loop-down, attention and combine kernels
-    load nothing before the wait, the gate/up kernel weights only; the pairs-down kernel reads
-    the ids through L2 (``.cg``). Off, none of it is compiled in."""
+    load nothing before the wait, the gate/up kernel weights only; the pairs and split down
+    kernels read the ids through L2 (``.cg``). Off, none of it is compiled in."""
     kernels = _run_ptx_script(_PDL_MLA_MOE_SCRIPT, on)
-    assert len(kernels) == 9
+    assert len(kernels) == 10
     for name, got in kernels.items():
         found = got["ops"]
         if not on:
@@ -830,7 +834,7 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
             assert not before, (name, found)
         elif name == "gate_up":  # the shared experts' first gate and up tiles, 16-byte vectors
             assert before == ["ld.global.v4.b32"] * 4, found  # (1 row x 1,024 x 2 / 64 threads)
-        elif name == "down_pairs":
+        elif name in ("down_pairs", "down_split"):
             assert "ld.global.cg.b64" in before or any(".cg" in op for op in before), found
         else:  # absorb, prepare: the first weight chunk; absorb_few: its W_UV slice
             assert any(op.startswith("ld.global") for op in before), (name, found)
