@@ -4,8 +4,10 @@ program's tile (``_moe_gemv_down_pairs``, ``PAIRS_TILE_CONFIG``) and a program p
 the partials added by the last (``_moe_gemv_down_split``: its ``split_config`` tile and a sweep
 of tiles), bf16, at 1, 2 and 4 tokens, on DeepSeek-V2-Lite's shapes (6 routed + 2 shared
 experts a token, H 2,048, I 1,408), Mixtral-8x7B's (2 a token, H 4,096, I 14,336),
-Qwen2-MoE-A2.7B's (4 of 60, I 1,408) and Qwen3-MoE-30B-A3B's (8 of 128, I 768). The rule
-``use_split`` and ``split_config`` come from these rows. One device call, about two minutes:
+Qwen2-MoE-A2.7B's (4 of 60, I 1,408) and Qwen3-MoE-30B-A3B's (8 of 128, I 768). Its rows
+check the rule ``use_split`` and the tiles of ``split_config`` (``kernels_moe_down_h200.json``
+holds the loop and one-tile rows; the split kernel's rows are not in it yet). One device
+call, about two minutes:
 
     run(command="python3 -m benchmarks.kernels.moe_down --out $OUT/moe_down.json")
 

@@ -31,7 +31,9 @@ Shared experts (``num_shared`` S: DeepSeek's, split into experts of the routed s
 last S of the stack: every token takes them after its k routed ones, with weight 1 (pairs are
 then ``k + S`` a token; ``ids`` holds only the routed ones). Expert ids outside ``[0, E)``
 (another rank's experts under expert parallelism) are skipped: their weights are never read.
-Two launches, no host sync, shapes fixed by T: CUDA-graph safe.
+Two launches, no host sync, shapes fixed by T: CUDA-graph safe, once the split down kernel
+has run outside a capture (its counters are allocated on first use: kernels/split_counters.py;
+the runner's warm-up forwards and ``MoEBlock.compile_kernel_variants`` make that call).
 """
 
 from __future__ import annotations
@@ -281,9 +283,11 @@ def _moe_gemv_down_split(
             w = tl.load(w_rows + k[None, :], mask=first & (k < inter)[None, :], other=0.0)
             a = tl.load(a_row + k, mask=k < inter, other=0.0)
         acc += w.to(tl.float32) * a.to(tl.float32)[None, :]
-    scale = tl.where(mine, _pair_weight(weight_ptr, token, j, top_k), 0.0)
+    scale = _pair_weight(weight_ptr, token, j, top_k)
     row_part = part_ptr + (token.to(tl.int64) * pairs) * hidden + rn  # [BN] pair 0's
-    tl.store(row_part + j * hidden, tl.sum(acc, axis=1) * scale, mask=rn < hidden)
+    # (another rank's pair: its act row was never written, so its product may be NaN)
+    partial = tl.where(mine, tl.sum(acc, axis=1) * scale, 0.0)
+    tl.store(row_part + j * hidden, partial, mask=rn < hidden)
     counter = cnt_ptr + token * row_blocks + row_block
     if last_to_arrive(counter, pairs, rn, FENCE):
         total = tl.zeros([BLOCK_N], dtype=tl.float32)

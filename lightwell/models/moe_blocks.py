@@ -146,8 +146,9 @@ class MoEBlock(nn.Module):
             method.apply(experts, x, weights, ids, block_m=block_m, gemv=False)
         if experts.num_shared:  # large steps add the shared MLP's output in the pair sum
             method.apply(experts, x, weights, ids, gemv=False, add=torch.zeros_like(x))
-        method.apply(experts, x[:1], weights[:1], ids[:1])
-        return len(blocks) + 1 + bool(experts.num_shared)
+        for few in (1, 2):  # the few-token path (one and two tokens' down tiles differ)
+            method.apply(experts, x[:few], weights[:few], ids[:few])
+        return len(blocks) + 2 + bool(experts.num_shared)
 
 
 class MoEDecoderLayer(nn.Module):

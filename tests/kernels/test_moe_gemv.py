@@ -144,23 +144,27 @@ def test_fused_moe_folds_shared_experts_exactly_where_the_gemv_path_runs():
             assert moe.folds_shared(tokens, top_k) == want, (experts, top_k, shared, tokens)
 
 
+@pytest.mark.parametrize("inter", [44, 64])  # 64: tiles whose BLOCK_K divides I (EVEN_K)
 @pytest.mark.parametrize("dtype", [torch.float32, FP16])
 @pytest.mark.parametrize("tokens", [1, 2])
-def test_down_split_and_pairs_tile_match_the_loop(tokens, dtype):
+def test_down_split_and_pairs_tile_match_the_loop(tokens, dtype, inter):
     """``_moe_gemv_down_split`` (a program per pair, the last of a row block adding the
     partials) and ``_moe_gemv_down_pairs`` (every pair of a token in one tile) against the
     reference and the loop over pairs: shared experts, an id of another rank, I not a multiple
-    of BLOCK_K, H not of BLOCK_N, k + S not a power of two. The split kernel is deterministic
-    and leaves its counters at zero (a second call gives the same bits)."""
+    of BLOCK_K (or a multiple), H not of BLOCK_N, k + S not a power of two; the other rank's
+    pair's act row (never written by the gate/up kernel) holds NaN and must not leak in. The
+    split kernel is deterministic and leaves its counters at zero."""
     from lightwell.kernels.fused_moe import with_shared
     from lightwell.kernels.moe_gemv import PAIRS_TILE_CONFIG, moe_gemv_down, split_config, use_split
+    from lightwell.kernels.split_counters import split_counters
 
     assert use_split(1, 8) and use_split(2, 4)
     assert not use_split(4, 8) and not use_split(1, 2)  # Mixtral's 2 pairs: the loop
-    x, w13, w2, weights, ids = _case(tokens, 4, 12, 40, 44, dtype, seed=13)
+    x, w13, w2, weights, ids = _case(tokens, 4, 12, 40, inter, dtype, seed=13)
     ids = ids % 9
     ids[0, 1] = 17  # another rank's expert: skipped
-    act = torch.randn(tokens * (4 + 3), 44, device=DEVICE).to(dtype)  # k + S = 7 pairs a token
+    act = torch.randn(tokens * (4 + 3), inter, device=DEVICE).to(dtype)  # k + S = 7 a token
+    act[1] = float("nan")  # token 0's pair 1 (the other rank's): a row left unwritten
     wide_w, wide_ids = with_shared(weights, ids, 12, 3)
     want = torch.zeros(tokens, 40)
     for t in range(tokens):
@@ -178,6 +182,7 @@ def test_down_split_and_pairs_tile_match_the_loop(tokens, dtype):
         assert _rel_err(got, loop) < TOL[dtype], (kernel, config)
         again = moe_gemv_down(act, w2, weights, ids, config, 3, kernel=kernel)
         assert torch.equal(again, got), (kernel, config)
+        assert not split_counters(got.device, 1).any(), (kernel, config)
     split = moe_gemv_down(act, w2, weights, ids, split_config(tokens), 3, kernel="split")
     assert torch.equal(moe_gemv_down(act, w2, weights, ids, None, 3), split)  # the default
     assert torch.equal(moe_gemv_down(act, w2, weights, ids, (16, 16, 1, 1), 3), loop)  # a tile
