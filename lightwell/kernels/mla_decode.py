@@ -231,18 +231,49 @@ def mla_decode(
     part, lse = _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
                         out, config)  # fmt: skip
     if num_splits > 1:
+        combine(part, lse, out)
+    return out
+
+
+def mla_decode_split(
+    q: torch.Tensor,  # [R, H, L + P]: one absorbed query per request
+    kv_cache: torch.Tensor,  # [1, N, B, 1, L + P]
+    block_table: torch.Tensor,  # [R, max_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    scale: float,
+    kv_lora_rank: int,
+    num_splits: int,  # at least 2
+    config: Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # ([R, S, H, L], [R, S, H]) float32
+    """The decode kernel without the combine: each split's partial output and log-sum-exp (an
+    empty split's is -inf), for a consumer that combines them as it reads them (``combine``'s
+    arithmetic; kernels/mla_output.py's ``absorb_output`` with ``lse``)."""
+    _check(q, kv_cache, block_table, num_splits)
+    if num_splits < 2 or q.shape[0] == 0:
+        raise ValueError(f"mla_decode_split: {num_splits} splits of {q.shape[0]} requests")
+    return _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits, None,
+                   config)  # fmt: skip
+
+
+def combine(
+    part: torch.Tensor,  # [R, S, H, L] float32
+    lse: torch.Tensor,  # [R, S, H] float32
+    out: torch.Tensor,  # [R, H, L] (rows contiguous in L)
+) -> None:
+    """The splits' partial outputs weighted by their log-sum-exps into ``out``."""
+    num_reqs, num_splits, num_heads, kv_lora_rank = part.shape
+    if num_reqs:
         _combine_kernel[(num_reqs, num_heads)](
             part, lse, out, num_heads, out.stride(0), out.stride(1), num_splits,
             LATENT=kv_lora_rank, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
             BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
-            **_pdl.kernel_args(q.device),
+            **_pdl.kernel_args(part.device),
         )  # fmt: skip
-    return out
 
 
 def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits, out, config):
     """The decode kernel's launch: with one split it writes ``out``; with more it returns the
-    partials and their log-sum-exps (for the combine kernel)."""
+    partials and their log-sum-exps (for ``combine``; ``out`` may then be None)."""
     num_reqs, num_heads, width = q.shape
     block_h, block_s, warps, stages = config or pick_config(num_heads)
     rope = width - kv_lora_rank
@@ -250,6 +281,8 @@ def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
     if num_splits > 1:
         part = torch.empty(num_reqs, num_splits, num_heads, kv_lora_rank, device=q.device)
         lse = torch.empty(num_reqs, num_splits, num_heads, device=q.device)
+        if out is None:  # (the output's arguments unread)
+            out = part[:, 0]
     grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_kernel[grid](
         q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, out, scale, num_heads,

@@ -4,8 +4,10 @@
 Up to ``FEW_TOKENS`` tokens (batch-1 decode): grid (heads, 16-wide value chunks); each
 program loads its whole ``[16, L]`` slice of ``W_UV`` (no kernel's output) before its PDL wait,
 so the slice streams while the attention finishes, then per token multiplies on the CUDA cores
-in fp32. More tokens: tl.dot on 16- or 64-token tiles, grid (heads, token tiles, 32-wide value
-chunks), the first weight chunk loaded before the wait.
+in fp32. It may instead take the split-KV decode's partial outputs and log-sum-exps and combine
+them as it reads them (every program of a head repeats its head's combine: a few KB from L2),
+which saves the combine's launch. More tokens: tl.dot on 16- or 64-token tiles, grid (heads,
+token tiles, 32-wide value chunks), the first weight chunk loaded before the wait.
 """
 
 from __future__ import annotations
@@ -69,12 +71,14 @@ def _absorb_output_kernel(
     tl.store(y, acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "num_splits"])
 def _absorb_few_kernel(
-    o_ptr,  # [T, H, L]
+    o_ptr,  # [T, H, L]; COMBINE: [T, S, H, L] float32, the decode splits' partial outputs
+    lse_ptr,  # COMBINE: [T, S, H] float32, their log-sum-exps (-inf: an empty split)
     w_ptr,  # [H * (N + V), L]
     out_ptr,  # [T, H * V]
     T,
+    num_splits,
     stride_ot,
     stride_oh,
     stride_y,
@@ -83,6 +87,8 @@ def _absorb_few_kernel(
     LATENT: tl.constexpr,
     BLOCK_L: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    COMBINE: tl.constexpr,
+    BLOCK_SPLITS: tl.constexpr,
     GDC: tl.constexpr,  # launched with PDL: the W_UV slice loads before the wait
 ):
     h, chunk = tl.program_id(0), tl.program_id(1)
@@ -95,27 +101,52 @@ def _absorb_few_kernel(
     wait_then_signal(GDC)
     w = w.to(tl.float32)
     for t in range(T):
-        o = tl.load(o_ptr + t * stride_ot + h * stride_oh + r, mask=r_ok, other=0.0)
+        if COMBINE:  # the decode's combine: splits weighted by exp(lse - max) over their sum
+            s = tl.arange(0, BLOCK_SPLITS)
+            rows = (t * num_splits + s) * tl.num_programs(0) + h  # (a program row per head)
+            lse = tl.load(lse_ptr + rows, mask=s < num_splits, other=float("-inf"))
+            live = lse > float("-inf")
+            top = tl.max(tl.where(live, lse, -1e30), axis=0)
+            weight = tl.where(live, tl.exp(lse - top), 0.0)  # empty splits are not read
+            parts = tl.load(o_ptr + rows[:, None] * LATENT + r[None, :],
+                            mask=live[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
+            total = tl.sum(weight, axis=0)
+            o = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        else:
+            o = tl.load(o_ptr + t * stride_ot + h * stride_oh + r, mask=r_ok, other=0.0)
         y = tl.sum(w * o.to(tl.float32)[None, :], axis=1)  # [BV]
         tl.store(out_ptr + t * stride_y + h * VDIM + v, y.to(out_ptr.dtype.element_ty), mask=v_ok)
 
 
 def absorb_output(
-    o: torch.Tensor,  # [T, H, L] (rows contiguous in L)
+    o: torch.Tensor,  # [T, H, L] (rows contiguous in L); with lse: [T, S, H, L] float32
     kv_b_weight: torch.Tensor,  # [H * (N + V), L]
     dims: tuple[int, int],  # (N, V)
+    lse: torch.Tensor | None = None,  # [T, S, H] float32
+    out_dtype: torch.dtype | None = None,  # with lse: the output's dtype (else o's)
 ) -> torch.Tensor:  # [T, H * V]
+    """With ``lse``, ``o`` holds the split-KV decode's partial outputs
+    (kernels/mla_decode.py's ``mla_decode_split``), combined as they are read: up to
+    ``FEW_TOKENS`` tokens only."""
     nope, vdim = dims
-    num_tokens, heads, latent = o.shape
-    if o.stride(2) != 1 or kv_b_weight.shape != (heads * (nope + vdim), latent):
+    if lse is not None:
+        num_tokens, num_splits, heads, latent = o.shape
+        if lse.shape != (num_tokens, num_splits, heads) or not 0 < num_tokens <= FEW_TOKENS:
+            raise ValueError(f"absorb_output: partials {tuple(o.shape)}, lse {tuple(lse.shape)}")
+        if not (o.is_contiguous() and lse.is_contiguous()):
+            raise ValueError("absorb_output: partials and lse must be contiguous")
+    else:
+        (num_tokens, heads, latent), num_splits = o.shape, 1
+    if o.stride(-1) != 1 or kv_b_weight.shape != (heads * (nope + vdim), latent):
         raise ValueError(f"absorb_output: o {tuple(o.shape)} does not fit kv_b_proj's weight")
-    out = o.new_empty(num_tokens, heads * vdim)
-    if 0 < num_tokens <= FEW_TOKENS:
+    out = o.new_empty(num_tokens, heads * vdim, dtype=out_dtype or o.dtype)
+    if lse is not None or 0 < num_tokens <= FEW_TOKENS:
         _absorb_few_kernel[(heads, triton.cdiv(vdim, FEW_BLOCK_V))](
-            o, kv_b_weight, out, num_tokens, o.stride(0), o.stride(1), out.stride(0),
-            NOPE=nope, VDIM=vdim, LATENT=latent,
-            BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_V=FEW_BLOCK_V, num_warps=4,
-            **_pdl.kernel_args(o.device),
+            o, o if lse is None else lse, kv_b_weight, out, num_tokens, num_splits,
+            o.stride(0), o.stride(-2), out.stride(0), NOPE=nope, VDIM=vdim, LATENT=latent,
+            BLOCK_L=max(16, triton.next_power_of_2(latent)), BLOCK_V=FEW_BLOCK_V,
+            COMBINE=lse is not None, BLOCK_SPLITS=triton.next_power_of_2(num_splits),
+            num_warps=4, **_pdl.kernel_args(o.device),
         )  # fmt: skip
     elif num_tokens:
         block_v = min(BLOCK_V, max(16, triton.next_power_of_2(vdim)))

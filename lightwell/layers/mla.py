@@ -8,7 +8,8 @@ the query's no-RoPE part goes through ``W_UK`` into latent space, the latent out
 ``W_UV`` to the heads' values (``lightwell/attention/mla_torch.py``). A decode-only step on the
 kernels runs that work around the attention in two launches (``kernels/mla_prepare.py``:
 the entry's norm, RoPE and store with the absorbed query and its RoPE; ``kernels/mla_output.py``:
-the output through ``W_UV``) around the split-KV decode kernel.
+the output through ``W_UV``) around the split-KV decode kernel; at one token the output kernel
+also combines the decode's splits (no combine launch).
 Any other step on the kernels runs its single-token requests the absorbed way and every other
 request at once in the expanded form (``lightwell/attention/mla_prefill.py``: the cached
 latents through ``kv_b_proj``, plain queries, the paged attention kernel); the output means the
@@ -137,6 +138,23 @@ class LatentAttention(Attention):
         return mla_decode(
             q.contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
             self.scale, self.kv_lora_rank, splits, out=out,
+        )  # fmt: skip
+
+    def decode_split(
+        self,
+        q: torch.Tensor,  # [n, H, kv_lora_rank + rope]: a decode-only step's absorbed queries
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # ([n, S, H, rank], [n, S, H]) float32
+        """The split-KV decode's partial outputs and log-sum-exps, uncombined (their reader
+        combines them), or None where the step takes one split."""
+        from lightwell.kernels.mla_decode import mla_decode_split, pick_num_splits
+
+        meta, n = get_attention_metadata(), q.shape[0]
+        splits = pick_num_splits(n, q.shape[1], meta.max_seq_len)
+        if splits < 2:
+            return None
+        return mla_decode_split(
+            q.contiguous(), self.kv_cache, meta.block_table[:n], meta.seq_lens[:n],
+            self.scale, self.kv_lora_rank, splits,
         )  # fmt: skip
 
     def forward(  # type: ignore[override]
@@ -270,7 +288,7 @@ class MLAttention(nn.Module):
         """``attend`` for a decode-only step after the projections: the entry and the query
         in one launch, the split-KV attention, the output through ``W_UV``."""
         # imported here: Triton kernels load on the kernel path only (the CPU image has no Triton)
-        from lightwell.kernels.mla_output import absorb_output
+        from lightwell.kernels.mla_output import FEW_TOKENS, absorb_output
         from lightwell.kernels.mla_prepare import prepare_decode
 
         rot, norm, w = self.rotary_emb, self.kv_a_layernorm, self.kv_b_proj.weight
@@ -280,6 +298,9 @@ class MLAttention(nn.Module):
         rope = (rot.cos_sin_cache, rot.is_neox_style)
         norm_eps = (norm.weight, norm.eps)
         q = prepare_decode(positions, query, kv, norm_eps, w, dims, rope, self.attn.kv_cache, slots)
+        if q.shape[0] <= FEW_TOKENS and (split := self.attn.decode_split(q)) is not None:
+            # the output kernel combines the splits as it reads them
+            return absorb_output(split[0], w, (self.nope, self.v_dim), split[1], q.dtype)
         return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
@@ -289,7 +310,8 @@ class MLAttention(nn.Module):
         """Start-up on CUDA: the expanded prefill's attention kernel variants
         (attention/mla_prefill.compile_variants), the decode kernel at each split-count
         variant (eager mixed steps pick splits by their batch) and the output's few-token
-        kernel (kernels/mla_output.py), compiled before serving. Returns the launches made."""
+        kernel (kernels/mla_output.py) alone and combining each split count, compiled before
+        serving. Returns the launches made."""
         cache, dims = self.attn.kv_cache, (self.nope, self.rope, self.v_dim)
         if cache is None or not self.attn._kernel(cache):
             return 0
@@ -305,7 +327,11 @@ class MLAttention(nn.Module):
             mla_decode(q, cache, table, lens, 1.0, self.rank, s)
         latent = q.new_zeros(1, self.num_heads, self.rank)  # the output's few-token kernel
         absorb_output(latent, self.kv_b_proj.weight, (self.nope, self.v_dim))
-        launches = len(splits) + 1
+        for s in splits[1:]:  # and its variants combining the decode's splits
+            part = torch.zeros(1, s, self.num_heads, self.rank, device=cache.device)
+            lse = torch.zeros(1, s, self.num_heads, device=cache.device)
+            absorb_output(part, self.kv_b_proj.weight, (self.nope, self.v_dim), lse, q.dtype)
+        launches = 2 * len(splits)
         if self.v_dim > self.nope + self.rope:
             return launches
         return launches + compile_variants(cache, self.kv_b_proj.weight, dims, self.num_heads)

@@ -16,12 +16,12 @@ CPU_MODEL = pytest.mark.skipif(DEVICE == "cuda", reason="a CPU model through the
 TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 3e-3}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("splits", [1, 3, 8])
-def test_mla_decode_matches_reference(dtype, splits):
-    gen = torch.Generator().manual_seed(splits)
-    rank, rope, heads, block, num_blocks = 32, 8, 3, 4, 24
-    seq_lens = torch.tensor([5, 37, 1], dtype=torch.int32)
+def _requests(dtype, seed, lengths, rank=32, rope=8, heads=3):
+    """(q, cache, block table, seq_lens) on DEVICE: scattered 4-token blocks, NaN outside
+    the requests' blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    block, num_blocks = 4, 24
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
     cache = torch.full((1, num_blocks, block, 1, rank + rope), float("nan"))
     perm = torch.randperm(num_blocks, generator=gen)
     tables, used = [], 0
@@ -31,9 +31,16 @@ def test_mla_decode_matches_reference(dtype, splits):
         for b in perm[used : used + n].tolist():
             cache[0, b] = torch.randn(block, 1, rank + rope, generator=gen)
         used += n
-    q = torch.randn(3, heads, rank + rope, generator=gen)
+    q = torch.randn(len(lengths), heads, rank + rope, generator=gen)
     table = torch.tensor(tables, dtype=torch.int32, device=DEVICE)
-    args = (q.to(dtype).to(DEVICE), cache.to(dtype).to(DEVICE), table, seq_lens.to(DEVICE))
+    return q.to(dtype).to(DEVICE), cache.to(dtype).to(DEVICE), table, seq_lens.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("splits", [1, 3, 8])
+def test_mla_decode_matches_reference(dtype, splits):
+    rank, heads = 32, 3
+    args = _requests(dtype, splits, [5, 37, 1])
     # eight splits with 16-key tiles: the 37-key request spreads over three of them
     config = (16, 16, 4, 1) if splits == 8 else None
     got = mla_decode(*args, 0.2, rank, num_splits=splits, config=config)
@@ -43,12 +50,48 @@ def test_mla_decode_matches_reference(dtype, splits):
     assert err < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("splits", [3, 8])
+def test_output_kernel_combines_the_decode_splits(dtype, splits):
+    """One request's uncombined splits (``mla_decode_split``) through the output kernel's
+    combining variant give W_UV applied to the reference attention, as the combine kernel then
+    the output kernel do; empty splits (five of eight here) are not read (their partials are
+    NaN)."""
+    from lightwell.kernels.mla_decode import mla_decode_split
+    from lightwell.kernels.mla_output import absorb_output
+
+    rank, heads, nope, vdim = 32, 3, 16, 24
+    args = _requests(dtype, 10 + splits, [37])
+    w = torch.randn(heads * (nope + vdim), rank, generator=torch.Generator().manual_seed(1)) / 4
+    w = w.to(DEVICE, dtype)
+    config = (16, 16, 4, 1)  # 16-key tiles: the 37 keys over the first three splits
+    part, lse = mla_decode_split(*args, 0.2, rank, splits, config=config)
+    assert part.shape == (1, splits, heads, rank) and lse.shape == (1, splits, heads)
+    assert (lse[:, :3] > float("-inf")).all() and (lse[:, 3:] == float("-inf")).all()
+    part[:, 3:] = float("nan")
+    got = absorb_output(part, w, (nope, vdim), lse, dtype)
+    w_uv = w.view(heads, nope + vdim, rank)[:, nope:].float()
+    want = torch.einsum("thr,hvr->thv", mla_decode_ref(*args, 0.2, rank).float(), w_uv)
+    two_launches = absorb_output(mla_decode(*args, 0.2, rank, splits, config=config), w,
+                                 (nope, vdim))  # fmt: skip
+    assert got.shape == (1, heads * vdim) and got.dtype == dtype and not got.isnan().any()
+    assert _rel(got, want.reshape(1, -1)) < TOL[dtype]
+    assert _rel(got, two_launches) < TOL[dtype]
+    with pytest.raises(ValueError, match="partials"):  # more tokens than the few-token kernel
+        absorb_output(part.expand(2, -1, -1, -1).contiguous(), w, (nope, vdim),
+                      lse.expand(2, -1, -1).contiguous(), dtype)  # fmt: skip
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
+
 @CPU_MODEL
 def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path, monkeypatch):
     """A tiny DeepSeek-V3 with its decodes through the kernel (mixed with a prefill chunk in
     the same steps, then decode-only steps through the fused path) gives the torch path's
     logits; three key splits (all but one empty at these lengths), combined by the combine
-    kernel."""
+    kernel, or at one request by the output kernel."""
     import lightwell.kernels.mla_decode as mla_decode_module
     from lightwell.layers.mla import LatentAttention
 
@@ -86,6 +129,10 @@ def test_deepseek_decodes_through_the_kernel_match_the_torch_path(tmp_path, monk
             got = runner.step(batch)
             out = [torch.cat([o, g]) for o, g in zip(out, got)]
             steps.append(torch.cat(got))
+        for n in range(6, 8):  # one request alone: the output kernel combines the splits
+            got = runner.step([("r0", [int(out[0][-1].argmax())], len(prompts[0]) + n)])
+            out[0] = torch.cat([out[0], got[0]])
+            steps.append(got[0])
         logits[kernel] = torch.cat(steps)
     assert rel_err(logits[True], logits[False]) < 1e-4
 

@@ -790,9 +790,12 @@ out = {
         launch_pdl=on),
     "combine": ops(md._combine_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=bf),
         dict(mla, BLOCK_SPLITS=32, GDC=on), num_warps=4, launch_pdl=on),
-    "absorb_few": ops(mo._absorb_few_kernel, dict(o_ptr=bf, w_ptr=bf, out_ptr=bf), dict(
-        NOPE=128, VDIM=128, LATENT=512, BLOCK_L=512, BLOCK_V=16, GDC=on), num_warps=4,
-        launch_pdl=on),
+    "absorb_few": ops(mo._absorb_few_kernel, dict(o_ptr=bf, lse_ptr=bf, w_ptr=bf, out_ptr=bf),
+        dict(NOPE=128, VDIM=128, LATENT=512, BLOCK_L=512, BLOCK_V=16, COMBINE=False,
+        BLOCK_SPLITS=1, GDC=on), num_warps=4, launch_pdl=on),
+    "absorb_few_combine": ops(mo._absorb_few_kernel, dict(o_ptr="*fp32", lse_ptr="*fp32",
+        w_ptr=bf, out_ptr=bf), dict(NOPE=128, VDIM=128, LATENT=512, BLOCK_L=512, BLOCK_V=16,
+        COMBINE=True, BLOCK_SPLITS=32, GDC=on), num_warps=4, launch_pdl=on),
     "absorb": ops(mo._absorb_output_kernel, dict(o_ptr=bf, w_ptr=bf, out_ptr=bf), dict(
         NOPE=128, VDIM=128, LATENT=512, BLOCK_V=32, BLOCK_T=16, BLOCK_R=128, PREC="tf32",
         GDC=on), num_warps=4, launch_pdl=on),
@@ -815,7 +818,7 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
     load nothing before the wait, the gate/up kernel weights only; the pairs and split down
     kernels read the ids through L2 (``.cg``). Off, none of it is compiled in."""
     kernels = _run_ptx_script(_PDL_MLA_MOE_SCRIPT, on)
-    assert len(kernels) == 10
+    assert len(kernels) == 11
     for name, got in kernels.items():
         found = got["ops"]
         if not on:
@@ -837,7 +840,7 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
             assert before == ["ld.global.v4.b32"] * 4, found  # (1 row x 1,024 x 2 / 64 threads)
         elif name in ("down_pairs", "down_split"):
             assert "ld.global.cg.b64" in before or any(".cg" in op for op in before), found
-        else:  # absorb, prepare: the first weight chunk; absorb_few: its W_UV slice
+        else:  # absorb, prepare: the first weight chunk; absorb_few(_combine): its W_UV slice
             assert any(op.startswith("ld.global") for op in before), (name, found)
 
 
