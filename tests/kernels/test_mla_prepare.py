@@ -105,7 +105,7 @@ def test_prepare_decode_is_the_entry_and_query_launches_in_one(dtype, tokens):
     q, kv = fused.to(DEVICE, dtype).split([HEADS * (NOPE + ROPE), latent + ROPE], dim=-1)
     w = (torch.randn(HEADS * (NOPE + VDIM), latent, generator=gen) / 8).to(DEVICE, dtype)
     cs, dims = rot.cos_sin_cache.to(DEVICE), (NOPE, ROPE, VDIM)
-    slots = (torch.arange(tokens) * 5 % 80).to(DEVICE)
+    slots = (torch.arange(tokens) * 7 % 80).to(DEVICE)  # distinct (7 is prime to 80)
     slots[-1] = -1 if tokens > 1 else slots[-1]  # padding: not stored
     caches = [torch.full((1, 20, 4, 1, latent + ROPE), 7.0, device=DEVICE, dtype=dtype)
               for _ in range(2)]  # fmt: skip
