@@ -1,9 +1,10 @@
 """Quantized MoE experts on the GPU: the fused Triton kernels (lightwell/kernels/fused_moe.py's
 grouped GEMMs, and the few-token GEMV path of kernels/moe_gemv_quant.py) over block-FP8 experts
-(DeepSeek-V3/R1: H 7168, I 2048, 256 experts top-8, [128, 128] blocks) and GPTQ int4 experts
-(Mixtral-8x7B: H 4096, I 14336, 8 experts top-2, group 128, symmetric), at 1, 64 and 2048
-tokens, against the bf16 kernels on the same (dequantized) weights. One device call, a few
-minutes:
+(DeepSeek-V3/R1: H 7168, I 2048, 256 experts top-8, [128, 128] blocks), GPTQ int4 experts
+(Mixtral-8x7B: H 4096, I 14336, 8 experts top-2, group 128, symmetric) and Mixtral's experts in
+fp8 with one scale a row (compressed-tensors' channel strategy, run as [1, 128] blocks), at 1,
+64 and 2048 tokens, against the bf16 kernels on the same (dequantized) weights. One device
+call, a few minutes:
 
     run(command="python3 -m benchmarks.workloads.moe_quant --out $OUT/moe_quant.json")
 
@@ -21,26 +22,34 @@ import argparse
 
 import torch
 
-from benchmarks.kernels.fused_moe import _graph_us
+from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import make_record, provenance, script_command, write_json
 from lightwell.kernels.fused_moe import dequantize_experts, dequantize_int4_experts, fused_moe
 from lightwell.layers.moe import moe_loop_by
 
 TOKENS = (1, 64, 2048)
 BLOCK = (128, 128)
+CHANNEL_BLOCK = (1, 128)
 DEEPSEEK = dict(hidden=7168, inter=2048, top_k=8)
 MIXTRAL = dict(experts=8, hidden=4096, inter=14336, top_k=2, group=128)
 DEVICE = "cuda"
 
 
-def fp8_experts(e: int, n: int, k: int, gen: torch.Generator):
+def fp8_experts(e: int, n: int, k: int, gen: torch.Generator, block=BLOCK):
     """[E, N, K] fp8 (built an expert at a time) and [E, N / bn, K / bk] scales."""
     q = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=DEVICE)
     for i in range(e):
         w = torch.randn(n, k, device=DEVICE, generator=gen) * 64
         q[i] = w.clamp(-448, 448).to(torch.float8_e4m3fn)
-    s = torch.rand(e, -(-n // BLOCK[0]), -(-k // BLOCK[1]), device=DEVICE, generator=gen) + 0.5
+    s = torch.rand(e, -(-n // block[0]), -(-k // block[1]), device=DEVICE, generator=gen) + 0.5
     return q, s * (0.02 / 64)
+
+
+def channel_scales(e: int, n: int, k: int, gen: torch.Generator):
+    """One scale per row repeated over its K blocks: the [1, 128] blocks compressed-tensors'
+    channel-scaled fp8 experts run as (quant/experts.py's ``ScaledExperts``)."""
+    s = (torch.rand(e, n, 1, device=DEVICE, generator=gen) + 0.5) * (0.02 / 64)
+    return s.expand(e, n, k // CHANNEL_BLOCK[1]).contiguous()
 
 
 def int4_experts(e: int, n: int, k: int, group: int, gen: torch.Generator):
@@ -73,7 +82,7 @@ def _case(name, tokens, quant, deq, ref, bytes_used, common) -> dict:
     run_b = lambda: fused_moe(x, *deq, weights, ids)  # noqa: E731
     row = dict(shape=name, tokens=tokens, experts_used=ids.unique().numel(),
                rel_err_quant=_err(run_q(), ref), rel_err_bf16=_err(run_b(), ref))  # fmt: skip
-    q_us, b_us = _graph_us(run_q), _graph_us(run_b)
+    q_us, b_us = graph_replay_us(run_q), graph_replay_us(run_b)
     row.update(quant_graph_us=round(q_us, 1), bf16_graph_us=round(b_us, 1),
                speedup=round(b_us / q_us, 3),
                quant_weight_gbps=round(bytes_used[0] / q_us / 1e3, 1),
@@ -114,6 +123,35 @@ def deepseek_fp8(experts: int, common: dict) -> list[dict]:
     return rows
 
 
+def mixtral_fp8_channel(common: dict) -> list[dict]:
+    experts, hidden, inter, top_k, _ = MIXTRAL.values()
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    w13 = fp8_experts(experts, 2 * inter, hidden, gen, CHANNEL_BLOCK)[0]
+    w2 = fp8_experts(experts, hidden, inter, gen, CHANNEL_BLOCK)[0]
+    s13, s2 = (
+        channel_scales(experts, 2 * inter, hidden, gen),
+        channel_scales(experts, hidden, inter, gen),
+    )
+
+    def expert(e: int):  # ([2I, H], [H, I]) fp32
+        one = slice(e, e + 1)
+        return (dequantize_experts(w13[one], s13[one], CHANNEL_BLOCK)[0],
+                dequantize_experts(w2[one], s2[one], CHANNEL_BLOCK)[0])  # fmt: skip
+
+    deq = _stacked(expert, experts)
+
+    rows = []
+    for tokens in TOKENS:
+        x, weights, ids = _route(tokens, experts, top_k, hidden, gen)
+        used = ids.unique().numel() * 3 * hidden * inter
+        quant = dict(inputs=(x, weights, ids), weights=(w13, w2),
+                     kwargs=dict(scales=(s13, s2, CHANNEL_BLOCK)))  # fmt: skip
+        ref = moe_loop_by(x.float(), expert, experts, weights, ids)  # the CPU path, fp32
+        rows.append(_case("mixtral-8x7b-fp8-channel", tokens, quant, deq, ref, (used, 2 * used),
+                          common))  # fmt: skip
+    return rows
+
+
 def mixtral_gptq(common: dict) -> list[dict]:
     experts, hidden, inter, top_k, group = MIXTRAL.values()
     gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -143,14 +181,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results here (JSON)")
     parser.add_argument("--experts", type=int, default=256, help="DeepSeek-V3 experts built")
-    parser.add_argument("--shapes", default="deepseek,mixtral", help="deepseek, mixtral or both")
+    parser.add_argument(
+        "--shapes",
+        default="deepseek,mixtral,mixtral-fp8",
+        help="deepseek, mixtral (GPTQ), mixtral-fp8 (channel scales): any of",
+    )
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
     rows = []
-    if "mixtral" in args.shapes:
+    shapes = args.shapes.split(",")
+    if "mixtral" in shapes:
         rows += mixtral_gptq(common)
         torch.cuda.empty_cache()
-    if "deepseek" in args.shapes:
+    if "mixtral-fp8" in shapes:
+        rows += mixtral_fp8_channel(common)
+        torch.cuda.empty_cache()
+    if "deepseek" in shapes:
         rows += deepseek_fp8(args.experts, common)
     if args.out:
         write_json(args.out, rows)

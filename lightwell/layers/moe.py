@@ -163,6 +163,8 @@ class FusedMoE(nn.Module):
             return  # another rank's expert
         dim, factor = param.inter_dim, param.inter_factor
         dst = param.data[local]
+        if loaded.dim() == 0:  # a per-tensor scale saved as a scalar
+            loaded = loaded.reshape(1)
         want = list(dst.shape)
         if dim is not None:
             want[dim] = -(-self.full_inter // factor)

@@ -16,6 +16,9 @@ slices the rank's intermediate features through these and places gate and up sid
   ``w2_weight_scale_inv`` [E, ceil(H / bn), I / bk]; the intermediate size per rank must be whole
   blocks. Weight-only: activations stay in the model dtype, each [bn, bk] block is dequantized
   (``q * scale``) where it is used: per used expert in the CPU loop, per K chunk in the kernels.
+  compressed-tensors' block strategy is the same layout with ``weight_scale`` for the scales.
+- ``ScaledExperts`` (compressed-tensors int8 / fp8 with channel or tensor scales): one scale
+  per output row after loading; weight-only like the block FP8 experts (see the class).
 - Running them: each strategy gives ``kernel_inputs`` (``fused_moe``'s weights and keyword
   arguments: the block scales for FP8) and ``expert_weights`` (expert e's weights in x's dtype,
   dequantized when asked); their shared ``StackedExperts.apply`` runs ``fused_moe`` on CUDA,
@@ -101,12 +104,14 @@ class UnquantizedExperts(StackedExperts):
 
 
 class Fp8BlockExperts(UnquantizedExperts):
-    """HF fine-grained FP8 experts: fp8 weights and one float32 scale per [bn, bk] block."""
+    """Block-scaled FP8 experts: fp8 weights and one float32 scale per [bn, bk] block (HF
+    fine-grained FP8 names it ``weight_scale_inv``; compressed-tensors' block strategy
+    ``weight_scale``: the checkpoint's name is kept)."""
 
-    checkpoint_tensors = ("weight", "weight_scale_inv")
-
-    def __init__(self, block_n: int, block_k: int):
+    def __init__(self, block_n: int, block_k: int, scale_name: str = "weight_scale_inv"):
         self.block = (block_n, block_k)
+        self.checkpoint_tensors = ("weight", scale_name)
+        self.scale = scale_name
 
     def create_weights(self, layer: nn.Module, hidden: int, inter: int, dtype: torch.dtype) -> None:
         bn, bk = self.block
@@ -118,14 +123,17 @@ class Fp8BlockExperts(UnquantizedExperts):
             )
         fp8, f32 = torch.float8_e4m3fn, torch.float32
         add_expert_param(layer, "w13_weight", (2 * inter, hidden), fp8, 0)
-        add_expert_param(layer, "w13_weight_scale_inv", (2 * inter // bn, -(-hidden // bk)), f32,
+        add_expert_param(layer, f"w13_{self.scale}", (2 * inter // bn, -(-hidden // bk)), f32,
                          0, bn)  # fmt: skip
         add_expert_param(layer, "w2_weight", (hidden, inter), fp8, 1)
-        add_expert_param(layer, "w2_weight_scale_inv", (-(-hidden // bn), inter // bk), f32, 1, bk)
+        add_expert_param(layer, f"w2_{self.scale}", (-(-hidden // bn), inter // bk), f32, 1, bk)
+
+    def scales(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        return getattr(layer, f"w13_{self.scale}"), getattr(layer, f"w2_{self.scale}")
 
     def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(w13, w2, fused_moe's keyword arguments) of the fused kernels."""
-        s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+        s13, s2 = self.scales(layer)
         return layer.w13_weight, layer.w2_weight, {"scales": (s13, s2, self.block)}
 
     def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
@@ -133,11 +141,101 @@ class Fp8BlockExperts(UnquantizedExperts):
         from lightwell.quant.fp8 import dequantize_blocks
 
         w13, w2 = layer.w13_weight, layer.w2_weight
-        s13, s2 = layer.w13_weight_scale_inv, layer.w2_weight_scale_inv
+        s13, s2 = self.scales(layer)
 
         def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
             gate_up = dequantize_blocks(w13[e], s13[e], self.block).to(x.dtype)  # [2I, H]
             return gate_up, dequantize_blocks(w2[e], s2[e], self.block).to(x.dtype)  # [H, I]
+
+        return expert
+
+
+class ScaledExperts(UnquantizedExperts):
+    """compressed-tensors 8-bit experts (int-quantized int8, float-quantized fp8) with channel
+    or tensor scales: ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] in int8 / fp8,
+    ``weight_scale`` per output row ([E, 2I, 1], [E, H, 1]) or per tensor ([E, 2]: gate's and
+    up's, [E, 1]); a static ``input_scale`` is read and dropped. The experts run weight-only
+    (activations stay in the model dtype). After loading the scales become one per output row
+    (``w13_row_scale`` [E, 2I], ``w2_row_scale`` [E, H]); fp8 experts on a GPU take the block
+    FP8 kernels with [1, bk] blocks (the row's scale repeated over its K blocks: bk the largest
+    power of two from 16 to 128 dividing I per rank); int8 experts on a GPU are dequantized to
+    the model dtype at load (no int8 expert kernel); on the CPU each expert with tokens is
+    dequantized when used."""
+
+    def __init__(self, dtype: torch.dtype, strategy: str, activations: str):
+        self.dtype, self.strategy, self.activations = dtype, strategy, activations
+        extra = ("input_scale",) if activations == "static" else ()
+        self.checkpoint_tensors = ("weight", "weight_scale", *extra)
+        self.block: tuple[int, int] | None = None  # fp8 on a GPU: the kernels' [1, bk] blocks
+        self.dequantized = False  # int8 on a GPU: held in the model dtype
+
+    def create_weights(self, layer: nn.Module, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        f32, full = torch.float32, layer.full_inter
+        add_expert_param(layer, "w13_weight", (2 * inter, hidden), self.dtype, 0)
+        add_expert_param(layer, "w2_weight", (hidden, inter), self.dtype, 1)
+        if self.strategy == "channel":
+            add_expert_param(layer, "w13_weight_scale", (2 * inter, 1), f32, 0)
+            add_expert_param(layer, "w2_weight_scale", (hidden, 1), f32, None)
+        else:  # one value per checkpoint tensor: an index covering all intermediate features
+            add_expert_param(layer, "w13_weight_scale", (2,), f32, 0, full)
+            add_expert_param(layer, "w2_weight_scale", (1,), f32, 0, full)
+        if self.activations == "static":
+            add_expert_param(layer, "w13_input_scale", (2,), f32, 0, full)
+            add_expert_param(layer, "w2_input_scale", (1,), f32, 0, full)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
+        num, two_inter, hidden = layer.w13_weight.shape
+        if self.strategy == "channel":
+            s13, s2 = s13[..., 0], s2[..., 0]  # [E, 2I], [E, H]
+        else:
+            s13 = s13.repeat_interleave(two_inter // 2, dim=1)  # gate's, then up's
+            s2 = s2.expand(num, hidden)
+        for name in ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale"):
+            if hasattr(layer, name):
+                delattr(layer, name)
+        gpu = layer.w13_weight.is_cuda
+        if gpu and self.dtype == torch.int8:  # no int8 expert kernel: the model dtype
+            act = layer.act_dtype
+            for name, scale in (("w13_weight", s13), ("w2_weight", s2)):
+                deq = (getattr(layer, name).data.to(act) * scale[..., None].to(act)).contiguous()
+                setattr(layer, name, nn.Parameter(deq, requires_grad=False))
+            self.dequantized = True
+            return
+        layer.w13_row_scale = nn.Parameter(s13.float().contiguous(), requires_grad=False)
+        layer.w2_row_scale = nn.Parameter(s2.float().contiguous(), requires_grad=False)
+        if gpu:  # fp8: the block kernels' scales, [1, bk] blocks
+            inter = two_inter // 2
+            bk = next((b for b in (128, 64, 32, 16) if inter % b == 0), None)
+            if bk is None:
+                raise ValueError(
+                    f"fp8 experts with {self.strategy} scales: the GPU kernels need the expert "
+                    f"intermediate size per rank ({inter}) to be a multiple of 16"
+                )
+            self.block = (1, bk)
+            blocks13 = s13.float()[..., None].expand(num, two_inter, -(-hidden // bk))
+            blocks2 = s2.float()[..., None].expand(num, hidden, inter // bk)
+            layer.w13_block_scale = nn.Parameter(blocks13.contiguous(), requires_grad=False)
+            layer.w2_block_scale = nn.Parameter(blocks2.contiguous(), requires_grad=False)
+
+    def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """(w13, w2, fused_moe's keyword arguments) of the fused kernels (off a GPU, where
+        no block scales are made, the weights alone: ``apply`` reads their shape)."""
+        if self.dequantized or self.block is None:
+            return layer.w13_weight, layer.w2_weight, {}
+        scales = (layer.w13_block_scale, layer.w2_block_scale, self.block)
+        return layer.w13_weight, layer.w2_weight, {"scales": scales}
+
+    def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
+        """Expert e's weights dequantized (``q * row scale``) to x's dtype."""
+        w13, w2 = layer.w13_weight, layer.w2_weight
+        if self.dequantized:
+            return lambda e: (w13[e], w2[e])
+        s13, s2 = layer.w13_row_scale, layer.w2_row_scale
+
+        def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+            gate_up = (w13[e].float() * s13[e][:, None]).to(x.dtype)  # [2I, H]
+            return gate_up, (w2[e].float() * s2[e][:, None]).to(x.dtype)  # [H, I]
 
         return expert
 
@@ -154,13 +252,17 @@ def experts_method(linear_method: Any) -> Any:
     name = type(linear_method).__name__
     if linear_method is None or name in FLOAT_EXPERTS:
         return UnquantizedExperts()
-    if name == "Fp8BlockMethod" and linear_method.scale_name == "weight_scale_inv":
-        return Fp8BlockExperts(*linear_method.block)
+    if name == "Fp8BlockMethod":
+        return Fp8BlockExperts(*linear_method.block, linear_method.scale_name)
+    if name == "ScaledMethod":  # compressed-tensors int8 / fp8, channel or tensor scales
+        m = linear_method
+        return ScaledExperts(m.dtype, m.strategy, m.activations)
     if name in ("GPTQMethod", "AWQMethod", "PackedMethod"):
         from lightwell.quant.experts_wna16 import wna16_experts
 
         return wna16_experts(linear_method)
     raise ValueError(
         f"quantized expert weights: {name} is not supported for MoE experts (supported: "
-        "unquantized, HF fine-grained fp8, gptq, awq, compressed-tensors pack-quantized)"
+        "unquantized, HF fine-grained fp8, gptq, awq, compressed-tensors pack-quantized, "
+        "int-quantized and float-quantized)"
     )

@@ -13,7 +13,18 @@ import torch
 
 from tests.models import quant_pack as qp
 from tests.models.families import deepseek_v3
-from tests.models.test_quant_formats import PROMPTS, hf_greedy, run_ours
+from tests.models.test_quant_formats import (
+    FP8_CH,
+    INT8_CH,
+    PROMPTS,
+    STATIC,
+    TOKEN,
+    fake_fp8,
+    fake_int8,
+    hf_greedy,
+    run_ours,
+    with_input_quant,
+)
 from tests.models.tiny import hf_logits, load_ours, rel_err
 
 FP8 = torch.float8_e4m3fn
@@ -134,6 +145,13 @@ def _expert_checkpoint(make, seed: int = 0, size: int = 64):
 
 SPLITS = {
     "fp8_block16": ("fp8", qp.fp8_block_tensors),
+    "ct_fp8_channel": ("ct_fp8_channel", functools.partial(qp.scaled_tensors, dtype=FP8)),
+    "ct_int8_tensor_static": (
+        "ct_int8_tensor_static",
+        functools.partial(
+            qp.scaled_tensors, dtype=torch.int8, per_channel=False, static_input=0.02
+        ),
+    ),  # fmt: skip
     "gptq_g16_asym": ("gptq", functools.partial(qp.gptq_tensors, gs=16, sym=False)),
     "awq_g16": ("awq", functools.partial(qp.awq_tensors, gs=16)),
     "ct_g16_sym": ("ct", functools.partial(qp.ct_packed_tensors, gs=16)),
@@ -144,9 +162,13 @@ def method_of(fmt: str):
     """The linear method of a checkpoint in ``fmt`` with 16-blocks / 16-groups."""
     from lightwell.quant import awq, compressed_tensors, fp8, gptq
 
+    ct = compressed_tensors
     return {"fp8": fp8.Fp8BlockMethod(16, 16), "awq": awq.AWQMethod(16),
             "gptq": gptq.GPTQMethod(4, 16, False, False),
-            "ct": compressed_tensors.PackedMethod(4, 16, True, False)}[fmt]  # fmt: skip
+            "ct": ct.PackedMethod(4, 16, True, False),
+            "ct_fp8_channel": ct.ScaledMethod(FP8, "channel", "dynamic"),
+            "ct_int8_tensor_static": ct.ScaledMethod(torch.int8, "tensor", "static"),
+            }[fmt]  # fmt: skip
 
 
 @pytest.mark.parametrize("key", sorted(SPLITS))
@@ -239,3 +261,55 @@ def test_act_order_experts_are_refused():
 
     with pytest.raises(ValueError, match=r"^gptq: act-order expert weights are not supported"):
         FusedMoE(4, 64, 64, GPTQMethod(4, 16, True, False))
+
+
+# compressed-tensors 8-bit experts (channel or tensor scales): weight-only in ours; the dense
+# linears W8A8, which HF emulates on their inputs
+W8 = {  # family, sizes, config, packer, input fake-quantization of the dense linears
+    "mixtral_ct_fp8_channel_dynamic": (
+        "mixtral", {}, qp.ct_config("float-quantized", FP8_CH, {**TOKEN, "type": "float"}),
+        functools.partial(qp.scaled_tensors, dtype=FP8),
+        functools.partial(fake_fp8, static=None),
+    ),
+    "qwen3_moe_ct_fp8_tensor_static": (
+        "qwen3_moe", dict(moe_intermediate_size=48, intermediate_size=96),
+        qp.ct_config("float-quantized", {**FP8_CH, "strategy": "tensor"},
+                     {**STATIC, "type": "float"}),
+        functools.partial(qp.scaled_tensors, dtype=FP8, per_channel=False, static_input=0.01),
+        functools.partial(fake_fp8, static=0.01),
+    ),
+    "qwen2_moe_ct_int8_channel_dynamic": (
+        "qwen2_moe", dict(moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                          intermediate_size=96),
+        qp.ct_config("int-quantized", INT8_CH, {**TOKEN, "type": "int"}),
+        functools.partial(qp.scaled_tensors, dtype=torch.int8),
+        functools.partial(fake_int8, static=None),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", sorted(W8))
+def test_8bit_experts_match_hf_dequantized(tmp_path, key):
+    """compressed-tensors int8 / fp8 experts with channel or tensor scales (a static input
+    scale read and dropped) stay 8-bit, one scale a row after loading, and run weight-only;
+    the dense linears keep their W8A8 scheme. Logits match HF on the dequantized weights with
+    the dense linears' input quantization emulated; greedy tokens agree."""
+    from tests.models import families
+
+    torch.set_num_threads(1)
+    family, sizes, config, make, fake = W8[key]
+    hf = getattr(families, family)(str(tmp_path), 0, **sizes)
+    qp.write_quantized_moe(hf, str(tmp_path), config, make, _is_linear)
+    model = load_ours(str(tmp_path))
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    want = torch.int8 if "int8" in key else FP8
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == want
+    num, two_inter, hidden = experts.w13_weight.shape
+    assert tuple(experts.w13_row_scale.shape) == (num, two_inter)
+    assert tuple(experts.w2_row_scale.shape) == (num, hidden)
+    assert not hasattr(experts, "w13_input_scale") and not hasattr(experts, "w13_weight_scale")
+    with_input_quant(hf, fake)
+    prefill, seqs = run_ours(model, steps=4)
+    for p, lg, s in zip(PROMPTS, prefill, seqs):
+        assert rel_err(lg, hf_logits(hf, p)) < 2e-3, key
+        assert s == hf_greedy(hf, p, steps=4), key
