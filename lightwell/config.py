@@ -86,7 +86,8 @@ class ModelConfig:
         "quantize a 16/32-bit "
         "checkpoint at load to int8 weights per output channel (weight-only); fp8: quantize it "
         "to fp8 weights per channel with fp8 activations per token (W8A8), or read an HF "
-        "fine-grained fp8 checkpoint.",
+        "fine-grained fp8 checkpoint. MoE experts are quantized per output row too and run "
+        "weight-only (int8 experts on a GPU stay in the model dtype).",
         QUANTIZATIONS,
     )
     max_model_len: int | None = _opt(

@@ -7,7 +7,8 @@ top-k experts of one token). One device call, a few minutes:
 
 ``--models`` picks presets (default mixtral-8x7b,deepseek-v2-lite); ``--w2-requests`` the
 throughput run's size (default 256 x (1,024 in, 256 out); 0: W1 only); ``--budget-s`` skips
-what starts later. Results: benchmarks/results/W6_moe_h200.json.
+what starts later; ``--quantization fp8`` (or int8) quantizes the dummy weights online, experts
+included. Results: benchmarks/results/W6_moe_h200.json.
 
 ``--long-decode B,CTX`` instead: B requests of CTX-token prompts decoding together, the decode
 step's time (median of the times between consecutive steps where all B decode, the step loop
@@ -86,9 +87,12 @@ def run_model(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
     active, total = active_params(cfg)
     vocab = cfg["vocab_size"]
     t0 = time.perf_counter()
+    quant = getattr(args, "quantization", "auto")
     llm = LLM(load_format="dummy", hf_config_json=name, dtype="bfloat16",
-              skip_tokenizer_init=True, max_model_len=4096)  # fmt: skip
+              skip_tokenizer_init=True, max_model_len=4096, quantization=quant)  # fmt: skip
     common = dict(model=name, dtype="bfloat16", tp=1, load_s=round(time.perf_counter() - t0, 1))
+    if quant != "auto":
+        common["quantization"] = quant
     sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
     llm.generate(prompts(1, 128, vocab, 99), sp, use_tqdm=False)  # warm-up
     rates, ttfts = [], []
@@ -96,7 +100,11 @@ def run_model(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
         m = llm.generate(prompts(1, 128, vocab, seed), sp, use_tqdm=False)[0].metrics
         rates.append(255 / (m.last_token_time - m.first_token_time))
         ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
-    floor = COPY_GB_S * 1e9 / (2 * active)
+    read = 2 * active  # bf16 weights; online 8-bit: 1-byte linears, the bf16 LM head
+    if quant in ("fp8", "int8"):
+        head = cfg["hidden_size"] * vocab
+        read = active - head + 2 * head
+    floor = COPY_GB_S * 1e9 / read
     rate = sorted(rates)[1]
     rows.append(record("decode_tok_s", rate, workload="W1", floor=round(floor, 1),
                        pct_of_floor=round(100 * rate / floor, 1), runs=rates,
@@ -187,6 +195,12 @@ def main() -> None:
     ap.add_argument("--models", default="mixtral-8x7b,deepseek-v2-lite")
     ap.add_argument("--w2-requests", type=int, default=256)
     ap.add_argument("--budget-s", type=float, default=1e9)
+    ap.add_argument(
+        "--quantization",
+        default="auto",
+        help="the engine's --quantization (fp8 / int8: online; the floor then counts 1-byte "
+        "linears and the bf16 LM head)",
+    )
     ap.add_argument(
         "--long-decode", default=None, help="B,CTX: decode step at batch B, CTX context"
     )

@@ -194,6 +194,12 @@ class ScaledExperts(UnquantizedExperts):
         for name in ("w13_weight_scale", "w2_weight_scale", "w13_input_scale", "w2_input_scale"):
             if hasattr(layer, name):
                 delattr(layer, name)
+        self.row_scaled(layer, s13, s2)
+
+    def row_scaled(self, layer: nn.Module, s13: torch.Tensor, s2: torch.Tensor) -> None:
+        """Finish loading 8-bit ``w13_weight`` / ``w2_weight`` with one scale per output row
+        (``s13`` [E, 2I], ``s2`` [E, H]): the row scales kept, and on a GPU the kernels' form."""
+        num, two_inter, hidden = layer.w13_weight.shape
         gpu = layer.w13_weight.is_cuda
         if gpu and self.dtype == torch.int8:  # no int8 expert kernel: the model dtype
             act = layer.act_dtype
@@ -240,10 +246,50 @@ class ScaledExperts(UnquantizedExperts):
         return expert
 
 
-# linear methods whose experts stay in the model dtype: online quantization of a 16/32-bit
-# checkpoint (--quantization int8 / fp8) and a GGUF file's linears (its experts arrive dequantized)
-FLOAT_EXPERTS = ("UnquantizedLinearMethod", "Fp8W8A8Method", "Int8WeightOnlyMethod",
-                 "GGUFLinearMethod")  # fmt: skip
+class OnlineScaledExperts(ScaledExperts):
+    """``--quantization fp8 / int8`` of a 16/32-bit checkpoint: its experts load in the model
+    dtype, then each expert is quantized per output row (the dense linears' rules:
+    ``quantize_fp8``, ``quantize_rows``) and runs as ``ScaledExperts``. int8 experts on a GPU
+    stay in the model dtype instead (there is no int8 expert kernel: rounding them would cost
+    accuracy and save nothing)."""
+
+    checkpoint_tensors = ("weight",)
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__(dtype, "channel", "none")
+        self.checkpoint_tensors = ("weight",)
+
+    def create_weights(self, layer: nn.Module, hidden: int, inter: int, dtype: torch.dtype) -> None:
+        UnquantizedExperts.create_weights(self, layer, hidden, inter, dtype)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        from lightwell.quant.fp8 import quantize_fp8
+        from lightwell.quant.int8 import quantize_rows
+
+        if layer.w13_weight.is_cuda and self.dtype == torch.int8:
+            self.dequantized = True
+            return
+        rows = {}
+        for name in ("w13_weight", "w2_weight"):
+            w = getattr(layer, name).data
+            q = torch.empty(w.shape, dtype=self.dtype, device=w.device)
+            scale = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+            for e in range(w.shape[0]):  # an expert at a time: no float copy of the stack
+                if self.dtype == torch.int8:
+                    q[e], scale[e] = quantize_rows(w[e])
+                else:
+                    q[e], row = quantize_fp8(w[e].contiguous())
+                    scale[e] = row[:, 0]
+            rows[name] = scale
+            setattr(layer, name, nn.Parameter(q, requires_grad=False))
+        self.row_scaled(layer, rows["w13_weight"], rows["w2_weight"])
+
+
+# linear methods whose experts stay in the model dtype: a GGUF file's linears (its experts arrive
+# dequantized)
+FLOAT_EXPERTS = ("UnquantizedLinearMethod", "GGUFLinearMethod")
+# online quantization (--quantization fp8 / int8): the experts quantized per row after loading
+ONLINE_EXPERTS = {"Fp8W8A8Method": torch.float8_e4m3fn, "Int8WeightOnlyMethod": torch.int8}
 
 
 def experts_method(linear_method: Any) -> Any:
@@ -252,6 +298,8 @@ def experts_method(linear_method: Any) -> Any:
     name = type(linear_method).__name__
     if linear_method is None or name in FLOAT_EXPERTS:
         return UnquantizedExperts()
+    if name in ONLINE_EXPERTS:
+        return OnlineScaledExperts(ONLINE_EXPERTS[name])
     if name == "Fp8BlockMethod":
         return Fp8BlockExperts(*linear_method.block, linear_method.scale_name)
     if name == "ScaledMethod":  # compressed-tensors int8 / fp8, channel or tensor scales

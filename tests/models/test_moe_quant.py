@@ -313,3 +313,47 @@ def test_8bit_experts_match_hf_dequantized(tmp_path, key):
     for p, lg, s in zip(PROMPTS, prefill, seqs):
         assert rel_err(lg, hf_logits(hf, p)) < 2e-3, key
         assert s == hf_greedy(hf, p, steps=4), key
+
+
+def _round_rows(hf, dtype) -> None:
+    """HF's linears and stacked experts (not the routers, not MLA's kv_b_proj) quantized per
+    output row as ``--quantization`` does, then dequantized in place."""
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            stacked = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            if not (stacked or _is_linear(name)) or "kv_b_proj" in name:
+                continue  # (MLA's kv_b_proj stays in the model dtype: absorbed by attention)
+            rows = param.data.reshape(-1, param.shape[-1])
+            rows.copy_(qp.scaled_tensors(rows.float(), dtype)[1])
+
+
+ONLINE = {  # family, sizes, --quantization, dense linears' input fake-quantization
+    "mixtral_fp8": ("mixtral", {}, "fp8", functools.partial(fake_fp8, static=None)),
+    "mixtral_int8": ("mixtral", {}, "int8", lambda x: x),
+    "deepseek_v2_int8": ("deepseek_v2", {}, "int8", lambda x: x),
+    "qwen2_moe_fp8": ("qwen2_moe", {}, "fp8", functools.partial(fake_fp8, static=None)),
+}
+
+
+@pytest.mark.parametrize("key", sorted(ONLINE))
+def test_online_quantization_quantizes_the_experts(tmp_path, key):
+    """``--quantization fp8 / int8`` of a float checkpoint quantizes the experts per output row
+    too (on the CPU both stay 8-bit, with one scale a row; DeepSeek's shared experts stay a
+    separate quantized MLP); logits match HF holding the same rounded weights, the dense
+    linears' fp8 input quantization emulated; greedy tokens agree."""
+    from tests.models import families
+
+    torch.set_num_threads(1)
+    family, sizes, quantization, fake = ONLINE[key]
+    hf = getattr(families, family)(str(tmp_path), 0, **sizes)
+    model = load_ours(str(tmp_path), quantization=quantization)
+    experts = next(m for n, m in model.named_modules() if n.endswith("mlp.experts"))
+    want = torch.int8 if quantization == "int8" else FP8
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == want
+    assert tuple(experts.w13_row_scale.shape) == tuple(experts.w13_weight.shape[:2])
+    _round_rows(hf, want)
+    with_input_quant(hf, fake)
+    prefill, seqs = run_ours(model, steps=4)
+    for p, lg, s in zip(PROMPTS, prefill, seqs):
+        assert rel_err(lg, hf_logits(hf, p)) < 2e-3, key
+        assert s == hf_greedy(hf, p, steps=4), key
