@@ -7,7 +7,7 @@ top-k experts of one token). One device call, a few minutes:
 
 ``--models`` picks presets (default mixtral-8x7b,deepseek-v2-lite); ``--w2-requests`` the
 throughput run's size (default 256 x (1,024 in, 256 out); 0: W1 only); ``--budget-s`` skips
-what starts later; ``--quantization fp8`` (or int8) quantizes the dummy weights online, experts
+what starts later; ``--quantization fp8`` quantizes the dummy weights online, experts
 included. Results: benchmarks/results/W6_moe_h200.json.
 
 ``--long-decode B,CTX`` instead: B requests of CTX-token prompts decoding together, the decode
@@ -100,8 +100,8 @@ def run_model(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
         m = llm.generate(prompts(1, 128, vocab, seed), sp, use_tqdm=False)[0].metrics
         rates.append(255 / (m.last_token_time - m.first_token_time))
         ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
-    read = 2 * active  # bf16 weights; online 8-bit: 1-byte linears, the bf16 LM head
-    if quant in ("fp8", "int8"):
+    read = 2 * active  # bf16 weights; online fp8: 1-byte linears, the bf16 LM head
+    if quant == "fp8":
         head = cfg["hidden_size"] * vocab
         read = active - head + 2 * head
     floor = COPY_GB_S * 1e9 / read
@@ -198,8 +198,9 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default="auto",
-        help="the engine's --quantization (fp8 / int8: online; the floor then counts 1-byte "
-        "linears and the bf16 LM head)",
+        choices=("auto", "fp8"),
+        help="the engine's --quantization (fp8: online, experts included; the floor then "
+        "counts 1-byte linears and the bf16 LM head)",
     )
     ap.add_argument(
         "--long-decode", default=None, help="B,CTX: decode step at batch B, CTX context"

@@ -30,7 +30,6 @@ from lightwell.models.llama import LlamaMLP
 from lightwell.models.pipeline import skip_missing
 from lightwell.models.weight_utils import load_packed_weights
 from lightwell.quant.base import QuantMethod
-from lightwell.quant.experts import UnquantizedExperts
 
 
 def num_experts_of(config: Any) -> int:
@@ -139,8 +138,9 @@ class MoEBlock(nn.Module):
         ids = ids % experts.num_local_experts
         weights = torch.ones(num_tokens, k, dtype=torch.float32, device=first.device)
         method = experts.quant_method
-        # 128-row blocks: 16-bit unquantized experts only (FP8 block experts subclass them)
-        large = type(method) is UnquantizedExperts and experts.act_dtype.itemsize == 2
+        # 128-row blocks: where fused_moe takes them, experts run on 16-bit weights with no
+        # scales (its ``large``; 8-bit experts held in the model dtype included)
+        large = not method.kernel_inputs(experts)[2] and experts.act_dtype.itemsize == 2
         blocks = (16, 32, 64, 128) if large else (16, 32, 64)
         for block_m in blocks:
             method.apply(experts, x, weights, ids, block_m=block_m, gemv=False)

@@ -15,6 +15,7 @@ the ignored LM head:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -47,6 +48,16 @@ def _refuse(why: str) -> ValueError:
     return ValueError(f"{NAME}: {why}; supported: {SUPPORTED}")
 
 
+# An ignore entry naming MoE routers only (llm-compressor's MoE recipes leave them unquantized:
+# "re:.*block_sparse_moe.gate", "re:.*mlp.gate$", "re:.*shared_expert_gate$"): a name or pattern
+# ending in a module called ``gate`` or ``shared_expert_gate``. Routers load unquantized anyway.
+_ROUTER = re.compile(r"(^|[.*])(shared_expert_)?gate\$?$")
+
+
+def _router(entry: str) -> bool:
+    return bool(_ROUTER.search(entry.removeprefix("re:")))
+
+
 def _scheme(qc: dict[str, Any]) -> tuple[str, dict, dict | None]:
     """(format, weight args, input activation args) of the one scheme the config uses."""
     status = qc.get("quantization_status", "compressed")
@@ -56,9 +67,11 @@ def _scheme(qc: dict[str, Any]) -> tuple[str, dict, dict | None]:
         raise _refuse("a kv_cache_scheme (use --kv-cache-dtype instead)")
     if (qc.get("sparsity_config") or {}).get("format") not in (None, "dense"):
         raise _refuse("a sparsity_config")
-    ignore = [i for i in qc.get("ignore") or [] if "lm_head" not in i]
+    ignore = [i for i in qc.get("ignore") or [] if "lm_head" not in i and not _router(i)]
     if ignore:
-        raise _refuse(f"ignore names layers other than lm_head ({', '.join(ignore[:4])})")
+        raise _refuse(
+            f"ignore names layers other than lm_head and MoE routers ({', '.join(ignore[:4])})"
+        )
     schemes = {
         repr((g.get("format") or qc.get("format"), g.get("weights"), g.get("input_activations")))
         for g in (qc.get("config_groups") or {}).values()

@@ -204,7 +204,7 @@ class ScaledExperts(UnquantizedExperts):
         if gpu and self.dtype == torch.int8:  # no int8 expert kernel: the model dtype
             act = layer.act_dtype
             for name, scale in (("w13_weight", s13), ("w2_weight", s2)):
-                deq = (getattr(layer, name).data.to(act) * scale[..., None].to(act)).contiguous()
+                deq = (getattr(layer, name).data.float() * scale[..., None].float()).to(act)
                 setattr(layer, name, nn.Parameter(deq, requires_grad=False))
             self.dequantized = True
             return
@@ -249,11 +249,9 @@ class ScaledExperts(UnquantizedExperts):
 class OnlineScaledExperts(ScaledExperts):
     """``--quantization fp8 / int8`` of a 16/32-bit checkpoint: its experts load in the model
     dtype, then each expert is quantized per output row (the dense linears' rules:
-    ``quantize_fp8``, ``quantize_rows``) and runs as ``ScaledExperts``. int8 experts on a GPU
-    stay in the model dtype instead (there is no int8 expert kernel: rounding them would cost
-    accuracy and save nothing)."""
-
-    checkpoint_tensors = ("weight",)
+    ``quantize_fp8``, ``quantize_rows``) and runs as ``ScaledExperts``. On a GPU, int8 experts,
+    and fp8 ones whose intermediate size per rank is not a multiple of 16, stay in the model
+    dtype instead (no kernel takes them: rounding them would cost accuracy and save nothing)."""
 
     def __init__(self, dtype: torch.dtype):
         super().__init__(dtype, "channel", "none")
@@ -266,8 +264,9 @@ class OnlineScaledExperts(ScaledExperts):
         from lightwell.quant.fp8 import quantize_fp8
         from lightwell.quant.int8 import quantize_rows
 
-        if layer.w13_weight.is_cuda and self.dtype == torch.int8:
-            self.dequantized = True
+        inter = layer.w13_weight.shape[1] // 2
+        if layer.w13_weight.is_cuda and (self.dtype == torch.int8 or inter % 16):
+            self.dequantized = True  # no kernel takes them: left in the model dtype
             return
         rows = {}
         for name in ("w13_weight", "w2_weight"):

@@ -178,12 +178,12 @@ def write_quantized(hf_model, folder: str, quant_config: dict, make) -> None:
         json.dump(cfg, f)
 
 
-def ct_config(fmt: str, weights: dict, inputs: dict | None = None) -> dict:
+def ct_config(fmt: str, weights: dict, inputs: dict | None = None, ignore=("lm_head",)) -> dict:
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
         "quantization_status": "compressed",
-        "ignore": ["lm_head"],
+        "ignore": list(ignore),
         "config_groups": {
             "group_0": {
                 "targets": ["Linear"],

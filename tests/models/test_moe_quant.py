@@ -265,23 +265,27 @@ def test_act_order_experts_are_refused():
 
 # compressed-tensors 8-bit experts (channel or tensor scales): weight-only in ours; the dense
 # linears W8A8, which HF emulates on their inputs
+# the routers' ignore entries of llm-compressor's MoE examples
+MIXTRAL_IGNORE = ("lm_head", "re:.*block_sparse_moe.gate")
+QWEN_IGNORE = ("lm_head", "re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$")
 W8 = {  # family, sizes, config, packer, input fake-quantization of the dense linears
     "mixtral_ct_fp8_channel_dynamic": (
-        "mixtral", {}, qp.ct_config("float-quantized", FP8_CH, {**TOKEN, "type": "float"}),
+        "mixtral", {},
+        qp.ct_config("float-quantized", FP8_CH, {**TOKEN, "type": "float"}, MIXTRAL_IGNORE),
         functools.partial(qp.scaled_tensors, dtype=FP8),
         functools.partial(fake_fp8, static=None),
     ),
     "qwen3_moe_ct_fp8_tensor_static": (
         "qwen3_moe", dict(moe_intermediate_size=48, intermediate_size=96),
         qp.ct_config("float-quantized", {**FP8_CH, "strategy": "tensor"},
-                     {**STATIC, "type": "float"}),
+                     {**STATIC, "type": "float"}, QWEN_IGNORE),
         functools.partial(qp.scaled_tensors, dtype=FP8, per_channel=False, static_input=0.01),
         functools.partial(fake_fp8, static=0.01),
     ),
     "qwen2_moe_ct_int8_channel_dynamic": (
         "qwen2_moe", dict(moe_intermediate_size=48, shared_expert_intermediate_size=64,
                           intermediate_size=96),
-        qp.ct_config("int-quantized", INT8_CH, {**TOKEN, "type": "int"}),
+        qp.ct_config("int-quantized", INT8_CH, {**TOKEN, "type": "int"}, QWEN_IGNORE),
         functools.partial(qp.scaled_tensors, dtype=torch.int8),
         functools.partial(fake_int8, static=None),
     ),
@@ -291,7 +295,8 @@ W8 = {  # family, sizes, config, packer, input fake-quantization of the dense li
 @pytest.mark.parametrize("key", sorted(W8))
 def test_8bit_experts_match_hf_dequantized(tmp_path, key):
     """compressed-tensors int8 / fp8 experts with channel or tensor scales (a static input
-    scale read and dropped) stay 8-bit, one scale a row after loading, and run weight-only;
+    scale read and dropped; the routers named in ``ignore``, as llm-compressor's MoE recipes
+    write) stay 8-bit, one scale a row after loading, and run weight-only;
     the dense linears keep their W8A8 scheme. Logits match HF on the dequantized weights with
     the dense linears' input quantization emulated; greedy tokens agree."""
     from tests.models import families
@@ -357,3 +362,34 @@ def test_online_quantization_quantizes_the_experts(tmp_path, key):
     for p, lg, s in zip(PROMPTS, prefill, seqs):
         assert rel_err(lg, hf_logits(hf, p)) < 2e-3, key
         assert s == hf_greedy(hf, p, steps=4), key
+
+
+def test_router_ignore_entries_load_and_other_ignores_are_refused():
+    """llm-compressor's MoE recipes ignore the routers (Mixtral's ``block_sparse_moe.gate``,
+    Qwen's ``mlp.gate`` and ``shared_expert_gate``): accepted, since routers load unquantized;
+    an entry naming another linear (``gate_proj``) is still refused."""
+    from lightwell.quant import compressed_tensors as ct
+
+    fp8 = qp.ct_config("float-quantized", FP8_CH, {**TOKEN, "type": "float"})
+    for ignore in (MIXTRAL_IGNORE, QWEN_IGNORE, ("lm_head", "model.layers.3.mlp.gate")):
+        assert type(ct.from_config({**fp8, "ignore": list(ignore)})).__name__ == "ScaledMethod"
+    for entry in ("re:.*mlp.gate_proj", "model.layers.0.mlp.gate_up_proj", "re:.*self_attn.*"):
+        with pytest.raises(ValueError, match="ignore names layers other than lm_head and MoE"):
+            ct.from_config({**fp8, "ignore": ["lm_head", entry]})
+
+
+def test_a_per_tensor_scale_saved_as_a_scalar_loads_as_one_of_shape_1():
+    """A per-tensor ``weight_scale`` saved 0-dimensional goes where a [1] one does."""
+    from lightwell.layers.moe import FusedMoE
+    from lightwell.quant.compressed_tensors import ScaledMethod
+
+    layers = [FusedMoE(2, 16, 16, ScaledMethod(FP8, "tensor", "dynamic")) for _ in range(2)]
+    for layer, shape in zip(layers, ((), (1,))):
+        for shard, value in (("gate", 0.5), ("up", 0.25), ("down", 2.0)):
+            name = "w2_weight_scale" if shard == "down" else "w13_weight_scale"
+            param = getattr(layer, name)
+            param.weight_loader(param, torch.full(shape, value), shard, 1)
+    assert torch.equal(layers[0].w13_weight_scale[1], torch.tensor([0.5, 0.25]))
+    assert torch.equal(layers[0].w13_weight_scale[1], layers[1].w13_weight_scale[1])
+    assert torch.equal(layers[0].w2_weight_scale[1], layers[1].w2_weight_scale[1])
+    assert torch.equal(layers[0].w2_weight_scale[1], torch.tensor([2.0]))
