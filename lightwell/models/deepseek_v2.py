@@ -164,29 +164,47 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def _kv_b_dequantized(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        """A block-FP8 ``kv_b_proj`` (DeepSeek-V3/R1 as published) in the model dtype: MLA
-        absorbs it into the queries and the output (``lightwell/layers/mla.py``), so it is kept
-        as a plain weight, dequantized once its ``weight_scale_inv`` arrives."""
-        from lightwell.quant.fp8 import dequantize_blocks
-
+        """An 8-bit ``kv_b_proj`` in the model dtype: MLA absorbs it into the queries and the
+        output (``lightwell/layers/mla.py``), so it is kept as a plain weight, dequantized once
+        its scale arrives: block FP8 (HF fine-grained ``weight_scale_inv``, compressed-tensors'
+        block ``weight_scale``: DeepSeek-V3/R1 as published) or compressed-tensors int8 / fp8
+        with a scale per row or per tensor; a static ``input_scale`` is dropped (it runs
+        unquantized)."""
         held: dict[str, dict[str, torch.Tensor]] = {}
         for name, tensor in weights:
             module, _, kind = name.rpartition(".")
-            if not module.endswith(".kv_b_proj") or kind not in ("weight", "weight_scale_inv"):
+            if not module.endswith(".kv_b_proj") or kind not in _KV_B_TENSORS:
                 yield name, tensor
                 continue
-            if kind == "weight" and tensor.dtype != torch.float8_e4m3fn:
+            if kind == "weight" and tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
                 yield name, tensor
                 continue
-            parts = held.setdefault(module, {"weight": None, "weight_scale_inv": None})
+            if kind == "input_scale":
+                continue
+            parts = held.setdefault(module, {})
             parts[kind] = tensor
-            if all(t is not None for t in parts.values()):
+            if len(parts) == 2:
                 del held[module]
-                qc = checkpoint_quant_config(self.config) or {}
-                block = tuple(qc.get("weight_block_size") or (128, 128))
-                yield f"{module}.weight", dequantize_blocks(*parts.values(), block)
+                scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+                yield f"{module}.weight", self._dequantize(parts["weight"], scale)
         if held:
-            raise ValueError(f"{next(iter(held))}: an fp8 weight without its scale (or back)")
+            raise ValueError(f"{next(iter(held))}: an 8-bit weight without its scale (or back)")
+
+    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        from lightwell.quant.fp8 import dequantize_blocks
+
+        rows = weight.shape[0]
+        if scale.numel() == 1 or tuple(scale.shape) in ((rows,), (rows, 1)):
+            return weight.float() * scale.float().reshape(-1, 1)  # per tensor or per row
+        qc = checkpoint_quant_config(self.config) or {}
+        groups = list((qc.get("config_groups") or {}).values())
+        block = qc.get("weight_block_size") or (
+            groups and (groups[0].get("weights") or {}).get("block_structure")
+        )
+        return dequantize_blocks(weight, scale, tuple(block or (128, 128)))
+
+
+_KV_B_TENSORS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -169,8 +169,9 @@ def test_deepseek_v2_prefill_through_the_kernels_matches_the_torch_path(tmp_path
         logits[kernel] = torch.cat(out)
     (mla,) = [m for m in model.modules() if isinstance(m, MLAttention)]
     before = mla.attn.kv_cache.clone()
-    # decode splits 1..32, the output's one-token kernel, the prefill variants
-    assert mla.compile_kernel_variants() == 6 + 1 + 4
+    # decode splits 1..32, the output's one-token kernel alone and combining 2..32 splits,
+    # the prefill variants
+    assert mla.compile_kernel_variants() == 6 + 1 + 5 + 4
     torch.testing.assert_close(mla.attn.kv_cache, before, rtol=0, atol=0, equal_nan=True)
     assert rel_err(logits[True], logits[False]) < 1e-4
 

@@ -282,6 +282,22 @@ W8 = {  # family, sizes, config, packer, input fake-quantization of the dense li
         functools.partial(qp.scaled_tensors, dtype=FP8, per_channel=False, static_input=0.01),
         functools.partial(fake_fp8, static=0.01),
     ),
+    # MLA's kv_b_proj dequantized at load (the attention absorbs it); DeepSeek's fp8 inputs
+    # flip fp8 roundings after the attention at these sizes: weight-only int8, or a static
+    # per-tensor scheme (the same arithmetic as HF's emulation)
+    "deepseek_v2_ct_int8_channel_weight_only": (
+        "deepseek_v2", dict(moe_intermediate_size=48, intermediate_size=96),
+        qp.ct_config("int-quantized", INT8_CH, None, ("lm_head", "re:.*mlp.gate$")),
+        functools.partial(qp.scaled_tensors, dtype=torch.int8),
+        lambda x: x,
+    ),
+    "deepseek_v3_ct_fp8_tensor_static": (
+        "deepseek_v3", V3_SIZES,
+        qp.ct_config("float-quantized", {**FP8_CH, "strategy": "tensor"},
+                     {**STATIC, "type": "float"}, ("lm_head", "re:.*mlp.gate$")),
+        functools.partial(qp.scaled_tensors, dtype=FP8, per_channel=False, static_input=0.01),
+        functools.partial(fake_fp8, static=0.01),
+    ),
     "qwen2_moe_ct_int8_channel_dynamic": (
         "qwen2_moe", dict(moe_intermediate_size=48, shared_expert_intermediate_size=64,
                           intermediate_size=96),
@@ -296,9 +312,10 @@ W8 = {  # family, sizes, config, packer, input fake-quantization of the dense li
 def test_8bit_experts_match_hf_dequantized(tmp_path, key):
     """compressed-tensors int8 / fp8 experts with channel or tensor scales (a static input
     scale read and dropped; the routers named in ``ignore``, as llm-compressor's MoE recipes
-    write) stay 8-bit, one scale a row after loading, and run weight-only;
-    the dense linears keep their W8A8 scheme. Logits match HF on the dequantized weights with
-    the dense linears' input quantization emulated; greedy tokens agree."""
+    write) stay 8-bit, one scale a row after loading, and run weight-only; the dense linears
+    keep their W8A8 scheme; DeepSeek's kv_b_proj loads dequantized. Logits match HF on the
+    dequantized weights with the dense linears' input quantization emulated; greedy tokens
+    agree."""
     from tests.models import families
 
     torch.set_num_threads(1)
@@ -313,7 +330,10 @@ def test_8bit_experts_match_hf_dequantized(tmp_path, key):
     assert tuple(experts.w13_row_scale.shape) == (num, two_inter)
     assert tuple(experts.w2_row_scale.shape) == (num, hidden)
     assert not hasattr(experts, "w13_input_scale") and not hasattr(experts, "w13_weight_scale")
-    with_input_quant(hf, fake)
+    for name, module in hf.named_modules():  # (kv_b_proj runs unquantized in ours)
+        if isinstance(module, torch.nn.Linear) and _is_linear(f"{name}.weight"):
+            if not name.endswith("kv_b_proj"):
+                module.register_forward_pre_hook(lambda _m, args: (fake(args[0]),))
     prefill, seqs = run_ours(model, steps=4)
     for p, lg, s in zip(PROMPTS, prefill, seqs):
         assert rel_err(lg, hf_logits(hf, p)) < 2e-3, key
