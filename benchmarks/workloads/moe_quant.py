@@ -103,24 +103,8 @@ def deepseek_fp8(experts: int, common: dict) -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w13, s13 = fp8_experts(experts, 2 * inter, hidden, gen)
     w2, s2 = fp8_experts(experts, hidden, inter, gen)
-
-    def expert(e: int):  # ([2I, H], [H, I]) fp32
-        one = slice(e, e + 1)
-        return (dequantize_experts(w13[one], s13[one], BLOCK)[0],
-                dequantize_experts(w2[one], s2[one], BLOCK)[0])  # fmt: skip
-
-    deq = _stacked(expert, experts)
-
-    rows = []
-    for tokens in TOKENS:
-        x, weights, ids = _route(tokens, experts, top_k, hidden, gen)
-        used = ids.unique().numel() * 3 * hidden * inter
-        quant = dict(inputs=(x, weights, ids), weights=(w13, w2),
-                     kwargs=dict(scales=(s13, s2, BLOCK)))  # fmt: skip
-        ref = moe_loop_by(x.float(), expert, experts, weights, ids)  # the CPU path, fp32
-        rows.append(_case(f"deepseek-v3-fp8-e{experts}", tokens, quant, deq, ref, (used, 2 * used),
-                          common))  # fmt: skip
-    return rows
+    name = f"deepseek-v3-fp8-e{experts}"
+    return _fp8_rows(name, (w13, s13, w2, s2), BLOCK, top_k, gen, common)
 
 
 def mixtral_fp8_channel(common: dict) -> list[dict]:
@@ -128,15 +112,22 @@ def mixtral_fp8_channel(common: dict) -> list[dict]:
     gen = torch.Generator(device=DEVICE).manual_seed(2)
     w13 = fp8_experts(experts, 2 * inter, hidden, gen, CHANNEL_BLOCK)[0]
     w2 = fp8_experts(experts, hidden, inter, gen, CHANNEL_BLOCK)[0]
-    s13, s2 = (
-        channel_scales(experts, 2 * inter, hidden, gen),
-        channel_scales(experts, hidden, inter, gen),
-    )
+    s13 = channel_scales(experts, 2 * inter, hidden, gen)
+    s2 = channel_scales(experts, hidden, inter, gen)
+    name = "mixtral-8x7b-fp8-channel"
+    return _fp8_rows(name, (w13, s13, w2, s2), CHANNEL_BLOCK, top_k, gen, common)
+
+
+def _fp8_rows(name: str, stack: tuple, block, top_k: int, gen, common: dict) -> list[dict]:
+    """Each of TOKENS through fp8 experts ``stack`` = (w13, s13, w2, s2) with ``block``
+    scales, against the bf16 kernels on the dequantized weights."""
+    w13, s13, w2, s2 = stack
+    experts, hidden, inter = w2.shape
 
     def expert(e: int):  # ([2I, H], [H, I]) fp32
         one = slice(e, e + 1)
-        return (dequantize_experts(w13[one], s13[one], CHANNEL_BLOCK)[0],
-                dequantize_experts(w2[one], s2[one], CHANNEL_BLOCK)[0])  # fmt: skip
+        return (dequantize_experts(w13[one], s13[one], block)[0],
+                dequantize_experts(w2[one], s2[one], block)[0])  # fmt: skip
 
     deq = _stacked(expert, experts)
 
@@ -145,10 +136,9 @@ def mixtral_fp8_channel(common: dict) -> list[dict]:
         x, weights, ids = _route(tokens, experts, top_k, hidden, gen)
         used = ids.unique().numel() * 3 * hidden * inter
         quant = dict(inputs=(x, weights, ids), weights=(w13, w2),
-                     kwargs=dict(scales=(s13, s2, CHANNEL_BLOCK)))  # fmt: skip
+                     kwargs=dict(scales=(s13, s2, block)))  # fmt: skip
         ref = moe_loop_by(x.float(), expert, experts, weights, ids)  # the CPU path, fp32
-        rows.append(_case("mixtral-8x7b-fp8-channel", tokens, quant, deq, ref, (used, 2 * used),
-                          common))  # fmt: skip
+        rows.append(_case(name, tokens, quant, deq, ref, (used, 2 * used), common))
     return rows
 
 
