@@ -189,6 +189,16 @@ def mla_softmax_scale(config: Any, qk_head_dim: int) -> float:
     return scale
 
 
+def _kv_b_method(quant_method: QuantMethod | None) -> Any:
+    """``kv_b_proj``'s method: the attention reads its weight itself, in the model dtype. A
+    packed weight-only format loads as published and is dequantized after loading
+    (``DenseAfterLoading``); an 8-bit one is dequantized as it loads
+    (models/deepseek_v2.py); otherwise it is unquantized (None)."""
+    from lightwell.quant.wna16 import DenseAfterLoading, WNA16Method
+
+    return DenseAfterLoading(quant_method) if isinstance(quant_method, WNA16Method) else None
+
+
 class MLAttention(nn.Module):
     def __init__(
         self,
@@ -211,7 +221,10 @@ class MLAttention(nn.Module):
                 self.q_lora_rank, heads * qk_dim, False, quant_method=quant_method
             )
         self.kv_a_layernorm = RMSNorm(self.rank, config.rms_norm_eps)
-        self.kv_b_proj = ColumnParallelLinear(self.rank, heads * (self.nope + self.v_dim), False)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.rank, heads * (self.nope + self.v_dim), False,
+            quant_method=_kv_b_method(quant_method),
+        )  # fmt: skip
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, quant_method=quant_method)
         self.num_heads = self.kv_b_proj.output_size_per_partition // (self.nope + self.v_dim)
         self.rotary_emb = rotary_emb

@@ -107,3 +107,33 @@ def group_index(k: int, group_size: int, device: torch.device) -> torch.Tensor: 
     """Input row -> group for contiguous groups (``group_size`` -1 or 0: one group)."""
     rows = torch.arange(k, device=device, dtype=torch.int32)
     return rows // group_size if group_size > 0 else torch.zeros_like(rows)
+
+
+class DenseAfterLoading:
+    """A weight-only packed format (GPTQ, AWQ, compressed-tensors pack-quantized) loaded as
+    published, then dequantized once into a plain ``weight`` [N, K] in the scales' dtype: for
+    a layer whose consumer reads the weight itself (MLA's ``kv_b_proj``, absorbed by the
+    attention). ``apply`` is then a plain matmul."""
+
+    def __init__(self, method: WNA16Method):
+        self.method = method
+        self.checkpoint_tensors = method.checkpoint_tensors
+
+    def create_weights(self, layer: nn.Module, *args, **kwargs) -> None:
+        self.method.create_weights(layer, *args, **kwargs)
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        self.method.process_after_loading(layer)
+        w = dequantize(layer.qweight, layer.scales, layer.zeros, layer.g_idx, layer.quant_bits)
+        if layer.quant_perm is not None:  # input k of the sorted layout is input perm[k]
+            w = torch.empty_like(w).index_copy_(1, layer.quant_perm, w)
+        replace_params(layer, {"weight": w.contiguous()}, ("qweight", "scales", "zeros", "g_idx"))
+        layer.quant_perm = None
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,  # [T, K]
+        bias: torch.Tensor | None,  # [N]
+    ) -> torch.Tensor:  # [T, N]
+        return F.linear(x, layer.weight.to(x.dtype), bias)

@@ -195,6 +195,19 @@ AWQ_G16 = {"quant_method": "awq", "bits": 4, "group_size": 16, "zero_point": Tru
            "version": "gemm"}  # fmt: skip
 W4 = {  # family, sizes in whole groups of 16, config, packer
     "mixtral_gptq_g16": ("mixtral", {}, GPTQ_G16, functools.partial(qp.gptq_tensors, gs=16)),
+    # MLA's kv_b_proj too: loaded as published, dequantized after loading
+    "deepseek_v2_gptq_g16": (
+        "deepseek_v2",
+        V3_SIZES,
+        GPTQ_G16,
+        functools.partial(qp.gptq_tensors, gs=16),
+    ),
+    "deepseek_v2_awq_g16": (
+        "deepseek_v2",
+        V3_SIZES,
+        AWQ_G16,
+        functools.partial(qp.awq_tensors, gs=16),
+    ),
     "qwen2_moe_awq_g16": (
         "qwen2_moe",
         dict(moe_intermediate_size=48, shared_expert_intermediate_size=64, intermediate_size=96),
@@ -413,3 +426,26 @@ def test_a_per_tensor_scale_saved_as_a_scalar_loads_as_one_of_shape_1():
     assert torch.equal(layers[0].w13_weight_scale[1], layers[1].w13_weight_scale[1])
     assert torch.equal(layers[0].w2_weight_scale[1], layers[1].w2_weight_scale[1])
     assert torch.equal(layers[0].w2_weight_scale[1], torch.tensor([2.0]))
+
+
+@pytest.mark.parametrize("act_order", [False, True], ids=["groups", "act_order"])
+def test_kv_b_dense_after_loading_is_the_dequantized_weight(act_order):
+    """``DenseAfterLoading`` (MLA's kv_b_proj in a packed format): GPTQ tensors loaded as
+    published, then one plain weight equal to the format's dequantization, act-order rows put
+    back in their inputs' order; the layer is then a plain matmul."""
+    from lightwell.layers.linear import ColumnParallelLinear
+    from lightwell.quant.gptq import GPTQMethod
+    from lightwell.quant.wna16 import DenseAfterLoading
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(3))
+    tensors, deq = qp.gptq_tensors(w, gs=16, act_order=act_order)
+    layer = ColumnParallelLinear(64, 48, False, quant_method=DenseAfterLoading(
+        GPTQMethod(4, 16, act_order, False)))  # fmt: skip
+    for name, t in tensors.items():
+        param = getattr(layer, name)
+        param.weight_loader(param, t)
+    layer.quant_method.process_after_loading(layer)
+    assert set(dict(layer.named_parameters())) == {"weight"}
+    torch.testing.assert_close(layer.weight.float(), deq, rtol=0, atol=1e-6)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), x @ deq.t(), rtol=1e-5, atol=1e-5)
