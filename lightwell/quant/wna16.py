@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightwell.quant.base import UnquantizedLinearMethod
 from lightwell.quant.utils import pack_int32, replace_params, unpack_int32
 
 
@@ -109,11 +110,11 @@ def group_index(k: int, group_size: int, device: torch.device) -> torch.Tensor: 
     return rows // group_size if group_size > 0 else torch.zeros_like(rows)
 
 
-class DenseAfterLoading:
+class DenseAfterLoading(UnquantizedLinearMethod):
     """A weight-only packed format (GPTQ, AWQ, compressed-tensors pack-quantized) loaded as
     published, then dequantized once into a plain ``weight`` [N, K] in the scales' dtype: for
     a layer whose consumer reads the weight itself (MLA's ``kv_b_proj``, absorbed by the
-    attention). ``apply`` is then a plain matmul."""
+    attention). ``apply`` is then the unquantized method's."""
 
     def __init__(self, method: WNA16Method):
         self.method = method
@@ -129,11 +130,3 @@ class DenseAfterLoading:
             w = torch.empty_like(w).index_copy_(1, layer.quant_perm, w)
         replace_params(layer, {"weight": w.contiguous()}, ("qweight", "scales", "zeros", "g_idx"))
         layer.quant_perm = None
-
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,  # [T, K]
-        bias: torch.Tensor | None,  # [N]
-    ) -> torch.Tensor:  # [T, N]
-        return F.linear(x, layer.weight.to(x.dtype), bias)
