@@ -87,7 +87,7 @@ def run_model(name: str, args: argparse.Namespace, rows: list[dict]) -> None:
     active, total = active_params(cfg)
     vocab = cfg["vocab_size"]
     t0 = time.perf_counter()
-    quant = getattr(args, "quantization", "auto")
+    quant = args.quantization
     llm = LLM(load_format="dummy", hf_config_json=name, dtype="bfloat16",
               skip_tokenizer_init=True, max_model_len=4096, quantization=quant)  # fmt: skip
     common = dict(model=name, dtype="bfloat16", tp=1, load_s=round(time.perf_counter() - t0, 1))

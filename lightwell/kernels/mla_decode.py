@@ -103,6 +103,29 @@ def _mla_decode_kernel(
         tl.store(lse_ptr + base, lse, mask=head_ok)
 
 
+@triton.jit
+def combine_splits(
+    part_ptr,  # [R, S, H, L] float32
+    lse_ptr,  # [R, S, H] float32 (-inf: an empty split)
+    req, head, num_heads, num_splits,
+    lat,  # [BLOCK_L] latent offsets
+    LATENT: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Request ``req``'s head ``head`` output [BLOCK_L] fp32 from its splits' partials, each
+    weighted by exp(its log-sum-exp - the largest) over their sum; empty splits are not read.
+    ``_combine_kernel``'s, and kernels/mla_output.py's when it combines as it reads."""
+    s = tl.arange(0, BLOCK_SPLITS)
+    rows = (req * num_splits + s) * num_heads + head  # [BS]
+    lse = tl.load(lse_ptr + rows, mask=s < num_splits, other=float("-inf"))
+    live = lse > float("-inf")
+    top = tl.max(tl.where(live, lse, -1e30), axis=0)
+    w = tl.where(live, tl.exp(lse - top), 0.0)  # empty splits weigh nothing
+    total = tl.sum(w, axis=0)
+    parts = tl.load(part_ptr + rows[:, None] * LATENT + lat[None, :],
+                    mask=live[:, None] & (lat < LATENT)[None, :], other=0.0)  # fmt: skip
+    return tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(
     part_ptr,  # [R, S, H, L] float32
@@ -119,16 +142,9 @@ def _combine_kernel(
 ):
     wait_then_signal(GDC)
     req, head = tl.program_id(0), tl.program_id(1)
-    s, lat = tl.arange(0, BLOCK_SPLITS), tl.arange(0, BLOCK_L)
-    rows = (req * num_splits + s) * num_heads + head  # [BS]
-    lse = tl.load(lse_ptr + rows, mask=s < num_splits, other=float("-inf"))
-    live = lse > float("-inf")
-    top = tl.max(tl.where(live, lse, -1e30), axis=0)
-    w = tl.where(live, tl.exp(lse - top), 0.0)  # empty splits weigh nothing
-    total = tl.sum(w, axis=0)
-    parts = tl.load(part_ptr + rows[:, None] * LATENT + lat[None, :],
-                    mask=live[:, None] & (lat < LATENT)[None, :], other=0.0)  # fmt: skip
-    out = tl.sum(parts * w[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+    lat = tl.arange(0, BLOCK_L)
+    out = combine_splits(part_ptr, lse_ptr, req, head, num_heads, num_splits, lat, LATENT,
+                         BLOCK_SPLITS)  # fmt: skip
     o_row = out_ptr + req * stride_or + head * stride_oh
     tl.store(o_row + lat, out.to(out_ptr.dtype.element_ty), mask=lat < LATENT)
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.mla_decode import combine_splits
 from lightwell.kernels.pdl_sync import wait_then_signal
 
 BLOCK_V = 32  # value dims a program
@@ -101,17 +102,9 @@ def _absorb_few_kernel(
     wait_then_signal(GDC)
     w = w.to(tl.float32)
     for t in range(T):
-        if COMBINE:  # the decode's combine: splits weighted by exp(lse - max) over their sum
-            s = tl.arange(0, BLOCK_SPLITS)
-            rows = (t * num_splits + s) * tl.num_programs(0) + h  # (a program row per head)
-            lse = tl.load(lse_ptr + rows, mask=s < num_splits, other=float("-inf"))
-            live = lse > float("-inf")
-            top = tl.max(tl.where(live, lse, -1e30), axis=0)
-            weight = tl.where(live, tl.exp(lse - top), 0.0)  # empty splits are not read
-            parts = tl.load(o_ptr + rows[:, None] * LATENT + r[None, :],
-                            mask=live[:, None] & r_ok[None, :], other=0.0)  # fmt: skip
-            total = tl.sum(weight, axis=0)
-            o = tl.sum(parts * weight[:, None], axis=0) / tl.where(total > 0, total, 1.0)
+        if COMBINE:  # the decode's combine (a program row per head)
+            o = combine_splits(o_ptr, lse_ptr, t, h, tl.num_programs(0), num_splits, r, LATENT,
+                               BLOCK_SPLITS)  # fmt: skip
         else:
             o = tl.load(o_ptr + t * stride_ot + h * stride_oh + r, mask=r_ok, other=0.0)
         y = tl.sum(w * o.to(tl.float32)[None, :], axis=1)  # [BV]
@@ -123,8 +116,7 @@ def absorb_output(
     kv_b_weight: torch.Tensor,  # [H * (N + V), L]
     dims: tuple[int, int],  # (N, V)
     lse: torch.Tensor | None = None,  # [T, S, H] float32
-    out_dtype: torch.dtype | None = None,  # with lse: the output's dtype (else o's)
-) -> torch.Tensor:  # [T, H * V]
+) -> torch.Tensor:  # [T, H * V] in o's dtype; with lse, in the weight's
     """With ``lse``, ``o`` holds the split-KV decode's partial outputs
     (kernels/mla_decode.py's ``mla_decode_split``), combined as they are read: up to
     ``FEW_TOKENS`` tokens only."""
@@ -139,7 +131,7 @@ def absorb_output(
         (num_tokens, heads, latent), num_splits = o.shape, 1
     if o.stride(-1) != 1 or kv_b_weight.shape != (heads * (nope + vdim), latent):
         raise ValueError(f"absorb_output: o {tuple(o.shape)} does not fit kv_b_proj's weight")
-    out = o.new_empty(num_tokens, heads * vdim, dtype=out_dtype or o.dtype)
+    out = o.new_empty(num_tokens, heads * vdim, dtype=o.dtype if lse is None else kv_b_weight.dtype)
     if lse is not None or 0 < num_tokens <= FEW_TOKENS:
         _absorb_few_kernel[(heads, triton.cdiv(vdim, FEW_BLOCK_V))](
             o, o if lse is None else lse, kv_b_weight, out, num_tokens, num_splits,

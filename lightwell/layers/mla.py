@@ -313,7 +313,7 @@ class MLAttention(nn.Module):
         q = prepare_decode(positions, query, kv, norm_eps, w, dims, rope, self.attn.kv_cache, slots)
         if q.shape[0] <= FEW_TOKENS and (split := self.attn.decode_split(q)) is not None:
             # the output kernel combines the splits as it reads them
-            return absorb_output(split[0], w, (self.nope, self.v_dim), split[1], q.dtype)
+            return absorb_output(split[0], w, (self.nope, self.v_dim), split[1])
         return absorb_output(self.attn(q, None), w, (self.nope, self.v_dim))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:  # [T, H]
@@ -343,7 +343,7 @@ class MLAttention(nn.Module):
         for s in splits[1:]:  # and its variants combining the decode's splits
             part = torch.zeros(1, s, self.num_heads, self.rank, device=cache.device)
             lse = torch.zeros(1, s, self.num_heads, device=cache.device)
-            absorb_output(part, self.kv_b_proj.weight, (self.nope, self.v_dim), lse, q.dtype)
+            absorb_output(part, self.kv_b_proj.weight, (self.nope, self.v_dim), lse)
         launches = 2 * len(splits)
         if self.v_dim > self.nope + self.rope:
             return launches

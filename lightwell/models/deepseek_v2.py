@@ -40,7 +40,6 @@ from lightwell.models.moe_blocks import (
     load_moe_weights,
 )
 from lightwell.models.pipeline import make_layers, on_stage, stage_embedding
-from lightwell.quant import checkpoint_quant_config
 from lightwell.quant.base import QuantMethod
 
 logger = logging.getLogger(__name__)
@@ -127,6 +126,7 @@ class DeepseekV2Model(LlamaModel):
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
     def build_model(self, hf_config: Any, quant_method: QuantMethod | None) -> nn.Module:
+        self.linear_method = quant_method  # (its block size dequantizes an 8-bit kv_b_proj)
         return DeepseekV2Model(hf_config, quant_method)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -196,12 +196,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         rows = weight.shape[0]
         if scale.numel() == 1 or tuple(scale.shape) in ((rows,), (rows, 1)):
             return weight.float() * scale.float().reshape(-1, 1)  # per tensor or per row
-        qc = checkpoint_quant_config(self.config) or {}
-        groups = list((qc.get("config_groups") or {}).values())
-        block = qc.get("weight_block_size") or (
-            groups and (groups[0].get("weights") or {}).get("block_structure")
-        )
-        return dequantize_blocks(weight, scale, tuple(block or (128, 128)))
+        return dequantize_blocks(weight, scale, getattr(self.linear_method, "block", (128, 128)))
 
 
 _KV_B_TENSORS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")

@@ -150,6 +150,12 @@ class Fp8BlockExperts(UnquantizedExperts):
         return expert
 
 
+def row_block(inter: int) -> int | None:
+    """bk of the [1, bk] blocks row-scaled fp8 experts run as on a GPU: the largest power of
+    two from 16 to 128 dividing the intermediate size per rank (None: the kernels cannot)."""
+    return next((b for b in (128, 64, 32, 16) if inter % b == 0), None)
+
+
 class ScaledExperts(UnquantizedExperts):
     """compressed-tensors 8-bit experts (int-quantized int8, float-quantized fp8) with channel
     or tensor scales: ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] in int8 / fp8,
@@ -167,7 +173,6 @@ class ScaledExperts(UnquantizedExperts):
         extra = ("input_scale",) if activations == "static" else ()
         self.checkpoint_tensors = ("weight", "weight_scale", *extra)
         self.block: tuple[int, int] | None = None  # fp8 on a GPU: the kernels' [1, bk] blocks
-        self.dequantized = False  # int8 on a GPU: held in the model dtype
 
     def create_weights(self, layer: nn.Module, hidden: int, inter: int, dtype: torch.dtype) -> None:
         f32, full = torch.float32, layer.full_inter
@@ -206,13 +211,12 @@ class ScaledExperts(UnquantizedExperts):
             for name, scale in (("w13_weight", s13), ("w2_weight", s2)):
                 deq = (getattr(layer, name).data.float() * scale[..., None].float()).to(act)
                 setattr(layer, name, nn.Parameter(deq, requires_grad=False))
-            self.dequantized = True
             return
         layer.w13_row_scale = nn.Parameter(s13.float().contiguous(), requires_grad=False)
         layer.w2_row_scale = nn.Parameter(s2.float().contiguous(), requires_grad=False)
         if gpu:  # fp8: the block kernels' scales, [1, bk] blocks
             inter = two_inter // 2
-            bk = next((b for b in (128, 64, 32, 16) if inter % b == 0), None)
+            bk = row_block(inter)
             if bk is None:
                 raise ValueError(
                     f"fp8 experts with {self.strategy} scales: the GPU kernels need the expert "
@@ -224,10 +228,14 @@ class ScaledExperts(UnquantizedExperts):
             layer.w13_block_scale = nn.Parameter(blocks13.contiguous(), requires_grad=False)
             layer.w2_block_scale = nn.Parameter(blocks2.contiguous(), requires_grad=False)
 
+    def in_model_dtype(self, layer: nn.Module) -> bool:
+        """The experts were left in (or dequantized to) the model dtype at load."""
+        return layer.w13_weight.dtype != self.dtype
+
     def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(w13, w2, fused_moe's keyword arguments) of the fused kernels (off a GPU, where
         no block scales are made, the weights alone: ``apply`` reads their shape)."""
-        if self.dequantized or self.block is None:
+        if self.in_model_dtype(layer) or self.block is None:
             return layer.w13_weight, layer.w2_weight, {}
         scales = (layer.w13_block_scale, layer.w2_block_scale, self.block)
         return layer.w13_weight, layer.w2_weight, {"scales": scales}
@@ -235,7 +243,7 @@ class ScaledExperts(UnquantizedExperts):
     def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
         """Expert e's weights dequantized (``q * row scale``) to x's dtype."""
         w13, w2 = layer.w13_weight, layer.w2_weight
-        if self.dequantized:
+        if self.in_model_dtype(layer):
             return lambda e: (w13[e], w2[e])
         s13, s2 = layer.w13_row_scale, layer.w2_row_scale
 
@@ -265,9 +273,8 @@ class OnlineScaledExperts(ScaledExperts):
         from lightwell.quant.int8 import quantize_rows
 
         inter = layer.w13_weight.shape[1] // 2
-        if layer.w13_weight.is_cuda and (self.dtype == torch.int8 or inter % 16):
-            self.dequantized = True  # no kernel takes them: left in the model dtype
-            return
+        if layer.w13_weight.is_cuda and (self.dtype == torch.int8 or row_block(inter) is None):
+            return  # no kernel takes them: left in the model dtype
         rows = {}
         for name in ("w13_weight", "w2_weight"):
             w = getattr(layer, name).data

@@ -69,7 +69,7 @@ def test_output_kernel_combines_the_decode_splits(dtype, splits):
     assert part.shape == (1, splits, heads, rank) and lse.shape == (1, splits, heads)
     assert (lse[:, :3] > float("-inf")).all() and (lse[:, 3:] == float("-inf")).all()
     part[:, 3:] = float("nan")
-    got = absorb_output(part, w, (nope, vdim), lse, dtype)
+    got = absorb_output(part, w, (nope, vdim), lse)
     w_uv = w.view(heads, nope + vdim, rank)[:, nope:].float()
     want = torch.einsum("thr,hvr->thv", mla_decode_ref(*args, 0.2, rank).float(), w_uv)
     two_launches = absorb_output(mla_decode(*args, 0.2, rank, splits, config=config), w,
@@ -79,7 +79,7 @@ def test_output_kernel_combines_the_decode_splits(dtype, splits):
     assert _rel(got, two_launches) < TOL[dtype]
     with pytest.raises(ValueError, match="partials"):  # more tokens than the few-token kernel
         absorb_output(part.expand(2, -1, -1, -1).contiguous(), w, (nope, vdim),
-                      lse.expand(2, -1, -1).contiguous(), dtype)  # fmt: skip
+                      lse.expand(2, -1, -1).contiguous())  # fmt: skip
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
