@@ -19,6 +19,7 @@ QUANTS = {
     "fp8": ("*fp8e4nv", "*fp32", (128, 128)),
     "int4": ("*i32", "*bf16", (1, 128)),
     "int4-channel": ("*i32", "*bf16", (1, 14336)),
+    "fp8-rows-w8a8": ("*fp8e4nv", "*fp32", (1, 0)),  # one scale a row, fp8 activations
 }
 GEMV_TILES = ((1, 2048, 4, 3), (2, 256, 1, 3), (4, 512, 1, 1), (2, 2048, 2, 3))
 
@@ -32,15 +33,20 @@ def variants():
     for quant, (w_t, s_t, (sbn, sbk)) in QUANTS.items():
         types = dict(x_ptr="*bf16", a_ptr="*bf16", w_ptr=w_t, out_ptr="*bf16", s_ptr=s_t,
                      z_ptr=s_t, sorted_ptr="*i32", expert_ptr="*i32", ids_ptr="*i64",
-                     weight_ptr="*fp32")  # fmt: skip
-        int4 = quant.startswith("int4")
+                     weight_ptr="*fp32", xs_ptr="*fp32", as_ptr="*fp32")  # fmt: skip
+        int4, w8a8 = quant.startswith("int4"), quant.endswith("w8a8")
         grouped = dict(HIDDEN=7168, INTER=2048, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
-                       SCALED=quant != "bf16", SBN=sbn, SBK=sbk, INT4=int4,
+                       SCALED=quant != "bf16", SBN=sbn, SBK=sbk, INT4=int4, A_SCALED=w8a8,
                        GROUP_M=fm.GROUP_M)  # fmt: skip
-        gate_up = {**grouped, "TOP_K": 8}
-        yield f"{quant} grouped gate_up", fm._gate_up_kernel, types, gate_up, 4, 3
-        yield f"{quant} grouped down", fm._down_kernel, types, grouped, 4, 3
-        if quant == "bf16":
+        gate_up, down = {**grouped, "TOP_K": 8}, grouped
+        if w8a8:  # fp8 x and activation; the row scales span all of K (fused_moe._grouped)
+            types = {**types, "x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv"}
+            tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
+            gate_up, down = {**gate_up, **tile, "SBK": 7168}, {**down, **tile, "SBK": 2048}
+        warps = 8 if w8a8 else 4
+        yield f"{quant} grouped gate_up", fm._gate_up_kernel, types, gate_up, warps, 3
+        yield f"{quant} grouped down", fm._down_kernel, types, down, warps, 3
+        if quant == "bf16" or w8a8:
             continue
         for bn, bk, warps, stages in GEMV_TILES:
             ts = min(bk & -bk, sbk & -sbk)

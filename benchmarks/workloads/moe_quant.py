@@ -2,16 +2,22 @@
 grouped GEMMs, and the few-token GEMV path of kernels/moe_gemv_quant.py) over block-FP8 experts
 (DeepSeek-V3/R1: H 7168, I 2048, 256 experts top-8, [128, 128] blocks), GPTQ int4 experts
 (Mixtral-8x7B: H 4096, I 14336, 8 experts top-2, group 128, symmetric) and Mixtral's experts in
-fp8 with one scale a row (compressed-tensors' channel strategy, run as [1, 128] blocks), at 1,
-64 and 2048 tokens, against the bf16 kernels on the same (dequantized) weights. One device
-call, a few minutes:
+fp8 with one scale a row (compressed-tensors' channel strategy and ``--quantization fp8``, run
+as quant/experts.py's ``ScaledExperts`` runs them: [1, 128] blocks on the GEMV path, row scales
+and fp8 activations on the grouped path), at 1, 64 and 2048 tokens, against the bf16 kernels on
+the same (dequantized) weights. One device call, a few minutes:
 
     run(command="python3 -m benchmarks.workloads.moe_quant --out $OUT/moe_quant.json")
+
+``--sweep`` times instead the grouped path of the row-scaled fp8 experts with fp8 activations
+over row blocks and tiles at 16 to 4,096 tokens (``fused_moe.w8a8_tiles``' table), against the
+bf16 kernels.
 
 Each result is checked first against the torch reference that runs on CPU (``moe_loop_by``
 dequantizing each used expert, fp32): the largest error relative to the output's largest value,
 for the quantized kernels and for the bf16 ones on the dequantized weights (bf16 rounding of x,
-act and the output bounds both at about 1e-2). Times: CUDA events, median of 20 after 3 warm-up
+act and the output bounds both at about 1e-2; fp8 activations, e4m3's 3-bit mantissa, at about
+6e-2). Times: CUDA events, median of 20 after 3 warm-up
 runs, replayed from a CUDA graph; the expert weight bytes each path reads (the chosen experts')
 over its time. ``--experts N`` builds fewer DeepSeek experts (the routing stays top-8 of them).
 """
@@ -19,6 +25,7 @@ over its time. ``--experts N`` builds fewer DeepSeek experts (the routing stays 
 from __future__ import annotations
 
 import argparse
+from functools import partial
 
 import torch
 
@@ -115,12 +122,46 @@ def mixtral_fp8_channel(common: dict) -> list[dict]:
     s13 = channel_scales(experts, 2 * inter, hidden, gen)
     s2 = channel_scales(experts, hidden, inter, gen)
     name = "mixtral-8x7b-fp8-channel"
-    return _fp8_rows(name, (w13, s13, w2, s2), CHANNEL_BLOCK, top_k, gen, common)
+    rows = dict(row_scales=(s13[..., 0].contiguous(), s2[..., 0].contiguous()), w8a8=True)
+    return _fp8_rows(name, (w13, s13, w2, s2), CHANNEL_BLOCK, top_k, gen, common, rows)
 
 
-def _fp8_rows(name: str, stack: tuple, block, top_k: int, gen, common: dict) -> list[dict]:
+def sweep_fp8_channel(common: dict) -> list[dict]:
+    """The grouped path of Mixtral's row-scaled fp8 experts with fp8 activations at each
+    (tokens, row block, tile), against the bf16 kernels (weights uninitialised: times only)."""
+    experts, hidden, inter, top_k, _ = MIXTRAL.values()
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    w13 = fp8_experts(experts, 2 * inter, hidden, gen, CHANNEL_BLOCK)[0]
+    w2 = fp8_experts(experts, hidden, inter, gen, CHANNEL_BLOCK)[0]
+    s13 = channel_scales(experts, 2 * inter, hidden, gen)
+    s2 = channel_scales(experts, hidden, inter, gen)
+    quant = dict(scales=(s13, s2, CHANNEL_BLOCK), w8a8=True,
+                 row_scales=(s13[..., 0].contiguous(), s2[..., 0].contiguous()))  # fmt: skip
+    deq = [torch.empty(w.shape, dtype=torch.bfloat16, device=DEVICE) for w in (w13, w2)]
+    tiles = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
+    plan = {16: (16, 32), 64: (16, 32), 256: (32, 64, 128), 512: (64, 128), 1024: (64, 128),
+            2048: (128,), 4096: (128,)}  # fmt: skip
+    rows = []
+    for tokens, blocks in plan.items():
+        route = _route(tokens, experts, top_k, hidden, gen)
+        b_us = graph_replay_us(partial(fused_moe, route[0], *deq, *route[1:], gemv=False))
+        for block_m, (bn, bk, warps, stages) in ((m, t) for m in blocks for t in tiles):
+            tile = dict(block_m=block_m, block_n=bn, block_k=bk, num_warps=warps,
+                        num_stages=stages)  # fmt: skip
+            run = partial(fused_moe, route[0], w13, w2, *route[1:], gemv=False, **quant, **tile)
+            us = graph_replay_us(run)
+            row = dict(shape="mixtral-8x7b-fp8-channel-w8a8-sweep", tokens=tokens, **tile,
+                       bf16_graph_us=round(b_us, 1), speedup=round(b_us / us, 3))  # fmt: skip
+            print({**row, "us": round(us, 1)}, flush=True)
+            rows.append(make_record("moe_quant_sweep_us", us, common, **row))
+    return rows
+
+
+def _fp8_rows(name: str, stack: tuple, block, top_k: int, gen, common: dict,
+              extra: dict | None = None) -> list[dict]:  # fmt: skip
     """Each of TOKENS through fp8 experts ``stack`` = (w13, s13, w2, s2) with ``block``
-    scales, against the bf16 kernels on the dequantized weights."""
+    scales (and ``extra`` fused_moe arguments), against the bf16 kernels on the dequantized
+    weights."""
     w13, s13, w2, s2 = stack
     experts, hidden, inter = w2.shape
 
@@ -136,7 +177,7 @@ def _fp8_rows(name: str, stack: tuple, block, top_k: int, gen, common: dict) -> 
         x, weights, ids = _route(tokens, experts, top_k, hidden, gen)
         used = ids.unique().numel() * 3 * hidden * inter
         quant = dict(inputs=(x, weights, ids), weights=(w13, w2),
-                     kwargs=dict(scales=(s13, s2, block)))  # fmt: skip
+                     kwargs=dict(scales=(s13, s2, block), **(extra or {})))  # fmt: skip
         ref = moe_loop_by(x.float(), expert, experts, weights, ids)  # the CPU path, fp32
         rows.append(_case(name, tokens, quant, deq, ref, (used, 2 * used), common))
     return rows
@@ -176,8 +217,14 @@ def main() -> None:
         default="deepseek,mixtral,mixtral-fp8",
         help="deepseek, mixtral (GPTQ), mixtral-fp8 (channel scales): any of",
     )
+    parser.add_argument("--sweep", action="store_true", help="the fp8 w8a8 tile sweep only")
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
+    if args.sweep:
+        rows = sweep_fp8_channel(common)
+        if args.out:
+            write_json(args.out, rows)
+        return
     rows = []
     shapes = args.shapes.split(",")
     if "mixtral" in shapes:

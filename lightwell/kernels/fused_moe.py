@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from lightwell.kernels.act_quant import act_quant
 from lightwell.kernels.moe_gemv import Config, moe_gemv
 from lightwell.kernels.moe_gemv_rule import use_gemv
 from lightwell.kernels.moe_pairs import align_by_expert, sum_pairs
@@ -71,6 +72,7 @@ def _gate_up_kernel(
     expert_ptr,  # [P / BLOCK_M]
     s_ptr,  # SCALED: [E, 2 * I / SBN, ceil(H / SBK)] fp32 block scales (fp8), or group scales
     z_ptr,  # INT4: [E, 2 * I, H / SBK] zero points
+    xs_ptr,  # A_SCALED: [T] fp32 scales of x's rows (x in fp8)
     num_pairs,  # T * k
     num_blocks_m,  # P / BLOCK_M
     TOP_K: tl.constexpr,
@@ -83,6 +85,7 @@ def _gate_up_kernel(
     SBN: tl.constexpr,  # the scale blocks' rows (fp8: bn; int4: 1)
     SBK: tl.constexpr,  # their inputs (fp8: bk; int4: the group size), a multiple of BLOCK_K
     INT4: tl.constexpr,
+    A_SCALED: tl.constexpr,  # x in fp8 with a scale a row (fp8 weights): fp8 dots
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_blocks_m, (INTER + BLOCK_N - 1) // BLOCK_N, GROUP_M)
@@ -112,12 +115,19 @@ def _gate_up_kernel(
                        BLOCK_K)  # fmt: skip
         up = _b_tile(w, INTER + cols, col_ok, k0, ks, k_ok, z_ptr + up_off, kb, a.dtype, INT4, KW,
                      BLOCK_K)  # fmt: skip
-        if SCALED:  # scaled per column (and K chunk) after the dot
+        if SCALED and SBK < HIDDEN:  # scaled per column and K chunk after the dot
             acc_gate += tl.dot(a, gate) * tl.load(s_ptr + gate_off + kb)[None, :]
             acc_up += tl.dot(a, up) * tl.load(s_ptr + up_off + kb)[None, :]
         else:
             acc_gate = tl.dot(a, gate, acc_gate)
             acc_up = tl.dot(a, up, acc_up)
+    if SCALED and SBK >= HIDDEN:  # one scale a row over all of H: scaled once
+        acc_gate *= tl.load(s_ptr + gate_off).to(tl.float32)[None, :]
+        acc_up *= tl.load(s_ptr + up_off).to(tl.float32)[None, :]
+    if A_SCALED:
+        xs = tl.load(xs_ptr + token, mask=row_ok, other=0.0)[:, None]
+        acc_gate *= xs
+        acc_up *= xs
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(out_ptr + pair[:, None] * INTER + cols[None, :], act.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
@@ -133,6 +143,7 @@ def _down_kernel(
     expert_ptr,  # [P / BLOCK_M]
     s_ptr,  # SCALED: [E, ceil(H / SBN), I / SBK] fp32 block scales (fp8), or group scales
     z_ptr,  # INT4: [E, H, I / SBK] zero points
+    as_ptr,  # A_SCALED: [T * k] fp32 scales of a's rows (a in fp8)
     num_pairs,
     num_blocks_m,
     HIDDEN: tl.constexpr,
@@ -144,6 +155,7 @@ def _down_kernel(
     SBN: tl.constexpr,
     SBK: tl.constexpr,
     INT4: tl.constexpr,
+    A_SCALED: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_blocks_m, (HIDDEN + BLOCK_N - 1) // BLOCK_N, GROUP_M)
@@ -167,11 +179,15 @@ def _down_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         kb = k0 // SBK
         b = _b_tile(w, cols, col_ok, k0, ks, k_ok, z_ptr + off, kb, a.dtype, INT4, KW, BLOCK_K)
-        if SCALED:  # scaled per column (and K chunk) after the dot
+        if SCALED and SBK < INTER:  # scaled per column and K chunk after the dot
             acc += tl.dot(a, b) * tl.load(s_ptr + off + kb)[None, :]
         else:
             acc = tl.dot(a, b, acc)
+    if SCALED and SBK >= INTER:  # one scale a row over all of I: scaled once
+        acc *= tl.load(s_ptr + off).to(tl.float32)[None, :]
     scale = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    if A_SCALED:
+        scale *= tl.load(as_ptr + pair, mask=row_ok, other=0.0)
     acc = acc * scale[:, None]
     tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
@@ -183,6 +199,8 @@ Scales = tuple[torch.Tensor, torch.Tensor, tuple[int, int]]
 # int4 experts (w13 [E, 2I, H / 8], w2 [E, H, I / 8] int32 words, value j of a word at bits 4j):
 # (w13 scales, w13 zeros [E, 2I, H / g13], w2 scales, w2 zeros [E, H, I / g2], g13, g2)
 Int4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
+# fp8 experts with one scale a row: (w13's [E, 2I], w2's [E, H]) float32
+RowScales = tuple[torch.Tensor, torch.Tensor]
 
 
 def _check_quant(w13: torch.Tensor, hidden: int, inter: int, scales, int4) -> None:
@@ -255,6 +273,29 @@ def grouped_tiles(block_m: int) -> tuple[int, int, int, int]:
     return 64, 64, 4, 3
 
 
+def w8a8_tiles(per_expert: float) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, warps, stages) of the grouped kernels on fp8 activations
+    (``w8a8``), from the mean (token, expert) pairs an expert gets, after the H200 sweep of
+    ``python3 -m benchmarks.workloads.moe_quant --sweep`` on Mixtral-8x7B's shapes: 32-row
+    blocks up to 32 pairs an expert, 128-row blocks past that (fewer row blocks: each
+    expert's weights read fewer times), with 4 stages up to 256 pairs."""
+    if per_expert <= 32:
+        return 32, 128, 128, 4, 3
+    return 128, 128, 128, 8, 4 if per_expert <= 256 else 3
+
+
+def grouped_variants(quant: dict, act_dtype: torch.dtype) -> list[dict]:
+    """fused_moe's tile keyword arguments of every grouped-kernel variant a step can pick for
+    experts with these kernel inputs (``quant``: fused_moe's quantization keywords) and
+    activations in ``act_dtype``: what start-up compiles before serving."""
+    if quant.get("w8a8"):
+        tiles = {w8a8_tiles(n) for n in (1, 64, 512)}
+        keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+        return [dict(zip(keys, t)) for t in sorted(tiles)]
+    large = not (quant.get("scales") or quant.get("int4")) and act_dtype.itemsize == 2
+    return [dict(block_m=m) for m in ((16, 32, 64, 128) if large else (16, 32, 64))]
+
+
 def fused_moe(
     x: torch.Tensor,  # [T, H]
     w13: torch.Tensor,  # [E, 2 * I, H]: gate rows, then up rows (16/32-bit, fp8, int4 words)
@@ -268,6 +309,8 @@ def fused_moe(
     gemv_configs: tuple[Config, Config] | None = None,  # theirs (gate/up, down); default: picked
     scales: Scales | None = None,  # fp8 experts: their block scales
     int4: Int4 | None = None,  # int4 experts: their group scales and zeros
+    row_scales: RowScales | None = None,  # fp8 experts scaled by row: those scales
+    w8a8: bool = False,  # with row_scales: activations in fp8 too (grouped path)
     num_shared: int = 0,  # the last S experts are every token's, weight 1 (GEMV path only)
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -278,8 +321,15 @@ def fused_moe(
     kernels/moe_gemv.py's (the choice depends only on the shapes: CUDA-graph safe).
     Quantized experts are weight-only: x stays in its dtype; each weight tile is converted to
     it exactly (fp8 values; int4 values minus their zero points), and its dot product scaled
-    per column by the scale of its block (fp8) or group (int4): a K tile lies in one."""
+    per column by the scale of its block (fp8) or group (int4): a K tile lies in one. A scale
+    that covers a whole row (int4 groups of all K; fp8 experts given ``row_scales``, whose
+    ``scales`` are those repeated over [1, bk] blocks for the GEMV path) is applied once
+    after the K loop, the dots accumulating in the MMA. With ``w8a8`` (fp8 ``row_scales``
+    experts) the grouped path quantizes x and the activation before down per row to fp8
+    (kernels/act_quant.py, dynamic) and runs fp8 dots, each product scaled by its row's and
+    column's scales; the GEMV path stays weight-only."""
     dims = _check(x, w13, w2, weights, ids, scales, int4)  # E, H, I
+    _check_rows(dims, scales, row_scales, w8a8)
     num_experts = dims[0]
     num_tokens, top_k = ids.shape
     if num_tokens * top_k == 0:
@@ -299,12 +349,34 @@ def fused_moe(
         raise ValueError("fused_moe: shared experts are supported on the GEMV path only")
     # the larger tiles are sized for 16-bit unquantized experts (shared memory, registers)
     large = scales is None and int4 is None and x.element_size() == 2
-    if block_m is None:
-        block_m = pick_block_m(num_tokens * top_k / num_experts, not large)
-    tiles = grouped_tiles(block_m) if large else (64, 64, 4, 3)
+    per_expert = num_tokens * top_k / num_experts
+    if w8a8:
+        picked = w8a8_tiles(per_expert)
+        block_m, tiles = block_m or picked[0], picked[1:]
+    else:
+        if block_m is None:
+            block_m = pick_block_m(per_expert, not large)
+        tiles = grouped_tiles(block_m) if large else (64, 64, 4, 3)
     tile = (block_m, block_n or tiles[0], block_k or tiles[1], num_warps or tiles[2],
             num_stages or tiles[3], group_m or GROUP_M)  # fmt: skip
-    return _grouped(x, w13, w2, weights, ids, dims, tile, scales, int4, add)
+    if row_scales is not None:
+        scales = (row_scales[0], row_scales[1], (1, 0))
+    return _grouped(x, w13, w2, weights, ids, dims, tile, scales, int4, add, w8a8)
+
+
+def _check_rows(dims: tuple[int, int, int], scales, row_scales, w8a8: bool) -> None:
+    num_experts, hidden, inter = dims
+    if row_scales is None:
+        if w8a8:
+            raise ValueError("fused_moe: w8a8 needs fp8 experts with row_scales")
+        return
+    want = [(num_experts, 2 * inter), (num_experts, hidden)]
+    if scales is None or scales[2][0] != 1:
+        raise ValueError("fused_moe: row_scales go with fp8 experts' [1, bk] block scales")
+    if [tuple(t.shape) for t in row_scales] != want or not all(
+        t.dtype == torch.float32 and t.is_contiguous() for t in row_scales
+    ):
+        raise ValueError(f"fused_moe: row_scales must be contiguous float32 {want}")
 
 
 def _grouped(
@@ -315,9 +387,10 @@ def _grouped(
     ids: torch.Tensor,  # [T, k]
     dims: tuple[int, int, int],  # E, H, I
     tile: tuple[int, int, int, int, int, int],  # block m / n / k, warps, stages, GROUP_M
-    scales: Scales | None,
+    scales: Scales | None,  # (1, 0) blocks: one scale a row ([E, 2I], [E, H])
     int4: Int4 | None,
     add: torch.Tensor | None,  # [T, H]
+    w8a8: bool = False,  # fp8 activations (row-scaled fp8 experts)
 ) -> torch.Tensor:  # [T, H]
     """The grouped path: pairs sorted by expert, the gate/up and down launches, the pair sum."""
     (num_experts, hidden, inter), (num_tokens, top_k) = dims, ids.shape
@@ -328,6 +401,10 @@ def _grouped(
         block_k = min(block_k, g13 & -g13, g2 & -g2)  # a K tile inside one group
         quant = dict(SCALED=True, INT4=True)
         sb13, sb2 = (1, g13), (1, g2)
+    elif scales is not None and scales[2] == (1, 0):  # a scale a row: over all of K
+        s13, s2 = z13, z2 = scales[:2]
+        sb13, sb2 = (1, hidden), (1, inter)
+        quant = dict(SCALED=True, INT4=False)
     elif scales is not None:
         s13, s2, sb13 = *scales[:2], scales[2]
         z13, z2, sb2 = s13, s2, sb13
@@ -340,16 +417,18 @@ def _grouped(
     sorted_ids, block_expert = align_by_expert(ids, num_experts, block_m)
     blocks_m = block_expert.numel()
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **quant, GROUP_M=group_m,
-                  num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+                  A_SCALED=w8a8, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
+    a, xs = act_quant(x, torch.float8_e4m3fn) if w8a8 else (x, x)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks_m * triton.cdiv(inter, block_n),)](
-        x, w13, act, sorted_ids, block_expert, s13, z13, pairs, blocks_m, TOP_K=top_k,
+        a, w13, act, sorted_ids, block_expert, s13, z13, xs, pairs, blocks_m, TOP_K=top_k,
         HIDDEN=hidden, INTER=inter, SBN=sb13[0], SBK=sb13[1], **launch,
     )  # fmt: skip
+    a, act_s = act_quant(act, torch.float8_e4m3fn) if w8a8 else (act, act)
     per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(blocks_m * triton.cdiv(hidden, block_n),)](
-        act, w2, flat_weights, per_pair, sorted_ids, block_expert, s2, z2, pairs, blocks_m,
+        a, w2, flat_weights, per_pair, sorted_ids, block_expert, s2, z2, act_s, pairs, blocks_m,
         HIDDEN=hidden, INTER=inter, SBN=sb2[0], SBK=sb2[1], **launch,
     )  # fmt: skip
     return sum_pairs(per_pair, ids, num_experts, add)

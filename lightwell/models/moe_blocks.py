@@ -124,8 +124,8 @@ class MoEBlock(nn.Module):
         return tp_all_reduce(self.partial(x))
 
     def compile_kernel_variants(self) -> int:
-        """Compile the grouped expert kernels at every row-block size steps can pick
-        (kernels/fused_moe.pick_block_m) and the few-token path, so no step compiles while
+        """Compile the grouped expert kernels at every tile steps can pick
+        (kernels/fused_moe.grouped_variants) and the few-token path, so no step compiles while
         serving; a no-op off CUDA. Returns the launches made."""
         experts = self.experts
         if not experts.cuda_graph_safe:
@@ -137,18 +137,17 @@ class MoEBlock(nn.Module):
         ids = torch.arange(num_tokens * k, device=first.device).view(num_tokens, k)
         ids = ids % experts.num_local_experts
         weights = torch.ones(num_tokens, k, dtype=torch.float32, device=first.device)
+        from lightwell.kernels.fused_moe import grouped_variants
+
         method = experts.quant_method
-        # 128-row blocks: where fused_moe takes them, experts run on 16-bit weights with no
-        # scales (its ``large``; 8-bit experts held in the model dtype included)
-        large = not method.kernel_inputs(experts)[2] and experts.act_dtype.itemsize == 2
-        blocks = (16, 32, 64, 128) if large else (16, 32, 64)
-        for block_m in blocks:
-            method.apply(experts, x, weights, ids, block_m=block_m, gemv=False)
+        variants = grouped_variants(method.kernel_inputs(experts)[2], experts.act_dtype)
+        for tiles in variants:
+            method.apply(experts, x, weights, ids, gemv=False, **tiles)
         if experts.num_shared:  # large steps add the shared MLP's output in the pair sum
             method.apply(experts, x, weights, ids, gemv=False, add=torch.zeros_like(x))
         for few in (1, 2):  # the few-token path (one and two tokens' down tiles differ)
             method.apply(experts, x[:few], weights[:few], ids[:few])
-        return len(blocks) + 2 + bool(experts.num_shared)
+        return len(variants) + 2 + bool(experts.num_shared)
 
 
 class MoEDecoderLayer(nn.Module):

@@ -160,13 +160,15 @@ class ScaledExperts(UnquantizedExperts):
     """compressed-tensors 8-bit experts (int-quantized int8, float-quantized fp8) with channel
     or tensor scales: ``w13_weight`` [E, 2I, H] and ``w2_weight`` [E, H, I] in int8 / fp8,
     ``weight_scale`` per output row ([E, 2I, 1], [E, H, 1]) or per tensor ([E, 2]: gate's and
-    up's, [E, 1]); a static ``input_scale`` is read and dropped. The experts run weight-only
-    (activations stay in the model dtype). After loading the scales become one per output row
-    (``w13_row_scale`` [E, 2I], ``w2_row_scale`` [E, H]); fp8 experts on a GPU take the block
-    FP8 kernels with [1, bk] blocks (the row's scale repeated over its K blocks: bk the largest
-    power of two from 16 to 128 dividing I per rank); int8 experts on a GPU are dequantized to
-    the model dtype at load (no int8 expert kernel); on the CPU each expert with tokens is
-    dequantized when used."""
+    up's, [E, 1]); a static ``input_scale`` is read and dropped. After loading the scales
+    become one per output row (``w13_row_scale`` [E, 2I], ``w2_row_scale`` [E, H]). fp8
+    experts on a GPU take the fused kernels with both: the few-token GEMV path runs weight-only
+    on [1, bk] blocks (the row's scale repeated over its K blocks: bk the largest power of two
+    from 16 to 128 dividing I per rank); the grouped path (more tokens) runs W8A8 on the row
+    scales: x and the activation before down quantized to fp8 per token (dynamic, whatever the
+    checkpoint's activation scheme), fp8 dots. int8 experts on a GPU are dequantized to the
+    model dtype at load (no int8 expert kernel). On the CPU the experts run weight-only, each
+    expert with tokens dequantized when used."""
 
     def __init__(self, dtype: torch.dtype, strategy: str, activations: str):
         self.dtype, self.strategy, self.activations = dtype, strategy, activations
@@ -238,7 +240,9 @@ class ScaledExperts(UnquantizedExperts):
         if self.in_model_dtype(layer) or self.block is None:
             return layer.w13_weight, layer.w2_weight, {}
         scales = (layer.w13_block_scale, layer.w2_block_scale, self.block)
-        return layer.w13_weight, layer.w2_weight, {"scales": scales}
+        rows = (layer.w13_row_scale, layer.w2_row_scale)
+        quant = {"scales": scales, "row_scales": rows, "w8a8": True}
+        return layer.w13_weight, layer.w2_weight, quant
 
     def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
         """Expert e's weights dequantized (``q * row scale``) to x's dtype."""

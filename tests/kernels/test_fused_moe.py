@@ -12,7 +12,9 @@ from lightwell.kernels.fused_moe import (
     fused_moe,
     fused_moe_ref,
     grouped_tiles,
+    grouped_variants,
     pick_block_m,
+    w8a8_tiles,
 )
 from lightwell.layers.moe import moe_loop
 from tests.kernels.interpreter import DEVICE
@@ -57,6 +59,19 @@ def test_large_blocks_for_many_tokens_an_expert():
     got = fused_moe(x, w13, w2, weights, ids, gemv=False).float()  # 150 pairs each: 128 rows
     want = fused_moe_ref(x, w13, w2, weights, ids).float()
     assert ((got - want).abs().max() / want.abs().max()).item() < TOL[torch.float16]
+
+
+def test_warm_up_covers_every_tile_a_step_can_pick():
+    """Start-up compiles ``grouped_variants``: every (row block, tile) a step picks is among
+    them, for fp8 activations (``w8a8_tiles``) and for the other experts (row blocks)."""
+    w8a8 = grouped_variants({"w8a8": True}, torch.bfloat16)
+    keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+    picked = {w8a8_tiles(n) for n in (0.5, 16, 32, 33, 100, 256, 257, 5000)}
+    assert {tuple(v[k] for k in keys) for v in w8a8} == picked and len(picked) == 3
+    blocks = lambda quant: [v["block_m"] for v in grouped_variants(quant, torch.bfloat16)]  # noqa: E731
+    assert blocks({}) == [16, 32, 64, 128]  # 16-bit experts: pick_block_m's four sizes
+    assert blocks({"scales": object()}) == [16, 32, 64] == blocks({"int4": object()})
+    assert [v["block_m"] for v in grouped_variants({}, torch.float32)] == [16, 32, 64]
 
 
 @pytest.mark.parametrize("group_m", [1, 2, 64])

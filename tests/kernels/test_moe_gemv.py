@@ -75,7 +75,8 @@ def test_fused_moe_routes_few_tokens_to_gemv():
     routed = fused_moe(x, w13, w2, weights, ids)
     assert torch.equal(routed, moe_gemv(x, w13, w2, weights, ids))
     grouped = fused_moe(x, w13, w2, weights, ids, gemv=False, block_m=16, block_n=16, block_k=16)
-    assert _rel_err(routed, grouped) < TOL[x.dtype]
+    # the grouped kernels' fp32 dots run in tf32 on a GPU (the GEMV's products stay fp32)
+    assert _rel_err(routed, grouped) < (TOL[x.dtype] if DEVICE == "cpu" else 1e-2)
 
 
 @pytest.mark.parametrize(

@@ -72,6 +72,66 @@ def test_fp8_experts_without_scales_are_refused():
         fused_moe(x, w13, w2, weights, ids)
 
 
+def _row_scaled_case(tokens: int, seed: int):
+    """fp8 experts with one scale a row (H 64, I 48, 5 experts top-2): ([x, w13, w2, weights,
+    ids], the [1, 16]-block scales, the row scales)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 64, generator=gen)
+    w13 = (torch.randn(5, 96, 64, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w2 = (torch.randn(5, 64, 48, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    r13 = 10 ** (torch.rand(5, 96, generator=gen) * 2 - 2) / 800
+    r2 = 10 ** (torch.rand(5, 64, generator=gen) * 2 - 2) / 700
+    weights, ids = torch.rand(tokens, 5, generator=gen).topk(2, dim=-1)
+    blocks = (r13[..., None].expand(5, 96, 4).contiguous(),
+              r2[..., None].expand(5, 64, 3).contiguous(), (1, 16))  # fmt: skip
+    move = lambda ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    return move((x, w13, w2, weights, ids)), (*move(blocks[:2]), blocks[2]), tuple(move((r13, r2)))
+
+
+def test_row_scaled_fp8_experts_scale_once():
+    """Given row scales, the grouped kernels accumulate over all K tiles (BLOCK_K 16: four and
+    three of them) and scale once; the result is the [1, 16]-block path's and the reference's."""
+    (x, w13, w2, weights, ids), blocks, rows = _row_scaled_case(11, seed=8)
+    tiles = dict(gemv=False, block_m=16, block_n=32, block_k=16)
+    want = fused_moe_ref(x, w13, w2, weights, ids, blocks)
+    once = fused_moe(x, w13, w2, weights, ids, scales=blocks, row_scales=rows, **tiles)
+    per_tile = fused_moe(x, w13, w2, weights, ids, scales=blocks, **tiles)
+    assert _err(once, want) < TOL[FP32]
+    assert _err(once, per_tile) < TOL[FP32]
+
+
+def test_row_scaled_fp8_experts_w8a8():
+    """w8a8: x and the activation quantized per row to fp8 (act_quant), fp8 dots: equal to the
+    reference run on those quantized activations (fp32 products of fp8 values), and within
+    fp8's rounding of the weight-only result."""
+    from lightwell.kernels.act_quant import act_quant_ref
+
+    (x, w13, w2, weights, ids), blocks, rows = _row_scaled_case(9, seed=9)
+    got = fused_moe(x, w13, w2, weights, ids, scales=blocks, row_scales=rows, w8a8=True,
+                    gemv=False, block_m=16, block_n=32, block_k=32)  # fmt: skip
+    qx, sx = act_quant_ref(x, torch.float8_e4m3fn)
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(2):
+            e = int(ids[t, j])
+            g, u = ((w13[e].float() * rows[0][e, :, None]) @ (qx[t].float() * sx[t])).chunk(2)
+            act = torch.nn.functional.silu(g) * u
+            qa, sa = act_quant_ref(act[None], torch.float8_e4m3fn)
+            down = (w2[e].float() * rows[1][e, :, None]) @ (qa[0].float() * sa[0])
+            want[t] += float(weights[t, j]) * down
+    assert _err(got, want) < TOL[FP32]
+    weight_only = fused_moe_ref(x, w13, w2, weights, ids, blocks)
+    assert 1e-3 < _err(got, weight_only) < 0.1  # fp8 activations: rounded, not far
+
+
+def test_row_scales_are_checked():
+    (x, w13, w2, weights, ids), blocks, (r13, r2) = _row_scaled_case(3, seed=10)
+    with pytest.raises(ValueError, match="row_scales must be"):
+        fused_moe(x, w13, w2, weights, ids, scales=blocks, row_scales=(r13, r2[:, :5]))
+    with pytest.raises(ValueError, match="w8a8 needs"):
+        fused_moe(x, w13, w2, weights, ids, scales=blocks, w8a8=True)
+
+
 def int4_experts(e: int, n: int, k: int, group: int, dtype, gen: torch.Generator):
     """[E, N, K / 8] random words, [E, N, K / group] scales and zero points (0..15)."""
     words = torch.randint(-(2**31), 2**31 - 1, (e, n, k // 8), generator=gen, dtype=torch.int32)
@@ -118,6 +178,10 @@ def test_loaded_layers_feed_the_kernels(key):
     weights, ids = torch.rand(5, 4, generator=gen).topk(2, dim=-1)
     want = layer(x, weights, ids)  # the CPU loop, each used expert dequantized
     w13, w2, quant = layer.quant_method.kernel_inputs(layer)
+    w13, w2, x, weights, ids = (t.to(DEVICE) for t in (w13, w2, x, weights, ids))
+    on_device = lambda v: tuple(t.to(DEVICE) if torch.is_tensor(t) else t for t in v)  # noqa: E731
+    quant = {k: on_device(v) if isinstance(v, tuple) else v for k, v in quant.items()}
+    want = want.to(DEVICE)
     tiles = dict(block_m=16, block_n=32, gemv_configs=((16, 32, 1, 1), (16, 32, 1, 1)))
     got = fused_moe(x, w13, w2, weights, ids, gemv=False, **quant, **tiles)
     assert _err(got, want) < TOL[FP32]
@@ -135,3 +199,31 @@ def _load_layer(method, tensors):
             param.weight_loader(param, t, shard, e)
     layer.quant_method.process_after_loading(layer)
     return layer
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the experts' kernel form is made on CUDA only")
+def test_fp8_row_scaled_layer_runs_w8a8_when_grouped():
+    """``--quantization fp8`` experts on a GPU: the grouped path gets their row scales and fp8
+    activations (within fp8's rounding of the CPU path's weight-only result), the GEMV path
+    their [1, bk] blocks (weight-only: as close as the CPU path's)."""
+    from lightwell.layers.moe import FusedMoE
+    from lightwell.quant.fp8 import Fp8W8A8Method
+
+    gen = torch.Generator().manual_seed(12)
+    layer = FusedMoE(4, 64, 48, Fp8W8A8Method())
+    for name in ("w13_weight", "w2_weight"):
+        getattr(layer, name).data.copy_(torch.randn(getattr(layer, name).shape, generator=gen) / 8)
+    cpu = FusedMoE(4, 64, 48, Fp8W8A8Method())
+    cpu.load_state_dict(layer.state_dict())
+    cpu.quant_method.process_after_loading(cpu)
+    layer = layer.to(DEVICE)
+    layer.quant_method.process_after_loading(layer)
+    quant = layer.quant_method.kernel_inputs(layer)[2]
+    assert quant["w8a8"] and quant["scales"][2] == (1, 16)
+    x = torch.randn(40, 64, generator=gen)
+    weights, ids = torch.rand(40, 4, generator=gen).topk(2, dim=-1)
+    want = cpu(x, weights, ids)
+    got = layer(x.to(DEVICE), weights.to(DEVICE), ids.to(DEVICE)).cpu()
+    assert 1e-3 < _err(got, want) < 0.1
+    few = layer(x[:1].to(DEVICE), weights[:1].to(DEVICE), ids[:1].to(DEVICE)).cpu()
+    assert _err(few, want[:1]) < TOL[FP32]
