@@ -9,9 +9,12 @@ the same (dequantized) weights. One device call, a few minutes:
 
     run(command="python3 -m benchmarks.workloads.moe_quant --out $OUT/moe_quant.json")
 
-``--sweep`` times instead the grouped path of the row-scaled fp8 experts with fp8 activations
-over row blocks and tiles at 16 to 4,096 tokens (``fused_moe.w8a8_tiles``' table), against the
-bf16 kernels.
+``--sweep`` times instead the grouped path of the fp8 shapes' experts with fp8 activations
+(``w8a8``) over row blocks and tiles at 16 to 8,192 tokens (``fused_moe.w8a8_tiles``' table),
+against the bf16 kernels and the weight-only fp8 path:
+
+    run(command="python3 -m benchmarks.workloads.moe_quant --sweep --shapes mixtral-fp8,deepseek "
+        "--out $OUT/moe_quant_sweep.json")
 
 Each result is checked first against the torch reference that runs on CPU (``moe_loop_by``
 dequantizing each used expert, fp32): the largest error relative to the output's largest value,
@@ -126,34 +129,55 @@ def mixtral_fp8_channel(common: dict) -> list[dict]:
     return _fp8_rows(name, (w13, s13, w2, s2), CHANNEL_BLOCK, top_k, gen, common, rows)
 
 
-def sweep_fp8_channel(common: dict) -> list[dict]:
-    """The grouped path of Mixtral's row-scaled fp8 experts with fp8 activations at each
-    (tokens, row block, tile), against the bf16 kernels (weights uninitialised: times only)."""
-    experts, hidden, inter, top_k, _ = MIXTRAL.values()
+def sweep_w8a8(shapes: list[str], experts_v3: int, common: dict) -> list[dict]:
+    """The grouped path of fp8 experts with fp8 activations (``w8a8``) at each (tokens, row
+    block, tile), against the bf16 kernels (weights uninitialised: times only): Mixtral's
+    row-scaled experts (``mixtral-fp8``) and DeepSeek-V3's block experts (``deepseek``)."""
     gen = torch.Generator(device=DEVICE).manual_seed(2)
-    w13 = fp8_experts(experts, 2 * inter, hidden, gen, CHANNEL_BLOCK)[0]
-    w2 = fp8_experts(experts, hidden, inter, gen, CHANNEL_BLOCK)[0]
-    s13 = channel_scales(experts, 2 * inter, hidden, gen)
-    s2 = channel_scales(experts, hidden, inter, gen)
-    quant = dict(scales=(s13, s2, CHANNEL_BLOCK), w8a8=True,
-                 row_scales=(s13[..., 0].contiguous(), s2[..., 0].contiguous()))  # fmt: skip
-    deq = [torch.empty(w.shape, dtype=torch.bfloat16, device=DEVICE) for w in (w13, w2)]
-    tiles = [(64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
-    plan = {16: (16, 32), 64: (16, 32), 256: (32, 64, 128), 512: (64, 128), 1024: (64, 128),
-            2048: (128,), 4096: (128,)}  # fmt: skip
+    cases = []
+    if "mixtral-fp8" in shapes:
+        experts, hidden, inter, top_k, _ = MIXTRAL.values()
+        s13 = channel_scales(experts, 2 * inter, hidden, gen)
+        s2 = channel_scales(experts, hidden, inter, gen)
+        quant = dict(scales=(s13, s2, CHANNEL_BLOCK), w8a8=True,
+                     row_scales=(s13[..., 0].contiguous(), s2[..., 0].contiguous()))  # fmt: skip
+        plan = {16: (16, 32), 64: (16, 32), 256: (32, 64, 128), 512: (64, 128),
+                1024: (64, 128), 2048: (128,), 4096: (128,)}  # fmt: skip
+        cases.append(("mixtral-8x7b-fp8-channel", experts, hidden, inter, top_k, quant, plan))
+    if "deepseek" in shapes:
+        hidden, inter, top_k = DEEPSEEK["hidden"], DEEPSEEK["inter"], DEEPSEEK["top_k"]
+        s13 = torch.rand(experts_v3, 2 * inter // 128, hidden // 128, device=DEVICE) * 1e-3
+        s2 = torch.rand(experts_v3, hidden // 128, inter // 128, device=DEVICE) * 1e-3
+        quant = dict(scales=(s13, s2, BLOCK), w8a8=True)
+        plan = {64: (16, 32), 512: (16, 32, 64), 2048: (32, 64, 128), 8192: (64, 128)}
+        cases.append((f"deepseek-v3-fp8-e{experts_v3}", experts_v3, hidden, inter, top_k, quant,
+                      plan))  # fmt: skip
+    tiles = [(64, 128, 4, 3), (128, 128, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4)]
     rows = []
-    for tokens, blocks in plan.items():
-        route = _route(tokens, experts, top_k, hidden, gen)
-        b_us = graph_replay_us(partial(fused_moe, route[0], *deq, *route[1:], gemv=False))
-        for block_m, (bn, bk, warps, stages) in ((m, t) for m in blocks for t in tiles):
-            tile = dict(block_m=block_m, block_n=bn, block_k=bk, num_warps=warps,
-                        num_stages=stages)  # fmt: skip
-            run = partial(fused_moe, route[0], w13, w2, *route[1:], gemv=False, **quant, **tile)
-            us = graph_replay_us(run)
-            row = dict(shape="mixtral-8x7b-fp8-channel-w8a8-sweep", tokens=tokens, **tile,
-                       bf16_graph_us=round(b_us, 1), speedup=round(b_us / us, 3))  # fmt: skip
-            print({**row, "us": round(us, 1)}, flush=True)
-            rows.append(make_record("moe_quant_sweep_us", us, common, **row))
+    for name, experts, hidden, inter, top_k, quant, plan in cases:
+        w13 = torch.empty(experts, 2 * inter, hidden, dtype=torch.float8_e4m3fn, device=DEVICE)
+        w2 = torch.empty(experts, hidden, inter, dtype=torch.float8_e4m3fn, device=DEVICE)
+        deq = [torch.empty(w.shape, dtype=torch.bfloat16, device=DEVICE) for w in (w13, w2)]
+        for tokens, blocks in plan.items():
+            route = _route(tokens, experts, top_k, hidden, gen)
+            b_us = graph_replay_us(partial(fused_moe, route[0], *deq, *route[1:], gemv=False))
+            weight_only = {k: v for k, v in quant.items() if k != "w8a8"}
+            w_us = graph_replay_us(
+                partial(fused_moe, route[0], w13, w2, *route[1:], gemv=False, **weight_only)
+            )
+            for block_m, (bn, bk, warps, stages) in ((m, t) for m in blocks for t in tiles):
+                tile = dict(block_m=block_m, block_n=bn, block_k=bk, num_warps=warps,
+                            num_stages=stages)  # fmt: skip
+                run = partial(fused_moe, route[0], w13, w2, *route[1:], gemv=False, **quant,
+                              **tile)  # fmt: skip
+                us = graph_replay_us(run)
+                row = dict(shape=f"{name}-w8a8-sweep", tokens=tokens, **tile,
+                           bf16_graph_us=round(b_us, 1), weight_only_graph_us=round(w_us, 1),
+                           speedup=round(b_us / us, 3))  # fmt: skip
+                print({**row, "us": round(us, 1)}, flush=True)
+                rows.append(make_record("moe_quant_sweep_us", us, common, **row))
+        del w13, w2, deq
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -217,11 +241,13 @@ def main() -> None:
         default="deepseek,mixtral,mixtral-fp8",
         help="deepseek, mixtral (GPTQ), mixtral-fp8 (channel scales): any of",
     )
-    parser.add_argument("--sweep", action="store_true", help="the fp8 w8a8 tile sweep only")
+    parser.add_argument(
+        "--sweep", action="store_true", help="the w8a8 tile sweep of the fp8 --shapes only"
+    )
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
     if args.sweep:
-        rows = sweep_fp8_channel(common)
+        rows = sweep_w8a8(args.shapes.split(","), args.experts, common)
         if args.out:
             write_json(args.out, rows)
         return

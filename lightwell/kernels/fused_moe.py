@@ -63,6 +63,15 @@ def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
     return tile
 
 
+@triton.jit
+def _a_scales(ptr, rows, rows_ok, KS: tl.constexpr, kb, A_SCALED: tl.constexpr):
+    """[BLOCK_M, 1] scales of fp8 activation ``rows`` for K block ``kb`` of ``KS`` ([rows, KS]
+    fp32 at ``ptr``), or 1.0 for activations in their own dtype."""
+    if A_SCALED:
+        return tl.load(ptr + rows * KS + kb, mask=rows_ok, other=0.0)[:, None]
+    return 1.0
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # (per-step counts: no variants)
 def _gate_up_kernel(
     x_ptr,  # [T, H]
@@ -72,7 +81,7 @@ def _gate_up_kernel(
     expert_ptr,  # [P / BLOCK_M]
     s_ptr,  # SCALED: [E, 2 * I / SBN, ceil(H / SBK)] fp32 block scales (fp8), or group scales
     z_ptr,  # INT4: [E, 2 * I, H / SBK] zero points
-    xs_ptr,  # A_SCALED: [T] fp32 scales of x's rows (x in fp8)
+    xs_ptr,  # A_SCALED: [T, ceil(H / SBK)] fp32 scales of x (fp8) per row and scale block
     num_pairs,  # T * k
     num_blocks_m,  # P / BLOCK_M
     TOP_K: tl.constexpr,
@@ -85,7 +94,7 @@ def _gate_up_kernel(
     SBN: tl.constexpr,  # the scale blocks' rows (fp8: bn; int4: 1)
     SBK: tl.constexpr,  # their inputs (fp8: bk; int4: the group size), a multiple of BLOCK_K
     INT4: tl.constexpr,
-    A_SCALED: tl.constexpr,  # x in fp8 with a scale a row (fp8 weights): fp8 dots
+    A_SCALED: tl.constexpr,  # x in fp8 with scales like the weights' along K: fp8 dots
     GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = _tile_ids(num_blocks_m, (INTER + BLOCK_N - 1) // BLOCK_N, GROUP_M)
@@ -116,18 +125,16 @@ def _gate_up_kernel(
         up = _b_tile(w, INTER + cols, col_ok, k0, ks, k_ok, z_ptr + up_off, kb, a.dtype, INT4, KW,
                      BLOCK_K)  # fmt: skip
         if SCALED and SBK < HIDDEN:  # scaled per column and K chunk after the dot
-            acc_gate += tl.dot(a, gate) * tl.load(s_ptr + gate_off + kb)[None, :]
-            acc_up += tl.dot(a, up) * tl.load(s_ptr + up_off + kb)[None, :]
+            xs = _a_scales(xs_ptr, token, row_ok, KS, kb, A_SCALED)
+            acc_gate += tl.dot(a, gate) * tl.load(s_ptr + gate_off + kb)[None, :] * xs
+            acc_up += tl.dot(a, up) * tl.load(s_ptr + up_off + kb)[None, :] * xs
         else:
             acc_gate = tl.dot(a, gate, acc_gate)
             acc_up = tl.dot(a, up, acc_up)
     if SCALED and SBK >= HIDDEN:  # one scale a row over all of H: scaled once
-        acc_gate *= tl.load(s_ptr + gate_off).to(tl.float32)[None, :]
-        acc_up *= tl.load(s_ptr + up_off).to(tl.float32)[None, :]
-    if A_SCALED:
-        xs = tl.load(xs_ptr + token, mask=row_ok, other=0.0)[:, None]
-        acc_gate *= xs
-        acc_up *= xs
+        xs = _a_scales(xs_ptr, token, row_ok, 1, 0, A_SCALED)
+        acc_gate *= tl.load(s_ptr + gate_off).to(tl.float32)[None, :] * xs
+        acc_up *= tl.load(s_ptr + up_off).to(tl.float32)[None, :] * xs
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     tl.store(out_ptr + pair[:, None] * INTER + cols[None, :], act.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
@@ -143,7 +150,7 @@ def _down_kernel(
     expert_ptr,  # [P / BLOCK_M]
     s_ptr,  # SCALED: [E, ceil(H / SBN), I / SBK] fp32 block scales (fp8), or group scales
     z_ptr,  # INT4: [E, H, I / SBK] zero points
-    as_ptr,  # A_SCALED: [T * k] fp32 scales of a's rows (a in fp8)
+    as_ptr,  # A_SCALED: [T * k, I / SBK] fp32 scales of a (fp8) per row and scale block
     num_pairs,
     num_blocks_m,
     HIDDEN: tl.constexpr,
@@ -180,14 +187,14 @@ def _down_kernel(
         kb = k0 // SBK
         b = _b_tile(w, cols, col_ok, k0, ks, k_ok, z_ptr + off, kb, a.dtype, INT4, KW, BLOCK_K)
         if SCALED and SBK < INTER:  # scaled per column and K chunk after the dot
-            acc += tl.dot(a, b) * tl.load(s_ptr + off + kb)[None, :]
+            a_s = _a_scales(as_ptr, pair, row_ok, KS, kb, A_SCALED)
+            acc += tl.dot(a, b) * tl.load(s_ptr + off + kb)[None, :] * a_s
         else:
             acc = tl.dot(a, b, acc)
     if SCALED and SBK >= INTER:  # one scale a row over all of I: scaled once
-        acc *= tl.load(s_ptr + off).to(tl.float32)[None, :]
+        a_s = _a_scales(as_ptr, pair, row_ok, 1, 0, A_SCALED)
+        acc *= tl.load(s_ptr + off).to(tl.float32)[None, :] * a_s
     scale = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    if A_SCALED:
-        scale *= tl.load(as_ptr + pair, mask=row_ok, other=0.0)
     acc = acc * scale[:, None]
     tl.store(out_ptr + pair[:, None] * HIDDEN + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
@@ -310,7 +317,7 @@ def fused_moe(
     scales: Scales | None = None,  # fp8 experts: their block scales
     int4: Int4 | None = None,  # int4 experts: their group scales and zeros
     row_scales: RowScales | None = None,  # fp8 experts scaled by row: those scales
-    w8a8: bool = False,  # with row_scales: activations in fp8 too (grouped path)
+    w8a8: bool = False,  # fp8 experts: activations in fp8 too (grouped path)
     num_shared: int = 0,  # the last S experts are every token's, weight 1 (GEMV path only)
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -324,10 +331,12 @@ def fused_moe(
     per column by the scale of its block (fp8) or group (int4): a K tile lies in one. A scale
     that covers a whole row (int4 groups of all K; fp8 experts given ``row_scales``, whose
     ``scales`` are those repeated over [1, bk] blocks for the GEMV path) is applied once
-    after the K loop, the dots accumulating in the MMA. With ``w8a8`` (fp8 ``row_scales``
-    experts) the grouped path quantizes x and the activation before down per row to fp8
-    (kernels/act_quant.py, dynamic) and runs fp8 dots, each product scaled by its row's and
-    column's scales; the GEMV path stays weight-only."""
+    after the K loop, the dots accumulating in the MMA. With ``w8a8`` (fp8 experts) the
+    grouped path quantizes x and the activation before down to fp8, dynamic, with scales
+    shaped as the weights' along K (row-scaled experts: a scale a row, kernels/act_quant.py;
+    block experts: a scale per row and bk inputs, quant/fp8.py's ``quantize_groups``) and runs
+    fp8 dots, each product scaled by its row's and column's scales; the GEMV path stays
+    weight-only."""
     dims = _check(x, w13, w2, weights, ids, scales, int4)  # E, H, I
     _check_rows(dims, scales, row_scales, w8a8)
     num_experts = dims[0]
@@ -366,9 +375,9 @@ def fused_moe(
 
 def _check_rows(dims: tuple[int, int, int], scales, row_scales, w8a8: bool) -> None:
     num_experts, hidden, inter = dims
+    if w8a8 and scales is None:
+        raise ValueError("fused_moe: w8a8 needs fp8 experts")
     if row_scales is None:
-        if w8a8:
-            raise ValueError("fused_moe: w8a8 needs fp8 experts with row_scales")
         return
     want = [(num_experts, 2 * inter), (num_experts, hidden)]
     if scales is None or scales[2][0] != 1:
@@ -418,13 +427,13 @@ def _grouped(
     blocks_m = block_expert.numel()
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **quant, GROUP_M=group_m,
                   A_SCALED=w8a8, num_warps=num_warps, num_stages=num_stages)  # fmt: skip
-    a, xs = act_quant(x, torch.float8_e4m3fn) if w8a8 else (x, x)
+    a, xs = _fp8_activations(x, sb13[1]) if w8a8 else (x, x)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks_m * triton.cdiv(inter, block_n),)](
         a, w13, act, sorted_ids, block_expert, s13, z13, xs, pairs, blocks_m, TOP_K=top_k,
         HIDDEN=hidden, INTER=inter, SBN=sb13[0], SBK=sb13[1], **launch,
     )  # fmt: skip
-    a, act_s = act_quant(act, torch.float8_e4m3fn) if w8a8 else (act, act)
+    a, act_s = _fp8_activations(act, sb2[1]) if w8a8 else (act, act)
     per_pair = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
     flat_weights = weights.reshape(-1).to(torch.float32).contiguous()
     _down_kernel[(blocks_m * triton.cdiv(hidden, block_n),)](
@@ -432,6 +441,17 @@ def _grouped(
         HIDDEN=hidden, INTER=inter, SBN=sb2[0], SBK=sb2[1], **launch,
     )  # fmt: skip
     return sum_pairs(per_pair, ids, num_experts, add)
+
+
+def _fp8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] in fp8 with a scale per row and ``group`` inputs: ([M, K], [M, ceil(K /
+    group)] float32); one launch when a group spans the row."""
+    if group >= x.shape[1]:
+        return act_quant(x, torch.float8_e4m3fn)
+    from lightwell.quant.fp8 import quantize_groups
+
+    q, scale = quantize_groups(x, group)
+    return q.contiguous(), scale.contiguous()
 
 
 def dequantize_experts(

@@ -124,12 +124,40 @@ def test_row_scaled_fp8_experts_w8a8():
     assert 1e-3 < _err(got, weight_only) < 0.1  # fp8 activations: rounded, not far
 
 
+def test_block_fp8_experts_w8a8():
+    """Block-scaled experts with w8a8: x and the activation quantized per row and 16 inputs
+    (quantize_groups; H 56: a partial last group), fp8 dots scaled per K tile by the row's and
+    the block's scales: equal to the reference on those quantized activations."""
+    from lightwell.quant.fp8 import quantize_groups
+
+    def deq(v: torch.Tensor) -> torch.Tensor:  # v [1, K] through fp8 per 16 inputs
+        q, scale = quantize_groups(v, 16)
+        return q.float() * scale.repeat_interleave(16, 1)[:, : v.shape[1]]
+
+    (x, w13, w2, weights, ids), scales = _case(13, 2, 6, 56, 32, torch.float32, seed=11)
+    got = fused_moe(x, w13, w2, weights, ids, scales=scales, w8a8=True, gemv=False,
+                    block_m=16, block_n=32)  # fmt: skip
+    from lightwell.kernels.fused_moe import dequantize_experts
+
+    d13, d2 = (dequantize_experts(w, sc, BLOCK) for w, sc in ((w13, scales[0]), (w2, scales[1])))
+    want = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(2):
+            e = int(ids[t, j])
+            g, u = (d13[e] @ deq(x[t : t + 1])[0]).chunk(2)
+            down = d2[e] @ deq((torch.nn.functional.silu(g) * u)[None])[0]
+            want[t] += float(weights[t, j]) * down
+    assert _err(got, want) < TOL[FP32]
+    assert 1e-3 < _err(got, fused_moe_ref(x, w13, w2, weights, ids, scales)) < 0.1
+
+
 def test_row_scales_are_checked():
     (x, w13, w2, weights, ids), blocks, (r13, r2) = _row_scaled_case(3, seed=10)
     with pytest.raises(ValueError, match="row_scales must be"):
         fused_moe(x, w13, w2, weights, ids, scales=blocks, row_scales=(r13, r2[:, :5]))
     with pytest.raises(ValueError, match="w8a8 needs"):
-        fused_moe(x, w13, w2, weights, ids, scales=blocks, w8a8=True)
+        fused_moe(x.to(torch.float16), w13.to(torch.float16), w2.to(torch.float16), weights,
+                  ids, w8a8=True)  # fmt: skip
 
 
 def int4_experts(e: int, n: int, k: int, group: int, dtype, gen: torch.Generator):
