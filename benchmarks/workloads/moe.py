@@ -10,7 +10,8 @@ throughput run's size (default 256 x (1,024 in, 256 out); 0: W1 only); ``--budge
 what starts later; ``--quantization fp8`` quantizes the dummy weights online, experts
 included. Results: benchmarks/results/W6_moe_h200.json.
 
-``--long-decode B,CTX`` instead: B requests of CTX-token prompts decoding together, the decode
+``--long-decode B,CTX`` instead (``--kv-cache-dtype fp8`` for the 8-bit latent cache): B
+requests of CTX-token prompts decoding together, the decode
 step's time (median of the times between consecutive steps where all B decode, the step loop
 left to overlap host and device as in serving) and, from torch.profiler over one such step,
 the MLA decode kernels' share of its GPU time and the latent bytes they read a second:
@@ -135,7 +136,8 @@ def run_long_decode(name: str, args: argparse.Namespace, rows: list[dict]) -> No
     cfg = dict(PRESETS[name])
     b, ctx = (int(v) for v in args.long_decode.split(","))
     llm = LLM(load_format="dummy", hf_config_json=name, dtype="bfloat16", skip_tokenizer_init=True,
-              max_model_len=ctx + 128, max_num_seqs=max(b, 64))  # fmt: skip
+              max_model_len=ctx + 128, max_num_seqs=max(b, 64),
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     engine = llm.engine
     sp = SamplingParams(temperature=0.0, max_tokens=b + 48, ignore_eos=True, detokenize=False)
     for i, p in enumerate(prompts(b, ctx, cfg["vocab_size"], 5)):
@@ -156,7 +158,7 @@ def run_long_decode(name: str, args: argparse.Namespace, rows: list[dict]) -> No
         last = now if n == b else None
     step_ms = sorted(steps)[len(steps) // 2]
     common = dict(model=name, batch=b, context=ctx, dtype="bfloat16", tp=1,
-                  workload=f"decode_b{b}_ctx{ctx}")  # fmt: skip
+                  kv_cache_dtype=args.kv_cache_dtype, workload=f"decode_b{b}_ctx{ctx}")  # fmt: skip
     rows.append(record("decode_step_ms", step_ms, steps=len(steps), runs=steps, **common))
     try:
         times = {e.key: e.self_device_time_total for e in prof.key_averages()
@@ -169,9 +171,9 @@ def run_long_decode(name: str, args: argparse.Namespace, rows: list[dict]) -> No
     attn = {k: v for k, v in times.items() if "_mla_decode_kernel" in k or "_combine_kernel" in k}
     attn_us = sum(attn.values())
     mla_all = {k: v for k, v in times.items() if "mla" in k.lower() or k in attn}
-    latent = (
-        b * ctx * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2 * cfg["num_hidden_layers"]
-    )
+    entry = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]  # values; bytes as stored:
+    entry = entry * 2 if args.kv_cache_dtype == "auto" else entry + 4
+    latent = b * ctx * entry * cfg["num_hidden_layers"]
     rows.append(record("mla_attention_share_of_step_gpu", attn_us / total_us, attn_us=attn_us,
                        step_gpu_us=total_us, attn_gb_s=latent / attn_us / 1e3,
                        copy_gb_s=COPY_GB_S, mla_kernels_us=mla_all,
@@ -204,6 +206,12 @@ def main() -> None:
     )
     ap.add_argument(
         "--long-decode", default=None, help="B,CTX: decode step at batch B, CTX context"
+    )
+    ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "fp8", "int8"),
+        help="the engine's --kv-cache-dtype (--long-decode runs)",
     )
     args = ap.parse_args()
     rows: list[dict] = []

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightwell.attention.metadata import AttentionMetadata
+from lightwell.quant.kv_cache import cache_head_dim, dequantize_blocks, is_quantized
 
 if TYPE_CHECKING:  # (triton is imported when a kernel runs)
     from lightwell.kernels.attention_tiles import AttentionConfig
@@ -237,16 +238,21 @@ def expanded_prefill(
     from lightwell.kernels.paged_attention import paged_attention
 
     nope, rope, v = dims
-    heads, width = q.shape[1], kv_cache.shape[-1]
+    heads, width = q.shape[1], cache_head_dim(kv_cache)
     if q.shape[2] != nope + rope or v > nope + rope or width != w_kvb.shape[1] + rope:
         raise ValueError(f"queries {tuple(q.shape)} / dims {dims} do not fit the cache {width}")
-    block_size, elt = kv_cache.shape[2], kv_cache.element_size()
-    passes = plan_passes(meta, block_size, width * elt, (2 * nope + v + rope) * elt,
+    block_size, elt, row = kv_cache.shape[2], q.element_size(), kv_cache.shape[-1]
+    quantized = is_quantized(kv_cache.dtype)  # gathered 8-bit, then dequantized to q's dtype
+    key_bytes = row * kv_cache.element_size() + (width * elt if quantized else 0)
+    passes = plan_passes(meta, block_size, key_bytes, (2 * nope + v + rope) * elt,
                          heads, budget)  # fmt: skip
-    blocks = kv_cache.view(kv_cache.shape[1], block_size * width)
+    blocks = kv_cache[0]  # [N, B, 1, row]
     out = torch.empty_like(q)
     for p in passes:
-        latent = blocks.index_select(0, p.blocks).view(-1, width)  # [nb * B, rank + rope]
+        gathered = blocks.index_select(0, p.blocks)
+        if quantized:
+            gathered = dequantize_blocks(gathered, q.dtype)
+        latent = gathered.view(-1, width)  # [nb * B, rank + rope]
         (t0, t1), step = p.tokens, p.heads
         for h0 in range(0, heads, step):
             h1 = min(heads, h0 + step)
@@ -285,6 +291,6 @@ def compile_variants(
             query_start_loc_cpu=[0, q_len],
             seq_lens_cpu=[seq_len],
         )
-        q = torch.zeros((q_len, num_heads, nope + rope), dtype=kv_cache.dtype, device=dev)
+        q = torch.zeros((q_len, num_heads, nope + rope), dtype=w_kvb.dtype, device=dev)
         expanded_prefill(q, kv_cache, meta, w_kvb, dims, 1.0)
     return len(cases)

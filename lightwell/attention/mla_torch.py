@@ -2,7 +2,9 @@
 
 The cache of an MLA layer holds one entry per token: the compressed latent ``c`` (kv_lora_rank
 values, after its RMSNorm) followed by the rotated shared RoPE key ``k_pe`` (rope dims), as
-``[1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]``: one "head", no separate values.
+``[1, num_blocks, block_size, 1, kv_lora_rank + rope_dim]``: one "head", no separate values
+(an 8-bit cache, ``--kv-cache-dtype fp8 / int8``, stores each entry with one scale, in
+quant/kv_cache.py's layout: ``[..., kv_lora_rank + rope_dim + 4]``).
 The query comes absorbed: ``[q_nope @ W_UK | q_pe]`` per head (``[T, H, kv_lora_rank +
 rope_dim]``), so a score is ``q . entry`` and the output is ``softmax(scores) @ c`` (``[T, H,
 kv_lora_rank]``), which the layer maps through ``W_UV``. Prefill chunks and decodes take the
@@ -17,26 +19,34 @@ from __future__ import annotations
 import torch
 
 from lightwell.attention.metadata import AttentionMetadata
+from lightwell.quant.kv_cache import dequantize_blocks, is_quantized, write_rows
 
 
 def write_latent(
-    kv_cache: torch.Tensor,  # [1, N, B, 1, D]
+    kv_cache: torch.Tensor,  # [1, N, B, 1, D] (8-bit: D + 4)
     entry: torch.Tensor,  # [T, D]
     slot_mapping: torch.Tensor,  # [T] int64: block_id * B + offset
 ) -> None:
+    if is_quantized(kv_cache.dtype):  # quant/kv_cache.py's layout: one scale a token
+        write_rows(kv_cache[0], entry[:, None, :], slot_mapping)
+        return
     dim = kv_cache.shape[-1]
     kv_cache.view(-1, dim).index_copy_(0, slot_mapping, entry.to(kv_cache.dtype))
 
 
 def gather_latent(
-    kv_cache: torch.Tensor,  # [1, N, B, 1, D]
+    kv_cache: torch.Tensor,  # [1, N, B, 1, D] (8-bit: D + 4)
     block_ids: torch.Tensor,  # [nb]
     length: int,
-) -> torch.Tensor:  # [length, D]
-    """The first ``length`` cached entries of one request, in order."""
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [length, D] in dtype
+    """The first ``length`` cached entries of one request, in order (8-bit: dequantized)."""
+    if is_quantized(kv_cache.dtype):
+        blocks = dequantize_blocks(kv_cache[0].index_select(0, block_ids), dtype)
+        return blocks.reshape(-1, blocks.shape[-1])[:length]
     _, num_blocks, block_size, _, dim = kv_cache.shape
     blocks = kv_cache.view(num_blocks, block_size * dim).index_select(0, block_ids)
-    return blocks.view(-1, dim)[:length]
+    return blocks.view(-1, dim)[:length].to(dtype)
 
 
 def attend_latent(
@@ -61,13 +71,13 @@ def attend_latent(
     for i in range(first_req, meta.num_reqs):
         s, e = qsl[i], qsl[i + 1]
         length = meta.seq_lens_cpu[i]
-        if length == e - s:  # nothing cached before this chunk
-            keys = entry[s:e]
+        if length == e - s and (kv_cache is None or not is_quantized(kv_cache.dtype)):
+            keys = entry[s:e]  # nothing cached before this chunk (8-bit: read back, as the GPU)
         elif kv_cache is None:
             raise ValueError("latent attention without a cache cannot serve cached tokens")
         else:
             num_blocks = -(-length // kv_cache.shape[2])
-            keys = gather_latent(kv_cache, meta.block_table[i, :num_blocks], length).to(q.dtype)
+            keys = gather_latent(kv_cache, meta.block_table[i, :num_blocks], length, q.dtype)
         out[s:e] = latent_sdpa(q[s:e], keys, length - (e - s), scale, kv_lora_rank)
     return out
 

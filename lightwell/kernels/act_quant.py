@@ -36,6 +36,7 @@ exactly rounded on both sides:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
@@ -194,6 +195,18 @@ def act_quant(
         INTERPRET=envs.triton_interpret(), num_warps=min(16, max(1, block // 512)),
     )  # fmt: skip
     return q, scale
+
+
+def fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] in fp8 per token and ``group`` inputs (torch ops): ([T, K] fp8, a view when
+    ``group`` does not divide K; [T, ceil(K / group)] float32 scales, ``amax / 448``)."""
+    t, k = x.shape
+    xg = F.pad(x.float(), (0, -k % group)).view(t, -1, group)  # [T, K / g, g]
+    amax = xg.abs().amax(-1, keepdim=True)
+    # a tensor divisor: IEEE division on CUDA too (a python float is a rounded reciprocal)
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
+    q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(t, -1)[:, :k], scale.squeeze(-1)
 
 
 def act_quant_ref(

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from lightwell.kernels.act_quant import act_quant
+from lightwell.kernels.act_quant import act_quant, fp8_groups
 from lightwell.kernels.moe_gemv import Config, moe_gemv
 from lightwell.kernels.moe_gemv_rule import use_gemv
 from lightwell.kernels.moe_pairs import align_by_expert, sum_pairs
@@ -334,7 +334,7 @@ def fused_moe(
     after the K loop, the dots accumulating in the MMA. With ``w8a8`` (fp8 experts) the
     grouped path quantizes x and the activation before down to fp8, dynamic, with scales
     shaped as the weights' along K (row-scaled experts: a scale a row, kernels/act_quant.py;
-    block experts: a scale per row and bk inputs, quant/fp8.py's ``quantize_groups``) and runs
+    block experts: a scale per row and bk inputs, act_quant.py's ``fp8_groups``) and runs
     fp8 dots, each product scaled by its row's and column's scales; the GEMV path stays
     weight-only."""
     dims = _check(x, w13, w2, weights, ids, scales, int4)  # E, H, I
@@ -448,9 +448,7 @@ def _fp8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
     group)] float32); one launch when a group spans the row."""
     if group >= x.shape[1]:
         return act_quant(x, torch.float8_e4m3fn)
-    from lightwell.quant.fp8 import quantize_groups
-
-    q, scale = quantize_groups(x, group)
+    q, scale = fp8_groups(x, group)
     return q.contiguous(), scale.contiguous()
 
 

@@ -46,6 +46,14 @@ def quant_mode(dtype: torch.dtype) -> int:
 
 
 @triton.jit
+def block_ptr(cache_ptr, block, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+              BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr):  # fmt: skip
+    """The start of block ``block`` (any int tensor) of the cache at ``cache_ptr``."""
+    ROW: tl.constexpr = HEAD_DIM + 4 if KV_QUANT else HEAD_DIM  # (4: SCALE_BYTES)
+    return cache_ptr + block.to(tl.int64) * (BLOCK_SIZE * NUM_KV_HEADS * ROW)
+
+
+@triton.jit
 def row_ptrs(block, tok, h, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Pointers to the value rows of token ``tok`` (in its block) and heads ``h``, in the block
     at ``block``: the same for a model-dtype and an 8-bit block."""
@@ -68,6 +76,32 @@ def scale_ptrs(
 
 
 @triton.jit
+def row_scale(amax, KV_QUANT: tl.constexpr):
+    """The fp32 scale of rows whose largest magnitude is ``amax`` (1 for an all-zero row)."""
+    qmax = 448.0 if KV_QUANT == 1 else 127.0
+    return tl.where(amax > 0, tl.math.div_rn(amax, tl.zeros_like(amax) + qmax), 1.0)
+
+
+@triton.jit
+def to_8bit(xf, scale, KV_QUANT: tl.constexpr, INTERPRET: tl.constexpr):
+    """fp32 ``xf`` divided by ``scale`` (broadcast to it), saturated, in the cache's 8 bits."""
+    qmax = 448.0 if KV_QUANT == 1 else 127.0
+    y = tl.math.div_rn(xf, tl.zeros_like(xf) + scale)
+    y = tl.minimum(tl.maximum(y, -qmax), qmax)
+    if KV_QUANT == 2:
+        if INTERPRET:
+            y = _rint(y)
+        else:
+            y = libdevice.rint(y)
+        q = y.to(tl.int8)  # exact: an integer in range
+    else:
+        if INTERPRET:
+            y = _round_e4m3(y)
+        q = y.to(tl.float8e4nv)
+    return q
+
+
+@triton.jit
 def store_rows(
     rows,  # [BLOCK_H] pointers: each head's row of values in the cache
     scales,  # [BLOCK_H] fp32 pointers: each head's scale (8-bit caches)
@@ -81,23 +115,9 @@ def store_rows(
     if KV_QUANT == 0:
         tl.store(ptrs, x.to(rows.dtype.element_ty), mask=mask)
     else:
-        qmax = 448.0 if KV_QUANT == 1 else 127.0
         xf = tl.where(mask, x.to(tl.float32), 0.0)
-        amax = tl.max(tl.abs(xf), axis=1)  # [BLOCK_H]
-        scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.zeros_like(amax) + qmax), 1.0)
-        y = tl.math.div_rn(xf, tl.zeros_like(xf) + scale[:, None])
-        y = tl.minimum(tl.maximum(y, -qmax), qmax)
-        if KV_QUANT == 2:
-            if INTERPRET:
-                y = _rint(y)
-            else:
-                y = libdevice.rint(y)
-            q = y.to(tl.int8)  # exact: an integer in range
-        else:
-            if INTERPRET:
-                y = _round_e4m3(y)
-            q = y.to(tl.float8e4nv)
-        tl.store(ptrs, q, mask=mask)
+        scale = row_scale(tl.max(tl.abs(xf), axis=1), KV_QUANT)  # [BLOCK_H]
+        tl.store(ptrs, to_8bit(xf, scale[:, None], KV_QUANT, INTERPRET), mask=mask)
         row_ok = tl.max(mask.to(tl.int32), axis=1) > 0
         tl.store(scales, scale, mask=row_ok)
 

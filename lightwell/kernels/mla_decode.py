@@ -10,7 +10,10 @@ runs of whole tiles by its own length (inside the kernel, so a graph captured fo
 spreads a short one over all its splits). Each split writes its partial output with its
 log-sum-exp and ``_combine_kernel`` rescales and sums them into the output; with one split the
 decode kernel writes the output itself. Entry width ``L + P`` (512 + 64 for
-DeepSeek) need not be a power of two: the latent and RoPE parts are loaded apart.
+DeepSeek) need not be a power of two: the latent and RoPE parts are loaded apart. An 8-bit
+cache (quant/kv_cache.py's layout, kernels/kv_quant.py's pointers: one fp32 scale an entry
+after each block's values) is loaded converted to the query's dtype, the entry's scale
+multiplying its scores and its probability in the second dot.
 ``store_latent`` writes a step's entries into the cache, skipping slots < 0 (CUDA-graph padding).
 Nothing here reads host-side metadata per step, so decode steps can replay from CUDA graphs.
 """
@@ -21,7 +24,16 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell import envs
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.kv_quant import (
+    block_ptr,
+    head_dim_of,
+    quant_mode,
+    row_ptrs,
+    scale_ptrs,
+    store_rows,
+)
 from lightwell.kernels.pdl_sync import wait_then_signal
 
 
@@ -29,7 +41,7 @@ from lightwell.kernels.pdl_sync import wait_then_signal
 @triton.jit(do_not_specialize=["stride_bt"])
 def _mla_decode_kernel(
     q_ptr,  # [R, H, L + P]
-    cache_ptr,  # [num_slots, L + P]
+    cache_ptr,  # the latent cache's first element (blocks of BLOCK_SIZE entries)
     block_table_ptr,  # [R, max_blocks]
     seq_lens_ptr,  # [R]
     part_ptr,  # [R, S, H, L] float32 partial outputs (several splits)
@@ -49,6 +61,7 @@ def _mla_decode_kernel(
     BLOCK_S: tl.constexpr,
     DOT_PREC: tl.constexpr,  # "ieee" for fp32 (exact), else "tf32" (ignored by 16-bit dots)
     SPLIT: tl.constexpr,  # several splits: partials and log-sum-exps, else the output
+    KV_QUANT: tl.constexpr,  # kv_quant.quant_mode: 8-bit entries with a scale each
     GDC: tl.constexpr,  # launched with PDL: wait for the kernel before, then signal
 ):
     wait_then_signal(GDC)
@@ -75,20 +88,27 @@ def _mla_decode_kernel(
         pos = s0 + tl.arange(0, BLOCK_S)
         pos_ok = pos < end
         block = tl.load(block_table_ptr + req * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
-        slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
-        c = tl.load(cache_ptr + slot[:, None] * width + lat[None, :],
-                    mask=pos_ok[:, None] & lat_ok[None, :], other=0.0)  # fmt: skip
-        k_pe = tl.load(cache_ptr + slot[:, None] * width + LATENT + pe[None, :],
-                       mask=pos_ok[:, None] & pe_ok[None, :], other=0.0)  # fmt: skip
+        base = block_ptr(cache_ptr, block, 1, LATENT + ROPE, BLOCK_SIZE, KV_QUANT)  # [BLOCK_S]
+        rows = row_ptrs(base, pos % BLOCK_SIZE, 0, 1, LATENT + ROPE)
+        c = tl.load(rows[:, None] + lat[None, :], mask=pos_ok[:, None] & lat_ok[None, :],
+                    other=0.0).to(q_lat.dtype)  # fmt: skip
+        k_pe = tl.load(rows[:, None] + LATENT + pe[None, :], mask=pos_ok[:, None] & pe_ok[None, :],
+                       other=0.0).to(q_lat.dtype)  # fmt: skip
         scores = tl.dot(q_lat, tl.trans(c), input_precision=DOT_PREC) + tl.dot(
             q_pe, tl.trans(k_pe), input_precision=DOT_PREC
         )  # [BLOCK_H, BLOCK_S]
-        scores = tl.where(pos_ok[None, :], scores * scale, float("-inf"))
+        # an 8-bit entry's scale multiplies its scores and its probability's weight
+        if KV_QUANT:
+            ks = tl.load(scale_ptrs(base, pos % BLOCK_SIZE, 0, 1, LATENT + ROPE, BLOCK_SIZE),
+                         mask=pos_ok, other=0.0)[None, :]  # fmt: skip
+        else:
+            ks = tl.full((1, BLOCK_S), 1.0, tl.float32)
+        scores = tl.where(pos_ok[None, :], scores * ks * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         denom = denom * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c, input_precision=DOT_PREC)
+        acc = acc * alpha[:, None] + tl.dot((p * ks).to(c.dtype), c, input_precision=DOT_PREC)
         m = m_new
     safe = denom > 0  # an empty split (past the sequence's end) contributes nothing
     out = acc / tl.where(safe, denom, 1.0)[:, None]
@@ -152,11 +172,14 @@ def _combine_kernel(
 @triton.jit
 def _store_latent_kernel(
     entry_ptr,  # [T, D]
-    cache_ptr,  # [num_slots, D]
+    cache_ptr,  # the cache's first element (kv_quant.py's blocks of B tokens)
     slot_ptr,  # [T] int64; < 0: padding, skipped
     stride_entry,
     WIDTH: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    KV_QUANT: tl.constexpr,  # kv_quant.quant_mode of the cache dtype
+    INTERPRET: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
@@ -165,25 +188,33 @@ def _store_latent_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < WIDTH
     row = tl.load(entry_ptr + token * stride_entry + offs, mask=mask)
-    tl.store(cache_ptr + slot * WIDTH + offs, row.to(cache_ptr.dtype.element_ty), mask=mask)
+    block = block_ptr(cache_ptr, slot // BLOCK_SIZE, 1, WIDTH, BLOCK_SIZE, KV_QUANT)
+    tok = slot % BLOCK_SIZE
+    rows = row_ptrs(block, tok, 0, 1, WIDTH)[None]  # [1]
+    scales = scale_ptrs(block, tok, 0, 1, WIDTH, BLOCK_SIZE)[None]
+    store_rows(rows, scales, offs, mask[None, :], row[None, :], KV_QUANT, INTERPRET)
 
 
 def store_latent(
     entry: torch.Tensor,  # [T, D]
-    kv_cache: torch.Tensor,  # [1, N, B, 1, D]
+    kv_cache: torch.Tensor,  # [1, N, B, 1, D] (8-bit: D + 4, quant/kv_cache.py's layout)
     slot_mapping: torch.Tensor,  # [T] int64; < 0 (CUDA-graph padding): not stored
 ) -> None:
-    width = kv_cache.shape[-1]
+    """The step's entries at their slots, quantized with a scale each in an 8-bit cache
+    (bit for bit as quant/kv_cache.py's ``write_rows``)."""
+    width = head_dim_of(kv_cache)
     if entry.dim() != 2 or entry.shape[1] != width or entry.stride(1) != 1:
         raise ValueError(f"entries {tuple(entry.shape)} do not fit the cache's width {width}")
     if entry.shape[0]:
         _store_latent_kernel[(entry.shape[0],)](
-            entry, kv_cache.view(-1, width), slot_mapping, entry.stride(0), WIDTH=width,
-            BLOCK=triton.next_power_of_2(width),
+            entry, kv_cache, slot_mapping, entry.stride(0), WIDTH=width,
+            BLOCK_SIZE=kv_cache.shape[2], BLOCK=triton.next_power_of_2(width),
+            KV_QUANT=quant_mode(kv_cache.dtype), INTERPRET=envs.triton_interpret(),
         )  # fmt: skip
 
 
 def store_latent_ref(entry: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
+    """A model-dtype cache's reference (an 8-bit cache's: quant/kv_cache.py's ``write_rows``)."""
     keep = slot_mapping >= 0
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(kv_cache.dtype)
 
@@ -215,7 +246,7 @@ def pick_num_splits(num_reqs: int, num_heads: int, max_seq_len: int, sms: int = 
 
 def _check(q, kv_cache, block_table, num_splits) -> None:
     width = q.shape[2]
-    if kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1 or kv_cache.shape[-1] != width:
+    if kv_cache.shape[0] != 1 or kv_cache.shape[3] != 1 or head_dim_of(kv_cache) != width:
         raise ValueError(f"latent cache {tuple(kv_cache.shape)} does not fit q {tuple(q.shape)}")
     if (
         not q.is_contiguous()
@@ -301,14 +332,15 @@ def _decode(q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, num_splits,
             out = part[:, 0]
     grid = (num_reqs, triton.cdiv(num_heads, block_h), num_splits)
     _mla_decode_kernel[grid](
-        q, kv_cache.view(-1, width), block_table, seq_lens, part, lse, out, scale, num_heads,
+        q, kv_cache, block_table, seq_lens, part, lse, out, scale, num_heads,
         block_table.stride(0), out.stride(0), out.stride(1), BLOCK_SIZE=kv_cache.shape[2],
         LATENT=kv_lora_rank, ROPE=rope,
         # (tl.dot needs K >= 16: small test shapes pad the latent and RoPE tiles, masked)
         BLOCK_L=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_P=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
         BLOCK_S=block_s, DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
-        SPLIT=num_splits > 1,  num_warps=warps, num_stages=stages,
+        SPLIT=num_splits > 1, KV_QUANT=quant_mode(kv_cache.dtype), num_warps=warps,
+        num_stages=stages,
         **_pdl.kernel_args(q.device),
     )  # fmt: skip
     return part, lse
@@ -322,7 +354,8 @@ def mla_decode_ref(
     scale: float,
     kv_lora_rank: int,
 ) -> torch.Tensor:  # [R, H, L]
-    """Each request's one query over its ``seq_lens[r]`` entries, in fp32 torch ops."""
+    """Each request's one query over its ``seq_lens[r]`` entries, in fp32 torch ops (a
+    model-dtype cache; an 8-bit one is checked through its dequantized copy)."""
     _, num_blocks, block_size, _, dim = kv_cache.shape
     flat = kv_cache.view(num_blocks, block_size * dim)
     out = []

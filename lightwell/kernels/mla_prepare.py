@@ -27,7 +27,17 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell import envs
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.kv_quant import (
+    block_ptr,
+    head_dim_of,
+    quant_mode,
+    row_ptrs,
+    row_scale,
+    scale_ptrs,
+    to_8bit,
+)
 from lightwell.kernels.pdl_sync import wait_then_signal
 from lightwell.kernels.rmsnorm import norm_row
 
@@ -66,8 +76,10 @@ def _entry_row(
     t, kv_ptr, w_ptr, pos_ptr, cs_ptr, entry_ptr, cache_ptr, slot_ptr, stride_kv, stride_e,
     stride_cs, eps, LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
     HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, STORE: tl.constexpr, ENTRY: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """Token ``t``'s latent entry: written to ``entry`` (ENTRY) and its cache slot (STORE)."""
+    """Token ``t``'s latent entry: written to ``entry`` (ENTRY) and its cache slot (STORE; an
+    8-bit cache: quantized with one scale over the entry, kernels/kv_quant.py)."""
     t = t.to(tl.int64)
     lat = tl.arange(0, BLOCK_L)
     lat_ok = lat < LATENT
@@ -90,10 +102,27 @@ def _entry_row(
     if STORE:
         slot = tl.load(slot_ptr + t).to(tl.int64)
         if slot >= 0:
-            dst = cache_ptr + slot * (LATENT + ROPE)
-            tl.store(dst + lat, c.to(cache_ptr.dtype.element_ty), mask=lat_ok)
-            tl.store(dst + LATENT + off1[None, :], o1.to(cache_ptr.dtype.element_ty), mask=ok)
-            tl.store(dst + LATENT + off2[None, :], o2.to(cache_ptr.dtype.element_ty), mask=ok)
+            base = block_ptr(cache_ptr, slot // BLOCK_SIZE, 1, LATENT + ROPE, BLOCK_SIZE, KV_QUANT)
+            dst = row_ptrs(base, slot % BLOCK_SIZE, 0, 1, LATENT + ROPE)
+            if KV_QUANT:
+                cf = tl.where(lat_ok, c.to(tl.float32), 0.0)
+                o1f, o2f = (
+                    tl.where(ok, o1.to(tl.float32), 0.0),
+                    tl.where(ok, o2.to(tl.float32), 0.0),
+                )
+                amax = tl.maximum(tl.max(tl.abs(cf), axis=0),
+                                  tl.max(tl.maximum(tl.abs(o1f), tl.abs(o2f))))  # fmt: skip
+                sc = row_scale(amax, KV_QUANT)
+                tl.store(dst + lat, to_8bit(cf, sc, KV_QUANT, INTERPRET), mask=lat_ok)
+                tl.store(dst + LATENT + off1[None, :], to_8bit(o1f, sc, KV_QUANT, INTERPRET),
+                         mask=ok)  # fmt: skip
+                tl.store(dst + LATENT + off2[None, :], to_8bit(o2f, sc, KV_QUANT, INTERPRET),
+                         mask=ok)  # fmt: skip
+                tl.store(scale_ptrs(base, slot % BLOCK_SIZE, 0, 1, LATENT + ROPE, BLOCK_SIZE), sc)
+            else:
+                tl.store(dst + lat, c.to(cache_ptr.dtype.element_ty), mask=lat_ok)
+                tl.store(dst + LATENT + off1[None, :], o1.to(cache_ptr.dtype.element_ty), mask=ok)
+                tl.store(dst + LATENT + off2[None, :], o2.to(cache_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -103,7 +132,7 @@ def _latent_entry_kernel(
     pos_ptr,  # [T]
     cs_ptr,  # [max_pos, P] cos | sin
     entry_ptr,  # [T, L + P]
-    cache_ptr,  # [num_slots, L + P] (STORE)
+    cache_ptr,  # the latent cache's first element (STORE)
     slot_ptr,  # [T]; < 0: not stored (STORE)
     stride_kv,
     stride_e,
@@ -115,10 +144,13 @@ def _latent_entry_kernel(
     HALF_PAD: tl.constexpr,
     IS_NEOX: tl.constexpr,
     STORE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,  # the cache's (STORE)
+    KV_QUANT: tl.constexpr,  # kv_quant.quant_mode of the cache dtype (STORE)
+    INTERPRET: tl.constexpr,
 ):
     _entry_row(tl.program_id(0), kv_ptr, w_ptr, pos_ptr, cs_ptr, entry_ptr, cache_ptr, slot_ptr,
                stride_kv, stride_e, stride_cs, eps, LATENT, ROPE, BLOCK_L, HALF_PAD, IS_NEOX,
-               STORE, True)  # fmt: skip
+               STORE, True, BLOCK_SIZE, KV_QUANT, INTERPRET)  # fmt: skip
 
 
 @triton.jit
@@ -195,12 +227,13 @@ def _prepare_kernel(
     pos_ptr,  # [T]
     cs_ptr,  # [max_pos, P]
     out_ptr,  # [T, H, L + P]
-    cache_ptr,  # [num_slots, L + P]
+    cache_ptr,  # the latent cache's first element
     slot_ptr,  # [T]; < 0: not stored
     T, stride_q, stride_kv, stride_cs, stride_o, eps,
     HEADS: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr, VDIM: tl.constexpr,
     LATENT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_L: tl.constexpr, HALF_PAD: tl.constexpr, IS_NEOX: tl.constexpr, PREC: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, KV_QUANT: tl.constexpr, INTERPRET: tl.constexpr,  # the cache's
     GDC: tl.constexpr,  # launched with PDL (kernels/pdl.py)
 ):  # fmt: skip
     """``absorb_query``'s programs (heads x token tiles x latent chunks, flattened, heads
@@ -217,7 +250,7 @@ def _prepare_kernel(
         wait_then_signal(GDC)
         _entry_row(pid - queries, kv_ptr, norm_ptr, pos_ptr, cs_ptr, out_ptr, cache_ptr,
                    slot_ptr, stride_kv, 0, stride_cs, eps, LATENT, ROPE, BLOCK_L, HALF_PAD,
-                   IS_NEOX, True, False)  # fmt: skip
+                   IS_NEOX, True, False, BLOCK_SIZE, KV_QUANT, INTERPRET)  # fmt: skip
 
 
 def _prec(dtype: torch.dtype) -> str:
@@ -247,18 +280,24 @@ def latent_entry(
         raise ValueError(f"latent_entry: kv {tuple(kv.shape)} does not fit a {rope}-dim RoPE")
     entry = kv.new_empty(num_tokens, width)
     store = kv_cache is not None
-    if store and (slot_mapping is None or kv_cache.shape[-1] != width):
+    if store and (slot_mapping is None or head_dim_of(kv_cache) != width):
         raise ValueError("latent_entry: storing needs slot_mapping and a cache of the entry width")
     if num_tokens:
         _latent_entry_kernel[(num_tokens,)](
-            kv, norm_weight, positions, cos_sin_cache, entry,
-            kv_cache.view(-1, width) if store else entry,
+            kv, norm_weight, positions, cos_sin_cache, entry, kv_cache if store else entry,
             slot_mapping if store else positions, kv.stride(0), entry.stride(0),
             cos_sin_cache.stride(0), eps, LATENT=latent, ROPE=rope,
             BLOCK_L=triton.next_power_of_2(latent), HALF_PAD=_half_pad(rope),
-            IS_NEOX=is_neox_style, STORE=store,
+            IS_NEOX=is_neox_style, STORE=store, **_cache_args(kv_cache if store else entry),
         )  # fmt: skip
     return entry
+
+
+def _cache_args(kv_cache: torch.Tensor) -> dict:
+    """The entry store's constexprs for ``kv_cache`` ([1, N, B, 1, D (+ 4)])."""
+    block = kv_cache.shape[2] if kv_cache.dim() == 5 else 1
+    return dict(BLOCK_SIZE=block, KV_QUANT=quant_mode(kv_cache.dtype),
+                INTERPRET=envs.triton_interpret())  # fmt: skip
 
 
 def absorb_query(
@@ -310,7 +349,7 @@ def prepare_decode(
     bad_q = q.shape[1] != heads * (nope + rope_dim) or q.stride(1) != 1
     if bad_q or not kv_b_weight.is_contiguous() or kv.stride(1) != 1:
         raise ValueError(f"prepare_decode: q {tuple(q.shape)} does not fit {heads} heads")
-    if width != latent + rope_dim or kv_cache.shape[-1] != width or rope[0].shape[1] != rope_dim:
+    if width != latent + rope_dim or head_dim_of(kv_cache) != width or rope[0].shape[1] != rope_dim:
         raise ValueError(f"prepare_decode: kv {tuple(kv.shape)} does not fit the latent cache")
     out = q.new_empty(num_tokens, heads, width)
     if num_tokens:
@@ -318,12 +357,12 @@ def prepare_decode(
         block_t = _block_t(num_tokens)
         queries = heads * triton.cdiv(num_tokens, block_t) * triton.cdiv(latent, block_r)
         _prepare_kernel[(queries + num_tokens,)](
-            q, kv, norm[0], kv_b_weight, positions, rope[0], out, kv_cache.view(-1, width),
+            q, kv, norm[0], kv_b_weight, positions, rope[0], out, kv_cache,
             slot_mapping, num_tokens, q.stride(0), kv.stride(0), rope[0].stride(0),
             out.stride(0), norm[1], HEADS=heads, NOPE=nope, ROPE=rope_dim, VDIM=vdim,
             LATENT=latent, BLOCK_N=max(16, triton.next_power_of_2(nope)), BLOCK_T=block_t,
             BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(latent),
             HALF_PAD=_half_pad(rope_dim), IS_NEOX=rope[1], PREC=_prec(q.dtype),
-            **_pdl.kernel_args(q.device),
+            **_cache_args(kv_cache), **_pdl.kernel_args(q.device),
         )  # fmt: skip
     return out

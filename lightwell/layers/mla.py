@@ -332,7 +332,8 @@ class MLAttention(nn.Module):
         from lightwell.kernels.mla_decode import MAX_SPLITS, mla_decode
         from lightwell.kernels.mla_output import absorb_output
 
-        q = cache.new_zeros(1, self.num_heads, cache.shape[-1])  # one request, one key
+        dtype = self.kv_b_proj.weight.dtype  # the queries' (the cache may be 8-bit)
+        q = torch.zeros(1, self.num_heads, self.rank + self.rope, dtype=dtype, device=cache.device)
         table = torch.zeros(1, 1, dtype=torch.int32, device=cache.device)
         lens = torch.ones(1, dtype=torch.int32, device=cache.device)
         splits = [s for s in (1, 2, 4, 8, 16, 32, 64) if s <= MAX_SPLITS]

@@ -152,15 +152,11 @@ def dequantize_blocks(
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token and per ``group`` inputs: ([T, K] fp8, [T, ceil(K / group)] float32)."""
-    t, k = x.shape
-    pad = -k % group
-    xg = F.pad(x.float(), (0, pad)).view(t, -1, group)  # [T, K / g, g]
-    amax = xg.abs().amax(-1, keepdim=True)
-    # a tensor divisor: IEEE division on CUDA too (a python float is a rounded reciprocal)
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(t, -1)[:, :k], scale.squeeze(-1)
+    """Per token and per ``group`` inputs: ([T, K] fp8, [T, ceil(K / group)] float32)
+    (kernels/act_quant.py's ``fp8_groups``)."""
+    from lightwell.kernels.act_quant import fp8_groups
+
+    return fp8_groups(x, group)
 
 
 class Fp8BlockMethod:

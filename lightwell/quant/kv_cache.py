@@ -11,8 +11,9 @@
 
 Both attention backends read and write every dtype: the torch one (CPU) through the functions
 below, the Triton one (GPU) in its kernels (``kernels/kv_quant.py``: the store quantizes bit
-for bit as ``quantize_kv``; attention loads the 8-bit tiles and their scales). Latent (MLA)
-caches stay in the model dtype.
+for bit as ``quantize_kv``; attention loads the 8-bit tiles and their scales). A latent (MLA)
+cache is one "head" of D = kv_lora_rank + rope_dim values a token (576 for DeepSeek: 580 bytes
+against bf16's 1,152), one scale over the latent and RoPE parts together.
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ def is_quantized(dtype: torch.dtype) -> bool:
 def stored_head_size(dtype: torch.dtype, head_dim: int) -> int:
     """The cache tensor's last dim for ``dtype`` (8-bit blocks also carry the scales)."""
     return head_dim + SCALE_BYTES if is_quantized(dtype) else head_dim
+
+
+def cache_head_dim(cache: torch.Tensor) -> int:
+    """D of a cache tensor [..., D] or, 8-bit, [..., D + 4]."""
+    return cache.shape[-1] - (SCALE_BYTES if is_quantized(cache.dtype) else 0)
 
 
 def check_head_dim(head_dim: int, dtype: torch.dtype) -> None:

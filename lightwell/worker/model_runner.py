@@ -70,11 +70,6 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.attn_layers = [m for m in model.modules() if isinstance(m, Attention)]
-        latent = [type(a).__name__ for a in self.attn_layers if type(a) is not Attention]
-        if self.kv_dtype != dtype and latent:
-            raise ValueError(
-                f"kv_cache_dtype {kv_cache_dtype} does not apply to {latent[0]} layers"
-            )
         for layer in self.attn_layers:
             check_head_dim(layer.head_dim, self.kv_dtype)
         self.kv_caches: list[torch.Tensor] = []

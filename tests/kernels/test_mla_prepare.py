@@ -118,3 +118,31 @@ def test_prepare_decode_is_the_entry_and_query_launches_in_one(dtype, tokens):
     with pytest.raises(ValueError, match="does not fit the latent cache"):
         prepare_decode(positions, q, kv[:, 1:], (weight, 1e-6), w, dims, (cs, False),
                        caches[1], slots)  # fmt: skip
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
+def test_prepare_decode_quantizes_entries_into_an_8bit_cache(kv_dtype):
+    """With an 8-bit cache ``prepare_decode`` and ``latent_entry`` store each entry quantized
+    with one scale over its latent and RoPE parts: bit for bit quant/kv_cache.py's
+    ``write_rows`` of the entries ``latent_entry`` returns (padding slots untouched)."""
+    from lightwell.quant.kv_cache import write_rows
+
+    latent, tokens, dtype = LONG_LATENT, 5, torch.float16
+    gen = torch.Generator().manual_seed(40)
+    rot = RotaryEmbedding(ROPE, ROPE, 64, 10000.0, False)
+    weight = (torch.rand(latent, generator=gen) + 0.5).to(DEVICE, dtype)
+    positions = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
+    q = torch.randn(tokens, HEADS * (NOPE + ROPE), generator=gen).to(DEVICE, dtype)
+    kv = (torch.randn(tokens, latent + ROPE, generator=gen) * 3).to(DEVICE, dtype)
+    w = (torch.randn(HEADS * (NOPE + VDIM), latent, generator=gen) / 8).to(DEVICE, dtype)
+    cs, dims = rot.cos_sin_cache.to(DEVICE), (NOPE, ROPE, VDIM)
+    slots = torch.tensor([9, 0, 33, -1, 78], device=DEVICE)
+    shape = (1, 20, 4, 1, latent + ROPE + 4)
+    caches = [torch.zeros(shape, dtype=kv_dtype, device=DEVICE) for _ in range(3)]
+    entries = latent_entry(positions, kv, weight, 1e-6, cs, False, caches[0], slots)
+    prepare_decode(positions, q, kv, (weight, 1e-6), w, dims, (cs, False), caches[1], slots)
+    keep = slots >= 0
+    write_rows(caches[2][0], entries[keep][:, None, :], slots[keep])
+    raw = [c.view(torch.uint8) for c in caches]
+    assert torch.equal(raw[0], raw[2]) and torch.equal(raw[1], raw[2])
+    assert raw[2].count_nonzero() > 0

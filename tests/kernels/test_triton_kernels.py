@@ -786,8 +786,13 @@ out = {
     "mla_decode": ops(md._mla_decode_kernel, dict(q_ptr=bf, cache_ptr=bf,
         block_table_ptr="*i32", seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
         out_ptr=bf, scale="fp32"), dict(mla, BLOCK_SIZE=16, ROPE=64, BLOCK_P=64, BLOCK_H=16,
-        BLOCK_S=32, DOT_PREC="tf32", SPLIT=True, GDC=on), num_warps=4, num_stages=2,
-        launch_pdl=on),
+        BLOCK_S=32, DOT_PREC="tf32", SPLIT=True, KV_QUANT=0, GDC=on), num_warps=4,
+        num_stages=2, launch_pdl=on),
+    "mla_decode_fp8": ops(md._mla_decode_kernel, dict(q_ptr=bf, cache_ptr="*fp8e4nv",
+        block_table_ptr="*i32", seq_lens_ptr="*i32", part_ptr="*fp32", lse_ptr="*fp32",
+        out_ptr=bf, scale="fp32"), dict(mla, BLOCK_SIZE=16, ROPE=64, BLOCK_P=64, BLOCK_H=16,
+        BLOCK_S=32, DOT_PREC="tf32", SPLIT=True, KV_QUANT=1, GDC=on), num_warps=4,
+        num_stages=2, launch_pdl=on),
     "combine": ops(md._combine_kernel, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr=bf),
         dict(mla, BLOCK_SPLITS=32, GDC=on), num_warps=4, launch_pdl=on),
     "absorb_few": ops(mo._absorb_few_kernel, dict(o_ptr=bf, lse_ptr=bf, w_ptr=bf, out_ptr=bf),
@@ -802,7 +807,13 @@ out = {
     "prepare": ops(mp._prepare_kernel, dict(q_ptr=bf, kv_ptr=bf, norm_ptr=bf, w_ptr=bf,
         pos_ptr="*i64", cs_ptr="*fp32", out_ptr=bf, cache_ptr=bf, slot_ptr="*i64", eps="fp32"),
         dict(mla, HEADS=16, NOPE=128, ROPE=64, VDIM=128, BLOCK_N=128, BLOCK_T=16, BLOCK_R=128,
-        HALF_PAD=32, IS_NEOX=False, PREC="tf32", GDC=on), num_warps=4, launch_pdl=on),
+        HALF_PAD=32, IS_NEOX=False, PREC="tf32", BLOCK_SIZE=16, KV_QUANT=0, INTERPRET=False,
+        GDC=on), num_warps=4, launch_pdl=on),
+    "prepare_fp8": ops(mp._prepare_kernel, dict(q_ptr=bf, kv_ptr=bf, norm_ptr=bf, w_ptr=bf,
+        pos_ptr="*i64", cs_ptr="*fp32", out_ptr=bf, cache_ptr="*fp8e4nv", slot_ptr="*i64",
+        eps="fp32"), dict(mla, HEADS=16, NOPE=128, ROPE=64, VDIM=128, BLOCK_N=128, BLOCK_T=16,
+        BLOCK_R=128, HALF_PAD=32, IS_NEOX=False, PREC="tf32", BLOCK_SIZE=16, KV_QUANT=1,
+        INTERPRET=False, GDC=on), num_warps=4, launch_pdl=on),
 }
 print(json.dumps(out))
 """
@@ -811,14 +822,15 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("on", [True, False])
 def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
-    """The MLA and MoE decode kernels with PDL on: each waits before any store; all but the
+    """The MLA (over a bf16 and an fp8 latent cache) and MoE decode kernels with PDL on: each
+    waits before any store; all but the
     router signal only after their (first) wait (the down kernel's early read of the router's
     ids relies on the gate/up kernel doing so), the router before it, so the gate/up kernel's
     shared-expert tiles load under it; the router, loop-down, attention and combine kernels
     load nothing before the wait, the gate/up kernel weights only; the pairs and split down
     kernels read the ids through L2 (``.cg``). Off, none of it is compiled in."""
     kernels = _run_ptx_script(_PDL_MLA_MOE_SCRIPT, on)
-    assert len(kernels) == 11
+    assert len(kernels) == 13
     for name, got in kernels.items():
         found = got["ops"]
         if not on:
@@ -834,13 +846,13 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
         early_writes = ("st.", "atom.", "red.", "griddep")
         assert not any(op.startswith(early_writes) for op in before), (name, found)
         assert "griddepcontrol.launch_dependents" in found[wait:], (name, found)
-        if name in ("down", "mla_decode", "combine"):
+        if name in ("down", "mla_decode", "mla_decode_fp8", "combine"):
             assert not before, (name, found)
         elif name == "gate_up":  # the shared experts' first gate and up tiles, 16-byte vectors
             assert before == ["ld.global.v4.b32"] * 4, found  # (1 row x 1,024 x 2 / 64 threads)
         elif name in ("down_pairs", "down_split"):
             assert "ld.global.cg.b64" in before or any(".cg" in op for op in before), found
-        else:  # absorb, prepare: the first weight chunk; absorb_few(_combine): its W_UV slice
+        else:  # absorb, prepare(_fp8): the first weight chunk; absorb_few(_combine): W_UV
             assert any(op.startswith("ld.global") for op in before), (name, found)
 
 

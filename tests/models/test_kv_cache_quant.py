@@ -162,3 +162,45 @@ def test_triton_backend_on_an_fp8_cache_generates_as_the_torch_backend(folder):
         for la, lb, t in zip(ca.logprobs, cb.logprobs, ca.token_ids):
             diffs.append(abs(la[t].logprob - lb[t].logprob))
     assert max(diffs) < ENGINE_BOUND, diffs
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_8bit_latent_cache_of_deepseek_within_bound(tmp_path, family):
+    """DeepSeek's latent cache in fp8 / int8 (one scale an entry over its latent and RoPE
+    parts): a prompt prefilled in two chunks (the second reads the quantized entries back) and
+    greedy decode steps stay within the K/V caches' bounds of HF in fp32. Every layer dense:
+    in a tiny random MoE the cache's rounding can flip an expert choice, which moves a step's
+    logits by far more than the cache's error."""
+    from tests.models import families
+    from tests.models.tiny import hf_logits
+
+    torch.set_num_threads(1)
+    hf = getattr(families, family)(str(tmp_path), 3, first_k_dense_replace=3)
+    ours = load_ours(str(tmp_path))
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 300, (19,), generator=gen).tolist()
+    for kv in ("fp8", "int8"):
+        runner = PagedRunner(ours, block_size=4, num_blocks=48, kv_cache_dtype=kv)
+        assert runner.caches[0].shape[-1] == 32 + 8 + 4  # kv_lora_rank + rope dims + a scale
+        errs, seq, done = [], list(prompt), 0
+        for chunk in (8, 11):
+            out = runner.step([("a", prompt[done : done + chunk], done)])
+            done += chunk
+            errs.append(rel_err(out[0], hf_logits(hf, prompt[:done])[done - chunk :]))
+        for _ in range(5):
+            seq.append(int(hf_logits(hf, seq)[-1].argmax()))
+            out = runner.step([("a", [seq[-1]], len(seq) - 1)])
+            errs.append(rel_err(out[0][0], hf_logits(hf, seq)[-1]))
+        assert max(errs) < BOUND[kv], (kv, errs)
+        assert min(errs) > 0  # every step reads the quantized entries (a fresh chunk too)
+
+
+def test_latent_cache_dtype_sizes_the_cache():
+    from lightwell.layers.mla import LatentAttention
+    from lightwell.worker.model_runner import ModelRunner
+
+    model = torch.nn.Sequential(LatentAttention(16, 512, 64, 1.0))
+    kw = dict(block_size=16, vocab_size=300, device=torch.device("cpu"), dtype=torch.bfloat16)
+    auto = ModelRunner(model, **kw).kv_bytes_per_block()
+    fp8 = ModelRunner(model, kv_cache_dtype="fp8", **kw).kv_bytes_per_block()
+    assert auto == 16 * 576 * 2 and fp8 == 16 * 580  # 1.99x the tokens
