@@ -19,7 +19,9 @@ QUANTS = {
     "fp8": ("*fp8e4nv", "*fp32", (128, 128)),
     "int4": ("*i32", "*bf16", (1, 128)),
     "int4-channel": ("*i32", "*bf16", (1, 14336)),
+    "fp8-rows": ("*fp8e4nv", "*fp32", (1, 0)),  # one scale a row, weight-only
     "fp8-rows-w8a8": ("*fp8e4nv", "*fp32", (1, 0)),  # one scale a row, fp8 activations
+    "fp8-w8a8": ("*fp8e4nv", "*fp32", (128, 128)),  # block scales, fp8 activations
 }
 GEMV_TILES = ((1, 2048, 4, 3), (2, 256, 1, 3), (4, 512, 1, 1), (2, 2048, 2, 3))
 
@@ -39,14 +41,16 @@ def variants():
                        SCALED=quant != "bf16", SBN=sbn, SBK=sbk, INT4=int4, A_SCALED=w8a8,
                        GROUP_M=fm.GROUP_M)  # fmt: skip
         gate_up, down = {**grouped, "TOP_K": 8}, grouped
-        if w8a8:  # fp8 x and activation; the row scales span all of K (fused_moe._grouped)
+        if w8a8:  # fp8 x and activation
             types = {**types, "x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv"}
             tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
-            gate_up, down = {**gate_up, **tile, "SBK": 7168}, {**down, **tile, "SBK": 2048}
+            gate_up, down = {**gate_up, **tile}, {**down, **tile}
+        if sbk == 0:  # the row scales span all of K (fused_moe._grouped)
+            gate_up, down = {**gate_up, "SBK": 7168}, {**down, "SBK": 2048}
         warps = 8 if w8a8 else 4
         yield f"{quant} grouped gate_up", fm._gate_up_kernel, types, gate_up, warps, 3
         yield f"{quant} grouped down", fm._down_kernel, types, down, warps, 3
-        if quant == "bf16" or w8a8:
+        if quant == "bf16" or sbk == 0 or w8a8:
             continue
         for bn, bk, warps, stages in GEMV_TILES:
             ts = min(bk & -bk, sbk & -sbk)

@@ -66,10 +66,13 @@ def _b_tile(w, rows, rows_ok, k0, ks, k_ok, z_rows, kb, dtype,
 @triton.jit
 def _a_scales(ptr, rows, rows_ok, KS: tl.constexpr, kb, A_SCALED: tl.constexpr):
     """[BLOCK_M, 1] scales of fp8 activation ``rows`` for K block ``kb`` of ``KS`` ([rows, KS]
-    fp32 at ``ptr``), or 1.0 for activations in their own dtype."""
+    fp32 at ``ptr``), or ones for activations in their own dtype (one return: the compiler
+    types every return of a constexpr branch)."""
     if A_SCALED:
-        return tl.load(ptr + rows * KS + kb, mask=rows_ok, other=0.0)[:, None]
-    return 1.0
+        s = tl.load(ptr + rows * KS + kb, mask=rows_ok, other=0.0)
+    else:
+        s = tl.where(rows_ok, 1.0, 1.0)
+    return s[:, None]
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks_m"])  # (per-step counts: no variants)
