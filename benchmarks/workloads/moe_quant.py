@@ -1,6 +1,7 @@
 """Quantized MoE experts on the GPU: the fused Triton kernels (lightwell/kernels/fused_moe.py's
 grouped GEMMs, and the few-token GEMV path of kernels/moe_gemv_quant.py) over block-FP8 experts
-(DeepSeek-V3/R1: H 7168, I 2048, 256 experts top-8, [128, 128] blocks), GPTQ int4 experts
+(DeepSeek-V3/R1: H 7168, I 2048, 256 experts top-8, [128, 128] blocks; fp8 activations per
+128 inputs on the grouped path, as ``Fp8BlockExperts`` runs them), GPTQ int4 experts
 (Mixtral-8x7B: H 4096, I 14336, 8 experts top-2, group 128, symmetric) and Mixtral's experts in
 fp8 with one scale a row (compressed-tensors' channel strategy and ``--quantization fp8``, run
 as quant/experts.py's ``ScaledExperts`` runs them: [1, 128] blocks on the GEMV path, row scales
@@ -114,7 +115,7 @@ def deepseek_fp8(experts: int, common: dict) -> list[dict]:
     w13, s13 = fp8_experts(experts, 2 * inter, hidden, gen)
     w2, s2 = fp8_experts(experts, hidden, inter, gen)
     name = f"deepseek-v3-fp8-e{experts}"
-    return _fp8_rows(name, (w13, s13, w2, s2), BLOCK, top_k, gen, common)
+    return _fp8_rows(name, (w13, s13, w2, s2), BLOCK, top_k, gen, common, dict(w8a8=True))
 
 
 def mixtral_fp8_channel(common: dict) -> list[dict]:

@@ -283,15 +283,19 @@ def grouped_tiles(block_m: int) -> tuple[int, int, int, int]:
     return 64, 64, 4, 3
 
 
-def w8a8_tiles(per_expert: float) -> tuple[int, int, int, int, int]:
+def w8a8_tiles(per_expert: float, rows: bool) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, warps, stages) of the grouped kernels on fp8 activations
     (``w8a8``), from the mean (token, expert) pairs an expert gets, after the H200 sweep of
-    ``python3 -m benchmarks.workloads.moe_quant --sweep`` on Mixtral-8x7B's shapes: 32-row
-    blocks up to 32 pairs an expert, 128-row blocks past that (fewer row blocks: each
-    expert's weights read fewer times), with 4 stages up to 256 pairs."""
-    if per_expert <= 32:
-        return 32, 128, 128, 4, 3
-    return 128, 128, 128, 8, 4 if per_expert <= 256 else 3
+    ``python3 -m benchmarks.workloads.moe_quant --sweep`` (kernels_moe_quant_h200.json).
+    Row-scaled experts (``rows``; Mixtral's shapes): 32-row blocks up to 32 pairs an expert,
+    then 128-row blocks (fewer row blocks: each expert's weights read fewer times). Block
+    experts (DeepSeek-V3's), whose K tiles are scaled one by one: 16, 32, then 64 rows (at 128
+    rows the two [128, 128] fp32 products a step cost twice the time)."""
+    if rows:
+        return (32, 128, 128, 4, 3) if per_expert <= 32 else (128, 128, 128, 8, 4)
+    if per_expert <= 8:
+        return 16, 64, 128, 4, 3
+    return (32, 128, 128, 4, 3) if per_expert <= 32 else (64, 64, 128, 4, 3)
 
 
 def grouped_variants(quant: dict, act_dtype: torch.dtype) -> list[dict]:
@@ -299,7 +303,8 @@ def grouped_variants(quant: dict, act_dtype: torch.dtype) -> list[dict]:
     experts with these kernel inputs (``quant``: fused_moe's quantization keywords) and
     activations in ``act_dtype``: what start-up compiles before serving."""
     if quant.get("w8a8"):
-        tiles = {w8a8_tiles(n) for n in (1, 64, 512)}
+        rows = quant.get("row_scales") is not None
+        tiles = {w8a8_tiles(n, rows) for n in (1, 16, 64)}
         keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
         return [dict(zip(keys, t)) for t in sorted(tiles)]
     large = not (quant.get("scales") or quant.get("int4")) and act_dtype.itemsize == 2
@@ -363,7 +368,7 @@ def fused_moe(
     large = scales is None and int4 is None and x.element_size() == 2
     per_expert = num_tokens * top_k / num_experts
     if w8a8:
-        picked = w8a8_tiles(per_expert)
+        picked = w8a8_tiles(per_expert, row_scales is not None)
         block_m, tiles = block_m or picked[0], picked[1:]
     else:
         if block_m is None:

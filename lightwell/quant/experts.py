@@ -106,7 +106,10 @@ class UnquantizedExperts(StackedExperts):
 class Fp8BlockExperts(UnquantizedExperts):
     """Block-scaled FP8 experts: fp8 weights and one float32 scale per [bn, bk] block (HF
     fine-grained FP8 names it ``weight_scale_inv``; compressed-tensors' block strategy
-    ``weight_scale``: the checkpoint's name is kept)."""
+    ``weight_scale``: the checkpoint's name is kept). On a GPU the grouped path runs W8A8
+    (activations in fp8 per token and bk inputs, as the model's block-FP8 linears; fp8 dots
+    need bk >= 32, else weight-only), the few-token GEMV path weight-only; on the CPU
+    weight-only."""
 
     def __init__(self, block_n: int, block_k: int, scale_name: str = "weight_scale_inv"):
         self.block = (block_n, block_k)
@@ -134,7 +137,8 @@ class Fp8BlockExperts(UnquantizedExperts):
     def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(w13, w2, fused_moe's keyword arguments) of the fused kernels."""
         s13, s2 = self.scales(layer)
-        return layer.w13_weight, layer.w2_weight, {"scales": (s13, s2, self.block)}
+        quant = {"scales": (s13, s2, self.block), "w8a8": self.block[1] >= 32}
+        return layer.w13_weight, layer.w2_weight, quant
 
     def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
         """Expert e's weights dequantized (``q * scale`` per block) to x's dtype."""

@@ -64,10 +64,12 @@ def test_large_blocks_for_many_tokens_an_expert():
 def test_warm_up_covers_every_tile_a_step_can_pick():
     """Start-up compiles ``grouped_variants``: every (row block, tile) a step picks is among
     them, for fp8 activations (``w8a8_tiles``) and for the other experts (row blocks)."""
-    w8a8 = grouped_variants({"w8a8": True}, torch.bfloat16)
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-    picked = {w8a8_tiles(n) for n in (0.5, 16, 32, 33, 100, 256, 257, 5000)}
-    assert {tuple(v[k] for k in keys) for v in w8a8} == picked and len(picked) == 3
+    for rows, count in ((True, 2), (False, 3)):
+        quant = {"w8a8": True, "row_scales": (object(),) if rows else None}
+        variants = grouped_variants(quant, torch.bfloat16)
+        picked = {w8a8_tiles(n, rows) for n in (0.5, 8, 9, 16, 32, 33, 100, 256, 257, 5000)}
+        assert {tuple(v[k] for k in keys) for v in variants} == picked and len(picked) == count
     blocks = lambda quant: [v["block_m"] for v in grouped_variants(quant, torch.bfloat16)]  # noqa: E731
     assert blocks({}) == [16, 32, 64, 128]  # 16-bit experts: pick_block_m's four sizes
     assert blocks({"scales": object()}) == [16, 32, 64] == blocks({"int4": object()})
