@@ -385,6 +385,8 @@ def _check_rows(dims: tuple[int, int, int], scales, row_scales, w8a8: bool) -> N
     num_experts, hidden, inter = dims
     if w8a8 and scales is None:
         raise ValueError("fused_moe: w8a8 needs fp8 experts")
+    if w8a8 and row_scales is None and scales[2][1] < 32 and scales[0].is_cuda:
+        raise ValueError(f"fused_moe: w8a8 needs bk >= 32 on a GPU (fp8 dots), got {scales[2]}")
     if row_scales is None:
         return
     want = [(num_experts, 2 * inter), (num_experts, hidden)]

@@ -16,21 +16,21 @@ TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 2e-2}
 BLOCK = (16, 16)
 
 
-def fp8_experts(e: int, n: int, k: int, gen: torch.Generator):
-    """[E, N, K] fp8 with [E, ceil(N / 16), ceil(K / 16)] scales spread over two decades."""
+def fp8_experts(e: int, n: int, k: int, gen: torch.Generator, block=BLOCK):
+    """[E, N, K] fp8 with [E, ceil(N / bn), ceil(K / bk)] scales spread over two decades."""
     q = (torch.randn(e, n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
-    s = 10 ** (torch.rand(e, -(-n // BLOCK[0]), -(-k // BLOCK[1]), generator=gen) * 2 - 2)
+    s = 10 ** (torch.rand(e, -(-n // block[0]), -(-k // block[1]), generator=gen) * 2 - 2)
     return q, (s / (100 * k**0.5)).float()
 
 
-def _case(tokens, top_k, experts, hidden, inter, dtype, seed):
+def _case(tokens, top_k, experts, hidden, inter, dtype, seed, block=BLOCK):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    w13, s13 = fp8_experts(experts, 2 * inter, hidden, gen)
-    w2, s2 = fp8_experts(experts, hidden, inter, gen)
+    w13, s13 = fp8_experts(experts, 2 * inter, hidden, gen, block)
+    w2, s2 = fp8_experts(experts, hidden, inter, gen, block)
     weights, ids = torch.rand(tokens, experts, generator=gen).topk(top_k, dim=-1)
     move = [t.to(DEVICE) for t in (x, w13, w2, weights, ids, s13, s2)]
-    return move[:5], (move[5], move[6], BLOCK)
+    return move[:5], (move[5], move[6], block)
 
 
 def _err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -125,21 +125,22 @@ def test_row_scaled_fp8_experts_w8a8():
 
 
 def test_block_fp8_experts_w8a8():
-    """Block-scaled experts with w8a8: x and the activation quantized per row and 16 inputs
-    (quantize_groups; H 56: a partial last group), fp8 dots scaled per K tile by the row's and
-    the block's scales: equal to the reference on those quantized activations."""
+    """Block-scaled experts ([16, 32] blocks: an fp8 dot's K on a GPU is 32 or more) with
+    w8a8: x and the activation quantized per row and 32 inputs (quantize_groups; H 80: a
+    partial last group), fp8 dots scaled per K tile by the row's and the block's scales: equal
+    to the reference on those quantized activations; 16-input blocks are refused on a GPU."""
+    from lightwell.kernels.fused_moe import dequantize_experts
     from lightwell.quant.fp8 import quantize_groups
 
-    def deq(v: torch.Tensor) -> torch.Tensor:  # v [1, K] through fp8 per 16 inputs
-        q, scale = quantize_groups(v, 16)
-        return q.float() * scale.repeat_interleave(16, 1)[:, : v.shape[1]]
+    def deq(v: torch.Tensor) -> torch.Tensor:  # v [1, K] through fp8 per 32 inputs
+        q, scale = quantize_groups(v, 32)
+        return q.float() * scale.repeat_interleave(32, 1)[:, : v.shape[1]]
 
-    (x, w13, w2, weights, ids), scales = _case(13, 2, 6, 56, 32, torch.float32, seed=11)
+    block = (16, 32)
+    (x, w13, w2, weights, ids), scales = _case(13, 2, 6, 80, 32, torch.float32, 11, block)
     got = fused_moe(x, w13, w2, weights, ids, scales=scales, w8a8=True, gemv=False,
                     block_m=16, block_n=32)  # fmt: skip
-    from lightwell.kernels.fused_moe import dequantize_experts
-
-    d13, d2 = (dequantize_experts(w, sc, BLOCK) for w, sc in ((w13, scales[0]), (w2, scales[1])))
+    d13, d2 = (dequantize_experts(w, sc, block) for w, sc in ((w13, scales[0]), (w2, scales[1])))
     want = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(2):
@@ -149,6 +150,10 @@ def test_block_fp8_experts_w8a8():
             want[t] += float(weights[t, j]) * down
     assert _err(got, want) < TOL[FP32]
     assert 1e-3 < _err(got, fused_moe_ref(x, w13, w2, weights, ids, scales)) < 0.1
+    if DEVICE == "cuda":
+        (x, w13, w2, weights, ids), sixteen = _case(3, 2, 6, 80, 32, FP32, 12)  # [16, 16]
+        with pytest.raises(ValueError, match="w8a8 needs"):
+            fused_moe(x, w13, w2, weights, ids, scales=sixteen, w8a8=True, gemv=False)
 
 
 def test_row_scales_are_checked():
