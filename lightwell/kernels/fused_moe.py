@@ -286,7 +286,7 @@ def grouped_tiles(block_m: int) -> tuple[int, int, int, int]:
 def w8a8_tiles(per_expert: float, rows: bool) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, warps, stages) of the grouped kernels on fp8 activations
     (``w8a8``), from the mean (token, expert) pairs an expert gets, after the H200 sweep of
-    ``python3 -m benchmarks.workloads.moe_quant --sweep`` (kernels_moe_quant_h200.json).
+    ``python3 -m benchmarks.workloads.moe_quant --sweep`` (kernels_moe_w8a8_sweep_h200.json).
     Row-scaled experts (``rows``; Mixtral's shapes): 32-row blocks up to 32 pairs an expert,
     then 128-row blocks (fewer row blocks: each expert's weights read fewer times). Block
     experts (DeepSeek-V3's), whose K tiles are scaled one by one: 16, 32, then 64 rows (at 128
