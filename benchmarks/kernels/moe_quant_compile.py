@@ -41,15 +41,19 @@ def variants():
                        SCALED=quant != "bf16", SBN=sbn, SBK=sbk, INT4=int4, A_SCALED=w8a8,
                        GROUP_M=fm.GROUP_M)  # fmt: skip
         gate_up, down = {**grouped, "TOP_K": 8}, grouped
-        if w8a8:  # fp8 x and activation
-            types = {**types, "x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv"}
-            tile = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
-            gate_up, down = {**gate_up, **tile}, {**down, **tile}
         if sbk == 0:  # the row scales span all of K (fused_moe._grouped)
             gate_up, down = {**gate_up, "SBK": 7168}, {**down, "SBK": 2048}
-        warps = 8 if w8a8 else 4
-        yield f"{quant} grouped gate_up", fm._gate_up_kernel, types, gate_up, warps, 3
-        yield f"{quant} grouped down", fm._down_kernel, types, down, warps, 3
+        tiles = [(64, 64, 64, 4, 3)]
+        if w8a8:  # fp8 x and activation, at every tile fused_moe.w8a8_tiles picks
+            types = {**types, "x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv"}
+            keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
+            quant_args = {"w8a8": True, "row_scales": () if sbk == 0 else None}
+            tiles = [tuple(v[k] for k in keys) for v in fm.grouped_variants(quant_args, None)]
+        for bm, bn, bk, warps, stages in tiles:
+            tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            name = f"{quant} grouped" + (f" {bm},{bn},{bk},{warps},{stages}" if w8a8 else "")
+            yield f"{name} gate_up", fm._gate_up_kernel, types, {**gate_up, **tile}, warps, stages
+            yield f"{name} down", fm._down_kernel, types, {**down, **tile}, warps, stages
         if quant == "bf16" or sbk == 0 or w8a8:
             continue
         for bn, bk, warps, stages in GEMV_TILES:

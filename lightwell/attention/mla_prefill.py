@@ -247,11 +247,13 @@ def expanded_prefill(
     passes = plan_passes(meta, block_size, key_bytes, (2 * nope + v + rope) * elt,
                          heads, budget)  # fmt: skip
     blocks = kv_cache[0]  # [N, B, 1, row]
+    if quantized:  # gathered as bytes (index_select may lack fp8 kernels)
+        blocks = blocks.view(torch.uint8)
     out = torch.empty_like(q)
     for p in passes:
         gathered = blocks.index_select(0, p.blocks)
         if quantized:
-            gathered = dequantize_blocks(gathered, q.dtype)
+            gathered = dequantize_blocks(gathered.view(kv_cache.dtype), q.dtype)
         latent = gathered.view(-1, width)  # [nb * B, rank + rope]
         (t0, t1), step = p.tokens, p.heads
         for h0 in range(0, heads, step):

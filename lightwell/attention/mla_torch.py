@@ -41,8 +41,9 @@ def gather_latent(
     dtype: torch.dtype,
 ) -> torch.Tensor:  # [length, D] in dtype
     """The first ``length`` cached entries of one request, in order (8-bit: dequantized)."""
-    if is_quantized(kv_cache.dtype):
-        blocks = dequantize_blocks(kv_cache[0].index_select(0, block_ids), dtype)
+    if is_quantized(kv_cache.dtype):  # (gathered as bytes: index_select may lack fp8)
+        raw = kv_cache[0].view(torch.uint8).index_select(0, block_ids).view(kv_cache.dtype)
+        blocks = dequantize_blocks(raw, dtype)
         return blocks.reshape(-1, blocks.shape[-1])[:length]
     _, num_blocks, block_size, _, dim = kv_cache.shape
     blocks = kv_cache.view(num_blocks, block_size * dim).index_select(0, block_ids)

@@ -433,6 +433,8 @@ def _grouped(
         s13 = z13 = s2 = z2 = x
         sb13 = sb2 = (1, block_k)
         quant = dict(SCALED=False, INT4=False)
+    if w8a8 and x.is_cuda and block_k < 32:
+        raise ValueError(f"fused_moe: w8a8 needs block_k >= 32 on a GPU (fp8 dots), got {block_k}")
     sorted_ids, block_expert = align_by_expert(ids, num_experts, block_m)
     blocks_m = block_expert.numel()
     launch = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, **quant, GROUP_M=group_m,

@@ -215,6 +215,8 @@ def store_latent(
 
 def store_latent_ref(entry: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor):
     """A model-dtype cache's reference (an 8-bit cache's: quant/kv_cache.py's ``write_rows``)."""
+    if head_dim_of(kv_cache) != kv_cache.shape[-1]:
+        raise ValueError("store_latent_ref: an 8-bit cache's reference is write_rows")
     keep = slot_mapping >= 0
     kv_cache.view(-1, kv_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(kv_cache.dtype)
 

@@ -266,8 +266,14 @@ class Worker:
         from lightwell.kernels.kv_dequant import reserve_bytes  # (a CUDA path: Triton)
 
         p = self.config.parallel
+        # the K/V dequantizing copies (latent caches make none: their prefill's gathered
+        # entries stay inside attention/mla_prefill.py's pass budget)
+        from lightwell.layers.mla import LatentAttention
+
+        kv_layers = any(not isinstance(a, LatentAttention) for a in self.runner.attn_layers)
         peak += reserve_bytes(
-            self.runner.kv_dtype, p.dual_stream_micro_batches if p.dual_stream else 1
+            self.runner.kv_dtype if kv_layers else self.runner.dtype,
+            p.dual_stream_micro_batches if p.dual_stream else 1,
         )
         if p.stages_share_gpu:  # each stage its share; the rest is theirs
             return total * util / self.world_size - peak

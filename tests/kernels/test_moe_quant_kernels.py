@@ -127,7 +127,8 @@ def test_row_scaled_fp8_experts_w8a8():
 def test_block_fp8_experts_w8a8():
     """Block-scaled experts ([16, 32] blocks: an fp8 dot's K on a GPU is 32 or more) with
     w8a8: x and the activation quantized per row and 32 inputs (quantize_groups; H 80: a
-    partial last group), fp8 dots scaled per K tile by the row's and the block's scales: equal
+    partial last group; I 64: two groups), fp8 dots scaled per K tile by the row's and the
+    block's scales: equal
     to the reference on those quantized activations; 16-input blocks are refused on a GPU."""
     from lightwell.kernels.fused_moe import dequantize_experts
     from lightwell.quant.fp8 import quantize_groups
@@ -136,8 +137,8 @@ def test_block_fp8_experts_w8a8():
         q, scale = quantize_groups(v, 32)
         return q.float() * scale.repeat_interleave(32, 1)[:, : v.shape[1]]
 
-    block = (16, 32)
-    (x, w13, w2, weights, ids), scales = _case(13, 2, 6, 80, 32, torch.float32, 11, block)
+    block = (16, 32)  # I 64: the down kernel's K tiles scaled one by one too
+    (x, w13, w2, weights, ids), scales = _case(13, 2, 6, 80, 64, torch.float32, 11, block)
     got = fused_moe(x, w13, w2, weights, ids, scales=scales, w8a8=True, gemv=False,
                     block_m=16, block_n=32)  # fmt: skip
     d13, d2 = (dequantize_experts(w, sc, block) for w, sc in ((w13, scales[0]), (w2, scales[1])))
@@ -274,8 +275,37 @@ print(json.dumps(sizes))
 
 def test_fp8_grouped_kernel_variants_compile_for_sm90():
     """What the interpreter does not check: the row-scaled and fp8-activation variants of the
-    grouped kernels compile for sm_90 (Triton's typing of constexpr branches, fp8 dots)."""
+    grouped kernels compile for sm_90 (Triton's typing of constexpr branches, fp8 dots), the
+    latter at every tile a step can pick."""
     from tests.kernels.test_triton_kernels import _run_ptx_script
 
     sizes = _run_ptx_script(_SM90_SCRIPT, True)
-    assert len(sizes) == 6 and all(size > 0 for size in sizes.values()), sizes
+    # fp8-rows: 1 tile; fp8-rows-w8a8: w8a8_tiles' 2; fp8-w8a8: its 3; gate/up and down each
+    assert len(sizes) == 2 * (1 + 2 + 3) and all(size > 0 for size in sizes.values()), sizes
+
+
+@pytest.mark.parametrize("bk", [16, 32])
+def test_block_fp8_experts_take_w8a8_when_fp8_dots_can(bk):
+    """A loaded block-FP8 expert layer asks for fp8 activations when its bk allows fp8 dots
+    on a GPU (32 or more); the grouped path on them stays within fp8's rounding of the CPU
+    path (weight-only), the few-token path as close as weight-only kernels are."""
+    from lightwell.layers.moe import FusedMoE
+    from lightwell.quant.fp8 import Fp8BlockMethod
+
+    gen = torch.Generator().manual_seed(13)
+    layer = FusedMoE(4, 64, 64, Fp8BlockMethod(16, bk))
+    for name in ("w13", "w2"):
+        w = getattr(layer, f"{name}_weight")
+        w.data.copy_((torch.randn(w.shape, generator=gen) * 100).clamp(-448, 448).to(w.dtype))
+        s = getattr(layer, f"{name}_weight_scale_inv")
+        s.data.copy_(torch.rand(s.shape, generator=gen) * 1e-3 + 5e-4)
+    layer.quant_method.process_after_loading(layer)
+    w13, w2, quant = layer.quant_method.kernel_inputs(layer)
+    assert quant["w8a8"] == (bk >= 32)
+    x = torch.randn(20, 64, generator=gen)
+    weights, ids = torch.rand(20, 4, generator=gen).topk(2, dim=-1)
+    want = layer(x, weights, ids)  # the CPU loop, weight-only
+    on = lambda *ts: [t.to(DEVICE) for t in ts]  # noqa: E731
+    quant = {**quant, "scales": (*on(*quant["scales"][:2]), quant["scales"][2])}
+    got = fused_moe(*on(x, w13, w2, weights, ids), gemv=False, **quant).cpu()
+    assert (1e-3 < _err(got, want) < 0.1) if bk >= 32 else _err(got, want) < TOL[FP32]

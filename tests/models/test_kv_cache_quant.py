@@ -167,8 +167,9 @@ def test_triton_backend_on_an_fp8_cache_generates_as_the_torch_backend(folder):
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 def test_8bit_latent_cache_of_deepseek_within_bound(tmp_path, family):
     """DeepSeek's latent cache in fp8 / int8 (one scale an entry over its latent and RoPE
-    parts): a prompt prefilled in two chunks (the second reads the quantized entries back) and
-    greedy decode steps stay within the K/V caches' bounds of HF in fp32. Every layer dense:
+    parts): a prompt prefilled in two chunks (each reads the quantized entries back, the first
+    its own, as the GPU's expanded prefill does) and greedy decode steps stay within the K/V
+    caches' bounds of HF in fp32. Every layer dense:
     in a tiny random MoE the cache's rounding can flip an expert choice, which moves a step's
     logits by far more than the cache's error."""
     from tests.models import families
@@ -179,12 +180,15 @@ def test_8bit_latent_cache_of_deepseek_within_bound(tmp_path, family):
     ours = load_ours(str(tmp_path))
     gen = torch.Generator().manual_seed(2)
     prompt = torch.randint(0, 300, (19,), generator=gen).tolist()
+    first = PagedRunner(ours, block_size=4, num_blocks=48).step([("a", prompt[:8], 0)])[0]
     for kv in ("fp8", "int8"):
         runner = PagedRunner(ours, block_size=4, num_blocks=48, kv_cache_dtype=kv)
         assert runner.caches[0].shape[-1] == 32 + 8 + 4  # kv_lora_rank + rope dims + a scale
         errs, seq, done = [], list(prompt), 0
         for chunk in (8, 11):
             out = runner.step([("a", prompt[done : done + chunk], done)])
+            if done == 0:  # a fresh chunk reads its own entries back quantized too
+                assert rel_err(out[0], first) > 1e-3
             done += chunk
             errs.append(rel_err(out[0], hf_logits(hf, prompt[:done])[done - chunk :]))
         for _ in range(5):
@@ -192,7 +196,6 @@ def test_8bit_latent_cache_of_deepseek_within_bound(tmp_path, family):
             out = runner.step([("a", [seq[-1]], len(seq) - 1)])
             errs.append(rel_err(out[0][0], hf_logits(hf, seq)[-1]))
         assert max(errs) < BOUND[kv], (kv, errs)
-        assert min(errs) > 0  # every step reads the quantized entries (a fresh chunk too)
 
 
 def test_latent_cache_dtype_sizes_the_cache():
