@@ -122,3 +122,33 @@ def test_align_by_expert_groups_and_pads():
     assert blocks[0] == [1, 4, pad, pad]  # expert 0: pairs (0, 1) and (2, 0)
     assert blocks[1] == [0, 2, 5, pad]  # expert 2: pairs (0, 0), (1, 0), (2, 1)
     assert all(v == pad for row in blocks[2:] for v in row)
+
+
+@pytest.mark.parametrize("method", ["none", "fp8_block32"])
+def test_moe_block_start_up_compiles_every_grouped_variant(monkeypatch, method):
+    """``MoEBlock.compile_kernel_variants`` launches the grouped path once at each of
+    ``grouped_variants``' tiles for its experts' kernel inputs (w8a8 tiles for block-FP8
+    experts), then the few-token path: recorded through the experts' ``apply``."""
+    from types import SimpleNamespace
+
+    from lightwell.layers.moe import FusedMoE
+    from lightwell.models.moe_blocks import MoEBlock
+    from lightwell.quant.fp8 import Fp8BlockMethod
+
+    quant_method = Fp8BlockMethod(16, 32) if method == "fp8_block32" else None
+    experts = FusedMoE(4, 64, 64, quant_method)
+    calls = []
+    monkeypatch.setattr(FusedMoE, "cuda_graph_safe", property(lambda self: True))
+    monkeypatch.setattr(
+        experts.quant_method, "apply", lambda layer, x, w, ids, **kw: calls.append(kw)
+    )
+    block = SimpleNamespace(experts=experts, router=SimpleNamespace(top_k=2),
+                            gate=SimpleNamespace(weight=torch.empty(4, 64)))  # fmt: skip
+    launches = MoEBlock.compile_kernel_variants(block)
+    want = grouped_variants(experts.quant_method.kernel_inputs(experts)[2], experts.act_dtype)
+    grouped = [{k: v for k, v in kw.items() if k != "gemv"} for kw in calls if "gemv" in kw]
+    assert grouped == want and launches == len(calls) == len(want) + 2
+    if method == "fp8_block32":
+        assert {v["block_m"] for v in want} == {16, 32, 64} and all(
+            v["block_k"] == 128 for v in want
+        )
