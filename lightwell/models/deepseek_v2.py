@@ -35,6 +35,7 @@ from lightwell.models.llama import LlamaForCausalLM, LlamaModel
 from lightwell.models.moe_blocks import (
     MoEBlock,
     MoEDecoderLayer,
+    dequantized_8bit,
     gated_mlp,
     hf_skip,
     load_moe_weights,
@@ -165,41 +166,11 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """An 8-bit ``kv_b_proj`` in the model dtype: MLA absorbs it into the queries and the
-        output (``lightwell/layers/mla.py``), so it is kept as a plain weight, dequantized once
-        its scale arrives: block FP8 (HF fine-grained ``weight_scale_inv``, compressed-tensors'
-        block ``weight_scale``: DeepSeek-V3/R1 as published) or compressed-tensors int8 / fp8
-        with a scale per row or per tensor; a static ``input_scale`` is dropped (it runs
-        unquantized)."""
-        held: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights:
-            module, _, kind = name.rpartition(".")
-            if not module.endswith(".kv_b_proj") or kind not in _KV_B_TENSORS:
-                yield name, tensor
-                continue
-            if kind == "weight" and tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
-                yield name, tensor
-                continue
-            if kind == "input_scale":
-                continue
-            parts = held.setdefault(module, {})
-            parts[kind] = tensor
-            if len(parts) == 2:
-                del held[module]
-                scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
-                yield f"{module}.weight", self._dequantize(parts["weight"], scale)
-        if held:
-            raise ValueError(f"{next(iter(held))}: an 8-bit weight without its scale (or back)")
-
-    def _dequantize(self, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        from lightwell.quant.fp8 import dequantize_blocks
-
-        rows = weight.shape[0]
-        if scale.numel() == 1 or tuple(scale.shape) in ((rows,), (rows, 1)):
-            return weight.float() * scale.float().reshape(-1, 1)  # per tensor or per row
-        return dequantize_blocks(weight, scale, getattr(self.linear_method, "block", (128, 128)))
-
-
-_KV_B_TENSORS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
+        output (``lightwell/layers/mla.py``), so it is kept as a plain weight
+        (``moe_blocks.dequantized_8bit``: block FP8 as DeepSeek-V3/R1 publish it, or
+        compressed-tensors int8 / fp8 with a scale per row or per tensor)."""
+        block = getattr(self.linear_method, "block", (128, 128))
+        return dequantized_8bit(weights, lambda module: module.endswith(".kv_b_proj"), block)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

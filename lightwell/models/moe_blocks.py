@@ -214,6 +214,7 @@ def load_moe_weights(
     skip = skip_missing(model, skip)  # tensors of the layers other pipeline stages hold
     params = dict(model.named_parameters())
     seen: dict[str, set[tuple[str, int]]] = {}
+    weights = dequantized_8bit(weights, _router)  # a checkpoint may quantize the routers
 
     tensors = set(model_experts_tensors(model))
 
@@ -243,6 +244,54 @@ def load_moe_weights(
 
 
 IGNORED_EXPERT_TENSORS = ("g_idx", "weight_shape")
+
+
+def _router(module: str) -> bool:
+    """A MoE router (``mlp.gate``; Qwen2-MoE's ``mlp.shared_expert_gate``): it runs unquantized."""
+    return module.endswith((".mlp.gate", ".mlp.shared_expert_gate"))
+
+
+def dequantized_8bit(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    float_module: Callable[[str], bool],  # module name -> it runs unquantized
+    block: tuple[int, int] = (128, 128),  # a block-scaled weight's [bn, bk]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with the 8-bit weights of modules that run unquantized (MoE
+    routers; DeepSeek's kv_b_proj, which MLA absorbs) replaced by fp32 ones, dequantized once
+    their scale arrives: a block scale (HF fine-grained ``weight_scale_inv`` or
+    compressed-tensors' block ``weight_scale``) or a scale per row or per tensor
+    (compressed-tensors int8 / fp8); a static ``input_scale`` is dropped. Other tensors pass."""
+    held: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, kind = name.rpartition(".")
+        if kind not in _SCALED_TENSORS or not float_module(module):
+            yield name, tensor
+            continue
+        if kind == "weight" and tensor.dtype not in (torch.float8_e4m3fn, torch.int8):
+            yield name, tensor
+            continue
+        if kind == "input_scale":
+            continue
+        parts = held.setdefault(module, {})
+        parts[kind] = tensor
+        if len(parts) == 2:
+            del held[module]
+            scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+            yield f"{module}.weight", _dequantize(parts["weight"], scale, block)
+    if held:
+        raise ValueError(f"{next(iter(held))}: an 8-bit weight without its scale (or back)")
+
+
+def _dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    from lightwell.quant.fp8 import dequantize_blocks
+
+    rows = weight.shape[0]
+    if scale.numel() == 1 or tuple(scale.shape) in ((rows,), (rows, 1)):
+        return weight.float() * scale.float().reshape(-1, 1)  # per tensor or per row
+    return dequantize_blocks(weight, scale, block)
+
+
+_SCALED_TENSORS = ("weight", "weight_scale_inv", "weight_scale", "input_scale")
 
 
 def model_experts_tensors(model: nn.Module) -> Iterator[str]:

@@ -353,6 +353,32 @@ def test_8bit_experts_match_hf_dequantized(tmp_path, key):
         assert s == hf_greedy(hf, p, steps=4), key
 
 
+def test_quantized_routers_load_dequantized(tmp_path):
+    """A compressed-tensors checkpoint whose routers are quantized too (no router ``ignore``
+    entry: Qwen2-MoE's ``mlp.gate`` and ``shared_expert_gate`` in fp8 with row scales): the
+    routers load dequantized and run unquantized; logits match HF on the dequantized weights
+    (the dense linears' fp8 inputs emulated, not the routers'), greedy tokens agree."""
+    from tests.models import families
+
+    torch.set_num_threads(1)
+    sizes = dict(moe_intermediate_size=48, shared_expert_intermediate_size=64,
+                 intermediate_size=96)  # fmt: skip
+    hf = families.qwen2_moe(str(tmp_path), 0, **sizes)
+    config = qp.ct_config("float-quantized", FP8_CH, {**TOKEN, "type": "float"}, ("lm_head",))
+    routers = (".mlp.gate.weight", ".mlp.shared_expert_gate.weight")
+    qp.write_quantized_moe(hf, str(tmp_path), config,
+                           functools.partial(qp.scaled_tensors, dtype=FP8),
+                           lambda name: _is_linear(name) or name.endswith(routers))  # fmt: skip
+    model = load_ours(str(tmp_path))
+    gate = next(m for n, m in model.named_modules() if n.endswith("mlp.gate"))
+    assert gate.weight.dtype != FP8 and not hasattr(gate, "weight_scale")
+    with_input_quant(hf, functools.partial(fake_fp8, static=None))
+    prefill, seqs = run_ours(model, steps=4)
+    for p, lg, s in zip(PROMPTS, prefill, seqs):
+        assert rel_err(lg, hf_logits(hf, p)) < 2e-3
+        assert s == hf_greedy(hf, p, steps=4)
+
+
 def _round_rows(hf, dtype) -> None:
     """HF's linears and stacked experts (not the routers, not MLA's kv_b_proj) quantized per
     output row as ``--quantization`` does, then dequantized in place."""
