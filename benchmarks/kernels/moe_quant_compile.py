@@ -47,30 +47,25 @@ def variants():
         if w8a8:  # fp8 x and activation, at every tile fused_moe.w8a8_tiles picks
             types = {**types, "x_ptr": "*fp8e4nv", "a_ptr": "*fp8e4nv"}
             keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-            quant_args = {"w8a8": True, "row_scales": () if sbk == 0 else None}
+            quant_args = {"w8a8": True, "scales": (None, None, (sbn, sbk))}
             tiles = [tuple(v[k] for k in keys) for v in fm.grouped_variants(quant_args, None)]
         for bm, bn, bk, warps, stages in tiles:
             tile = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
             name = f"{quant} grouped" + (f" {bm},{bn},{bk},{warps},{stages}" if w8a8 else "")
             yield f"{name} gate_up", fm._gate_up_kernel, types, {**gate_up, **tile}, warps, stages
             yield f"{name} down", fm._down_kernel, types, {**down, **tile}, warps, stages
-        if quant == "bf16" or sbk == 0 or w8a8:
+        if quant == "bf16" or w8a8:
             continue
         for bn, bk, warps, stages in GEMV_TILES:
-            ts = min(bk & -bk, sbk & -sbk)
             for even in (True, False):
-                consts = dict(BLOCK_N=bn, TS=ts, NS=bk // ts, SBN=sbn, SBK=sbk, EVEN_K=even,
-                              INT4=int4)  # fmt: skip
                 tile = f"{bn},{bk},{warps},{stages} even={even}"
-                yield (
-                    f"{quant} gemv gate_up {tile}",
-                    gq._quant_gemv_gate_up,
-                    types,
-                    consts,
-                    warps,
-                    stages,
-                )
-                yield f"{quant} gemv down {tile}", gq._quant_gemv_down, types, consts, warps, stages
+                # (row scales: a block of all of K, H for gate/up, I for down: moe_gemv_quant)
+                for kernel, k_sbk in (("gate_up", sbk or 7168), ("down", sbk or 2048)):
+                    ts = min(bk & -bk, k_sbk & -k_sbk)
+                    consts = dict(BLOCK_N=bn, TS=ts, NS=bk // ts, SBN=sbn, SBK=k_sbk,
+                                  EVEN_K=even, INT4=int4)  # fmt: skip
+                    fn = gq._quant_gemv_gate_up if kernel == "gate_up" else gq._quant_gemv_down
+                    yield f"{quant} gemv {kernel} {tile}", fn, types, consts, warps, stages
 
 
 def main() -> int:

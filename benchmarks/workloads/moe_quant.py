@@ -4,9 +4,9 @@ grouped GEMMs, and the few-token GEMV path of kernels/moe_gemv_quant.py) over bl
 128 inputs on the grouped path, as ``Fp8BlockExperts`` runs them), GPTQ int4 experts
 (Mixtral-8x7B: H 4096, I 14336, 8 experts top-2, group 128, symmetric) and Mixtral's experts in
 fp8 with one scale a row (compressed-tensors' channel strategy and ``--quantization fp8``, run
-as quant/experts.py's ``ScaledExperts`` runs them: [1, 128] blocks on the GEMV path, row scales
-and fp8 activations on the grouped path), at 1, 64 and 2048 tokens, against the bf16 kernels on
-the same (dequantized) weights. One device call, a few minutes:
+as quant/experts.py's ``ScaledExperts`` runs them: ``fused_moe.ROW`` scales, weight-only on the
+GEMV path, fp8 activations on the grouped path), at 1, 64 and 2048 tokens, against the bf16
+kernels on the same (dequantized) weights. One device call, a few minutes:
 
     run(command="python3 -m benchmarks.workloads.moe_quant --out $OUT/moe_quant.json")
 
@@ -35,12 +35,16 @@ import torch
 
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import make_record, provenance, script_command, write_json
-from lightwell.kernels.fused_moe import dequantize_experts, dequantize_int4_experts, fused_moe
+from lightwell.kernels.fused_moe import (
+    ROW,
+    dequantize_experts,
+    dequantize_int4_experts,
+    fused_moe,
+)
 from lightwell.layers.moe import moe_loop_by
 
 TOKENS = (1, 64, 2048)
 BLOCK = (128, 128)
-CHANNEL_BLOCK = (1, 128)
 DEEPSEEK = dict(hidden=7168, inter=2048, top_k=8)
 MIXTRAL = dict(experts=8, hidden=4096, inter=14336, top_k=2, group=128)
 DEVICE = "cuda"
@@ -56,11 +60,10 @@ def fp8_experts(e: int, n: int, k: int, gen: torch.Generator, block=BLOCK):
     return q, s * (0.02 / 64)
 
 
-def channel_scales(e: int, n: int, k: int, gen: torch.Generator):
-    """One scale per row repeated over its K blocks: the [1, 128] blocks compressed-tensors'
-    channel-scaled fp8 experts run as (quant/experts.py's ``ScaledExperts``)."""
-    s = (torch.rand(e, n, 1, device=DEVICE, generator=gen) + 0.5) * (0.02 / 64)
-    return s.expand(e, n, k // CHANNEL_BLOCK[1]).contiguous()
+def channel_scales(e: int, n: int, gen: torch.Generator):
+    """[E, N, 1]: one scale per row, as compressed-tensors' channel-scaled fp8 experts run
+    (quant/experts.py's ``ScaledExperts``: ``fused_moe.ROW`` blocks)."""
+    return (torch.rand(e, n, 1, device=DEVICE, generator=gen) + 0.5) * (0.02 / 64)
 
 
 def int4_experts(e: int, n: int, k: int, group: int, gen: torch.Generator):
@@ -121,13 +124,12 @@ def deepseek_fp8(experts: int, common: dict) -> list[dict]:
 def mixtral_fp8_channel(common: dict) -> list[dict]:
     experts, hidden, inter, top_k, _ = MIXTRAL.values()
     gen = torch.Generator(device=DEVICE).manual_seed(2)
-    w13 = fp8_experts(experts, 2 * inter, hidden, gen, CHANNEL_BLOCK)[0]
-    w2 = fp8_experts(experts, hidden, inter, gen, CHANNEL_BLOCK)[0]
-    s13 = channel_scales(experts, 2 * inter, hidden, gen)
-    s2 = channel_scales(experts, hidden, inter, gen)
+    w13 = fp8_experts(experts, 2 * inter, hidden, gen)[0]
+    w2 = fp8_experts(experts, hidden, inter, gen)[0]
+    s13 = channel_scales(experts, 2 * inter, gen)
+    s2 = channel_scales(experts, hidden, gen)
     name = "mixtral-8x7b-fp8-channel"
-    rows = dict(row_scales=(s13[..., 0].contiguous(), s2[..., 0].contiguous()), w8a8=True)
-    return _fp8_rows(name, (w13, s13, w2, s2), CHANNEL_BLOCK, top_k, gen, common, rows)
+    return _fp8_rows(name, (w13, s13, w2, s2), ROW, top_k, gen, common, dict(w8a8=True))
 
 
 def sweep_w8a8(shapes: list[str], experts_v3: int, common: dict) -> list[dict]:
@@ -138,10 +140,9 @@ def sweep_w8a8(shapes: list[str], experts_v3: int, common: dict) -> list[dict]:
     cases = []
     if "mixtral-fp8" in shapes:
         experts, hidden, inter, top_k, _ = MIXTRAL.values()
-        s13 = channel_scales(experts, 2 * inter, hidden, gen)
-        s2 = channel_scales(experts, hidden, inter, gen)
-        quant = dict(scales=(s13, s2, CHANNEL_BLOCK), w8a8=True,
-                     row_scales=(s13[..., 0].contiguous(), s2[..., 0].contiguous()))  # fmt: skip
+        s13 = channel_scales(experts, 2 * inter, gen)
+        s2 = channel_scales(experts, hidden, gen)
+        quant = dict(scales=(s13, s2, ROW), w8a8=True)
         plan = {16: (16, 32), 64: (16, 32), 256: (32, 64, 128), 512: (64, 128),
                 1024: (64, 128), 2048: (128,), 4096: (128,)}  # fmt: skip
         cases.append(("mixtral-8x7b-fp8-channel", experts, hidden, inter, top_k, quant, plan))

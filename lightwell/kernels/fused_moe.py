@@ -209,8 +209,8 @@ Scales = tuple[torch.Tensor, torch.Tensor, tuple[int, int]]
 # int4 experts (w13 [E, 2I, H / 8], w2 [E, H, I / 8] int32 words, value j of a word at bits 4j):
 # (w13 scales, w13 zeros [E, 2I, H / g13], w2 scales, w2 zeros [E, H, I / g2], g13, g2)
 Int4 = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int]
-# fp8 experts with one scale a row: (w13's [E, 2I], w2's [E, H]) float32
-RowScales = tuple[torch.Tensor, torch.Tensor]
+# the block of fp8 experts with one scale a row (scales [E, 2I, 1], [E, H, 1]): all of K
+ROW = (1, 0)
 
 
 def _check_quant(w13: torch.Tensor, hidden: int, inter: int, scales, int4) -> None:
@@ -219,7 +219,9 @@ def _check_quant(w13: torch.Tensor, hidden: int, inter: int, scales, int4) -> No
         raise ValueError("fused_moe: fp8 experts need their block scales (and only they)")
     if (int4 is not None) != (w13.dtype == torch.int32):
         raise ValueError("fused_moe: int4 experts need their group scales and zeros (only they)")
-    if scales is not None:
+    if scales is not None and scales[2] == ROW:
+        want, tensors = [(num_experts, 2 * inter, 1), (num_experts, hidden, 1)], scales[:2]
+    elif scales is not None:
         bn, bk = scales[2]
         want = [(num_experts, 2 * inter // bn, -(-hidden // bk)),
                 (num_experts, -(-hidden // bn), inter // bk)]  # fmt: skip
@@ -303,7 +305,7 @@ def grouped_variants(quant: dict, act_dtype: torch.dtype) -> list[dict]:
     experts with these kernel inputs (``quant``: fused_moe's quantization keywords) and
     activations in ``act_dtype``: what start-up compiles before serving."""
     if quant.get("w8a8"):
-        rows = quant.get("row_scales") is not None
+        rows = quant["scales"][2] == ROW
         tiles = {w8a8_tiles(n, rows) for n in (1, 16, 64)}
         keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
         return [dict(zip(keys, t)) for t in sorted(tiles)]
@@ -322,9 +324,8 @@ def fused_moe(
     block_k: int | None = None,
     gemv: bool | None = None,  # the few-token GEMV kernels; default: moe_gemv_rule.use_gemv
     gemv_configs: tuple[Config, Config] | None = None,  # theirs (gate/up, down); default: picked
-    scales: Scales | None = None,  # fp8 experts: their block scales
+    scales: Scales | None = None,  # fp8 experts: their block scales (ROW: one a row)
     int4: Int4 | None = None,  # int4 experts: their group scales and zeros
-    row_scales: RowScales | None = None,  # fp8 experts scaled by row: those scales
     w8a8: bool = False,  # fp8 experts: activations in fp8 too (grouped path)
     num_shared: int = 0,  # the last S experts are every token's, weight 1 (GEMV path only)
     num_warps: int | None = None,
@@ -337,16 +338,17 @@ def fused_moe(
     Quantized experts are weight-only: x stays in its dtype; each weight tile is converted to
     it exactly (fp8 values; int4 values minus their zero points), and its dot product scaled
     per column by the scale of its block (fp8) or group (int4): a K tile lies in one. A scale
-    that covers a whole row (int4 groups of all K; fp8 experts given ``row_scales``, whose
-    ``scales`` are those repeated over [1, bk] blocks for the GEMV path) is applied once
-    after the K loop, the dots accumulating in the MMA. With ``w8a8`` (fp8 experts) the
+    that covers a whole row (int4 groups of all K; fp8 experts with ``ROW`` blocks: one scale
+    a row) is applied once after the grouped kernels' K loop, the dots accumulating in the
+    MMA. With ``w8a8`` (fp8 experts) the
     grouped path quantizes x and the activation before down to fp8, dynamic, with scales
     shaped as the weights' along K (row-scaled experts: a scale a row, kernels/act_quant.py;
     block experts: a scale per row and bk inputs, act_quant.py's ``fp8_groups``) and runs
     fp8 dots, each product scaled by its row's and column's scales; the GEMV path stays
     weight-only."""
     dims = _check(x, w13, w2, weights, ids, scales, int4)  # E, H, I
-    _check_rows(dims, scales, row_scales, w8a8)
+    if w8a8 and (scales is None or scales[2] != ROW and scales[2][1] < 32 and x.is_cuda):
+        raise ValueError("fused_moe: w8a8 needs fp8 experts (bk >= 32 on a GPU: fp8 dots)")
     num_experts = dims[0]
     num_tokens, top_k = ids.shape
     if num_tokens * top_k == 0:
@@ -368,7 +370,7 @@ def fused_moe(
     large = scales is None and int4 is None and x.element_size() == 2
     per_expert = num_tokens * top_k / num_experts
     if w8a8:
-        picked = w8a8_tiles(per_expert, row_scales is not None)
+        picked = w8a8_tiles(per_expert, scales[2] == ROW)
         block_m, tiles = block_m or picked[0], picked[1:]
     else:
         if block_m is None:
@@ -376,26 +378,7 @@ def fused_moe(
         tiles = grouped_tiles(block_m) if large else (64, 64, 4, 3)
     tile = (block_m, block_n or tiles[0], block_k or tiles[1], num_warps or tiles[2],
             num_stages or tiles[3], group_m or GROUP_M)  # fmt: skip
-    if row_scales is not None:
-        scales = (row_scales[0], row_scales[1], (1, 0))
     return _grouped(x, w13, w2, weights, ids, dims, tile, scales, int4, add, w8a8)
-
-
-def _check_rows(dims: tuple[int, int, int], scales, row_scales, w8a8: bool) -> None:
-    num_experts, hidden, inter = dims
-    if w8a8 and scales is None:
-        raise ValueError("fused_moe: w8a8 needs fp8 experts")
-    if w8a8 and row_scales is None and scales[2][1] < 32 and scales[0].is_cuda:
-        raise ValueError(f"fused_moe: w8a8 needs bk >= 32 on a GPU (fp8 dots), got {scales[2]}")
-    if row_scales is None:
-        return
-    want = [(num_experts, 2 * inter), (num_experts, hidden)]
-    if scales is None or scales[2][0] != 1:
-        raise ValueError("fused_moe: row_scales go with fp8 experts' [1, bk] block scales")
-    if [tuple(t.shape) for t in row_scales] != want or not all(
-        t.dtype == torch.float32 and t.is_contiguous() for t in row_scales
-    ):
-        raise ValueError(f"fused_moe: row_scales must be contiguous float32 {want}")
 
 
 def _grouped(
@@ -406,10 +389,10 @@ def _grouped(
     ids: torch.Tensor,  # [T, k]
     dims: tuple[int, int, int],  # E, H, I
     tile: tuple[int, int, int, int, int, int],  # block m / n / k, warps, stages, GROUP_M
-    scales: Scales | None,  # (1, 0) blocks: one scale a row ([E, 2I], [E, H])
+    scales: Scales | None,
     int4: Int4 | None,
     add: torch.Tensor | None,  # [T, H]
-    w8a8: bool = False,  # fp8 activations (row-scaled fp8 experts)
+    w8a8: bool = False,  # fp8 activations
 ) -> torch.Tensor:  # [T, H]
     """The grouped path: pairs sorted by expert, the gate/up and down launches, the pair sum."""
     (num_experts, hidden, inter), (num_tokens, top_k) = dims, ids.shape
@@ -420,7 +403,7 @@ def _grouped(
         block_k = min(block_k, g13 & -g13, g2 & -g2)  # a K tile inside one group
         quant = dict(SCALED=True, INT4=True)
         sb13, sb2 = (1, g13), (1, g2)
-    elif scales is not None and scales[2] == (1, 0):  # a scale a row: over all of K
+    elif scales is not None and scales[2] == ROW:  # a scale a row: over all of K
         s13, s2 = z13, z2 = scales[:2]
         sb13, sb2 = (1, hidden), (1, inter)
         quant = dict(SCALED=True, INT4=False)
@@ -466,10 +449,12 @@ def _fp8_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.T
 
 def dequantize_experts(
     w: torch.Tensor,  # [E, N, K] fp8
-    scale: torch.Tensor,  # [E, ceil(N / bn), ceil(K / bk)]
+    scale: torch.Tensor,  # [E, ceil(N / bn), ceil(K / bk)] ([E, N, 1] for ROW)
     block: tuple[int, int],
 ) -> torch.Tensor:  # [E, N, K] float32
     n, k = w.shape[1:]
+    if block == ROW:
+        return w.float() * scale.float()
     s = scale.float().repeat_interleave(block[0], 1).repeat_interleave(block[1], 2)
     return w.float() * s[:, :n, :k]
 

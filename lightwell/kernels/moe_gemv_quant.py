@@ -167,6 +167,8 @@ def moe_gemv_quant(
     else:
         s13, s2, (bn13, bk13) = scales
         z13, z2, (bn2, bk2), inter = s13, s2, (bn13, bk13), w2.shape[2]
+        if (bn13, bk13) == (1, 0):  # one scale a row (fused_moe.ROW): a block of all of K
+            bk13, bk2 = hidden, inter
     flat_ids = ids.reshape(-1).contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = gate_up_config or pick_config(hidden, 2, num_tokens)

@@ -154,10 +154,9 @@ class Fp8BlockExperts(UnquantizedExperts):
         return expert
 
 
-def row_block(inter: int) -> int | None:
-    """bk of the [1, bk] blocks row-scaled fp8 experts run as on a GPU: the largest power of
-    two from 16 to 128 dividing the intermediate size per rank (None: the kernels cannot)."""
-    return next((b for b in (128, 64, 32, 16) if inter % b == 0), None)
+def kernels_take(inter: int) -> bool:
+    """The fp8 expert kernels take row-scaled experts of this intermediate size per rank."""
+    return inter % 16 == 0
 
 
 class ScaledExperts(UnquantizedExperts):
@@ -166,19 +165,17 @@ class ScaledExperts(UnquantizedExperts):
     ``weight_scale`` per output row ([E, 2I, 1], [E, H, 1]) or per tensor ([E, 2]: gate's and
     up's, [E, 1]); a static ``input_scale`` is read and dropped. After loading the scales
     become one per output row (``w13_row_scale`` [E, 2I], ``w2_row_scale`` [E, H]). fp8
-    experts on a GPU take the fused kernels with both: the few-token GEMV path runs weight-only
-    on [1, bk] blocks (the row's scale repeated over its K blocks: bk the largest power of two
-    from 16 to 128 dividing I per rank); the grouped path (more tokens) runs W8A8 on the row
-    scales: x and the activation before down quantized to fp8 per token (dynamic, whatever the
-    checkpoint's activation scheme), fp8 dots. int8 experts on a GPU are dequantized to the
-    model dtype at load (no int8 expert kernel). On the CPU the experts run weight-only, each
-    expert with tokens dequantized when used."""
+    experts on a GPU (I per rank a multiple of 16) take the fused kernels with them as
+    ``fused_moe.ROW`` blocks: the few-token GEMV path runs weight-only; the grouped path (more
+    tokens) runs W8A8: x and the activation before down quantized to fp8 per token (dynamic,
+    whatever the checkpoint's activation scheme), fp8 dots. int8 experts on a GPU are
+    dequantized to the model dtype at load (no int8 expert kernel). On the CPU the experts run
+    weight-only, each expert with tokens dequantized when used."""
 
     def __init__(self, dtype: torch.dtype, strategy: str, activations: str):
         self.dtype, self.strategy, self.activations = dtype, strategy, activations
         extra = ("input_scale",) if activations == "static" else ()
         self.checkpoint_tensors = ("weight", "weight_scale", *extra)
-        self.block: tuple[int, int] | None = None  # fp8 on a GPU: the kernels' [1, bk] blocks
 
     def create_weights(self, layer: nn.Module, hidden: int, inter: int, dtype: torch.dtype) -> None:
         f32, full = torch.float32, layer.full_inter
@@ -209,8 +206,8 @@ class ScaledExperts(UnquantizedExperts):
 
     def row_scaled(self, layer: nn.Module, s13: torch.Tensor, s2: torch.Tensor) -> None:
         """Finish loading 8-bit ``w13_weight`` / ``w2_weight`` with one scale per output row
-        (``s13`` [E, 2I], ``s2`` [E, H]): the row scales kept, and on a GPU the kernels' form."""
-        num, two_inter, hidden = layer.w13_weight.shape
+        (``s13`` [E, 2I], ``s2`` [E, H]): the row scales kept (int8 on a GPU: dequantized)."""
+        two_inter = layer.w13_weight.shape[1]
         gpu = layer.w13_weight.is_cuda
         if gpu and self.dtype == torch.int8:  # no int8 expert kernel: the model dtype
             act = layer.act_dtype
@@ -220,33 +217,25 @@ class ScaledExperts(UnquantizedExperts):
             return
         layer.w13_row_scale = nn.Parameter(s13.float().contiguous(), requires_grad=False)
         layer.w2_row_scale = nn.Parameter(s2.float().contiguous(), requires_grad=False)
-        if gpu:  # fp8: the block kernels' scales, [1, bk] blocks
-            inter = two_inter // 2
-            bk = row_block(inter)
-            if bk is None:
-                raise ValueError(
-                    f"fp8 experts with {self.strategy} scales: the GPU kernels need the expert "
-                    f"intermediate size per rank ({inter}) to be a multiple of 16"
-                )
-            self.block = (1, bk)
-            blocks13 = s13.float()[..., None].expand(num, two_inter, -(-hidden // bk))
-            blocks2 = s2.float()[..., None].expand(num, hidden, inter // bk)
-            layer.w13_block_scale = nn.Parameter(blocks13.contiguous(), requires_grad=False)
-            layer.w2_block_scale = nn.Parameter(blocks2.contiguous(), requires_grad=False)
+        if gpu and not kernels_take(two_inter // 2):
+            raise ValueError(
+                f"fp8 experts with {self.strategy} scales: the GPU kernels need the expert "
+                f"intermediate size per rank ({two_inter // 2}) to be a multiple of 16"
+            )
 
     def in_model_dtype(self, layer: nn.Module) -> bool:
         """The experts were left in (or dequantized to) the model dtype at load."""
         return layer.w13_weight.dtype != self.dtype
 
     def kernel_inputs(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        """(w13, w2, fused_moe's keyword arguments) of the fused kernels (off a GPU, where
-        no block scales are made, the weights alone: ``apply`` reads their shape)."""
-        if self.in_model_dtype(layer) or self.block is None:
+        """(w13, w2, fused_moe's keyword arguments) of the fused kernels (off a GPU the
+        weights alone: ``apply`` reads their shape)."""
+        if self.in_model_dtype(layer) or not layer.w13_weight.is_cuda:
             return layer.w13_weight, layer.w2_weight, {}
-        scales = (layer.w13_block_scale, layer.w2_block_scale, self.block)
-        rows = (layer.w13_row_scale, layer.w2_row_scale)
-        quant = {"scales": scales, "row_scales": rows, "w8a8": True}
-        return layer.w13_weight, layer.w2_weight, quant
+        from lightwell.kernels.fused_moe import ROW
+
+        scales = (layer.w13_row_scale[..., None], layer.w2_row_scale[..., None], ROW)
+        return layer.w13_weight, layer.w2_weight, {"scales": scales, "w8a8": True}
 
     def expert_weights(self, layer: nn.Module, x: torch.Tensor) -> ExpertWeights:
         """Expert e's weights dequantized (``q * row scale``) to x's dtype."""
@@ -281,7 +270,7 @@ class OnlineScaledExperts(ScaledExperts):
         from lightwell.quant.int8 import quantize_rows
 
         inter = layer.w13_weight.shape[1] // 2
-        if layer.w13_weight.is_cuda and (self.dtype == torch.int8 or row_block(inter) is None):
+        if layer.w13_weight.is_cuda and (self.dtype == torch.int8 or not kernels_take(inter)):
             return  # no kernel takes them: left in the model dtype
         rows = {}
         for name in ("w13_weight", "w2_weight"):

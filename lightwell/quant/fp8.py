@@ -151,14 +151,6 @@ def dequantize_blocks(
     return weight.float() * s[:n, :k]
 
 
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per token and per ``group`` inputs: ([T, K] fp8, [T, ceil(K / group)] float32)
-    (kernels/act_quant.py's ``fp8_groups``)."""
-    from lightwell.kernels.act_quant import fp8_groups
-
-    return fp8_groups(x, group)
-
-
 class Fp8BlockMethod:
     """HF fine-grained FP8: ``weight`` fp8 and ``weight_scale_inv`` per [bn, bk] block."""
 
@@ -197,7 +189,9 @@ class Fp8BlockMethod:
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
         bk = self.block[1]
-        qx, sx = quantize_groups(x, bk)  # activations as the FP8 GEMM sees them
+        from lightwell.kernels.act_quant import fp8_groups
+
+        qx, sx = fp8_groups(x, bk)  # activations as the FP8 GEMM sees them
         scale = getattr(layer, self.scale_name)
         if x.is_cuda:
             from lightwell.kernels.fp8_block import fp8_block_matmul

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightwell.kernels.fused_moe import (
+    ROW,
     align_by_expert,
     fused_moe,
     fused_moe_ref,
@@ -66,7 +67,7 @@ def test_warm_up_covers_every_tile_a_step_can_pick():
     them, for fp8 activations (``w8a8_tiles``) and for the other experts (row blocks)."""
     keys = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
     for rows, count in ((True, 2), (False, 3)):
-        quant = {"w8a8": True, "row_scales": (object(),) if rows else None}
+        quant = {"w8a8": True, "scales": (None, None, ROW if rows else (128, 128))}
         variants = grouped_variants(quant, torch.bfloat16)
         picked = {w8a8_tiles(n, rows) for n in (0.5, 8, 9, 16, 32, 33, 100, 256, 257, 5000)}
         assert {tuple(v[k] for k in keys) for v in variants} == picked and len(picked) == count

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightwell.kernels.fused_moe import fused_moe, fused_moe_ref
+from lightwell.kernels.fused_moe import ROW, fused_moe, fused_moe_ref
 from tests.kernels.interpreter import DEVICE
 
 TOL = {torch.float32: 1e-4 if DEVICE == "cpu" else 2e-2, torch.float16: 2e-2}
@@ -74,7 +74,7 @@ def test_fp8_experts_without_scales_are_refused():
 
 def _row_scaled_case(tokens: int, seed: int):
     """fp8 experts with one scale a row (H 64, I 48, 5 experts top-2): ([x, w13, w2, weights,
-    ids], the [1, 16]-block scales, the row scales)."""
+    ids], the scales as [1, 16] blocks, the same as ``ROW`` scales)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, 64, generator=gen)
     w13 = (torch.randn(5, 96, 64, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -85,19 +85,23 @@ def _row_scaled_case(tokens: int, seed: int):
     blocks = (r13[..., None].expand(5, 96, 4).contiguous(),
               r2[..., None].expand(5, 64, 3).contiguous(), (1, 16))  # fmt: skip
     move = lambda ts: [t.to(DEVICE) for t in ts]  # noqa: E731
-    return move((x, w13, w2, weights, ids)), (*move(blocks[:2]), blocks[2]), tuple(move((r13, r2)))
+    rows = (*move((r13[..., None], r2[..., None])), ROW)
+    return move((x, w13, w2, weights, ids)), (*move(blocks[:2]), blocks[2]), rows
 
 
 def test_row_scaled_fp8_experts_scale_once():
-    """Given row scales, the grouped kernels accumulate over all K tiles (BLOCK_K 16: four and
-    three of them) and scale once; the result is the [1, 16]-block path's and the reference's."""
+    """Given ``ROW`` scales, the grouped kernels accumulate over all K tiles (BLOCK_K 16: four
+    and three of them) and scale once; the result is the [1, 16]-block path's and the
+    reference's; the few-token GEMV path takes ``ROW`` scales too."""
     (x, w13, w2, weights, ids), blocks, rows = _row_scaled_case(11, seed=8)
     tiles = dict(gemv=False, block_m=16, block_n=32, block_k=16)
     want = fused_moe_ref(x, w13, w2, weights, ids, blocks)
-    once = fused_moe(x, w13, w2, weights, ids, scales=blocks, row_scales=rows, **tiles)
+    once = fused_moe(x, w13, w2, weights, ids, scales=rows, **tiles)
     per_tile = fused_moe(x, w13, w2, weights, ids, scales=blocks, **tiles)
     assert _err(once, want) < TOL[FP32]
     assert _err(once, per_tile) < TOL[FP32]
+    few = fused_moe(x[:1], w13, w2, weights[:1], ids[:1], scales=rows, gemv=True)
+    assert _err(few, want[:1]) < TOL[FP32]
 
 
 def test_row_scaled_fp8_experts_w8a8():
@@ -107,17 +111,17 @@ def test_row_scaled_fp8_experts_w8a8():
     from lightwell.kernels.act_quant import act_quant_ref
 
     (x, w13, w2, weights, ids), blocks, rows = _row_scaled_case(9, seed=9)
-    got = fused_moe(x, w13, w2, weights, ids, scales=blocks, row_scales=rows, w8a8=True,
+    got = fused_moe(x, w13, w2, weights, ids, scales=rows, w8a8=True,
                     gemv=False, block_m=16, block_n=32, block_k=32)  # fmt: skip
     qx, sx = act_quant_ref(x, torch.float8_e4m3fn)
     want = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(2):
             e = int(ids[t, j])
-            g, u = ((w13[e].float() * rows[0][e, :, None]) @ (qx[t].float() * sx[t])).chunk(2)
+            g, u = ((w13[e].float() * rows[0][e]) @ (qx[t].float() * sx[t])).chunk(2)
             act = torch.nn.functional.silu(g) * u
             qa, sa = act_quant_ref(act[None], torch.float8_e4m3fn)
-            down = (w2[e].float() * rows[1][e, :, None]) @ (qa[0].float() * sa[0])
+            down = (w2[e].float() * rows[1][e]) @ (qa[0].float() * sa[0])
             want[t] += float(weights[t, j]) * down
     assert _err(got, want) < TOL[FP32]
     weight_only = fused_moe_ref(x, w13, w2, weights, ids, blocks)
@@ -126,15 +130,15 @@ def test_row_scaled_fp8_experts_w8a8():
 
 def test_block_fp8_experts_w8a8():
     """Block-scaled experts ([16, 32] blocks: an fp8 dot's K on a GPU is 32 or more) with
-    w8a8: x and the activation quantized per row and 32 inputs (quantize_groups; H 80: a
+    w8a8: x and the activation quantized per row and 32 inputs (fp8_groups; H 80: a
     partial last group; I 64: two groups), fp8 dots scaled per K tile by the row's and the
     block's scales: equal
     to the reference on those quantized activations; 16-input blocks are refused on a GPU."""
+    from lightwell.kernels.act_quant import fp8_groups
     from lightwell.kernels.fused_moe import dequantize_experts
-    from lightwell.quant.fp8 import quantize_groups
 
     def deq(v: torch.Tensor) -> torch.Tensor:  # v [1, K] through fp8 per 32 inputs
-        q, scale = quantize_groups(v, 32)
+        q, scale = fp8_groups(v, 32)
         return q.float() * scale.repeat_interleave(32, 1)[:, : v.shape[1]]
 
     block = (16, 32)  # I 64: the down kernel's K tiles scaled one by one too
@@ -158,9 +162,9 @@ def test_block_fp8_experts_w8a8():
 
 
 def test_row_scales_are_checked():
-    (x, w13, w2, weights, ids), blocks, (r13, r2) = _row_scaled_case(3, seed=10)
-    with pytest.raises(ValueError, match="row_scales must be"):
-        fused_moe(x, w13, w2, weights, ids, scales=blocks, row_scales=(r13, r2[:, :5]))
+    (x, w13, w2, weights, ids), blocks, (r13, r2, row) = _row_scaled_case(3, seed=10)
+    with pytest.raises(ValueError, match="do not fit experts"):
+        fused_moe(x, w13, w2, weights, ids, scales=(r13, r2[:, :5].contiguous(), row))
     with pytest.raises(ValueError, match="w8a8 needs"):
         fused_moe(x.to(torch.float16), w13.to(torch.float16), w2.to(torch.float16), weights,
                   ids, w8a8=True)  # fmt: skip
@@ -239,7 +243,7 @@ def _load_layer(method, tensors):
 def test_fp8_row_scaled_layer_runs_w8a8_when_grouped():
     """``--quantization fp8`` experts on a GPU: the grouped path gets their row scales and fp8
     activations (within fp8's rounding of the CPU path's weight-only result), the GEMV path
-    their [1, bk] blocks (weight-only: as close as the CPU path's)."""
+    them too (weight-only: as close as the CPU path's)."""
     from lightwell.layers.moe import FusedMoE
     from lightwell.quant.fp8 import Fp8W8A8Method
 
@@ -253,7 +257,7 @@ def test_fp8_row_scaled_layer_runs_w8a8_when_grouped():
     layer = layer.to(DEVICE)
     layer.quant_method.process_after_loading(layer)
     quant = layer.quant_method.kernel_inputs(layer)[2]
-    assert quant["w8a8"] and quant["scales"][2] == (1, 16)
+    assert quant["w8a8"] and quant["scales"][2] == ROW
     x = torch.randn(40, 64, generator=gen)
     weights, ids = torch.rand(40, 4, generator=gen).topk(2, dim=-1)
     want = cpu(x, weights, ids)
