@@ -7,6 +7,14 @@ the CUDA cores: each program owns BLOCK_N rows of W, walks K in BLOCK_K tiles of
 once at the end, so the loop holds no reductions. Rows past N (the last program) and past M
 re-read the last valid row instead of masking, so the loads stay unmasked vectors when BLOCK_K
 divides K. (Padding M to 16 for ``tl.dot`` instead is slower than cuBLAS.)
+
+``gemv_add_norm`` takes a decoder layer's residual add and RMSNorm into the kernel (NORM):
+every program sums its rows' squares over the whole of K in a first pass (each program reads
+all of K anyway, so x is read from L1 and L2, not from memory), then normalises each K tile
+as it multiplies, rounding where kernels/rmsnorm.py rounds; program 0 also writes the residual
+sum and, when asked, the normalised rows. The norm kernel's launch and its place in the
+dependency chain go; the rows it multiplies equal the norm kernel's but where the fp32 rstd
+differs in its last bit (the squares add in another order).
 """
 
 from __future__ import annotations
@@ -38,15 +46,74 @@ def _load_x(x_rows, k, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
     return x.to(tl.float32)
 
 
+@triton.jit
+def _sum_rows(x_rows, r_rows, k, K, EVEN_K: tl.constexpr, HAS_RES: tl.constexpr):
+    """x[:, k], plus residual[:, k] with HAS_RES (the sum rounded to x's dtype, as
+    kernels/rmsnorm.py's add), in x's dtype."""
+    if EVEN_K:
+        x = tl.load(x_rows + k[None, :])
+    else:
+        x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+    if HAS_RES:
+        if EVEN_K:
+            r = tl.load(r_rows + k[None, :])
+        else:
+            r = tl.load(r_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _x_tile(
+    x_rows, r_rows, nw_ptr, rstd, k, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr,
+):  # fmt: skip
+    """(The K tile of the matmul's left operand in fp32, the same in x's dtype): x's
+    (``_load_x``), or with NORM the normalised rows (kernels/rmsnorm.py's ``norm_row``: the
+    normalised value rounded to x's dtype times the weight, rounded again)."""
+    if NORM:
+        x = _sum_rows(x_rows, r_rows, k, K, EVEN_K, HAS_RES)
+        if EVEN_K:
+            g = tl.load(nw_ptr + k).to(tl.float32)
+        else:
+            g = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
+        xs = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * g[None, :]
+        xs = xs.to(x.dtype)
+        xf = xs.to(tl.float32)
+    else:
+        xf = _load_x(x_rows, k, K, EVEN_K, SILU_MUL)
+        xs = xf
+    return xf, xs
+
+
+@triton.jit
+def _tile(
+    acc, w, x_rows, r_rows, nw_ptr, normed_ptr, rstd, row_ok, rm, k, K, stride_rm,
+    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    WRITE_NORMED: tl.constexpr,
+):  # fmt: skip
+    """acc plus the products of the K tile at k (w: its weights); with WRITE_NORMED program 0
+    stores the tile of normalised rows."""
+    x, xs = _x_tile(x_rows, r_rows, nw_ptr, rstd, k, K, EVEN_K, SILU_MUL, NORM, HAS_RES)
+    if WRITE_NORMED:
+        tl.store(normed_ptr + rm[:, None] * stride_rm + k[None, :], xs,
+                 mask=row_ok & (k[None, :] < K))  # fmt: skip
+    return acc + x[:, None, :] * w.to(tl.float32)[None, :, :]
+
+
 @triton.jit(do_not_specialize=["M"])
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, M, N, K,
     stride_xm, stride_wn, stride_om,
+    r_ptr, nw_ptr, res_out_ptr, normed_ptr, stride_rm, eps,  # NORM's (else unread)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     SILU_MUL: tl.constexpr,  # x is [gate | up] ([M, 2K]): multiply by silu(gate) * up
     EARLY_W: tl.constexpr,  # the first K tile of W is loaded before anything else (PDL's form)
     GDC: tl.constexpr,  # with EARLY_W: signal, then wait for the kernel before (kernels/pdl.py)
+    NORM: tl.constexpr = False,  # multiply RMSNorm(x (+ residual)) * norm weight (gemv_add_norm)
+    HAS_RES: tl.constexpr = False,  # NORM: add r_ptr's rows first; program 0 stores the sums
+    WRITE_NORMED: tl.constexpr = False,  # NORM: program 0 stores the normalised rows
 ):  # fmt: skip
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rm = tl.arange(0, BLOCK_M)
@@ -55,7 +122,10 @@ def _gemv_kernel(
     xm = tl.minimum(rm, M - 1)
     w_rows = w_ptr + wn[:, None] * stride_wn  # [BN, 1]
     x_rows = x_ptr + xm[:, None] * stride_xm  # [BM, 1]
+    r_rows = r_ptr + xm[:, None] * stride_rm  # NORM: the residual rows
+    row_ok = (rm[:, None] < M) & (rm[:, None] * 0 + tl.program_id(0) == 0)  # program 0's
     acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_first = 0
     if EARLY_W:
         # W does not depend on the kernel before: its stream starts before waiting for x
@@ -66,8 +136,21 @@ def _gemv_kernel(
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
-        x = _load_x(x_rows, rk, K, EVEN_K, SILU_MUL)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+    if NORM:  # the rows' sums of squares over all of K first
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + rk
+            x = _sum_rows(x_rows, r_rows, k, K, EVEN_K, HAS_RES)
+            if HAS_RES:
+                tl.store(res_out_ptr + rm[:, None] * stride_rm + k[None, :], x,
+                         mask=row_ok & (k[None, :] < K))  # fmt: skip
+            sq += x.to(tl.float32) * x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
+    if EARLY_W:
+        acc = _tile(
+            acc, w, x_rows, r_rows, nw_ptr, normed_ptr, rstd, row_ok, rm, rk, K, stride_rm,
+            EVEN_K, SILU_MUL, NORM, HAS_RES, WRITE_NORMED,
+        )  # fmt: skip
         k_first = BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
         k = k0 + rk
@@ -75,8 +158,10 @@ def _gemv_kernel(
             w = tl.load(w_rows + k[None, :])
         else:
             w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
-        x = _load_x(x_rows, k, K, EVEN_K, SILU_MUL)
-        acc += x[:, None, :] * w.to(tl.float32)[None, :, :]
+        acc = _tile(
+            acc, w, x_rows, r_rows, nw_ptr, normed_ptr, rstd, row_ok, rm, k, K, stride_rm,
+            EVEN_K, SILU_MUL, NORM, HAS_RES, WRITE_NORMED,
+        )  # fmt: skip
     out = tl.sum(acc, axis=2)  # [BM, BN]
     if HAS_BIAS:
         out += tl.load(b_ptr + tl.minimum(rn, N - 1)).to(tl.float32)[None, :]
@@ -138,10 +223,67 @@ def gemv(
         return out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, out, m, n, k,
-        x.stride(0), weight.stride(0), out.stride(0),
+        x.stride(0), weight.stride(0), out.stride(0), x, x, x, x, 0, 0.0,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, HAS_BIAS=bias is not None, SILU_MUL=silu_mul,
         EARLY_W=early, GDC=gdc,
+        num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
+    )  # fmt: skip
+    return out
+
+
+def pick_norm_config(n: int, k: int) -> Config:
+    """``gemv_add_norm``'s tile: each program normalises its x tiles, work shared by its
+    rows, so a program takes more rows than the plain GEMV's two."""
+    k_pow2 = triton.next_power_of_2(k)
+    if n <= 256:
+        return 2, min(2048, k_pow2), 4, 1
+    return 8, min(1024, k_pow2), 4, 1
+
+
+def gemv_add_norm(
+    x: torch.Tensor,  # [M, K], M <= MAX_M
+    residual: torch.Tensor | None,  # [M, K] contiguous, or None: no residual add
+    norm_weight: torch.Tensor,  # [K] in x's dtype
+    eps: float,
+    weight: torch.Tensor,  # [N, K]
+    *,
+    residual_out: torch.Tensor | None = None,  # [M, K] contiguous: x + residual is written here
+    normed_out: torch.Tensor | None = None,  # [M, K] contiguous: the normalised rows, if given
+    config: Config | None = None,
+    pdl: bool | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [M, N]
+    """``rmsnorm(x + residual) @ weight.T`` in one launch (the module docstring's NORM), the
+    sum written to ``residual_out`` (required with ``residual``) and the normalised rows to
+    ``normed_out`` when given, as kernels/rmsnorm.py's ``fused_add_rmsnorm`` would write them.
+    ``config``: default ``pick_norm_config``; ``pdl`` and ``out_dtype`` as ``gemv``'s."""
+    _check(x, weight, None)
+    m, k = x.shape
+    rows = [t for t in (residual, residual_out, normed_out) if t is not None]
+    if any(t.shape != x.shape or t.dtype != x.dtype or not t.is_contiguous() for t in rows):
+        raise ValueError(
+            f"gemv_add_norm: residual and outputs must be contiguous like x {tuple(x.shape)}"
+        )
+    if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.stride(0) != 1:
+        raise ValueError(f"gemv_add_norm: norm weight must be [{k}] in {x.dtype}")
+    if (residual is None) != (residual_out is None):
+        raise ValueError("gemv_add_norm: residual_out goes with residual")
+    n = weight.shape[0]
+    block_n, block_k, warps, stages = config or pick_norm_config(n, k)
+    early = _pdl.use_pdl(x.device) if pdl is None else pdl
+    gdc = early and _pdl.device_supports(x.device)
+    out = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
+    if m == 0:
+        return out
+    res = residual if residual is not None else x
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        res, norm_weight, residual_out if residual_out is not None else x,
+        normed_out if normed_out is not None else x, k, eps,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, HAS_BIAS=False, SILU_MUL=False, EARLY_W=early, GDC=gdc,
+        NORM=True, HAS_RES=residual is not None, WRITE_NORMED=normed_out is not None,
         num_warps=warps, num_stages=stages, **_pdl.launch_options(gdc),
     )  # fmt: skip
     return out

@@ -6,9 +6,10 @@ then wait (``gdc_wait``: the previous kernel has finished and its writes are vis
 reads anything an earlier kernel wrote and before it writes anything: only work on memory no
 kernel of the step writes (a layer's weights) may come first. Our users:
 
-- ``kernels/gemv.py`` (batch-1 decode matmuls): loads its first K tile of weights into
-  registers before waiting, so the weight stream starts under the previous kernel's tail (a
-  norm, the attention, the other MLP matmul); ``kernels/w4a16.py``'s 4-bit GEMV likewise;
+- ``kernels/gemv.py`` (batch-1 decode matmuls, with the residual add + norm before them
+  too): loads its first K tile of weights into registers before waiting, so the weight stream
+  starts under the previous kernel's tail (a norm, the attention, the other MLP matmul);
+  ``kernels/w4a16.py``'s 4-bit GEMV likewise;
 - ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
 - both signal at their start, and so do the decode attention kernel and the MoE router
   kernel (below), so the next kernel's programs can start early;

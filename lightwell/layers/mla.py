@@ -46,7 +46,7 @@ from lightwell.layers.linear import (
     RowParallelLinear,
     SplitReplicatedLinear,
 )
-from lightwell.layers.norm import RMSNorm
+from lightwell.layers.norm import DeferredNorm, RMSNorm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.quant.base import QuantMethod, is_unquantized
 
@@ -231,6 +231,12 @@ class MLAttention(nn.Module):
         scale = mla_softmax_scale(config, qk_dim)
         self.attn = LatentAttention(self.num_heads, self.rank, self.rope, scale)
 
+    @property
+    def takes_deferred_norm(self) -> bool:
+        """Whether ``partial`` may take its input as a ``DeferredNorm`` (layers/norm.py): the
+        first projection is the one unquantized ``fused_qkv_a_proj``."""
+        return bool(self.packed_names)
+
     def _make_input_projections(
         self, hidden: int, q_size: int, bias: bool, quant_method: QuantMethod | None
     ) -> None:
@@ -254,10 +260,12 @@ class MLAttention(nn.Module):
     def _project(
         self, hidden: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, H] -> ([T, heads * qk_dim], [T, rank + rope])
-        """The query (this rank's heads) and the latent projection, rows possibly strided."""
+        """The query (this rank's heads) and the latent projection, rows possibly strided;
+        ``hidden`` may be a ``DeferredNorm`` (``takes_deferred_norm``)."""
         if self.packed_names:
             fused = self.fused_qkv_a_proj
-            q, kv = fused(hidden).split(fused.output_partition_sizes, dim=-1)
+            out = hidden.matmul(fused.weight) if isinstance(hidden, DeferredNorm) else fused(hidden)
+            q, kv = out.split(fused.output_partition_sizes, dim=-1)
         else:
             q = (self.q_a_proj if self.q_lora_rank else self.q_proj)(hidden)
             kv = self.kv_a_proj_with_mqa(hidden)

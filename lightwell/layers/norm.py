@@ -9,7 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightwell.distributed.parallel_state import tp_all_reduce, tp_all_reduce_add_rmsnorm
+from lightwell.distributed.parallel_state import (
+    get_tp_size,
+    tp_all_reduce,
+    tp_all_reduce_add_rmsnorm,
+)
 from lightwell.quant import utils as quant_utils
 from lightwell.quant.base import QuantizedInput
 
@@ -72,6 +76,91 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class DeferredNorm:
+    """A decoder layer's residual add + RMSNorm of one decode row, left to the GEMV that reads
+    the normalised row (kernels/gemv.py's ``gemv_add_norm``): the norm's own launch goes.
+
+    ``matmul(weight)`` is ``linear(normalised row, weight)`` in that one launch, which also
+    writes the residual sum, and with ``write_normed`` the normalised row for later readers
+    (``rows``). ``rows()`` gives the normalised row (the norm kernel runs if no matmul wrote
+    it). ``residual``, the new residual, is valid once a matmul or ``rows()`` ran. Made only
+    where ``defers`` holds: an RMSNorm's 16-bit row on the GPU at TP=1 (nothing to all-reduce
+    first), the rows ``dense_linear`` multiplies on the GEMV."""
+
+    def __init__(
+        self,
+        norm: RMSNorm,
+        hidden: torch.Tensor,  # [1, H]: the embedding, or the previous block's output
+        residual: torch.Tensor | None,  # [1, H]; None before the first layer
+    ):
+        self.norm, self.hidden, self._residual_in = norm, hidden, residual
+        self._residual = hidden if residual is None else torch.empty_like(hidden)
+        self._normed: torch.Tensor | None = None
+        self._done = residual is None  # the residual holds the sum
+
+    @staticmethod
+    def defers(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        from lightwell.quant.base import SKINNY_GEMM_MAX_ROWS
+
+        rows = (hidden,) if residual is None else (hidden, residual)
+        return (
+            type(norm) is RMSNorm
+            and hidden.is_cuda
+            and hidden.dim() == 2
+            and 0 < hidden.shape[0] <= SKINNY_GEMM_MAX_ROWS
+            and hidden.dtype in (torch.float16, torch.bfloat16)
+            and norm.weight.dtype == hidden.dtype
+            and all(t.is_contiguous() and t.dtype == hidden.dtype for t in rows)
+            and get_tp_size() == 1
+        )
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.hidden.shape
+
+    @property
+    def is_cuda(self) -> bool:
+        return True
+
+    @property
+    def residual(self) -> torch.Tensor:
+        if not self._done:
+            raise RuntimeError("DeferredNorm: the residual is read before any matmul ran")
+        return self._residual
+
+    def matmul(
+        self,
+        weight: torch.Tensor,  # [N, H]
+        *,
+        write_normed: bool = False,  # also store the normalised row (for ``rows``)
+        out_dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:  # [1, N]
+        from lightwell.kernels.gemv import gemv_add_norm
+
+        if self._normed is not None:  # written already: a plain product
+            from lightwell.kernels.gemv import gemv
+
+            return gemv(self._normed, weight, out_dtype=out_dtype)
+        normed = torch.empty_like(self.hidden) if write_normed else None
+        res_in = self._residual_in
+        out = gemv_add_norm(
+            self.hidden, res_in, self.norm.weight, self.norm.eps, weight,
+            residual_out=self._residual if res_in is not None else None, normed_out=normed,
+            out_dtype=out_dtype,
+        )  # fmt: skip
+        self._done, self._normed = True, normed
+        return out
+
+    def rows(self) -> torch.Tensor:  # [1, H]
+        if self._normed is None:
+            if self._residual_in is None:
+                self._normed = self.norm(self.hidden)
+            else:
+                self._normed, self._residual = self.norm(self.hidden, self._residual_in)
+            self._done = True
+        return self._normed
 
 
 class LayerNorm(nn.Module):

@@ -24,7 +24,7 @@ from torch import nn
 from lightwell.distributed.parallel_state import tp_all_reduce
 from lightwell.layers.linear import ReplicatedLinear
 from lightwell.layers.moe import FusedMoE, RouterConfig, folds_shared_experts, select_experts
-from lightwell.layers.norm import RMSNorm, pre_norm, reduce_norm
+from lightwell.layers.norm import DeferredNorm, RMSNorm, pre_norm, reduce_norm
 from lightwell.layers.rotary import RotaryEmbedding
 from lightwell.models.llama import LlamaMLP
 from lightwell.models.pipeline import skip_missing
@@ -67,6 +67,8 @@ class Router(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, E] in the weight's dtype
+        if isinstance(x, DeferredNorm):  # the norm in the router's GEMV, which stores the rows
+            return x.matmul(self.weight, write_normed=True, out_dtype=self.weight.dtype)
         if x.is_cuda:  # Triton kernels load on CUDA only (the CPU image has no Triton)
             from lightwell.kernels.gemv import MAX_M, gemv
 
@@ -109,9 +111,16 @@ class MoEBlock(nn.Module):
             ReplicatedLinear(config.hidden_size, 1, bias=False) if shared_gate else None
         )
 
-    def partial(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
+    takes_deferred_norm = True  # ``partial``'s x may be a DeferredNorm (the router's GEMV)
+
+    def partial(
+        self, x: torch.Tensor | DeferredNorm
+    ) -> torch.Tensor:  # [T, H] -> [T, H], not all-reduced
         bias = self.gate.e_score_correction_bias
-        weights, ids = select_experts(self.gate(x), self.router, bias)  # [T, k] each
+        logits = self.gate(x)
+        if isinstance(x, DeferredNorm):
+            x = x.rows()  # written by the router's GEMV
+        weights, ids = select_experts(logits, self.router, bias)  # [T, k] each
         out = self.experts(x, weights, ids)
         if self.shared_name is not None:
             shared = getattr(self, self.shared_name).partial(x)
@@ -180,9 +189,22 @@ class MoEDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, H]: the embedding, or the previous layer's partial sum
         residual: torch.Tensor | None,  # [T, H]; None before the first layer
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] MLP partial sum, [T, H] residual)
-        hidden, residual = pre_norm(self.input_layernorm, hidden, residual, partial=True)
-        hidden = self.self_attn.partial(positions, hidden)
-        hidden, residual = reduce_norm(self.post_attention_layernorm, hidden, residual)
+        norm = self.input_layernorm
+        if getattr(self.self_attn, "takes_deferred_norm", False) and DeferredNorm.defers(
+            norm, hidden, residual
+        ):  # one decode row: the norm inside the first projection's GEMV
+            rows = DeferredNorm(norm, hidden, residual)
+            hidden, residual = self.self_attn.partial(positions, rows), rows.residual
+        else:
+            hidden, residual = pre_norm(norm, hidden, residual, partial=True)
+            hidden = self.self_attn.partial(positions, hidden)
+        norm = self.post_attention_layernorm
+        if getattr(self.mlp, "takes_deferred_norm", False) and DeferredNorm.defers(
+            norm, hidden, residual
+        ):
+            rows = DeferredNorm(norm, hidden, residual)
+            return self.mlp.partial(rows), rows.residual
+        hidden, residual = reduce_norm(norm, hidden, residual)
         return self.mlp.partial(hidden), residual
 
 

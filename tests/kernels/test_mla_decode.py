@@ -223,3 +223,52 @@ def test_mla_decode_over_an_8bit_cache(kv_dtype, splits):
     assert _rel(got, want) < TOL[torch.float32]
     exact = mla_decode_ref(q, cache, table, lens, 0.2, rank)
     assert _rel(got, exact) < (0.08 if kv_dtype == torch.float8_e4m3fn else 0.03)
+
+
+@CPU_MODEL
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_decode_with_the_norms_in_the_gemvs(tmp_path, monkeypatch, family):
+    """One request decoding (the step a GPU runs at batch 1): each layer's input norm inside
+    the first projection's GEMV, a MoE layer's post-attention norm inside the router's
+    (``DeferredNorm``); here allowed on the CPU's fp32 rows (on a GPU: 16-bit rows) to run
+    through the interpreter. Logits equal the separate norms', and the fused GEMV did run for
+    each of those norms."""
+    import lightwell.kernels.gemv as gemv_module
+    import tests.models.families as families
+    from lightwell.layers.mla import LatentAttention
+    from lightwell.layers.norm import DeferredNorm, RMSNorm
+    from lightwell.models.moe_blocks import MoEBlock
+    from tests.models.paged import PagedRunner
+    from tests.models.tiny import load_ours, rel_err
+
+    torch.set_num_threads(1)
+    getattr(families, family)(str(tmp_path), 3)
+    calls = []
+    fused = gemv_module.gemv_add_norm
+    monkeypatch.setattr(
+        gemv_module, "gemv_add_norm", lambda *a, **k: calls.append(1) or fused(*a, **k)
+    )
+    logits = {}
+    for defer in (False, True):
+        rule = lambda norm, hidden, residual, on=defer: (  # noqa: E731
+            on and type(norm) is RMSNorm and hidden.shape[0] == 1
+        )
+        monkeypatch.setattr(DeferredNorm, "defers", staticmethod(rule))
+        model = load_ours(str(tmp_path))
+        for layer in model.modules():
+            if isinstance(layer, LatentAttention):
+                layer.decode_kernel = True
+        runner = PagedRunner(model, block_size=4, num_blocks=16, seed=1)
+        prompt = list(range(3, 12))
+        out = runner.step([("r", prompt, 0)])[0]
+        steps = []
+        for n in range(3):
+            got = runner.step([("r", [int(out[-1].argmax())], len(prompt) + n)])[0]
+            out = torch.cat([out, got])
+            steps.append(got)
+        logits[defer] = torch.cat(steps)
+    layers = model.model.layers
+    moe = sum(isinstance(layer.mlp, MoEBlock) for layer in layers)
+    assert 0 < moe < len(layers)  # (layer 0 is dense: its gate/up GEMV takes no norm)
+    assert len(calls) == 3 * (len(layers) + moe)  # three decode steps
+    assert rel_err(logits[True], logits[False]) < 1e-5

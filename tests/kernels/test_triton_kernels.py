@@ -468,6 +468,51 @@ def test_gemv_silu_mul_equals_activation_then_gemv(m, n, k):
         gemv(act, w, silu_mul=True)  # [M, K] is not a [gate | up] of 2K
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 40, 64), (3, 7, 300), (2, 24, 520)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemv_add_norm_equals_the_norm_then_the_gemv(m, n, k, with_residual):
+    """The residual add + RMSNorm inside the gemv (``gemv_add_norm``): the residual sum bit for
+    bit as the norm kernel's, the normalised rows (when written) within an ulp of its (rstd's
+    last bit), the product the gemv's of the norm kernel's rows but for those ulps; the tile
+    and the PDL form (K in one tile, several, uneven) change nothing else."""
+    from lightwell.kernels.gemv import gemv, gemv_add_norm, gemv_ref
+    from lightwell.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm, rmsnorm_ref
+
+    g = torch.Generator().manual_seed(m * 100 + n + k)
+    x = (torch.randn(m, k, generator=g) * 3).to(DEVICE, torch.float16)
+    res = torch.randn(m, k, generator=g).to(DEVICE, torch.float16) if with_residual else None
+    nw = (1 + 0.5 * torch.randn(k, generator=g)).to(DEVICE, torch.float16)
+    w = (torch.randn(n, k, generator=g) * 0.1).to(DEVICE, torch.float16)
+    if with_residual:
+        normed, summed = fused_add_rmsnorm(x, res, nw, 1e-5)
+    else:
+        normed, summed = rmsnorm(x, nw, 1e-5), x
+    ref = gemv_ref(rmsnorm_ref(summed, nw, 1e-5), w).float()
+    for config in (None, (1, 32, 1, 1), (4, 128, 2, 2)):
+        for pdl, write_normed in ((False, True), (True, True), (False, False), (True, False)):
+            res_out = torch.full_like(x, 7.0) if with_residual else None
+            normed_out = torch.full_like(x, 7.0) if write_normed else None
+            out = gemv_add_norm(x, res, nw, 1e-5, w, residual_out=res_out, normed_out=normed_out,
+                                config=config, pdl=pdl)  # fmt: skip
+            if with_residual:
+                assert torch.equal(res_out, summed), config
+            if write_normed:
+                torch.testing.assert_close(normed_out, normed, rtol=2e-3, atol=2e-3)
+                assert (normed_out != normed).float().mean() < 0.02, config  # rare ulps only
+            plain = gemv(normed, w, config=config).float()
+            torch.testing.assert_close(out.float(), plain, rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    # without normed_out nothing else is written; fp32 logits of an fp32 weight (a router's)
+    w32 = w.float()
+    out = gemv_add_norm(x, res, nw, 1e-5, w32, residual_out=torch.empty_like(x) if res is not None
+                        else None, out_dtype=torch.float32)  # fmt: skip
+    torch.testing.assert_close(out, normed.float() @ w32.t(), rtol=5e-3, atol=5e-3)
+    with pytest.raises(ValueError, match="residual_out"):
+        gemv_add_norm(x, res if res is not None else x, nw, 1e-5, w)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv_add_norm(x, None, nw[:-1], 1e-5, w)
+
+
 def test_gemv_rejects_bad_shapes():
     from lightwell.kernels.gemv import MAX_M, gemv
 
@@ -735,15 +780,23 @@ def ops(fn, types, consts, **options):
 
 on = sys.argv[1] == "1"
 b16 = {n: "*bf16" for n in ("x_ptr", "w_ptr", "b_ptr", "out_ptr", "res_ptr", "res_out_ptr",
-                            "q_ptr", "k_cache_ptr", "v_cache_ptr")}
+                            "q_ptr", "k_cache_ptr", "v_cache_ptr", "r_ptr", "nw_ptr",
+                            "normed_ptr")}
+gv_types = dict(b16, eps="fp32")
+plain = dict(NORM=False, HAS_RES=False, WRITE_NORMED=False)
 out = {}
 for silu in (False, True):
-    out[f"gemv{'_silu' if silu else ''}"] = ops(gv._gemv_kernel, b16, dict(
+    out[f"gemv{'_silu' if silu else ''}"] = ops(gv._gemv_kernel, gv_types, dict(
         BLOCK_M=1, BLOCK_N=2, BLOCK_K=1024, EVEN_K=True, HAS_BIAS=False, SILU_MUL=silu,
-        EARLY_W=on, GDC=on), num_warps=1, num_stages=3, launch_pdl=on)
-out["gemv_m4_bias_uneven_k"] = ops(gv._gemv_kernel, b16, dict(
+        EARLY_W=on, GDC=on, **plain), num_warps=1, num_stages=3, launch_pdl=on)
+out["gemv_m4_bias_uneven_k"] = ops(gv._gemv_kernel, gv_types, dict(
     BLOCK_M=4, BLOCK_N=8, BLOCK_K=256, EVEN_K=False, HAS_BIAS=True, SILU_MUL=False,
-    EARLY_W=on, GDC=on), num_warps=4, num_stages=1, launch_pdl=on)
+    EARLY_W=on, GDC=on, **plain), num_warps=4, num_stages=1, launch_pdl=on)
+for normed in (False, True):
+    out[f"gemv_add_norm{'_normed' if normed else ''}"] = ops(gv._gemv_kernel, gv_types, dict(
+        BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, EVEN_K=True, HAS_BIAS=False, SILU_MUL=False,
+        EARLY_W=on, GDC=on, NORM=True, HAS_RES=True, WRITE_NORMED=normed), num_warps=4,
+        num_stages=1, launch_pdl=on)
 out["rmsnorm"] = ops(rn._rmsnorm_kernel, dict(b16, eps="fp32"), dict(
     HIDDEN=4096, BLOCK=4096, HAS_RESIDUAL=True, GDC=on), num_warps=8, launch_pdl=on)
 out["attention"] = ops(pa._paged_attention_kernel, dict(b16, qk_scale="fp32", **{
@@ -858,9 +911,10 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
 
 @pytest.mark.parametrize("on", [True, False])
 def test_pdl_kernels_wait_before_touching_what_the_kernel_before_wrote(on):
-    """With PDL on, the gemv signals and loads only weights (16-byte vectors) before its
-    single wait, and stores after it; the norm waits before any access; the decode attention
-    kernel only signals, first thing. Off, none of it is compiled in."""
+    """With PDL on, the gemv (with the residual add + norm too) signals and loads only
+    weights (16-byte vectors) before its single wait, and stores after it; the norm waits
+    before any access; the decode attention kernel only signals, first thing. Off, none of it
+    is compiled in."""
     kernels = _run_ptx_script(_PDL_PTX_SCRIPT, on)
     for name, got in kernels.items():
         found = got["ops"]
