@@ -76,6 +76,17 @@ def _mla_decode_kernel(
     q_lat = tl.load(q_row + lat[None, :], mask=head_ok[:, None] & lat_ok[None, :], other=0.0)
     q_pe = tl.load(q_row + LATENT + pe[None, :], mask=head_ok[:, None] & pe_ok[None, :],
                    other=0.0)  # fmt: skip
+    if KV_QUANT and q_lat.dtype != tl.float32:
+        # 16-bit dots in fp16, into which 8-bit entries convert exactly (and cheaply); the
+        # query scaled by a power of two when its largest value would near fp16's range, the
+        # scores unscaled after the dot
+        top = tl.maximum(tl.max(tl.max(tl.abs(q_lat.to(tl.float32)), 1), 0),
+                         tl.max(tl.max(tl.abs(q_pe.to(tl.float32)), 1), 0))  # fmt: skip
+        q_shift = tl.where(top > 16384.0, tl.exp2(tl.ceil(tl.log2(top / 16384.0))), 1.0)
+        q_lat = (q_lat.to(tl.float32) / q_shift).to(tl.float16)
+        q_pe = (q_pe.to(tl.float32) / q_shift).to(tl.float16)
+    else:
+        q_shift = 1.0
     seq_len = tl.load(seq_lens_ptr + req)
     # this request's keys in num_splits equal runs of whole BLOCK_S tiles
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_S) * BLOCK_S
@@ -103,7 +114,7 @@ def _mla_decode_kernel(
                          mask=pos_ok, other=0.0)[None, :]  # fmt: skip
         else:
             ks = tl.full((1, BLOCK_S), 1.0, tl.float32)
-        scores = tl.where(pos_ok[None, :], scores * ks * scale, float("-inf"))
+        scores = tl.where(pos_ok[None, :], scores * ks * scale * q_shift, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])

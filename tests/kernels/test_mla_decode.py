@@ -197,15 +197,23 @@ def test_deepseek_decode_graph_padding_equals_eager(tmp_path):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_mla_decode_over_an_8bit_cache(kv_dtype, splits):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, "fp16x1e4"])
+def test_mla_decode_over_an_8bit_cache(kv_dtype, splits, q_dtype):
     """An 8-bit latent cache (one scale an entry, quant/kv_cache.py's layout) written by
     ``store_latent`` bit for bit as ``write_rows``; the decode kernel over it equals the
-    reference over its dequantized copy, and stays near the unquantized attention."""
+    reference over its dequantized copy, and stays near the unquantized attention. 16-bit
+    queries take fp16 dots, large ones (up to ~4e4) scaled down by a power of two for them."""
     from lightwell.kernels.mla_decode import store_latent
     from lightwell.quant.kv_cache import dequantize_blocks, write_rows
 
     rank = 32
     q, cache, table, lens = _requests(torch.float32, 20 + splits, [5, 37, 1])
+    if q_dtype != torch.float32:
+        big = q_dtype == "fp16x1e4"
+        q = (q * (1e4 if big else 1.0)).to(torch.float16)
+        scale = 0.2 / (1e4 if big else 1.0)
+    else:
+        scale = 0.2
     # the requests' entries, stored again into an 8-bit cache through the kernel's store
     four = torch.arange(4, device=DEVICE)
     slots = torch.cat([table[r, : -(-int(n) // 4)].long()[:, None] * 4 + four
@@ -216,12 +224,13 @@ def test_mla_decode_over_an_8bit_cache(kv_dtype, splits):
     want8 = torch.zeros_like(q8)
     write_rows(want8[0], entries[:, None, :].cpu().to(DEVICE), slots)
     assert torch.equal(q8.view(torch.uint8), want8.view(torch.uint8))
-    got = mla_decode(q, q8, table, lens, 0.2, rank, num_splits=splits)
+    got = mla_decode(q, q8, table, lens, scale, rank, num_splits=splits)
     deq = dequantize_blocks(q8[0], torch.float32)[None]  # [1, N, B, 1, 40]
-    want = mla_decode_ref(q, deq, table, lens, 0.2, rank)
+    qf = q.float()
+    want = mla_decode_ref(qf, deq, table, lens, scale, rank)
     assert not got.isnan().any()
-    assert _rel(got, want) < TOL[torch.float32]
-    exact = mla_decode_ref(q, cache, table, lens, 0.2, rank)
+    assert _rel(got, want) < (TOL[torch.float32] if q.dtype == torch.float32 else 3e-3)
+    exact = mla_decode_ref(qf, cache, table, lens, scale, rank)
     assert _rel(got, exact) < (0.08 if kv_dtype == torch.float8_e4m3fn else 0.03)
 
 
