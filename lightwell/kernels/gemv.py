@@ -269,6 +269,9 @@ def gemv_add_norm(
         raise ValueError(f"gemv_add_norm: norm weight must be [{k}] in {x.dtype}")
     if (residual is None) != (residual_out is None):
         raise ValueError("gemv_add_norm: residual_out goes with residual")
+    inputs = {t.data_ptr() for t in (x, residual) if t is not None}
+    if any(t is not None and t.data_ptr() in inputs for t in (residual_out, normed_out)):
+        raise ValueError("gemv_add_norm: the outputs must not be x or residual (read by all)")
     n = weight.shape[0]
     block_n, block_k, warps, stages = config or pick_norm_config(n, k)
     early = _pdl.use_pdl(x.device) if pdl is None else pdl

@@ -77,14 +77,15 @@ def _mla_decode_kernel(
     q_pe = tl.load(q_row + LATENT + pe[None, :], mask=head_ok[:, None] & pe_ok[None, :],
                    other=0.0)  # fmt: skip
     if KV_QUANT and q_lat.dtype != tl.float32:
-        # 16-bit dots in fp16, into which 8-bit entries convert exactly (and cheaply); the
-        # query scaled by a power of two when its largest value would near fp16's range, the
+        # 16-bit dots in fp16, into which 8-bit entries convert exactly (and cheaply); a head's
+        # query scaled by a power of two when its largest value would near fp16's range, its
         # scores unscaled after the dot
-        top = tl.maximum(tl.max(tl.max(tl.abs(q_lat.to(tl.float32)), 1), 0),
-                         tl.max(tl.max(tl.abs(q_pe.to(tl.float32)), 1), 0))  # fmt: skip
+        top = tl.maximum(tl.max(tl.abs(q_lat.to(tl.float32)), 1),
+                         tl.max(tl.abs(q_pe.to(tl.float32)), 1))  # fmt: skip
         q_shift = tl.where(top > 16384.0, tl.exp2(tl.ceil(tl.log2(top / 16384.0))), 1.0)
-        q_lat = (q_lat.to(tl.float32) / q_shift).to(tl.float16)
-        q_pe = (q_pe.to(tl.float32) / q_shift).to(tl.float16)
+        q_lat = (q_lat.to(tl.float32) / q_shift[:, None]).to(tl.float16)
+        q_pe = (q_pe.to(tl.float32) / q_shift[:, None]).to(tl.float16)
+        q_shift = q_shift[:, None]  # [BLOCK_H, 1]
     else:
         q_shift = 1.0
     seq_len = tl.load(seq_lens_ptr + req)
