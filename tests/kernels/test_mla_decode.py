@@ -198,6 +198,7 @@ def test_deepseek_decode_graph_padding_equals_eager(tmp_path):
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.int8], ids=["fp8", "int8"])
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16, "fp16x1e4", "bf16x1e5"])
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy on the inf head
 def test_mla_decode_over_an_8bit_cache(kv_dtype, splits, q_dtype):
     """An 8-bit latent cache (one scale an entry, quant/kv_cache.py's layout) written by
     ``store_latent`` bit for bit as ``write_rows``; the decode kernel over it equals the
