@@ -29,18 +29,23 @@ MAX_M = 4
 
 
 @triton.jit
+def _load_cols(rows, k, K, EVEN_K: tl.constexpr):
+    """Columns k of the rows at ``rows`` ([R, 1] pointers, or one): [R, len(k)], 0 past K
+    (EVEN_K: none is, the loads unmasked)."""
+    if EVEN_K:
+        v = tl.load(rows + k[None, :])
+    else:
+        v = tl.load(rows + k[None, :], mask=k[None, :] < K, other=0.0)
+    return v
+
+
+@triton.jit
 def _load_x(x_rows, k, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
     """x[:, k] in fp32; with SILU_MUL, silu(x[:, k]) * x[:, K + k] rounded to x's dtype, as
     kernels/activation.py's kernel computes and stores it."""
-    if EVEN_K:
-        x = tl.load(x_rows + k[None, :])
-    else:
-        x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+    x = _load_cols(x_rows, k, K, EVEN_K)
     if SILU_MUL:
-        if EVEN_K:
-            up = tl.load(x_rows + K + k[None, :])
-        else:
-            up = tl.load(x_rows + K + k[None, :], mask=k[None, :] < K, other=0.0)
+        up = _load_cols(x_rows + K, k, K, EVEN_K)
         g = x.to(tl.float32)
         x = (g / (1.0 + tl.exp(-g)) * up.to(tl.float32)).to(x.dtype)
     return x.to(tl.float32)
@@ -50,15 +55,9 @@ def _load_x(x_rows, k, K, EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr):
 def _sum_rows(x_rows, r_rows, k, K, EVEN_K: tl.constexpr, HAS_RES: tl.constexpr):
     """x[:, k], plus residual[:, k] with HAS_RES (the sum rounded to x's dtype, as
     kernels/rmsnorm.py's add), in x's dtype."""
-    if EVEN_K:
-        x = tl.load(x_rows + k[None, :])
-    else:
-        x = tl.load(x_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+    x = _load_cols(x_rows, k, K, EVEN_K)
     if HAS_RES:
-        if EVEN_K:
-            r = tl.load(r_rows + k[None, :])
-        else:
-            r = tl.load(r_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+        r = _load_cols(r_rows, k, K, EVEN_K)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
     return x
 
@@ -73,11 +72,8 @@ def _x_tile(
     normalised value rounded to x's dtype times the weight, rounded again)."""
     if NORM:
         x = _sum_rows(x_rows, r_rows, k, K, EVEN_K, HAS_RES)
-        if EVEN_K:
-            g = tl.load(nw_ptr + k).to(tl.float32)
-        else:
-            g = tl.load(nw_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-        xs = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * g[None, :]
+        g = _load_cols(nw_ptr, k, K, EVEN_K).to(tl.float32)  # [1, len(k)]
+        xs = (x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * g
         xs = xs.to(x.dtype)
         xf = xs.to(tl.float32)
     else:
@@ -129,10 +125,7 @@ def _gemv_kernel(
     k_first = 0
     if EARLY_W:
         # W does not depend on the kernel before: its stream starts before waiting for x
-        if EVEN_K:
-            w = tl.load(w_rows + rk[None, :])
-        else:
-            w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
+        w = _load_cols(w_rows, rk, K, EVEN_K)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -154,10 +147,7 @@ def _gemv_kernel(
         k_first = BLOCK_K
     for k0 in range(k_first, K, BLOCK_K):
         k = k0 + rk
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :])
-        else:
-            w = tl.load(w_rows + k[None, :], mask=k[None, :] < K, other=0.0)
+        w = _load_cols(w_rows, k, K, EVEN_K)
         acc = _tile(
             acc, w, x_rows, r_rows, nw_ptr, normed_ptr, rstd, row_ok, rm, k, K, stride_rm,
             EVEN_K, SILU_MUL, NORM, HAS_RES, WRITE_NORMED,

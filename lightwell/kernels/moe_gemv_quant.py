@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell.kernels.fused_moe import ROW
 from lightwell.kernels.moe_gemv import Config, pick_config
 from lightwell.kernels.w4a16 import _unpack
 
@@ -167,7 +168,7 @@ def moe_gemv_quant(
     else:
         s13, s2, (bn13, bk13) = scales
         z13, z2, (bn2, bk2), inter = s13, s2, (bn13, bk13), w2.shape[2]
-        if (bn13, bk13) == (1, 0):  # one scale a row (fused_moe.ROW): a block of all of K
+        if (bn13, bk13) == ROW:  # one scale a row: a block of all of K
             bk13, bk2 = hidden, inter
     flat_ids = ids.reshape(-1).contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)

@@ -15,7 +15,7 @@ from lightwell.distributed.parallel_state import (
     tp_all_reduce_add_rmsnorm,
 )
 from lightwell.quant import utils as quant_utils
-from lightwell.quant.base import QuantizedInput
+from lightwell.quant.base import SKINNY_GEMM_MAX_ROWS, QuantizedInput
 
 
 class RMSNorm(nn.Module):
@@ -100,10 +100,22 @@ class DeferredNorm:
         self._normed: torch.Tensor | None = None
         self._done = residual is None  # the residual holds the sum
 
+    @classmethod
+    def for_consumer(
+        cls,
+        consumer: nn.Module,
+        norm: nn.Module,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> DeferredNorm | None:
+        """One for ``consumer`` (whose ``takes_deferred_norm`` says it takes one) where
+        ``defers`` holds; else None (the caller norms as before)."""
+        if getattr(consumer, "takes_deferred_norm", False) and cls.defers(norm, hidden, residual):
+            return cls(norm, hidden, residual)
+        return None
+
     @staticmethod
     def defers(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        from lightwell.quant.base import SKINNY_GEMM_MAX_ROWS
-
         rows = (hidden,) if residual is None else (hidden, residual)
         return (
             type(norm) is RMSNorm
@@ -122,7 +134,7 @@ class DeferredNorm:
 
     @property
     def is_cuda(self) -> bool:
-        return True
+        return self.hidden.is_cuda
 
     @property
     def residual(self) -> torch.Tensor:
@@ -139,10 +151,6 @@ class DeferredNorm:
     ) -> torch.Tensor:  # [1, N]
         from lightwell.kernels.gemv import gemv_add_norm
 
-        if self._normed is not None:  # written already: a plain product
-            from lightwell.kernels.gemv import gemv
-
-            return gemv(self._normed, weight, out_dtype=out_dtype)
         normed = torch.empty_like(self.hidden) if write_normed else None
         res_in = self._residual_in
         out = gemv_add_norm(

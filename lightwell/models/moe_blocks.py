@@ -189,20 +189,17 @@ class MoEDecoderLayer(nn.Module):
         hidden: torch.Tensor,  # [T, H]: the embedding, or the previous layer's partial sum
         residual: torch.Tensor | None,  # [T, H]; None before the first layer
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, H] MLP partial sum, [T, H] residual)
+        # one decode row: each norm inside the GEMV that reads it, where the consumer takes it
         norm = self.input_layernorm
-        if getattr(self.self_attn, "takes_deferred_norm", False) and DeferredNorm.defers(
-            norm, hidden, residual
-        ):  # one decode row: the norm inside the first projection's GEMV
-            rows = DeferredNorm(norm, hidden, residual)
+        rows = DeferredNorm.for_consumer(self.self_attn, norm, hidden, residual)
+        if rows is not None:
             hidden, residual = self.self_attn.partial(positions, rows), rows.residual
         else:
             hidden, residual = pre_norm(norm, hidden, residual, partial=True)
             hidden = self.self_attn.partial(positions, hidden)
         norm = self.post_attention_layernorm
-        if getattr(self.mlp, "takes_deferred_norm", False) and DeferredNorm.defers(
-            norm, hidden, residual
-        ):
-            rows = DeferredNorm(norm, hidden, residual)
+        rows = DeferredNorm.for_consumer(self.mlp, norm, hidden, residual)
+        if rows is not None:
             return self.mlp.partial(rows), rows.residual
         hidden, residual = reduce_norm(norm, hidden, residual)
         return self.mlp.partial(hidden), residual
