@@ -10,7 +10,8 @@ kernel of the step writes (a layer's weights) may come first. Our users:
   too): loads its first K tile of weights into registers before waiting, so the weight stream
   starts under the previous kernel's tail (a norm, the attention, the other MLP matmul);
   ``kernels/w4a16.py``'s 4-bit GEMV likewise;
-- ``kernels/rmsnorm.py``: waits first thing, so only its launch overlaps;
+- ``kernels/rmsnorm.py`` and ``kernels/argmax.py`` (greedy tokens after the LM head's GEMV):
+  wait first thing, so only their launch overlaps;
 - both signal at their start, and so do the decode attention kernel and the MoE router
   kernel (below), so the next kernel's programs can start early;
 - MLA decode (``kernels/mla_prepare.py``, ``mla_decode.py``, ``mla_output.py``): the prepare

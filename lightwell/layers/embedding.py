@@ -114,8 +114,17 @@ class ParallelLMHead(VocabParallelEmbedding):
         """``compute_logits(hidden).argmax(-1)`` without gathering the logits: each rank takes
         the first largest logit of its vocabulary shard (padding excluded), the ranks exchange
         (value, index) pairs (16 bytes a row instead of V / tp logits) and keep the first
-        largest, lowest rank first: the same token, ties and NaNs included, on every rank."""
+        largest, lowest rank first: the same token, ties and NaNs included, on every rank. One
+        rank: the argmax of the logits in their own dtype (no fp32 copy), on a GPU in one
+        launch (kernels/argmax.py)."""
         logits = dense_linear(hidden, self.weight, self.bias)  # [N, V_padded / tp]
+        if self.tp_size == 1:
+            logits = logits[:, : self.org_vocab_size]
+            if logits.is_cuda:
+                from lightwell.kernels.argmax import argmax_rows
+
+                return argmax_rows(logits)
+            return logits.argmax(dim=-1)
         real = self.org_vocab_size - self.vocab_start_index  # this shard's non-padding columns
         if real < logits.shape[-1]:
             logits[:, max(real, 0) :] = float("-inf")

@@ -28,6 +28,7 @@ graphs of one size (and their collectives match).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -81,6 +82,48 @@ def capture_all(
             f"prefill up to {max(mixed, default=0)} tokens)"
         )
     return st.seconds
+
+
+class DecodeInputs(NamedTuple):
+    """A decode step's device inputs (one token a request), or a decode graph's static ones."""
+
+    input_ids: torch.Tensor  # [R] int64
+    positions: torch.Tensor  # [R] int64
+    slot_mapping: torch.Tensor  # [R] int64
+    seq_lens: torch.Tensor  # [R] int32
+    block_table: torch.Tensor  # [R, w] int32
+
+
+def take_sampled(
+    input_ids: torch.Tensor,  # [T] int64, in place
+    token_src: torch.Tensor,  # [T] int64: a token's row in ``sampled``, -1 where known
+    sampled: torch.Tensor,  # [S] int64
+) -> None:
+    """The input tokens still being sampled, from the previous step's ``sampled`` (async
+    scheduling; torch ops: the steps outside decode graphs)."""
+    pending = token_src >= 0
+    input_ids.copy_(torch.where(pending, sampled[token_src.clamp(min=0)], input_ids))
+
+
+def fill_decode_torch(
+    graph: DecodeInputs,  # the graph's B rows
+    step: DecodeInputs,  # R <= B rows
+    deferred: tuple[torch.Tensor, torch.Tensor] | None = None,  # ([R] rows or -1, [S] tokens)
+) -> None:
+    """Rows 0..R-1 of a decode graph's inputs from the step's (the tokens still being sampled
+    from the previous step's), rows R..B-1 padding: token 0 at position 0, slot -1 (nothing
+    stored), one token of context through block 0. Table columns past the step's are left as
+    they are (no row reads past its context). kernels/step_inputs.py does the same in one
+    launch on CUDA."""
+    size, reqs = graph.input_ids.shape[0], step.input_ids.shape[0]
+    width = step.block_table.shape[1]
+    for dst, value, pad in zip(graph[:4], step[:4], (0, 0, -1, 1)):
+        dst[:reqs].copy_(value)
+        dst[reqs:size].fill_(pad)
+    if deferred is not None:
+        take_sampled(graph.input_ids[:reqs], *deferred)
+    graph.block_table[:reqs, :width].copy_(step.block_table)
+    graph.block_table[reqs:size, :width].zero_()
 
 
 class CudaGraphRunner:
@@ -188,6 +231,7 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def capture(self) -> float:
         """Capture every graph (largest first, one memory pool); returns the seconds taken."""
+        self._compile_decode_fill()
         pool = torch.cuda.graph_pool_handle()
         return capture_all(self._keys(largest_first=True), lambda key: self._capture(key, pool))
 
@@ -257,21 +301,26 @@ class CudaGraphRunner:
         meta: AttentionMetadata,
         key: tuple[str, int] | None = None,  # graph_for(meta), when the caller has it
         stage_input: torch.Tensor | None = None,  # [2, T, H]: the previous stage's, if any
+        # input tokens the previous step is still sampling: ([T] their rows in its sampled
+        # tokens, -1 where known; [S] those tokens), taken on the device
+        deferred: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:  # [T, H]; ([T, H], [T, H]) mid-pipeline
         t = meta.num_tokens
         key = key or self.graph_for(meta)
-        if key[0] == "decode":
-            self._fill_decode(meta, key[1])
-        else:
-            self._fill_mixed(meta, key[1])
         n = key[1]
-        self.input_ids[:t].copy_(input_ids)
-        self.positions[:t].copy_(positions)
-        self.slot_mapping[:t].copy_(meta.slot_mapping)
-        if n > t:
-            self.input_ids[t:n].zero_()
-            self.positions[t:n].zero_()
-            self.slot_mapping[t:n].fill_(-1)
+        if key[0] == "decode":
+            self._fill_decode(input_ids, positions, meta, n, deferred)
+        else:
+            self._fill_mixed(meta, n)
+            self.input_ids[:t].copy_(input_ids)
+            self.positions[:t].copy_(positions)
+            self.slot_mapping[:t].copy_(meta.slot_mapping)
+            if n > t:
+                self.input_ids[t:n].zero_()
+                self.positions[t:n].zero_()
+                self.slot_mapping[t:n].fill_(-1)
+            if deferred is not None:
+                take_sampled(self.input_ids[:t], *deferred)
         if self.stage_input is not None:
             self._fill_stage_input(stage_input, t, n)
         self.replays += 1
@@ -291,13 +340,47 @@ class CudaGraphRunner:
         if n > t:
             self.stage_input[:, t:n].zero_()
 
-    def _fill_decode(self, meta: AttentionMetadata, size: int) -> None:
-        r = meta.num_reqs
-        self.seq_lens[:r].copy_(meta.seq_lens)
-        self.block_table[:r, : meta.block_table.shape[1]].copy_(meta.block_table)
-        if size > r:
-            self.seq_lens[r:size].fill_(1)
-            self.block_table[r:size].zero_()
+    def _fill_decode(
+        self,
+        input_ids: torch.Tensor,  # [R]
+        positions: torch.Tensor,  # [R]
+        meta: AttentionMetadata,
+        size: int,
+        deferred: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """The graph's first ``size`` rows: the step's R, then padding (kernels/step_inputs.py:
+        one launch on CUDA)."""
+        graph = self._decode_buffers(size)
+        step = DecodeInputs(input_ids, positions, meta.slot_mapping, meta.seq_lens,
+                            meta.block_table)  # fmt: skip
+        if self.device.type == "cuda":
+            from lightwell.kernels.step_inputs import fill_decode_inputs
+
+            fill_decode_inputs(graph, step, deferred)
+        else:
+            fill_decode_torch(graph, step, deferred)
+
+    def _decode_buffers(self, size: int) -> DecodeInputs:
+        """The static inputs of the decode graph of ``size`` rows."""
+        return DecodeInputs(
+            self.input_ids[:size],
+            self.positions[:size],
+            self.slot_mapping[:size],
+            self.seq_lens[:size],
+            self.block_table[:size],
+        )
+
+    def _compile_decode_fill(self) -> None:
+        """Compile kernels/step_inputs.py's fill in both of its forms (with tokens still being
+        sampled, and without) at start-up: a one-row step copied onto the buffers' own first
+        row (every replay rewrites them)."""
+        from lightwell.kernels.step_inputs import fill_decode_inputs
+
+        graph = self._decode_buffers(1)
+        step = graph._replace(block_table=graph.block_table[:, :1])
+        known = torch.full((1,), -1, dtype=torch.int64, device=self.device)
+        for deferred in (None, (known, graph.input_ids)):
+            fill_decode_inputs(graph, step, deferred)
 
     def _fill_mixed(self, meta: AttentionMetadata, tokens: int) -> None:
         r, t, reqs = meta.num_reqs, meta.num_tokens, self._mixed_reqs(tokens)

@@ -21,6 +21,33 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def to_device_many(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Several host arrays to the device in one copy (each copy costs the GPU's stream a few
+    microseconds, however small): packed into one pinned byte buffer at 16-byte aligned offsets,
+    copied as ``to_device`` does, and returned as views of the device buffer with each array's
+    dtype and shape. On the CPU: the arrays' own memory, no copy. Each view starts 16-byte
+    aligned, as a tensor of its own would: Triton compiles a kernel variant per pointer
+    alignment it meets (kernels/step_inputs.py reads these views)."""
+    if device.type != "cuda":
+        return [torch.from_numpy(a) for a in arrays]
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // 16) * 16
+    host = torch.empty(max(total, 16), dtype=torch.uint8, pin_memory=True)
+    view = host.numpy()
+    for a, off in zip(arrays, offsets):
+        view[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
+    dev = host.to(device, non_blocking=True)
+    return [
+        dev[off : off + a.nbytes].view(_TORCH_DTYPES[a.dtype]).view(a.shape)
+        for a, off in zip(arrays, offsets)
+    ]
+
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
+
 @dataclass
 class CachedRequestState:
     req_id: str
@@ -45,11 +72,15 @@ class ModelInput:
     # Requests whose last scheduled token is the last known token: they sample a new one.
     sample_req_ids: list[str]
     logits_indices: torch.Tensor  # [S] int64: flat index of each sampling request's last token
+    logits_all_rows: bool  # logits_indices is 0..T-1 (every token samples: a decode step)
     # Prompt-logprob rows: req_id -> (flat token indices [P], target token ids [P]).
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     # Async scheduling: (flat index, req_id) of input tokens the previous step is sampling on
     # the device; the runner fills them in from its sampled-token tensor.
     deferred_tokens: list[tuple[int, str]] = field(default_factory=list)
+    # The same on the device, per input token: its row in the previous step's sampled tokens,
+    # -1 where the token is known ([T] int64; None when no token is deferred).
+    token_src: torch.Tensor | None = None
     # Per sampling request: output tokens before the one sampled this step [S].
     num_outputs: list[int] = field(default_factory=list)
     # The fused CPU decode's LM head: logits [T, V] float32 and their argmax [T] int64, per row.
@@ -97,8 +128,12 @@ class InputBatch:
             state.block_ids.extend(diff.new_block_ids)
             state.num_computed_tokens = diff.num_computed_tokens
 
-    def prepare(self, out: SchedulerOutput) -> ModelInput:
-        """Flat input ids, positions and attention metadata for the scheduled tokens."""
+    def prepare(
+        self, out: SchedulerOutput, sampled_rows: dict[str, int] | None = None
+    ) -> ModelInput:
+        """Flat input ids, positions and attention metadata for the scheduled tokens, on the
+        device in one copy. ``sampled_rows``: each request's row in the previous step's sampled
+        tokens (async scheduling), for the input tokens still being sampled (``token_src``)."""
         req_ids = list(out.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
@@ -128,19 +163,43 @@ class InputBatch:
         req_index = np.repeat(np.arange(len(req_ids)), counts)
         block_of_token = block_table[req_index, positions // self.block_size]
         slots = block_of_token.astype(np.int64) * self.block_size + positions % self.block_size
-        meta = self._metadata(query_start, seq_lens, block_table, slots, counts)
         rows = self._logit_rows(req_ids, states, query_start, counts)
         sample_ids, logits_idx, num_outputs, prompt_rows = rows
-        dev = self.device
+        host = [
+            input_ids,
+            positions,
+            np.array(logits_idx, dtype=np.int64),
+            query_start.astype(np.int32),
+            seq_lens.astype(np.int32),
+            block_table,
+            slots,
+        ]
+        if deferred:
+            host.append(_token_sources(total, deferred, sampled_rows))
+        dev = to_device_many(host, self.device)
+        ids, pos, logits_indices, dev_query_start, dev_seq_lens, dev_table, dev_slots = dev[:7]
+        meta = AttentionMetadata(
+            query_start_loc=dev_query_start,
+            seq_lens=dev_seq_lens,
+            block_table=dev_table,
+            slot_mapping=dev_slots,
+            max_query_len=int(counts.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            query_start_loc_cpu=query_start.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+            num_decodes=int((counts == 1).sum()),
+        )
         return ModelInput(
-            input_ids=to_device(torch.from_numpy(input_ids), dev),
-            positions=to_device(torch.from_numpy(positions), dev),
+            input_ids=ids,
+            positions=pos,
             meta=meta,
             req_ids=req_ids,
             sample_req_ids=sample_ids,
-            logits_indices=to_device(torch.tensor(logits_idx, dtype=torch.int64), dev),
+            logits_indices=logits_indices,
+            logits_all_rows=len(logits_idx) == total,  # (one increasing index a request)
             prompt_logprob_rows=prompt_rows,
             deferred_tokens=deferred,
+            token_src=dev[7] if deferred else None,
             num_outputs=num_outputs,
         )
 
@@ -174,27 +233,6 @@ class InputBatch:
             table[i, : len(ids)] = ids
         return table
 
-    def _metadata(
-        self,
-        query_start: np.ndarray,
-        seq_lens: np.ndarray,
-        block_table: np.ndarray,
-        slots: np.ndarray,
-        counts: np.ndarray,
-    ) -> AttentionMetadata:
-        dev = self.device
-        return AttentionMetadata(
-            query_start_loc=to_device(torch.from_numpy(query_start.astype(np.int32)), dev),
-            seq_lens=to_device(torch.from_numpy(seq_lens.astype(np.int32)), dev),
-            block_table=to_device(torch.from_numpy(block_table), dev),
-            slot_mapping=to_device(torch.from_numpy(slots), dev),
-            max_query_len=int(counts.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)),
-            query_start_loc_cpu=query_start.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-            num_decodes=int((counts == 1).sum()),
-        )
-
     def _logit_rows(
         self,
         req_ids: list[str],
@@ -218,3 +256,18 @@ class InputBatch:
                 rows = [int(query_start[i]) + p - start for p in range(start, last)]
                 prompt_rows[req_ids[i]] = (rows, s.token_ids[start + 1 : last + 1])
         return sample_ids, logits_idx, num_outputs, prompt_rows
+
+
+def _token_sources(
+    num_tokens: int, deferred: list[tuple[int, str]], sampled_rows: dict[str, int] | None
+) -> np.ndarray:  # [T] int64
+    """Each input token's row in the previous step's sampled tokens when it is one still being
+    sampled (``deferred``: flat index, request), else -1."""
+    rows = sampled_rows or {}
+    missing = [r for _, r in deferred if r not in rows]
+    if missing:
+        raise RuntimeError(f"the previous step sampled no token for {missing[:3]}")
+    src = np.full(num_tokens, -1, dtype=np.int64)
+    for flat, req_id in deferred:
+        src[flat] = rows[req_id]
+    return src

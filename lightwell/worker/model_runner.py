@@ -21,7 +21,7 @@ from lightwell.layers.rotary import rope_table_length
 from lightwell.quant.kv_cache import cache_dtype, check_head_dim, stored_head_size
 from lightwell.scheduler.output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from lightwell.worker import context_parallel
-from lightwell.worker.cuda_graph import CudaGraphRunner
+from lightwell.worker.cuda_graph import CudaGraphRunner, take_sampled
 from lightwell.worker.input_batch import InputBatch, ModelInput, to_device
 from lightwell.worker.pending_step import PendingStep
 from lightwell.worker.pipeline_stage import PipelineStage
@@ -157,13 +157,19 @@ class ModelRunner:
         self.pooler.forget(sched.finished_req_ids)
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep(ModelRunnerOutput())
-        inp = self.batch.prepare(sched)
-        if inp.deferred_tokens:
-            self._fill_deferred(inp)
+        sampled_rows, sampled = self._last_sampled_rows()
+        inp = self.batch.prepare(sched, sampled_rows)
+        # input tokens the previous step is still sampling, taken from its tokens on the device
+        deferred = None if inp.token_src is None else (inp.token_src, sampled)
         key = self.graphs.graph_for(inp.meta) if self.graphs is not None else None
+        if key is None and deferred is not None:  # (a graph's replay takes them itself)
+            take_sampled(inp.input_ids, *deferred)
         if key is not None:  # [T, H]; None on a pipeline stage before the last
             args = (inp.input_ids, inp.positions, inp.meta, key)
-            hidden = self.stage.replay(self.graphs, *args) if self.stage else self.graphs.run(*args)
+            if self.stage is not None:
+                hidden = self.stage.replay(self.graphs, *args, deferred=deferred)
+            else:
+                hidden = self.graphs.run(*args, deferred=deferred)
             path = f"graph {key[0]} {key[1]}"
         elif self.cpu_decode is not None and self.cpu_decode.applies(inp.meta):
             hidden, logits, tokens = self.cpu_decode.forward(inp.input_ids, inp.positions, inp.meta)
@@ -203,16 +209,6 @@ class ModelRunner:
         if inp.prompt_logprob_rows:
             self._prompt_logprobs(inp, hidden, pending.out)
 
-    def _fill_deferred(self, inp: ModelInput) -> None:
-        """Input tokens the previous step sampled, copied on the device (no host round trip)."""
-        rows, tokens = self._last_sampled_rows()
-        missing = [r for _, r in inp.deferred_tokens if r not in rows]
-        if missing:
-            raise RuntimeError(f"the previous step sampled no token for {missing[:3]}")
-        idx = [[i for i, _ in inp.deferred_tokens], [rows[r] for _, r in inp.deferred_tokens]]
-        flat, src = to_device(torch.tensor(idx), self.device)  # [2, D]: one copy
-        inp.input_ids[flat] = tokens[src]
-
     def _last_sampled_rows(self) -> tuple[dict[str, int], torch.Tensor]:
         """The previous step's sampled tokens [S] and each request's row in them."""
         req_ids, tokens = self._last_sampled
@@ -243,12 +239,12 @@ class ModelRunner:
 
     def _greedy_tokens(self, inp: ModelInput, hidden: torch.Tensor) -> torch.Tensor | None:
         """The step's tokens [S] when every sampling row is plain greedy and no sampler is
-        needed: the argmax the fused CPU decode took in C, or (tensor parallel) the argmax of
-        the vocab-sharded logits, on every rank; else None."""
+        needed: the argmax the fused CPU decode took in C, or the model's ``greedy_tokens``
+        (``_sharded_greedy``) on every rank; else None."""
         if inp.fused_logits is not None and self._plain_greedy(inp):
             return inp.fused_logits[1][inp.logits_indices]
         if self._sharded_greedy(inp):
-            return self.model.greedy_tokens(hidden[inp.logits_indices])
+            return self.model.greedy_tokens(_sampling_rows(inp, hidden))
         return None
 
     def _splits(self, meta: AttentionMetadata) -> bool:
@@ -271,7 +267,7 @@ class ModelRunner:
         if inp.fused_logits is not None:
             logits = inp.fused_logits[0][inp.logits_indices]  # [S, V]
         else:
-            logits = self.model.compute_logits(hidden[inp.logits_indices])  # [S, V]
+            logits = self.model.compute_logits(_sampling_rows(inp, hidden))  # [S, V]
         if not self.is_driver:
             if self.share_sampled_tokens:  # rank 0's tokens, to feed the next step in flight
                 tokens = torch.empty(len(inp.sample_req_ids), dtype=torch.int64, device=self.device)
@@ -291,16 +287,20 @@ class ModelRunner:
 
     @functools.cached_property
     def _can_shard_greedy(self) -> bool:
-        """Tensor parallel, and a model whose logits ``greedy_tokens`` can argmax in shards
-        (fixed for the runner's life: worked out once, not every step)."""
-        return get_tp_size() > 1 and bool(getattr(self.model, "sharded_greedy", False))
+        """The model's ``greedy_tokens`` applies (its logits untransformed, ``sharded_greedy``)
+        and pays: under tensor parallelism, or on a GPU (fixed for the runner's life: worked
+        out once, not every step)."""
+        model_greedy = bool(getattr(self.model, "sharded_greedy", False))
+        return model_greedy and (get_tp_size() > 1 or self.device.type == "cuda")
 
     def _sharded_greedy(self, inp: ModelInput) -> bool:
-        """Under tensor parallelism, a step whose every sampling row is plain greedy (no
-        logprobs, logit bias, penalties or min_tokens still in force) takes the argmax of the
-        vocab-sharded logits without gathering them (``greedy_tokens``): every rank gets the
-        tokens, so none is broadcast either. Decided from what every rank holds alike (the
-        requests' parameters and output counts), so all ranks take the same path."""
+        """A step whose every sampling row is plain greedy (no logprobs, logit bias, penalties
+        or min_tokens still in force) takes the model's ``greedy_tokens`` instead of the
+        sampler: under tensor parallelism the argmax of the vocab-sharded logits without
+        gathering them (every rank gets the tokens, so none is broadcast either), on one GPU
+        the argmax of the LM head's logits as they come, in one launch (kernels/argmax.py).
+        Decided from what every rank holds alike (the requests' parameters and output counts),
+        so all ranks take the same path."""
         return self._can_shard_greedy and self._plain_greedy(inp)
 
     def _plain_greedy(self, inp: ModelInput) -> bool:
@@ -361,6 +361,12 @@ class ModelRunner:
                 continue
             target = to_device(torch.tensor(targets, dtype=torch.int64), self.device)  # [P]
             out.prompt_logprobs[req_id] = compute_prompt_logprobs(logits, target, k)
+
+
+def _sampling_rows(inp: ModelInput, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [S, H]
+    """The hidden rows of the step's sampling tokens (a decode step's are all of them: no
+    gather launched)."""
+    return hidden if inp.logits_all_rows else hidden[inp.logits_indices]
 
 
 def _zeros(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -48,11 +48,12 @@ class PipelineStage:
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
         key: tuple[str, int],  # graphs.graph_for(meta)
+        deferred: tuple[torch.Tensor, torch.Tensor] | None = None,  # as CudaGraphRunner.run's
     ) -> torch.Tensor | None:  # [T, H] on the last stage; None (sent on) before it
         """The step from the stage's graph ``key``: the received activations are copied into
         the graph's static buffer, its output sent on from the graph's output buffers."""
         inter = self.receive(len(input_ids))  # [2, T, H] or None
-        return self.deliver(graphs.run(input_ids, positions, meta, key, inter))
+        return self.deliver(graphs.run(input_ids, positions, meta, key, inter, deferred))
 
     def graph_forward(
         self,

@@ -48,14 +48,18 @@ def profile_run(
 
 
 def warmup(runner: ModelRunner) -> float:
-    """Run one tiny forward so first-request latency excludes lazy initialisation; on CUDA
-    then compile the attention backends' and the MoE experts' kernel variants. Returns the
-    seconds it took."""
+    """Run two tiny steps so first-request latency excludes lazy initialisation (one sampled
+    request, then one greedy: the sampler's path and the greedy argmax's); on CUDA then compile
+    the attention backends' and the MoE experts' kernel variants. Returns the seconds it
+    took."""
     t0 = time.perf_counter()
-    req = NewRequestData("__warmup__", [1, 2, 3, 4], 4, SamplingParams(max_tokens=1), [0], 0)
-    sched = SchedulerOutput([req], [], {"__warmup__": 4}, 4)
-    runner.execute_model(sched)
-    runner.batch.requests.pop("__warmup__", None)
+    for req_id, params in (
+        ("__warmup__", SamplingParams(max_tokens=1)),
+        ("__warmup_greedy__", SamplingParams(max_tokens=1, temperature=0.0)),
+    ):
+        req = NewRequestData(req_id, [1, 2, 3, 4], 4, params, [0], 0)
+        runner.execute_model(SchedulerOutput([req], [], {req_id: 4}, 4))
+        runner.batch.requests.pop(req_id, None)
     if runner.device.type == "cuda":
         compile_attention_variants(runner)
         for module in runner.model.modules():  # MoE experts' kernel variants

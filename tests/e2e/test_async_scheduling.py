@@ -44,8 +44,15 @@ def engines():
 def test_overlapped_loop_matches_the_plain_loop_under_preemption(engines, monkeypatch):
     plain, piped = engines
     runner = piped.engine.executor.worker.runner
-    fill, fed = runner._fill_deferred, []
-    monkeypatch.setattr(runner, "_fill_deferred", lambda inp: fed.append(inp) or fill(inp))
+    prepare, fed = runner.batch.prepare, []
+
+    def counted(*args):
+        inp = prepare(*args)
+        if inp.token_src is not None:  # input tokens the step before is still sampling
+            fed.append(inp)
+        return inp
+
+    monkeypatch.setattr(runner.batch, "prepare", counted)
     prompts = CHAT_PROMPTS[:5]
     want = plain.chat(_chats(prompts), PARAMS, use_tqdm=False)
     got = piped.chat(_chats(prompts), PARAMS, use_tqdm=False)

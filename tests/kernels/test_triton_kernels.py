@@ -828,11 +828,15 @@ _PDL_MLA_MOE_SCRIPT = (
     + r"""
 from lightwell.kernels import mla_decode as md, mla_output as mo, mla_prepare as mp
 from lightwell.kernels import moe_gemv as mg, moe_router as mr
+from lightwell.kernels import argmax as am
 
 on = sys.argv[1] == "1"
 bf = "*bf16"
 mla = dict(LATENT=512, BLOCK_L=512)
 out = {
+    "argmax": ops(am._argmax_kernel, dict(x_ptr=bf, key_ptr="*i32", idx_ptr="*i32",
+        cnt_ptr="*i32", out_ptr="*i64"), dict(PIECE=4096, PIECES=32, FENCE=True, GDC=on),
+        num_warps=4, launch_pdl=on),
     "router": ops(mr._moe_router_kernel, dict(logits_ptr="*fp32", bias_ptr="*fp32",
         weights_ptr="*fp32", ids_ptr="*i64", scaling="fp32"), dict(TOP_K=6, BLOCK_KP=8,
         NUM_GROUPS=1, TOPK_GROUPS=1, TOP2_GROUPS=False, BLOCK_G=1, BLOCK_EG=64, SIGMOID=False,
@@ -889,15 +893,15 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("on", [True, False])
 def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
-    """The MLA (over a bf16 and an fp8 latent cache) and MoE decode kernels with PDL on: each
-    waits before any store; all but the
+    """The MLA (over a bf16 and an fp8 latent cache) and MoE decode kernels, and the greedy
+    argmax after the LM head, with PDL on: each waits before any store; all but the
     router signal only after their (first) wait (the down kernel's early read of the router's
     ids relies on the gate/up kernel doing so), the router before it, so the gate/up kernel's
-    shared-expert tiles load under it; the router, loop-down, attention and combine kernels
+    shared-expert tiles load under it; the router, loop-down, attention, combine and argmax kernels
     load nothing before the wait, the gate/up kernel weights only; the pairs and split down
     kernels read the ids through L2 (``.cg``). Off, none of it is compiled in."""
     kernels = _run_ptx_script(_PDL_MLA_MOE_SCRIPT, on)
-    assert len(kernels) == 13
+    assert len(kernels) == 14
     for name, got in kernels.items():
         found = got["ops"]
         if not on:
@@ -913,7 +917,7 @@ def test_mla_and_moe_decode_kernels_wait_before_touching_the_step(on):
         early_writes = ("st.", "atom.", "red.", "griddep")
         assert not any(op.startswith(early_writes) for op in before), (name, found)
         assert "griddepcontrol.launch_dependents" in found[wait:], (name, found)
-        if name in ("down", "mla_decode", "mla_decode_fp8", "combine"):
+        if name in ("down", "mla_decode", "mla_decode_fp8", "combine", "argmax"):
             assert not before, (name, found)
         elif name == "gate_up":  # the shared experts' first gate and up tiles, 16-byte vectors
             assert before == ["ld.global.v4.b32"] * 4, found  # (1 row x 1,024 x 2 / 64 threads)

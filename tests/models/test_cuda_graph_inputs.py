@@ -244,3 +244,36 @@ def test_padded_replays_on_an_fp8_cache():
         for i in range(3)
     ]
     _check_step(r, SchedulerOutput([], cont, {f"r{i}": 1 for i in range(3)}, 3), "decode")
+
+
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_replays_take_tokens_still_being_sampled(kind):
+    """Async scheduling: a step's input tokens that the previous step is still sampling come
+    from that step's sampled tokens on the device (``token_src``), in decode and mixed graphs:
+    the replay equals the eager forward of the same tokens known on the host."""
+    r = _tiny_runner(max_model_len=32, prefill_tokens=16, seed=7)
+    rng, blocks = random.Random(3), Blocks()
+    sp = SamplingParams(max_tokens=4)
+    prompts = {f"r{i}": [rng.randrange(300) for _ in range(5)] for i in range(3)}
+    new = [NewRequestData(q, p, 5, sp, blocks.grow(q, 5), 0) for q, p in prompts.items()]
+    _check_step(r, SchedulerOutput(new, [], {q: 5 for q in prompts}, 15), "mixed")
+    sampled = torch.tensor([211, 17, 96])  # the previous step's rows: r2, r0, r1
+    rows = {"r2": 0, "r0": 1, "r1": 2}
+    cont = [CachedRequestData(q, [], blocks.grow(q, 6), 5) for q in prompts]  # tokens unknown
+    counts = {q: 1 for q in prompts}
+    later = []
+    if kind == "mixed":  # beside a new prompt: the 16-token graph
+        later = [NewRequestData("r3", [5, 6, 7], 3, sp, blocks.grow("r3", 3), 0)]
+        counts["r3"] = 3
+    sched = SchedulerOutput(later, cont, counts, sum(counts.values()))
+    r.batch.apply(sched)
+    inp = r.batch.prepare(sched, rows)
+    assert inp.token_src.tolist()[:3] == [1, 2, 0]
+    assert r.graphs.graph_for(inp.meta)[0] == kind
+    known = inp.input_ids.clone()
+    known[:3] = torch.tensor([17, 96, 211])
+    eager = r.forward(known, inp.positions, inp.meta).clone()
+    replay = r.graphs.run(inp.input_ids, inp.positions, inp.meta, deferred=(inp.token_src, sampled))
+    torch.testing.assert_close(replay, eager, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="sampled no token for"):
+        r.batch.prepare(sched, {"r0": 0})

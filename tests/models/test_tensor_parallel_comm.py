@@ -825,3 +825,9 @@ def test_peermem_gpu_buffers_are_symmetric_memory(monkeypatch):
         ]
         assert strategy.registered is False and strategy._release() is None
         own.fill_(7)
+
+
+def test_greedy_tokens_on_one_rank():
+    """One rank (no process group): ``greedy_tokens`` takes the argmax of the unpadded logits
+    in their own dtype (kernels/argmax.py on a GPU), the same checks as the sharded path's."""
+    _check_greedy_tokens(0)
