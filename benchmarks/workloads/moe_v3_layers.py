@@ -1,11 +1,14 @@
 """DeepSeek-V3 layers on one GPU: the time a decoder layer of V3's shapes (MLA with q-LoRA,
-256 routed experts of 2,048, top-8 in 4 of 8 groups, one shared expert; bf16, dummy weights)
-adds to a decode step at batch 1 and 64 and to a 2,048-token prefill. A layer of 256 bf16
-experts is 22.5 GB, so one H200 holds a few: the model is built with ``--layers`` MoE layers
-(first_k_dense_replace 0), twice, and a layer's time is the difference over the difference in
-layers (the embedding, LM head, sampling and host work cancel). One device call, ~3 min:
+256 routed experts of 2,048, top-8 in 4 of 8 groups, one shared expert; bf16 or, ``--fp8``, the
+FP8 128 x 128 blocks V3 ships in; dummy weights) adds to a decode step at batch 1 and 64 and to
+a 2,048-token prefill. A layer of 256 bf16 experts is 22.5 GB (11.3 GB in FP8), so one H200
+holds a few: the model is built with ``--layers`` MoE layers (first_k_dense_replace 0), twice,
+and a layer's time is the difference over the difference in layers (the embedding, LM head,
+sampling and host work cancel). One device call, ~3 min:
 
     run(command="python3 -m benchmarks.workloads.moe_v3_layers --out $OUT/v3_layers.json")
+    run(command="python3 -m benchmarks.workloads.moe_v3_layers --fp8 --layers 1,10 "
+        "--out $OUT/v3_layers_fp8.json")
 
 Reference result: benchmarks/results/W6_v3_layers_h200.json; docs/models.md turns it into an
 estimate of the whole model on eight GPUs.
@@ -20,6 +23,10 @@ import time
 
 from benchmarks.workloads.engine import rand_prompts
 from lightwell.bench.results import record, write_json
+
+# DeepSeek-V3's published quantization_config
+FP8_BLOCK = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+             "weight_block_size": [128, 128]}  # fmt: skip
 
 
 def _decode_step_ms(llm, batch: int) -> float:
@@ -69,21 +76,30 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", default="1,4", help="two MoE layer counts")
     ap.add_argument("--override", default="{}", help="config fields as JSON (a CPU smoke test)")
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="the checkpoint format V3 ships in: HF fine-grained FP8 (128 x 128 block scales), "
+        "experts and attention linears; the embedding and LM head stay bf16",
+    )
     args = ap.parse_args()
     lo, hi = (int(x) for x in args.layers.split(","))
-    a = measure(lo, json.loads(args.override))
+    override = json.loads(args.override)
+    if args.fp8:
+        override["quantization_config"] = FP8_BLOCK
+    a = measure(lo, override)
     import gc
 
     import torch
 
     gc.collect()
     torch.cuda.empty_cache()
-    b = measure(hi, json.loads(args.override))
+    b = measure(hi, override)
     rows = []
+    model = "deepseek-v3 layer (" + ("fp8 128x128 blocks" if args.fp8 else "bf16") + ")"
     for key in ("decode_b1_ms", "decode_b64_ms", "ttft_2048_ms"):
         per_layer = (b[key] - a[key]) / (hi - lo)
-        rows.append(record(f"v3_layer_{key}", per_layer, model="deepseek-v3 layer (bf16)",
-                           runs={lo: a, hi: b}))  # fmt: skip
+        rows.append(record(f"v3_layer_{key}", per_layer, model=model, runs={lo: a, hi: b}))
         print(f"per layer {key}: {per_layer:.3f} ms", flush=True)
     write_json(args.out, rows)
     return 0

@@ -197,11 +197,13 @@ MLA = dict(
 
 def deepseek_v2(folder: str, seed: int, **overrides):
     """Plain q, group-limited greedy routing (2 of 4 groups of 2 experts), 2 shared experts,
-    YaRN x4 over 32 positions with mscale, layer 0 dense."""
+    YaRN x4 over 32 positions, layer 0 dense. ``mscale`` and ``mscale_all_dim`` differ (the
+    published configs give both 0.707) so that each reaches the logits: their ratio scales
+    RoPE's cos/sin, ``mscale_all_dim``'s factor squared the softmax scale."""
     from transformers import DeepseekV2Config
 
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL_MAX,
-            "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+            "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
     kw = {**COMMON, **MOE, **MLA, "num_hidden_layers": 3, **overrides}
     cfg = DeepseekV2Config(
         **kw, q_lora_rank=None, n_routed_experts=8, n_shared_experts=2,

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from lightwell.layers.moe import RouterConfig, moe_loop, select_experts
+from lightwell.layers.moe import moe_loop, select_experts
 
 
 def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -17,24 +17,33 @@ def _sorted(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, tor
     return weights.gather(1, order), ids
 
 
-@pytest.mark.parametrize("kind", ["v2_group_limited", "v3_noaux_tc"])
+@pytest.mark.parametrize("kind", ["v2_greedy", "v2_group_limited", "v3_noaux_tc"])
 def test_routing_matches_hf_routers(kind):
+    """HF's DeepSeek routers against ``select_experts`` with the rule the model derives from
+    the same config (``deepseek_v2.router_of``): V2's plain greedy top-k (V2-Lite's method) and
+    group-limited greedy over softmax scores, V3's sigmoid ``noaux_tc`` with the correction
+    bias; the routed scaling on the weights."""
     from transformers import DeepseekV2Config, DeepseekV3Config
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
+    from lightwell.models.deepseek_v2 import router_of
+
     torch.manual_seed(0)
     common = dict(hidden_size=32, n_routed_experts=16, num_experts_per_tok=3, n_group=4,
                   topk_group=2, routed_scaling_factor=1.7)  # fmt: skip
-    if kind == "v2_group_limited":
-        hf = DeepseekV2TopkRouter(DeepseekV2Config(**common, topk_method="group_limited_greedy"))
-        router = RouterConfig(3, num_groups=4, topk_groups=2, scaling=1.7)
-        bias = None
+    bias = None
+    if kind.startswith("v2"):
+        method = "greedy" if kind == "v2_greedy" else "group_limited_greedy"
+        cfg = DeepseekV2Config(**common, topk_method=method)
+        hf = DeepseekV2TopkRouter(cfg)
     else:
-        hf = DeepseekV3TopkRouter(DeepseekV3Config(**common, norm_topk_prob=True))
+        cfg = DeepseekV3Config(**common, norm_topk_prob=True)
+        hf = DeepseekV3TopkRouter(cfg)
         hf.e_score_correction_bias.copy_(0.5 * torch.randn(16))
-        router = RouterConfig(3, True, "sigmoid", 4, 2, "top2", 1.7)
         bias = hf.e_score_correction_bias
+    router = router_of(cfg)
+    assert router.num_groups == (1 if kind == "v2_greedy" else 4)
     torch.nn.init.normal_(hf.weight)
     x = torch.randn(50, 32)
     _, want_w, want_ids = hf(x)
@@ -43,8 +52,9 @@ def test_routing_matches_hf_routers(kind):
     got_w, got_ids = _sorted(got_w, got_ids)
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w)
-    groups = got_ids // 4  # experts of at most topk_groups groups per token
-    assert max(len(set(g.tolist())) for g in groups) <= 2
+    groups = got_ids // 4  # experts of at most topk_groups groups per token, when limited
+    most = max(len(set(g.tolist())) for g in groups)
+    assert most > 2 if kind == "v2_greedy" else most <= 2
 
 
 def test_expert_loop_split_over_ranks_sums_to_the_whole():
@@ -134,6 +144,11 @@ def test_latent_cache_sizes_the_kv_blocks(tmp_path):
     per_block = 3 * 4 * 40 * 4  # layers x block x entry x fp32
     assert runner.kv_bytes_per_block() == per_block
     assert llm.engine.scheduler.num_free_blocks == int(0.001 * 2**30) // per_block
+    from lightwell.cli import _banner  # the start-up line counts the latent tokens
+
+    blocks = llm.engine.num_kv_blocks
+    assert blocks >= int(0.001 * 2**30) // per_block
+    assert f"KV cache {blocks * 4} tokens" in _banner(llm.engine, 0.0)
     # the engine knows a MoE model (its GPU default of requests a step): the CPU one here
     assert llm.engine.model_info.routed_experts == 4  # deepseek_v3: 4 routed, 1 shared
     assert llm.engine.config.scheduler.max_num_seqs == 64
