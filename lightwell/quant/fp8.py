@@ -6,7 +6,9 @@ W8A8: ``y = (qx @ qw.T) * sx[t] * sw[n]`` through ``torch._scaled_mm`` on CUDA (
 in fp32 on CPU (whose ``_scaled_mm`` is a slow reference).
 Fine-grained: ``weight`` [N, K] fp8 with ``weight_scale_inv`` [N / bn, K / bk] float32, one per
 ``weight_block_size`` = [bn, bk] block (``w = q * scale``); activations are quantized per token
-and per group of ``bk`` inputs at run time (``activation_scheme: dynamic``).
+and per group of ``bk`` inputs at run time (``activation_scheme: dynamic``), except on a GPU
+for steps of at most ``FP8_BLOCK_GEMV_MAX_ROWS`` rows (decode), which take the weight-only
+GEMV (kernels/fp8_block.py's ``fp8_block_gemv``: x in its own dtype).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from lightwell.quant.utils import add_param, check_divisible, replace_params
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
+# Rows up to which a fine-grained FP8 linear on a GPU runs the weight-only GEMV instead of
+# quantizing the activations for the block-scaled GEMM: faster on every DeepSeek-V3 shape at
+# one and two rows, slower on the widest at four (kernels_fp8_block_gemv_h200.json).
+FP8_BLOCK_GEMV_MAX_ROWS = 2
 
 
 def from_config(qc: dict[str, Any]) -> Fp8BlockMethod:
@@ -189,10 +195,15 @@ class Fp8BlockMethod:
         bias: torch.Tensor | None,  # [N]
     ) -> torch.Tensor:  # [T, N]
         bk = self.block[1]
+        scale = getattr(layer, self.scale_name)
+        if x.is_cuda and x.shape[0] <= FP8_BLOCK_GEMV_MAX_ROWS:  # decode: weight-only GEMV
+            from lightwell.kernels.fp8_block import fp8_block_gemv
+
+            out = fp8_block_gemv(x, layer.weight, scale, self.block)
+            return out if bias is None else out + bias
         from lightwell.kernels.act_quant import fp8_groups
 
         qx, sx = fp8_groups(x, bk)  # activations as the FP8 GEMM sees them
-        scale = getattr(layer, self.scale_name)
         if x.is_cuda:
             from lightwell.kernels.fp8_block import fp8_block_matmul
 

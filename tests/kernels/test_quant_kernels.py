@@ -166,6 +166,36 @@ def test_fp8_block_matmul_matches_reference(m, n, k, block):
 
 
 @pytest.mark.parametrize(
+    "m, n, k, block",
+    [(1, 48, 64, (16, 16)), (3, 80, 200, (16, 64)), (4, 4100, 1024, (128, 128)),
+     (2, 24, 640, (8, 128))],
+)  # fmt: skip
+def test_fp8_block_gemv_matches_reference(m, n, k, block):
+    """A few rows against block-scaled fp8 weights, weight-only: K past a 512-wide step and
+    not a multiple of it (200, 640), N past a program's rows (4,100), a block of 8 rows;
+    strided x rows; 16- and 32-bit x; too many rows or a bad scale shape refused."""
+    from lightwell.kernels import fp8_block
+
+    gen = torch.Generator().manual_seed(m + n + k)
+    bn, bk = block
+    b = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    sb = torch.rand(-(-n // bn), -(-k // bk), generator=gen) * 0.01 + 1e-3
+    b, sb = b.to(DEVICE), sb.to(DEVICE)
+    wide = torch.randn(m, k + 8, generator=gen)
+    for dtype in (torch.float32, torch.float16):
+        x = wide.to(dtype).to(DEVICE)[:, 3 : 3 + k]  # rows strided
+        out = fp8_block.fp8_block_gemv(x, b, sb, block)
+        ref = fp8_block.fp8_block_gemv_ref(x, b, sb, block)
+        assert out.shape == (m, n) and out.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2e-3
+        assert ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item() < tol
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        fp8_block.fp8_block_gemv(torch.zeros(5, k, device=DEVICE), b, sb, block)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_block.fp8_block_gemv(x, b, sb[:, :1], block)
+
+
+@pytest.mark.parametrize(
     "m, k, n, group, sym, config",
     [
         (3, 512, 96, 128, False, (32, 128, 1, 4, 1, False, True)),  # x read whole
