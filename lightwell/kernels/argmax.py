@@ -9,8 +9,9 @@ the first index of the largest value, a NaN counting above every number (the fir
 -0.0 equal to 0.0.
 
 Values are compared as int32 order keys (``_order_key``: the float's bits with a negative's
-magnitude bits flipped, every NaN one key above +inf), so ties and NaNs need no float
-special cases.
+magnitude bits flipped, every NaN the largest key, above +inf's), so ties and NaNs need no
+float special cases. 16- and 32-bit floats only (fp32 holds them exactly); other dtypes go to
+torch.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from lightwell.kernels.split_counters import COUNTER_CAPACITY, last_to_arrive, s
 PIECE = 4096  # values a program reads
 
 _BIG = 2**31 - 1  # an index past every row; also the NaN key
-_LOW = -(2**31)  # the key of a lane past the row's end (below -inf's)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
@@ -82,11 +83,12 @@ def _argmax_kernel(
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # x [R, V] float -> [R] int64
     """``x.argmax(dim=-1)`` (see the module docstring), in one launch. Rows past the split
-    counters' capacity, or ``V`` past int32, go to torch."""
+    counters' capacity, ``V`` past int32, or a dtype other than fp32/fp16/bf16 go to torch."""
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"argmax_rows: want float x [R, V]; got {x.dtype} {tuple(x.shape)}")
     rows, cols = x.shape
-    if rows == 0 or cols == 0 or rows > COUNTER_CAPACITY or cols >= _BIG:
+    too_big = rows > COUNTER_CAPACITY or cols >= _BIG
+    if rows == 0 or cols == 0 or too_big or x.dtype not in _KERNEL_DTYPES:
         return x.argmax(dim=-1)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -103,4 +105,4 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:  # x [R, V] float -> [R] int64
 
 
 def argmax_rows_ref(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
-    return x.float().argmax(dim=-1)
+    return x.argmax(dim=-1)

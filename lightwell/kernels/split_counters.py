@@ -1,7 +1,8 @@
-"""The per-tile counters of split-K kernels (kernels/int8_gemm.py, kernels/w4a16_skinny.py, and
-kernels/moe_gemv.py's down projection split by pair): the programs of an output tile count
-themselves in (``last_to_arrive``), the last adds the partials and sets the count back to zero,
-so one zeroed int32 buffer per device serves every call and every CUDA graph replay.
+"""The per-tile counters of split-K kernels (kernels/int8_gemm.py, kernels/w4a16_skinny.py,
+kernels/moe_gemv.py's down projection split by pair, and kernels/argmax.py's rows split into
+pieces): the programs of an output tile count themselves in (``last_to_arrive``), the last
+adds the partials and sets the count back to zero, so one zeroed int32 buffer per device
+serves every call and every CUDA graph replay.
 
 One buffer per device: two split-K launches must never run at once on one device (every GEMM
 runs on the step's main stream; the dual-stream overlap's second stream carries only

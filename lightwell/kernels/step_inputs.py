@@ -77,6 +77,12 @@ def fill_decode_inputs(
     if table.stride(1) != 1 or g_table.stride(1) != 1:
         raise ValueError("fill_decode_inputs: block tables need contiguous rows")
     src, sampled = deferred if deferred is not None else (step[0], step[0])
+    per_row = (*step[:4], src) + tuple(graph[:4])
+    if any(t.dim() != 1 or t.stride(0) != 1 for t in per_row) or any(
+        t.shape[0] != n for t, n in zip(per_row, (reqs,) * 5 + (size,) * 4)
+    ):
+        raise ValueError("fill_decode_inputs: the per-row inputs need R (graph: B) contiguous rows")
+    sampled = sampled.contiguous()
     _decode_inputs_kernel[(size,)](
         *step, src, sampled, *graph, reqs, width, table.stride(0), g_table.stride(0),
         HAS_SRC=deferred is not None, BLOCK_W=BLOCK_W, num_warps=1,

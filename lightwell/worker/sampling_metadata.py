@@ -103,7 +103,7 @@ def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
     """Whether the sampler's token for this row is the argmax of the raw logits: greedy, and
     none of what ``Sampler`` applies to a greedy row's logits (min_tokens still in force, logit
     bias, penalties, a grammar) nor wants from them (logprobs). Keep in step with
-    ``Sampler.__call__``: tensor-parallel steps of such rows skip it
+    ``Sampler.__call__``: steps of such rows on a GPU or under tensor parallelism skip it
     (``ModelRunner._sharded_greedy``)."""
     return (
         params.greedy

@@ -48,6 +48,8 @@ def test_argmax_rows_reads_strided_rows_and_refuses_bad_input():
     wide = torch.randn(3, 2 * am.PIECE, generator=g).to(DEVICE)
     _check(wide[:, 5 : am.PIECE + 900])  # rows strided, not starting at a piece boundary
     _check(wide.t().contiguous().t()[:, :100])  # columns strided: made contiguous
+    close = torch.tensor([[1.0, 1.0 + 1e-12, 0.5]], dtype=torch.float64, device=DEVICE)
+    assert am.argmax_rows(close).tolist() == [1]  # float64: torch's (fp32 would tie them)
     with pytest.raises(ValueError, match="float x"):
         am.argmax_rows(torch.zeros(3, dtype=torch.int64, device=DEVICE))
     assert am.argmax_rows(torch.zeros(0, 9, device=DEVICE)).shape == (0,)

@@ -64,6 +64,25 @@ def test_fill_decode_inputs_refuses_a_step_larger_than_the_graph():
         fill_decode_inputs(_graph(4, 8, 1), _step(5, 3, 2))
     with pytest.raises(ValueError, match="x 9 blocks"):
         fill_decode_inputs(_graph(4, 8, 1), _step(2, 9, 2))
+    step = _step(3, 2, 2)
+    short = step._replace(positions=step.positions[:2])
+    with pytest.raises(ValueError, match="per-row inputs"):
+        fill_decode_inputs(_graph(4, 8, 1), short)
+    with pytest.raises(ValueError, match="per-row inputs"):  # a strided row of token rows
+        src = torch.tensor([0, -1, 1, 0, 0, 0], device=DEVICE)[::2]
+        fill_decode_inputs(_graph(4, 8, 1), step, (src, torch.arange(2, device=DEVICE)))
+
+
+def test_fill_decode_inputs_reads_strided_sampled_tokens():
+    """The previous step's tokens as a strided view: the kernel reads them as the torch twin
+    indexes them."""
+    step = _step(2, 3, 4)
+    pair = torch.tensor([[11, 0], [12, 0], [13, 0]], device=DEVICE)
+    deferred = (torch.tensor([2, -1], device=DEVICE), pair[:, 0])
+    got, want = _graph(2, 5, 3), _graph(2, 5, 3)
+    fill_decode_inputs(got, step, deferred)
+    fill_decode_torch(want, step, deferred)
+    assert torch.equal(got.input_ids, want.input_ids) and got.input_ids[0].item() == 13
 
 
 def test_take_sampled_fills_only_the_pending_tokens():

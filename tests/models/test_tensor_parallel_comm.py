@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 from unittest import mock
 
+import pytest
 import torch
 
 from tests.models.test_tensor_parallel import _free_port
@@ -223,7 +224,7 @@ def _check_fused_norm(rank: int, ctx) -> None:
         strategy.close()
 
 
-def _check_greedy_tokens(rank: int) -> None:
+def _check_greedy_tokens(rank: int, device: str = "cpu") -> None:
     """The vocab-sharded argmax (no logits gathered) equals the argmax of the gathered logits,
     on both ranks: a vocabulary of 150 padded to 256 (rank 1 holds 22 real rows + padding
     whose zero logits would win when every real one is negative), ties across and within
@@ -235,12 +236,13 @@ def _check_greedy_tokens(rank: int) -> None:
         h = ParallelLMHead(table.shape[0], table.shape[1], bias=True)
         h.weight_loader(h.weight, table)
         h.weight_loader(h.bias, bias)
-        return h
+        return h.to(device)
 
     def check(h: ParallelLMHead, hidden: torch.Tensor) -> torch.Tensor:
+        hidden = hidden.to(device)
         want = h.compute_logits(hidden).argmax(-1)
         assert torch.equal(h.greedy_tokens(hidden), want), (rank, want)
-        return want
+        return want.cpu()
 
     g = torch.Generator().manual_seed(5)
     table, bias = torch.randn(150, 16, generator=g), -5 - torch.rand(150, generator=g)
@@ -258,6 +260,7 @@ def _check_greedy_tokens(rank: int) -> None:
     small = ParallelLMHead(40, 16)  # padded to 128: rank 1's 64 rows are all padding
     assert small.vocab_start_index >= 40 or rank == 0
     small.weight_loader(small.weight, table[:40])
+    small, hidden = small.to(device), hidden.to(device)
     want = small.compute_logits(hidden).argmax(-1)
     assert torch.equal(small.greedy_tokens(hidden), want) and (want < 40).all()
 
@@ -827,7 +830,12 @@ def test_peermem_gpu_buffers_are_symmetric_memory(monkeypatch):
         own.fill_(7)
 
 
-def test_greedy_tokens_on_one_rank():
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="the kernels/argmax.py path: a GPU"))],
+)  # fmt: skip
+def test_greedy_tokens_on_one_rank(device):
     """One rank (no process group): ``greedy_tokens`` takes the argmax of the unpadded logits
-    in their own dtype (kernels/argmax.py on a GPU), the same checks as the sharded path's."""
-    _check_greedy_tokens(0)
+    in their own dtype (on a GPU kernels/argmax.py over the rows cut from the padded
+    vocabulary), the same checks as the sharded path's."""
+    _check_greedy_tokens(0, device)
