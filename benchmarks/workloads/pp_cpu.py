@@ -39,11 +39,11 @@ def run(pp: int, in_flight: int | None, args: argparse.Namespace) -> dict:
     try:
         sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(_prompts(1, 16, seed=99), SamplingParams(max_tokens=2), use_tqdm=False)
-        before = _times(llm)
+        before = stage_times(llm)
         t0 = time.perf_counter()
         outs = llm.generate(_prompts(args.requests, args.prompt_len), sp, use_tqdm=False)
         wall = time.perf_counter() - t0
-        after = _times(llm)
+        after = stage_times(llm)
     finally:
         llm.engine.shutdown()
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
@@ -52,7 +52,9 @@ def run(pp: int, in_flight: int | None, args: argparse.Namespace) -> dict:
             "stage_utilisation": [b / wall for b in busy]}  # fmt: skip
 
 
-def _times(llm: object) -> list[dict]:
+def stage_times(llm: object) -> list[dict]:
+    """Each pipeline stage's ``PipelineStage.times`` (none without stages); also used by
+    workloads/tp.py's W2 stage."""
     executor = llm.engine.executor
     if hasattr(executor, "stage_times"):
         return [t for t in executor.stage_times() if t is not None]

@@ -20,6 +20,21 @@ weights, bf16, max_num_seqs=64, max_num_batched_tokens=2048, 16 GiB of KV cache 
 Every subprocess is time-boxed against the overall budget; each writes its rows to its own
 JSON file under --out as it goes, so a timeout keeps what was measured. The merged rows go to
 --out/tp.json (the per-engine files into --out/parts.tgz) and a short table is printed last.
+
+``--set multi``: the two-GPU runs of pipeline, expert and context parallelism (MULTI): W1,
+TTFT(2,048) and W2 (1,000 x 1,024 in / 256 out, the engine's W2 defaults; a pipeline's stage
+utilisation beside it) for TP=1, PP=2 and TP=2 on llama-3-8b; W1, W2 and a batch-64 decode
+profile (the all-reduce share) for Mixtral-8x7B and DeepSeek-V2-Lite at TP=2 with and without
+expert parallelism; TTFT of a 32,768-token prompt at CP=1 and CP=2; PP=2 and Mixtral's expert
+parallelism again with NCCL_P2P_DISABLE=1. More than one call holds: split it by engines,
+
+    run(kind="nvidia-h200-x2", command="python3 -m benchmarks.workloads.tp --set multi "
+        "--stages none --modes nvlink --engines tp1,pp2,tp2-auto --budget-s 560 "
+        "--engine-cap-s 280 --out $OUT/multi")
+
+``--dry-run`` runs a set's engines on the CPU with tiny configs of the same families and
+scaled-down stages (2 ranks over gloo, one thread each): the script's plumbing, not a
+measurement (its rows say ``dry_run``).
 """
 
 from __future__ import annotations
@@ -41,6 +56,11 @@ from benchmarks.comm.allreduce import COMMON_ENV, MODE_ENV
 # (TP=2 halves it: 562 tok/s); llama-3-70b at TP=2: 69.5e9 non-embedding params x 2 B / 2 GPUs;
 # Mixtral-8x7B at TP=2: 12.75e9 active params x 2 B / 2 GPUs.
 FLOOR_TOK_S = {"llama-3-8b": 281.0, "llama-3-70b": 60.7, "mixtral-8x7b": 331.0}
+# the engine's W2 settings (W2 runs), and a context for the 32,768-token prompt (dummy weights:
+# llama-3-8b's shapes with room for the positions)
+W2_OPTS = dict(max_num_seqs=256, max_num_batched_tokens=8192, kv_cache_memory_gb=None)
+LONG = dict(hf_config_json='{"preset": "llama-3-8b", "max_position_embeddings": 40960}',
+            max_model_len=34000, max_num_batched_tokens=8192, kv_cache_memory_gb=None)  # fmt: skip
 G2048 = {"cuda_graph_prefill_tokens": 2048}
 NOPDL = {"pdl": False}  # programmatic dependent launch off (the default is on, sm_90+)
 
@@ -135,7 +155,85 @@ ENGINES = {
         ("tp2-hostmem-int8-pdec", dict(all_reduce="hostmem-int8"), ("profile-decode",)),
     ],
 }
-ENGINE_CAP_S = 150  # one engine subprocess at most
+# --set multi (issue 27): most important first in each mode
+MULTI = {
+    "nvlink": [
+        ("tp1", dict(tensor_parallel_size=1, **W2_OPTS), ("w1", "ttft", "w2")),
+        (
+            "pp2",
+            dict(tensor_parallel_size=1, pipeline_parallel_size=2, **W2_OPTS),
+            ("w1", "ttft", "w2"),
+        ),  # fmt: skip
+        ("tp2-auto", dict(all_reduce="auto", **W2_OPTS), ("w1", "ttft", "w2")),
+        (
+            "tp2-mixtral",
+            dict(all_reduce="auto", hf_config_json="mixtral-8x7b", **W2_OPTS),
+            ("w1", "w2", "profile-decode"),
+        ),  # fmt: skip
+        (
+            "tp2-ep-mixtral",
+            dict(
+                all_reduce="auto",
+                hf_config_json="mixtral-8x7b",
+                enable_expert_parallel=True,
+                **W2_OPTS,
+            ),
+            ("w1", "w2", "profile-decode"),
+        ),  # fmt: skip
+        (
+            "tp2-v2lite",
+            dict(all_reduce="auto", hf_config_json="deepseek-v2-lite", **W2_OPTS),
+            ("w1", "w2", "profile-decode"),
+        ),  # fmt: skip
+        (
+            "tp2-ep-v2lite",
+            dict(
+                all_reduce="auto",
+                hf_config_json="deepseek-v2-lite",
+                enable_expert_parallel=True,
+                **W2_OPTS,
+            ),
+            ("w1", "w2", "profile-decode"),
+        ),  # fmt: skip
+        ("cp1-32k", dict(tensor_parallel_size=1, **LONG), ("ttft32k",)),
+        ("cp2-32k", dict(tensor_parallel_size=1, context_parallel_size=2, **LONG), ("ttft32k",)),
+    ],
+    "pcie-emulated": [
+        (
+            "pp2",
+            dict(tensor_parallel_size=1, pipeline_parallel_size=2, **W2_OPTS),
+            ("w1", "ttft", "w2"),
+        ),  # fmt: skip
+        (
+            "tp2-mixtral",
+            dict(all_reduce="auto", hf_config_json="mixtral-8x7b", **W2_OPTS),
+            ("w1", "w2", "profile-decode"),
+        ),  # fmt: skip
+        (
+            "tp2-ep-mixtral",
+            dict(
+                all_reduce="auto",
+                hf_config_json="mixtral-8x7b",
+                enable_expert_parallel=True,
+                **W2_OPTS,
+            ),
+            ("w1", "w2", "profile-decode"),
+        ),  # fmt: skip
+    ],
+}
+ENGINE_SETS = {"w4": ENGINES, "multi": MULTI}
+# --dry-run: tiny configs of the presets' families (the plumbing, on the CPU)
+TINY = {
+    "llama-3-8b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                       num_attention_heads=4, num_key_value_heads=2),
+    "mixtral-8x7b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                         num_attention_heads=4, num_key_value_heads=2),
+    "deepseek-v2-lite": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                             moe_intermediate_size=32, num_attention_heads=4, kv_lora_rank=32,
+                             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                             n_routed_experts=8, num_experts_per_tok=2),
+}  # fmt: skip
+ENGINE_CAP_S = 150  # one engine subprocess at most (default of --engine-cap-s)
 SHARE = {"nvlink": 0.55, "pcie-emulated": 0.45}  # of the budget; --share overrides
 
 
@@ -146,9 +244,11 @@ def rand_prompts(n: int, length: int, seed: int) -> list[dict]:
     return [{"prompt_token_ids": [rng.randrange(32000) for _ in range(length)]} for _ in range(n)]
 
 
-def make_llm(mode: str, options: dict, dual_min_tokens: int):
+def make_llm(mode: str, options: dict, dual_min_tokens: int, dry_run: bool = False):
     from lightwell import LLM
 
+    if dry_run:
+        return LLM(**dry_run_options(options))
     kw = dict(
         load_format="dummy",
         hf_config_json="llama-3-8b",
@@ -170,38 +270,73 @@ def make_llm(mode: str, options: dict, dual_min_tokens: int):
     return LLM(**kw)
 
 
-def stage_w1(llm, emit, model: str = "llama-3-8b") -> None:
+def dry_run_options(options: dict) -> dict:
+    """``options`` for the CPU with a tiny config of the same family (``--dry-run``): the
+    parallel layout kept, the GPU-only switches dropped."""
+    keep = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size",
+            "enable_expert_parallel")  # fmt: skip
+    model = options.get("hf_config_json", "llama-3-8b")
+    base = json.loads(model) if model.startswith("{") else {"preset": model}
+    tiny = {**base, **TINY[base["preset"]]}
+    kw = dict(load_format="dummy", hf_config_json=json.dumps(tiny), dtype="float32",
+              device="cpu", num_threads=1, max_num_seqs=8, max_num_batched_tokens=256,
+              kv_cache_memory_gb=0.05, tensor_parallel_size=2)  # fmt: skip
+    kw.update({k: v for k, v in options.items() if k in keep})
+    return kw
+
+
+def stage_w1(llm, emit, model: str = "llama-3-8b", tokens: int = 256) -> None:
     from lightwell import SamplingParams
 
-    sp = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
     llm.generate(
         rand_prompts(1, 128, 99),
         SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False),
         use_tqdm=False,
     )
-    rates, ttfts, tokens = [], [], None
+    rates, ttfts, first = [], [], None
     for seed in (1, 2, 3):
         out = llm.generate(rand_prompts(1, 128, seed), sp, use_tqdm=False)[0]
         m = out.metrics
         ttfts.append(1e3 * (m.first_token_time - m.arrival_time))
-        rates.append(255 / (m.last_token_time - m.first_token_time))
-        tokens = tokens or out.outputs[0].token_ids[:32]
+        rates.append((sp.max_tokens - 1) / (m.last_token_time - m.first_token_time))
+        first = first or out.outputs[0].token_ids[:32]
     rate = statistics.median(rates)
-    floor = FLOOR_TOK_S[model]
-    emit("decode_tok_s", rate, workload="W1", floor=floor, runs=rates, tokens=tokens)
+    floor = FLOOR_TOK_S.get(model)
+    emit("decode_tok_s", rate, workload="W1", floor=floor, runs=rates, tokens=first)
     emit("ttft_ms", statistics.median(ttfts), workload="W1", prompt_len=128, runs=ttfts)
 
 
-def stage_ttft(llm, emit) -> None:
+def stage_ttft(llm, emit, length: int = 2048, workload: str = "TTFT-2048") -> None:
     from lightwell import SamplingParams
 
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
-    llm.generate(rand_prompts(1, 2048, 50), one, use_tqdm=False)  # warm-up
+    llm.generate(rand_prompts(1, length, 50), one, use_tqdm=False)  # warm-up
     t = []
     for seed in (51, 52, 53):
-        m = llm.generate(rand_prompts(1, 2048, seed), one, use_tqdm=False)[0].metrics
+        m = llm.generate(rand_prompts(1, length, seed), one, use_tqdm=False)[0].metrics
         t.append(1e3 * (m.first_token_time - m.arrival_time))
-    emit("ttft_ms", statistics.median(t), workload="TTFT-2048", prompt_len=2048, runs=t)
+    emit("ttft_ms", statistics.median(t), workload=workload, prompt_len=length, runs=t)
+
+
+def stage_w2(llm, emit, requests: int = 1000, prompt_len: int = 1024, output_len: int = 256):
+    """W2: ``requests`` prompts at once, EOS ignored: total tok/s, and each pipeline stage's
+    utilisation (busy / wall, ``PipelineStage.times``) where the engine has stages."""
+    from benchmarks.workloads.pp_cpu import stage_times
+    from lightwell import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                        detokenize=False)  # fmt: skip
+    before = stage_times(llm)
+    t0 = time.perf_counter()
+    outs = llm.generate(rand_prompts(requests, prompt_len, 7), sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = stage_times(llm)
+    tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
+    busy = [a["busy_s"] - b["busy_s"] for a, b in zip(after, before)]
+    emit("total_tok_s", tokens / wall, workload="W2", requests=requests, prompt_len=prompt_len,
+         output_len=output_len, wall_s=round(wall, 2),
+         stage_utilisation=[round(b / wall, 4) for b in busy] or None)  # fmt: skip
 
 
 def _start_decoding(engine, batch: int, steps: int, tag: str) -> None:
@@ -326,8 +461,8 @@ def _prefilling(engine) -> bool:
 def run_engine(args: argparse.Namespace) -> int:
     from lightwell.bench.results import record
 
-    mode, label = args.mode, args.engine
-    _, options, stages = next(e for e in ENGINES[mode] if e[0] == label)
+    mode, label, dry = args.mode, args.engine, args.dry_run
+    _, options, stages = next(e for e in ENGINE_SETS[args.set][mode] if e[0] == label)
     rows: list[dict] = []
     path = os.path.join(args.out, f"tp_{mode}_{label}.json")
     tp = options.get("tensor_parallel_size", 2)
@@ -340,6 +475,7 @@ def run_engine(args: argparse.Namespace) -> int:
         config=label,
         options={k: v for k, v in options.items() if k != "tensor_parallel_size"},
         command=args.command,
+        **({"dry_run": True} if dry else {}),
     )
 
     def emit(metric: str, value: float, **fields) -> None:
@@ -349,11 +485,13 @@ def run_engine(args: argparse.Namespace) -> int:
         print(f"  [{mode} {label}] {metric} = {value:.4g}", flush=True)
 
     t0 = time.perf_counter()
-    llm = make_llm(mode, options, args.dual_min_tokens)
+    llm = make_llm(mode, options, args.dual_min_tokens, dry)
     emit("engine_start_s", time.perf_counter() - t0, workload="startup")
     run_stage = {
-        "w1": lambda: stage_w1(llm, emit, model),
-        "ttft": lambda: stage_ttft(llm, emit),
+        "w1": lambda: stage_w1(llm, emit, model, 8 if dry else 256),
+        "ttft": lambda: stage_ttft(llm, emit, 64 if dry else 2048),
+        "ttft32k": lambda: stage_ttft(llm, emit, 200 if dry else 32768, "TTFT-32768"),
+        "w2": lambda: stage_w2(llm, emit, *((8, 48, 4) if dry else ())),
         "decode": lambda: stage_decode(llm, emit),
         "profile": lambda: stage_profile(llm, emit, args.out, f"{mode}_{label}"),
         "profile-decode": lambda: stage_profile_decode(llm, emit, args.out, f"{mode}_{label}"),
@@ -362,6 +500,9 @@ def run_engine(args: argparse.Namespace) -> int:
         ),
     }
     for stage in stages:
+        if dry and stage.startswith("profile"):  # (torch.profiler's CUDA kernels)
+            print(f"  [{mode} {label}] {stage}: skipped in a dry run", flush=True)
+            continue
         run_stage[stage]()
     llm.engine.shutdown()
     sys.stdout.flush()
@@ -376,7 +517,8 @@ def child(args: argparse.Namespace, what: list[str], deadline: float, cap: float
     common = ["--mode", args.mode_now, "--deadline", str(deadline), "--command", args.command]
     if what:
         module = "benchmarks.workloads.tp"
-        rest = ["--out", args.out, "--dual-min-tokens", str(args.dual_min_tokens), *what]
+        rest = ["--out", args.out, "--dual-min-tokens", str(args.dual_min_tokens), "--set",
+                args.set, *(["--dry-run"] if args.dry_run else []), *what]  # fmt: skip
     else:
         module = "benchmarks.comm.allreduce"
         out = os.path.join(args.out, f"tp_{args.mode_now}_allreduce.json")
@@ -409,15 +551,15 @@ def drive(args: argparse.Namespace) -> int:
         share = sum(weights[m] for m in modes[: i + 1]) / sum(weights[m] for m in modes)
         mode_end = start + args.budget_s * share
         print(f"== mode {mode} (until +{mode_end - start:.0f} s)", flush=True)
-        if {"allreduce", "check"} & set(args.stages.split(",")):
+        if {"allreduce", "check"} & set(args.stages.split(",")) and not args.dry_run:
             child(args, [], min(mode_end, time.time() + args.allreduce_s), args.allreduce_s + 30)
-        for label, _, _ in ENGINES[mode]:
+        for label, _, _ in ENGINE_SETS[args.set][mode]:
             if args.engines != "all" and label not in wanted and f"{mode}:{label}" not in wanted:
                 continue
             if mode_end - time.time() < 40:
                 print(f"-- {mode} {label}: skipped (budget)", flush=True)
                 continue
-            child(args, ["--engine", label], min(end, mode_end + 20), ENGINE_CAP_S)
+            child(args, ["--engine", label], min(end, mode_end + 20), args.engine_cap_s)
     rows = []
     for path in sorted(glob.glob(os.path.join(args.out, "tp_*.json"))):
         with open(path) as f:
@@ -464,6 +606,20 @@ def main() -> int:
     ap.add_argument("--allreduce-s", type=float, default=60.0)
     ap.add_argument("--share", default="{}", help='budget weights per mode, JSON: {"nvlink": 0.3}')
     ap.add_argument("--dual-min-tokens", type=int, default=64)
+    ap.add_argument(
+        "--set",
+        default="w4",
+        choices=sorted(ENGINE_SETS),
+        help="w4: the TP comparison (ENGINES); multi: PP / EP / CP runs (MULTI)",
+    )
+    ap.add_argument(
+        "--engine-cap-s", type=float, default=ENGINE_CAP_S, help="one engine subprocess's time box"
+    )
+    ap.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny configs on the CPU: the plumbing, not a measurement",
+    )
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
