@@ -156,70 +156,36 @@ ENGINES = {
     ],
 }
 # --set multi (issue 27): most important first in each mode
+_PP2 = (
+    "pp2",
+    dict(tensor_parallel_size=1, pipeline_parallel_size=2, **W2_OPTS),
+    ("w1", "ttft", "w2"),
+)
+
+
+def _moe_tp2(name: str, preset: str, expert_parallel: bool) -> tuple:
+    """A MoE preset at TP=2, with or without expert parallelism: W1, W2, a decode profile."""
+    options = dict(all_reduce="auto", hf_config_json=preset, **W2_OPTS)
+    if expert_parallel:
+        options["enable_expert_parallel"] = True
+    label = f"tp2-{'ep-' if expert_parallel else ''}{name}"
+    return label, options, ("w1", "w2", "profile-decode")
+
+
 MULTI = {
     "nvlink": [
         ("tp1", dict(tensor_parallel_size=1, **W2_OPTS), ("w1", "ttft", "w2")),
-        (
-            "pp2",
-            dict(tensor_parallel_size=1, pipeline_parallel_size=2, **W2_OPTS),
-            ("w1", "ttft", "w2"),
-        ),  # fmt: skip
+        _PP2,
         ("tp2-auto", dict(all_reduce="auto", **W2_OPTS), ("w1", "ttft", "w2")),
-        (
-            "tp2-mixtral",
-            dict(all_reduce="auto", hf_config_json="mixtral-8x7b", **W2_OPTS),
-            ("w1", "w2", "profile-decode"),
-        ),  # fmt: skip
-        (
-            "tp2-ep-mixtral",
-            dict(
-                all_reduce="auto",
-                hf_config_json="mixtral-8x7b",
-                enable_expert_parallel=True,
-                **W2_OPTS,
-            ),
-            ("w1", "w2", "profile-decode"),
-        ),  # fmt: skip
-        (
-            "tp2-v2lite",
-            dict(all_reduce="auto", hf_config_json="deepseek-v2-lite", **W2_OPTS),
-            ("w1", "w2", "profile-decode"),
-        ),  # fmt: skip
-        (
-            "tp2-ep-v2lite",
-            dict(
-                all_reduce="auto",
-                hf_config_json="deepseek-v2-lite",
-                enable_expert_parallel=True,
-                **W2_OPTS,
-            ),
-            ("w1", "w2", "profile-decode"),
-        ),  # fmt: skip
+        *(
+            _moe_tp2(name, preset, ep)
+            for name, preset in (("mixtral", "mixtral-8x7b"), ("v2lite", "deepseek-v2-lite"))
+            for ep in (False, True)
+        ),
         ("cp1-32k", dict(tensor_parallel_size=1, **LONG), ("ttft32k",)),
         ("cp2-32k", dict(tensor_parallel_size=1, context_parallel_size=2, **LONG), ("ttft32k",)),
     ],
-    "pcie-emulated": [
-        (
-            "pp2",
-            dict(tensor_parallel_size=1, pipeline_parallel_size=2, **W2_OPTS),
-            ("w1", "ttft", "w2"),
-        ),  # fmt: skip
-        (
-            "tp2-mixtral",
-            dict(all_reduce="auto", hf_config_json="mixtral-8x7b", **W2_OPTS),
-            ("w1", "w2", "profile-decode"),
-        ),  # fmt: skip
-        (
-            "tp2-ep-mixtral",
-            dict(
-                all_reduce="auto",
-                hf_config_json="mixtral-8x7b",
-                enable_expert_parallel=True,
-                **W2_OPTS,
-            ),
-            ("w1", "w2", "profile-decode"),
-        ),  # fmt: skip
-    ],
+    "pcie-emulated": [_PP2, *(_moe_tp2("mixtral", "mixtral-8x7b", ep) for ep in (False, True))],
 }
 ENGINE_SETS = {"w4": ENGINES, "multi": MULTI}
 # --dry-run: tiny configs of the presets' families (the plumbing, on the CPU)
