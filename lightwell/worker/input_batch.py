@@ -72,7 +72,6 @@ class ModelInput:
     # Requests whose last scheduled token is the last known token: they sample a new one.
     sample_req_ids: list[str]
     logits_indices: torch.Tensor  # [S] int64: flat index of each sampling request's last token
-    logits_all_rows: bool  # logits_indices is 0..T-1 (every token samples: a decode step)
     # Prompt-logprob rows: req_id -> (flat token indices [P], target token ids [P]).
     prompt_logprob_rows: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     # Async scheduling: (flat index, req_id) of input tokens the previous step is sampling on
@@ -128,12 +127,11 @@ class InputBatch:
             state.block_ids.extend(diff.new_block_ids)
             state.num_computed_tokens = diff.num_computed_tokens
 
-    def prepare(
-        self, out: SchedulerOutput, sampled_rows: dict[str, int] | None = None
-    ) -> ModelInput:
+    def prepare(self, out: SchedulerOutput, sampled_req_ids: list[str] | None = None) -> ModelInput:
         """Flat input ids, positions and attention metadata for the scheduled tokens, on the
-        device in one copy. ``sampled_rows``: each request's row in the previous step's sampled
-        tokens (async scheduling), for the input tokens still being sampled (``token_src``)."""
+        device in one copy. ``sampled_req_ids``: the requests of the previous step's sampled
+        tokens, in row order (async scheduling), for the input tokens still being sampled
+        (``token_src``)."""
         req_ids = list(out.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         counts = np.array([out.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
@@ -175,7 +173,7 @@ class InputBatch:
             slots,
         ]
         if deferred:
-            host.append(_token_sources(total, deferred, sampled_rows))
+            host.append(_token_sources(total, deferred, sampled_req_ids or []))
         dev = to_device_many(host, self.device)
         ids, pos, logits_indices, dev_query_start, dev_seq_lens, dev_table, dev_slots = dev[:7]
         meta = AttentionMetadata(
@@ -196,7 +194,6 @@ class InputBatch:
             req_ids=req_ids,
             sample_req_ids=sample_ids,
             logits_indices=logits_indices,
-            logits_all_rows=len(logits_idx) == total,  # (one increasing index a request)
             prompt_logprob_rows=prompt_rows,
             deferred_tokens=deferred,
             token_src=dev[7] if deferred else None,
@@ -259,11 +256,11 @@ class InputBatch:
 
 
 def _token_sources(
-    num_tokens: int, deferred: list[tuple[int, str]], sampled_rows: dict[str, int] | None
+    num_tokens: int, deferred: list[tuple[int, str]], sampled_req_ids: list[str]
 ) -> np.ndarray:  # [T] int64
     """Each input token's row in the previous step's sampled tokens when it is one still being
     sampled (``deferred``: flat index, request), else -1."""
-    rows = sampled_rows or {}
+    rows = {r: i for i, r in enumerate(sampled_req_ids)}
     missing = [r for _, r in deferred if r not in rows]
     if missing:
         raise RuntimeError(f"the previous step sampled no token for {missing[:3]}")

@@ -157,8 +157,8 @@ class ModelRunner:
         self.pooler.forget(sched.finished_req_ids)
         if sched.total_num_scheduled_tokens == 0:
             return PendingStep(ModelRunnerOutput())
-        sampled_rows, sampled = self._last_sampled_rows()
-        inp = self.batch.prepare(sched, sampled_rows)
+        sampled_req_ids, sampled = self._last_sampled
+        inp = self.batch.prepare(sched, sampled_req_ids)
         # input tokens the previous step is still sampling, taken from its tokens on the device
         deferred = None if inp.token_src is None else (inp.token_src, sampled)
         key = self.graphs.graph_for(inp.meta) if self.graphs is not None else None
@@ -364,9 +364,10 @@ class ModelRunner:
 
 
 def _sampling_rows(inp: ModelInput, hidden: torch.Tensor) -> torch.Tensor:  # [T, H] -> [S, H]
-    """The hidden rows of the step's sampling tokens (a decode step's are all of them: no
-    gather launched)."""
-    return hidden if inp.logits_all_rows else hidden[inp.logits_indices]
+    """The hidden rows of the step's sampling tokens. Their indices increase, one a request at
+    most, so as many as the tokens are all of them (a decode step's): no gather launched."""
+    every_row = inp.logits_indices.shape[0] == hidden.shape[0]
+    return hidden if every_row else hidden[inp.logits_indices]
 
 
 def _zeros(shape: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -85,4 +85,3 @@ def take_pooled(
     inp.num_outputs = [inp.num_outputs[i] for i in keep] if inp.num_outputs else []
     index = torch.tensor(keep, dtype=torch.int64).to(inp.logits_indices.device)
     inp.logits_indices = inp.logits_indices[index]
-    inp.logits_all_rows = False

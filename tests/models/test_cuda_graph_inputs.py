@@ -258,7 +258,7 @@ def test_replays_take_tokens_still_being_sampled(kind):
     new = [NewRequestData(q, p, 5, sp, blocks.grow(q, 5), 0) for q, p in prompts.items()]
     _check_step(r, SchedulerOutput(new, [], {q: 5 for q in prompts}, 15), "mixed")
     sampled = torch.tensor([211, 17, 96])  # the previous step's rows: r2, r0, r1
-    rows = {"r2": 0, "r0": 1, "r1": 2}
+    rows = ["r2", "r0", "r1"]
     cont = [CachedRequestData(q, [], blocks.grow(q, 6), 5) for q in prompts]  # tokens unknown
     counts = {q: 1 for q in prompts}
     later = []
@@ -276,4 +276,4 @@ def test_replays_take_tokens_still_being_sampled(kind):
     replay = r.graphs.run(inp.input_ids, inp.positions, inp.meta, deferred=(inp.token_src, sampled))
     torch.testing.assert_close(replay, eager, rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="sampled no token for"):
-        r.batch.prepare(sched, {"r0": 0})
+        r.batch.prepare(sched, ["r0"])
