@@ -13,10 +13,10 @@ kernel's code as it is: it has no pipelined loads). The tiles compile in paralle
 first (Triton's disk cache), then each is checked against the reference and timed; the best per
 shape is printed last, beside ``pick_config``'s and cuBLAS bf16.
 ``--budget-s`` (a quarter a shape) stops the sweep's timing early (the rows so far are kept).
-``--skinny-sweep``: kernels/w4a16_skinny.py's tiles (BLOCK_N, SPLIT_K, warps, operand order, x
-read whole or strided) and the ``tl.dot`` GEMM's (BLOCK_N, BLOCK_K, warps, stages) at 4 and 16
-rows on the TP=1 shapes, beside the path ``w4a16_matmul`` took before it
-(the GEMV at 4 rows, the ``tl.dot`` GEMM at 16) and cuBLAS bf16.
+``--skinny-sweep``: kernels/w4a16_skinny.py's tiles (BLOCK_N 16-256, SPLIT_K 1-16, 1-8 warps, 3
+or 4 stages; 75 of them) and the ``tl.dot`` GEMM's (BLOCK_N, BLOCK_K, warps, stages) at 4 and 16
+rows on the TP=1 and TP=2 shapes, beside what ``w4a16_matmul`` runs (the skinny kernel's
+``pick_config``) and cuBLAS bf16; ``--budget-s`` splits the timing over the shapes.
 
 Timing: a CUDA graph cycling through enough copies of the weights (>= 200 MB) that no launch
 finds them in L2; median of 20 replays; µs a call and the 4-bit weights' bytes (with scales and
@@ -210,11 +210,12 @@ def summarize(rows: list[dict]) -> None:
 
 def skinny_configs() -> list[tuple]:
     """("skinny", kernels/w4a16_skinny.py's config) and ("gemm", w4a16_gemm's config)."""
+    tiles = [(16, 1, 3), (32, 1, 3), (64, 1, 3), (32, 2, 3), (64, 2, 3), (128, 2, 3), (64, 1, 4),
+             (64, 2, 4), (128, 2, 4), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 4, 4),
+             (256, 4, 3), (256, 8, 3)]  # fmt: skip
     out = [
-        ("skinny", (bn, 128, split, warps, 3, swap, xs))
-        for bn, split, warps, swap, xs in itertools.product(
-            (128, 256), (2, 4, 8), (4, 8), (False, True), (False, True)
-        )
+        ("skinny", (bn, 128, split, warps, stages))
+        for (bn, warps, stages), split in itertools.product(tiles, (1, 2, 4, 8, 16))
     ]
     out += [
         ("gemm", (16, bn, bk, warps, stages))
@@ -254,7 +255,7 @@ def skinny_sweep(deadline: float, dev: torch.device) -> list[dict]:
     with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         done = sum(pool.map(_compile_skinny, [configs[i::workers] for i in range(workers)]))
     print(f"compiled {done}/{len(configs)} skinny tiles in {time.time() - t0:.0f} s", flush=True)
-    rows, names = [], [name for name in SHAPES if name.startswith("tp1")]
+    rows, names = [], list(SHAPES)
     per = (deadline - time.time()) / (2 * len(names))
     for name, m in itertools.product(names, (4, 16)):
         n, k = SHAPES[name]

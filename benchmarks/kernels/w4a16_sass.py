@@ -3,11 +3,11 @@ cuobjdump): registers, stack and the main loop's SASS per tile, the instructions
 a thread (the GEMV: times rows of x), and the shared-memory traffic (LDS, STS, BAR) in the loop.
 
     python -m benchmarks.kernels.w4a16_sass [--tiles 4,2048,4,1 16,256,1,1] [--rows 1]
-    python -m benchmarks.kernels.w4a16_sass --kernel skinny [--tiles 128,128,8,4,3]
+    python -m benchmarks.kernels.w4a16_sass --kernel skinny [--tiles 32,128,4,2,3]
 
 GEMV tiles are (BLOCK_N, BLOCK_K, warps, stages); skinny tiles (kernels/w4a16_skinny.py, 16
-rows of x, the weights as the dot's first operand, x read whole) are (BLOCK_N, BLOCK_K,
-SPLIT_K, warps, stages). Group 128 (the skinny kernel's BLOCK_K 256: group 256), bf16.
+rows of x, its planes in inline PTX) are (BLOCK_N, BLOCK_K, SPLIT_K, warps, stages). Group 128
+(the skinny kernel's BLOCK_K 256: group 256), bf16.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SHOWN = ("LDG", "LDS", "STS", "BAR", "SHFL", "FFMA", "FADD", "FMUL", "LOP3", "SH
 TYPES = dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16", z_ptr="*bf16", g_ptr="*i32",
              b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32")  # fmt: skip
 DEFAULT_TILES = {"gemv": ["4,2048,4,1", "4,2048,2,1", "16,256,1,1"],
-                 "skinny": ["128,128,8,4,3", "256,128,2,4,3", "128,128,8,8,3"]}  # fmt: skip
+                 "skinny": ["32,128,4,2,3", "32,128,1,1,3", "64,128,2,1,3"]}  # fmt: skip
 
 
 def compile_sm90(fn, types: dict, consts: dict, warps: int, stages: int, divisible=(), **options):
@@ -48,12 +48,14 @@ def compile_sm90(fn, types: dict, consts: dict, warps: int, stages: int, divisib
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_sass(fn, consts: dict, warps: int, stages: int, **options) -> tuple[str, str]:
+def compile_sass(
+    fn, consts: dict, warps: int, stages: int, types: dict = TYPES, **options
+) -> tuple[str, str]:
     """(SASS, resource usage) of kernel ``fn`` with its constexprs ``consts`` (every other
     argument but M and ONE divisible by 16)."""
     names = [n for n in inspect.signature(fn.fn).parameters if n not in consts]
     divisible = [n for n in names if n not in ("M", "ONE")]
-    kernel = compile_sm90(fn, TYPES, consts, warps, stages, divisible, enable_fp_fusion=True,
+    kernel = compile_sm90(fn, types, consts, warps, stages, divisible, enable_fp_fusion=True,
                           **options)  # fmt: skip
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
@@ -77,9 +79,10 @@ def skinny_sass(tile: tuple[int, ...]) -> tuple[str, str, int]:
     """(SASS, resource usage, weights a thread an iteration) of the skinny kernel."""
     bn, bk, split, warps, stages = tile
     consts = dict(BLOCK_M=sk.MAX_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-                  GROUP_SIZE=max(bk, 128), HAS_BIAS=False, SWAP=True, X_SPLIT=True,
+                  GROUP_SIZE=max(bk, 128), HAS_BIAS=False, ASM=True,
                   PRECISION="tf32", FENCE=True)  # fmt: skip
-    sass, res = compile_sass(sk._w4a16_skinny_kernel, consts, warps, stages)
+    types = dict(TYPES, q_ptr="*i16")  # the 16-bit words
+    sass, res = compile_sass(sk._w4a16_skinny_kernel, consts, warps, stages, types)
     return sass, res, bn * bk // (32 * warps)
 
 

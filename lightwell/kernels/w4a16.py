@@ -180,13 +180,14 @@ def w4a16_matmul(
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``x @ W.T (+ bias)``: one row (and rows the skinny kernel does not take, up to its
     MAX_M) through the GEMV, 2-16 rows with tiles inside groups through kernels/w4a16_skinny.py,
-    the ``tl.dot`` GEMM for the rest."""
+    the ``tl.dot`` GEMM for the rest. (The skinny kernel takes one row too; at one row the GEMV
+    is the faster of the two.)"""
     from lightwell.kernels import w4a16_skinny as skinny
     from lightwell.kernels.w4a16_gemv import MAX_M, w4a16_gemv
 
     if x.dim() == 2 and x.dtype != torch.float32:
         m, k = x.shape
-        if skinny.supports(m, k, _group(group_size)):
+        if m > 1 and skinny.supports(m, k, _group(group_size)):
             _check(x, qweight, scales, zeros, g_idx, bias)
             return skinny.w4a16_skinny(x, qweight, scales, zeros, bias, _group(group_size))
     if x.dim() == 2 and x.shape[0] <= MAX_M:

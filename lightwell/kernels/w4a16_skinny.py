@@ -1,17 +1,24 @@
-"""W4A16 matmul for a few rows of x (batched decode, 2-16 rows): ``_w4a16_skinny_kernel``, over
-kernels/w4a16.py's layout (its module docstring describes it).
+"""W4A16 matmul for a few rows of x (decode batches, 1-16 rows): ``_w4a16_skinny_kernel``, over
+kernels/w4a16.py's layout (its module docstring describes it), read as 16-bit words.
 
-Each program owns BLOCK_N output columns (and, split over K, a share of the K tiles) and walks K
-in tiles that lie inside one group, so a tile's scale and zero point are one value per column:
-the tile adds ``scale[n] * P`` with ``P = sum_k x[m, k] * (q[n, k] - zero[n])``. P is eight
-tensor-core dots, one per value position j of the words: the j-th nibbles of a [BLOCK_N,
-BLOCK_K / 8] word tile minus the zero point (small integers in the activation dtype: exact)
-against x's columns ``8w + j``. For 16-bit x two nibbles (j and j + 4) are masked at once into
-the mantissas of a pair of 16-bit floats whose exponent makes a mantissa step 1, and the zero
-point (plus that exponent's value) is subtracted from the pair in one packed instruction: about
-half an instruction a weight for each of mask, subtract and pairing the halves for the tensor
-cores. No multiply by the scale per weight, no interleave back into input order. Rows of x past
-M re-read row M - 1 and are not stored.
+The kernel sees ``qweight`` [N, K / 8] int32 as [N, K / 4] int16: 16-bit word ``h`` of a row holds
+inputs ``4h .. 4h + 3``, value ``j`` at bits ``4j`` (the low half of each 32-bit word holds its
+values 0-3, the high half 4-7). Each program owns BLOCK_N output columns (and, split over K, a
+share of the K tiles) and walks K in tiles that lie inside one group, so a tile's scale and zero
+point are one value per column: the tile adds ``scale[n] * P`` with ``P = sum_k x[m, k] * (q[n, k]
+- zero[n])``. P is four tensor-core dots, one per value position j: plane j of the words (their
+j-th nibbles minus the zero point, small integers in the activation dtype: exact) as the dot's
+first operand against x's inputs ``4h + j``.
+
+The dot holds its first operand in registers, two neighbouring 16-bit words of a row in each
+32-bit register, so plane j of both comes out of one register in three instructions (inline PTX
+on a GPU with 16-bit x): a shift by 4j, one three-input logic op that keeps the two nibbles and
+ORs in the exponent of 128 (bf16) or 1024 (fp16), whose mantissa step is 1, and one packed
+subtract of the zero point plus that offset (exact). The offset's bits are those of the zero
+point plus the offset with the low seven mantissa bits cleared (zero points are integers 0-16),
+so no constant waits in a register. fp32 x, and Triton's interpreter, build the planes from the
+same words with plain integer and float operations (fp32: the nibble in the mantissa of 2^23).
+Rows of x past M re-read row M - 1 and are not stored.
 
 Split over K (``SPLIT_K`` > 1: the narrow weights, whose columns alone give too few programs),
 each program stores its fp32 partial sums and counts itself in a per-column-tile counter; the
@@ -28,31 +35,74 @@ import triton.language as tl
 
 from lightwell import envs
 from lightwell.kernels.split_counters import last_to_arrive, split_counters
-from lightwell.kernels.w4a16 import _planes
 
 MAX_M = 16
 
-# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP, X_SPLIT)
-Config = tuple[int, int, int, int, int, bool, bool]
+# (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+Config = tuple[int, int, int, int, int]
+
+
+def _pair_asm(shift: int, sub: str) -> str:
+    """PTX for one register of two 16-bit words: their nibbles at ``shift`` as two 16-bit floats
+    (offset + q), minus $2 (the zero points plus the offset, two of them)."""
+    take = f"shr.b32 t, $1, {shift}; " if shift else "mov.b32 t, $1; "
+    return (
+        "{ .reg .b32 t, e; and.b32 e, $2, 0xFF80FF80; " + take
+        + f"lop3.b32 $0, t, 0x000F000F, e, 0xEA; {sub} $0, $0, $2; }}"
+    )  # fmt: skip
+
+
+_BF16_0 = tl.constexpr(_pair_asm(0, "sub.rn.bf16x2"))
+_BF16_1 = tl.constexpr(_pair_asm(4, "sub.rn.bf16x2"))
+_BF16_2 = tl.constexpr(_pair_asm(8, "sub.rn.bf16x2"))
+_BF16_3 = tl.constexpr(_pair_asm(12, "sub.rn.bf16x2"))
+_F16_0 = tl.constexpr(_pair_asm(0, "sub.rn.f16x2"))
+_F16_1 = tl.constexpr(_pair_asm(4, "sub.rn.f16x2"))
+_F16_2 = tl.constexpr(_pair_asm(8, "sub.rn.f16x2"))
+_F16_3 = tl.constexpr(_pair_asm(12, "sub.rn.f16x2"))
 
 
 @triton.jit
-def _plane(words, J: tl.constexpr, zo):
-    """Value J of each word minus its column's zero point, exact in zo's dtype (zo: [BN, 1],
-    the zero points plus ``_offset``). 16-bit: values J and J + 4 as the two halves of a word
-    ``(words >> 4 (J % 4)) & 0x000F000F`` ORed with the exponent of 128 (bf16) or 1024 (fp16), so
-    each half reads 128 + q or 1024 + q (the two planes share the mask once compiled); fp32: the
-    nibble in the mantissa of 2^23. No integer-to-float conversion."""
-    if zo.dtype == tl.float32:
-        f = (((words >> (4 * J)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-        return f - zo
+def _plane_asm(h, zo, J: tl.constexpr):
+    """Plane J of the 16-bit words h minus zo (module docstring), in inline PTX."""
     if zo.dtype == tl.bfloat16:
-        pair = ((words >> (4 * (J % 4))) & 0x000F000F) | 0x43004300
+        if J == 0:
+            code: tl.constexpr = _BF16_0
+        elif J == 1:
+            code: tl.constexpr = _BF16_1
+        elif J == 2:
+            code: tl.constexpr = _BF16_2
+        else:
+            code: tl.constexpr = _BF16_3
     else:
-        pair = ((words >> (4 * (J % 4))) & 0x000F000F) | 0x64006400
-    if J >= 4:
-        pair = pair >> 16
-    return pair.to(tl.int16).to(zo.dtype, bitcast=True) - zo
+        if J == 0:
+            code: tl.constexpr = _F16_0
+        elif J == 1:
+            code: tl.constexpr = _F16_1
+        elif J == 2:
+            code: tl.constexpr = _F16_2
+        else:
+            code: tl.constexpr = _F16_3
+    zb = tl.broadcast_to(zo, h.shape)
+    return tl.inline_asm_elementwise(code, "=r,r,r", [h, zb], dtype=zo.dtype, is_pure=True,
+                                     pack=2)  # fmt: skip
+
+
+@triton.jit
+def _plane(h, J: tl.constexpr, zo, ASM: tl.constexpr):
+    """Value J of each 16-bit word of h [BN, TW] minus its column's zero point, exact in zo's
+    dtype (zo: [BN, 1], the zero points plus ``_offset``)."""
+    if ASM:
+        r = _plane_asm(h, zo, J)
+    else:
+        v = (h.to(tl.int32) >> (4 * J)) & 0xF
+        if zo.dtype == tl.float32:
+            r = (v | 0x4B000000).to(tl.float32, bitcast=True) - zo
+        elif zo.dtype == tl.bfloat16:
+            r = (v | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - zo
+        else:
+            r = (v | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - zo
+    return r
 
 
 @triton.jit
@@ -68,54 +118,27 @@ def _offset(dtype: tl.constexpr):
 
 @triton.jit
 def _x_planes(x_rows, k0, BLOCK_K: tl.constexpr):
-    """x[:, k0 : k0 + BLOCK_K] as its eight [BM, BLOCK_K / 8] planes (plane j: inputs 8w + j),
+    """x[:, k0 : k0 + BLOCK_K] as its four [BM, BLOCK_K / 4] planes (plane j: inputs 4h + j),
     from one contiguous load split in registers."""
     x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BM, BK]
-    return _planes(tl.reshape(x, [x.shape[0], BLOCK_K // 8, 2, 2, 2]))
+    c0, c1 = tl.split(tl.reshape(x, [x.shape[0], BLOCK_K // 4, 2, 2]))
+    x0, x2 = tl.split(c0)
+    x1, x3 = tl.split(c1)
+    return x0, x1, x2, x3
 
 
 @triton.jit
-def _plane_dot(p, words, zo, xj, J: tl.constexpr, SWAP: tl.constexpr, PRECISION: tl.constexpr):
-    """p plus x's plane J against the words' value J minus the zero point ([BM, BN]; SWAP:
-    [BN, BM])."""
-    qj = _plane(words, J, zo)
-    if SWAP:
-        p = tl.dot(qj, tl.trans(xj), p, input_precision=PRECISION)
-    else:
-        p = tl.dot(xj, tl.trans(qj), p, input_precision=PRECISION)
-    return p
-
-
-@triton.jit
-def _tile_sums(
-    x_rows, q_rows, zo, k0,
-    BLOCK_K: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """P of the K tile at k0: x @ (q - zero).T ([BM, BN]; SWAP: [BN, BM]). x_rows [BM, 1], q_rows
-    [BN, 1]: row pointers; zo [BN, 1]: the zero points plus ``_offset`` in x's dtype. X_SPLIT:
-    x's planes from one contiguous load (else eight strided loads)."""
-    TW: tl.constexpr = BLOCK_K // 8
-    rw = tl.arange(0, TW)[None, :]  # [1, TW]
-    words = tl.load(q_rows + (k0 // 8 + rw))  # [BN, TW]
-    if SWAP:
-        p = tl.zeros([q_rows.shape[0], x_rows.shape[0]], dtype=tl.float32)
-    else:
-        p = tl.zeros([x_rows.shape[0], q_rows.shape[0]], dtype=tl.float32)
-    if X_SPLIT:
-        x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(x_rows, k0, BLOCK_K)
-        p = _plane_dot(p, words, zo, x0, 0, SWAP, PRECISION)
-        p = _plane_dot(p, words, zo, x1, 1, SWAP, PRECISION)
-        p = _plane_dot(p, words, zo, x2, 2, SWAP, PRECISION)
-        p = _plane_dot(p, words, zo, x3, 3, SWAP, PRECISION)
-        p = _plane_dot(p, words, zo, x4, 4, SWAP, PRECISION)
-        p = _plane_dot(p, words, zo, x5, 5, SWAP, PRECISION)
-        p = _plane_dot(p, words, zo, x6, 6, SWAP, PRECISION)
-        p = _plane_dot(p, words, zo, x7, 7, SWAP, PRECISION)
-    else:
-        xk = x_rows + (k0 + 8 * rw)  # [BM, TW]: input 8w of the tile
-        for j in tl.static_range(8):
-            p = _plane_dot(p, words, zo, tl.load(xk + j), j, SWAP, PRECISION)
-    return p
+def _tile_sums(x_rows, q_rows, zo, k0, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+               ASM: tl.constexpr):  # fmt: skip
+    """P of the K tile at k0 as [BN, BM]: (q - zero) @ x.T. x_rows [BM, 1], q_rows [BN, 1]: row
+    pointers (q_rows into the 16-bit words); zo [BN, 1]: the zero points plus ``_offset`` in x's
+    dtype."""
+    h = tl.load(q_rows + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :])  # [BN, BK / 4]
+    x0, x1, x2, x3 = _x_planes(x_rows, k0, BLOCK_K)
+    p = tl.dot(_plane(h, 0, zo, ASM), tl.trans(x0), input_precision=PRECISION)
+    p = tl.dot(_plane(h, 1, zo, ASM), tl.trans(x1), p, input_precision=PRECISION)
+    p = tl.dot(_plane(h, 2, zo, ASM), tl.trans(x2), p, input_precision=PRECISION)
+    return tl.dot(_plane(h, 3, zo, ASM), tl.trans(x3), p, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -124,7 +147,8 @@ def _w4a16_skinny_kernel(
     stride_xm, stride_qn, stride_sn, stride_om,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # inputs a group, a multiple of BLOCK_K (K: one group a column)
-    HAS_BIAS: tl.constexpr, SWAP: tl.constexpr, X_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    ASM: tl.constexpr,  # the planes in inline PTX (a GPU, 16-bit x)
     FENCE: tl.constexpr,  # compiled for a GPU: split_counters.last_to_arrive's fence
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -132,26 +156,18 @@ def _w4a16_skinny_kernel(
     wn = tl.minimum(rn, N - 1).to(tl.int64)  # past N: re-read the last column, store nothing
     rm = tl.arange(0, BLOCK_M)
     x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None].to(tl.int64) * stride_xm  # [BM, 1]
-    q_rows = q_ptr + wn[:, None] * stride_qn  # [BN, 1]
+    q_rows = q_ptr + wn[:, None] * stride_qn  # [BN, 1], 16-bit words
     tiles = K // BLOCK_K
     per = tl.cdiv(tiles, SPLIT_K)
-    if SWAP:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for t in range(pid_k * per, tl.minimum(tiles, pid_k * per + per)):
         k0 = t * BLOCK_K
         g = k0 // GROUP_SIZE
         sc = tl.load(s_ptr + wn * stride_sn + g).to(tl.float32)
         zp = tl.load(z_ptr + wn * stride_sn + g).to(tl.float32) + _offset(x_ptr.dtype.element_ty)
         zo = zp.to(x_ptr.dtype.element_ty)[:, None]  # exact: integer zero points
-        p = _tile_sums(x_rows, q_rows, zo, k0, BLOCK_K, SWAP, X_SPLIT, PRECISION)
-        if SWAP:
-            acc += p * sc[:, None]
-        else:
-            acc += p * sc[None, :]
-    if SWAP:
-        acc = tl.trans(acc)  # [BM, BN]
+        acc += _tile_sums(x_rows, q_rows, zo, k0, BLOCK_K, PRECISION, ASM) * sc[:, None]
+    acc = tl.trans(acc)  # [BM, BN]
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K > 1:
         tile = rm[:, None] * N + rn[None, :]  # [BM, BN] in one split's [BLOCK_M, N] partials
@@ -176,10 +192,10 @@ def _store(out_ptr, acc, b_ptr, rm, rn, wn, omask, stride_om, HAS_BIAS: tl.const
 
 
 def supports(m: int, k: int, group_size: int) -> bool:
-    """Whether the kernel takes this call: 2..MAX_M rows, contiguous groups (or one group a
+    """Whether the kernel takes this call: 1..MAX_M rows, contiguous groups (or one group a
     column) that a 128-input tile divides."""
     return (
-        2 <= m <= MAX_M
+        1 <= m <= MAX_M
         and k % 128 == 0
         and group_size > 0
         and (group_size % 128 == 0 or group_size >= k)
@@ -187,18 +203,20 @@ def supports(m: int, k: int, group_size: int) -> bool:
 
 
 def pick_config(n: int, k: int, m: int) -> Config:
-    """The tile for an [N, K] weight and M rows (the same at every M): the best of 36 tiles
-    (BLOCK_N 64-256, SPLIT_K 2-16, 2-8 warps, BLOCK_K 128, 3 stages) timed on an H200 at
-    llama-3-8b's TP=1 shapes and 1-16 rows, the weights as the dot's first operand, x read
-    whole: wide weights (N >= 16,384, gate_up) 256 columns a program, K split in
-    2; others 128 columns, K split in 8, on eight warps where K is long (> 4,096, down)."""
+    """The tile for an [N, K] weight and M rows (the same at every M), from an H200 sweep
+    (``benchmarks/kernels/w4a16.py --skinny-sweep``: BLOCK_N 16-256, SPLIT_K 1-16, 1-8 warps,
+    3-4 stages) at llama-3-8b's TP=1 and TP=2 shapes and 16 rows: 32 columns a program on two
+    warps, K split in 4 (in 8 where K is long, > 4,096, or N narrow, < 4,096); wide weights
+    (gate_up) unsplit, one warp, N >= 16,384 at 32 columns, N >= 8,192 at 64 and K split in 2."""
     if n >= 16384:
-        return 256, 128, 2, 4, 3, True, True
-    return 128, 128, 8, 8 if k > 4096 else 4, 3, True, True
+        return 32, 128, 1, 1, 3
+    if n >= 8192:
+        return 64, 128, 2, 1, 3
+    return 32, 128, 8 if k > 4096 or n < 4096 else 4, 2, 3
 
 
 def w4a16_skinny(
-    x: torch.Tensor,  # [M, K], 2 <= M <= MAX_M
+    x: torch.Tensor,  # [M, K], 1 <= M <= MAX_M
     qweight: torch.Tensor,  # [N, K / 8] int32
     scales: torch.Tensor,  # [N, G]
     zeros: torch.Tensor,  # [N, G]
@@ -207,12 +225,12 @@ def w4a16_skinny(
     config: Config | None = None,
 ) -> torch.Tensor:  # [M, N] in x.dtype
     """``x @ W.T (+ bias)`` for a few rows (``supports``), on the tensor cores. ``config``:
-    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, SWAP, X_SPLIT), default ``pick_config``."""
+    (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages), default ``pick_config``."""
     m, k = x.shape
     n = qweight.shape[0]
     if not supports(m, k, group_size):
         raise ValueError(f"w4a16_skinny: M={m}, K={k}, group {group_size} not supported")
-    block_n, block_k, split, warps, stages, swap, x_split = config or pick_config(n, k, m)
+    block_n, block_k, split, warps, stages = config or pick_config(n, k, m)
     gs = k if group_size >= k else group_size
     if gs % block_k or k % block_k:
         raise ValueError(f"BLOCK_K {block_k} must divide K ({k}) and the group ({gs})")
@@ -224,12 +242,13 @@ def w4a16_skinny(
     if split > 1:
         part = torch.empty((split, MAX_M, n), dtype=torch.float32, device=x.device)
         cnt = split_counters(x.device, tiles_n)
+    words = qweight.view(torch.int16)  # [N, K / 4]
+    asm = x.is_cuda and x.dtype != torch.float32 and not envs.triton_interpret()
     _w4a16_skinny_kernel[(tiles_n, split)](
-        x, qweight, scales, zeros, bias if bias is not None else scales, out, part, cnt,
-        m, n, k, x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        x, words, scales, zeros, bias if bias is not None else scales, out, part, cnt,
+        m, n, k, x.stride(0), words.stride(0), scales.stride(0), out.stride(0),
         BLOCK_M=MAX_M, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, GROUP_SIZE=gs,
-        HAS_BIAS=bias is not None, SWAP=swap, X_SPLIT=x_split,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        FENCE=not envs.triton_interpret(), num_warps=warps, num_stages=stages,
+        HAS_BIAS=bias is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        ASM=asm, FENCE=not envs.triton_interpret(), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

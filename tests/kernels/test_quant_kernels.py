@@ -198,10 +198,11 @@ def test_fp8_block_gemv_matches_reference(m, n, k, block):
 @pytest.mark.parametrize(
     "m, k, n, group, sym, config",
     [
-        (3, 512, 96, 128, False, (32, 128, 1, 4, 1, False, True)),  # x read whole
-        (5, 512, 40, 128, True, (16, 128, 2, 4, 1, True, True)),  # split K, N past a block, sym
-        (16, 256, 64, 256, False, (32, 128, 2, 4, 1, False, False)),  # x strided, 16 rows
-        (2, 384, 48, -1, False, (16, 128, 3, 4, 1, True, False)),  # per channel, 3-way split
+        (3, 512, 96, 128, False, (32, 128, 1, 4, 1)),
+        (5, 512, 40, 128, True, (16, 128, 2, 4, 1)),  # split K, N past a block, sym
+        (16, 256, 64, 256, False, (32, 128, 2, 2, 1)),  # 16 rows, group of two tiles
+        (2, 384, 48, -1, False, (16, 128, 3, 1, 1)),  # per channel, 3-way split
+        (1, 512, 72, 128, False, (64, 128, 4, 4, 1)),  # one row
         (4, 256, 24, 128, False, None),  # pick_config: split capped by the K tiles
     ],
 )
@@ -237,7 +238,7 @@ def test_w4a16_skinny_is_exact_on_exact_inputs(dtype):
     scales = scales.to(DEVICE)
     assert (zeros == 16).any() and (zeros == 0).any()
     ref = w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx)
-    out = w4a16_skinny(x, qweight, scales, zeros, None, 128, (16, 128, 2, 4, 1, True, True))
+    out = w4a16_skinny(x, qweight, scales, zeros, None, 128, (16, 128, 2, 4, 1))
     assert torch.equal(out, ref)
 
 

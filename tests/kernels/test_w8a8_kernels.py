@@ -449,10 +449,10 @@ print(json.dumps({
         sb_ptr="*fp32", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*i32", cnt_ptr="*i32"),
         dict(HAS_BIAS=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, FENCE=fence),
         num_warps=4, num_stages=3),
-    "w4a16": order(ws._w4a16_skinny_kernel, dict(x_ptr="*bf16", q_ptr="*i32", s_ptr="*bf16",
+    "w4a16": order(ws._w4a16_skinny_kernel, dict(x_ptr="*bf16", q_ptr="*i16", s_ptr="*bf16",
         z_ptr="*bf16", b_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", cnt_ptr="*i32"),
-        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=4, GROUP_SIZE=128, HAS_BIAS=False,
-        SWAP=True, X_SPLIT=True, PRECISION="tf32", FENCE=fence), num_warps=4, num_stages=3),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=4, GROUP_SIZE=128, HAS_BIAS=False,
+        PRECISION="tf32", ASM=True, FENCE=fence), num_warps=2, num_stages=3),
 }))
 """
 
