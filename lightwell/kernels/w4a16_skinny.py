@@ -18,7 +18,8 @@ subtract of the zero point plus that offset (exact). The offset's bits are those
 point plus the offset with the low seven mantissa bits cleared (zero points are integers 0-16),
 so no constant waits in a register. fp32 x, and Triton's interpreter, build the planes from the
 same words with plain integer and float operations (fp32: the nibble in the mantissa of 2^23).
-Rows of x past M re-read row M - 1 and are not stored.
+Rows of x past M are masked (zeros, no memory read) and not stored (re-reading a real row
+instead puts many copies of one address in each asynchronous load, which is slower).
 
 Split over K (``SPLIT_K`` > 1: the narrow weights, whose columns alone give too few programs),
 each program stores its fp32 partial sums and counts itself in a per-column-tile counter; the
@@ -117,10 +118,10 @@ def _offset(dtype: tl.constexpr):
 
 
 @triton.jit
-def _x_planes(x_rows, k0, BLOCK_K: tl.constexpr):
+def _x_planes(x_rows, x_mask, k0, BLOCK_K: tl.constexpr):
     """x[:, k0 : k0 + BLOCK_K] as its four [BM, BLOCK_K / 4] planes (plane j: inputs 4h + j),
-    from one contiguous load split in registers."""
-    x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :])  # [BM, BK]
+    from one contiguous load split in registers (rows where x_mask [BM, 1] is false: zeros)."""
+    x = tl.load(x_rows + (k0 + tl.arange(0, BLOCK_K))[None, :], mask=x_mask, other=0.0)
     c0, c1 = tl.split(tl.reshape(x, [x.shape[0], BLOCK_K // 4, 2, 2]))
     x0, x2 = tl.split(c0)
     x1, x3 = tl.split(c1)
@@ -128,13 +129,13 @@ def _x_planes(x_rows, k0, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _tile_sums(x_rows, q_rows, zo, k0, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+def _tile_sums(x_rows, x_mask, q_rows, zo, k0, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
                ASM: tl.constexpr):  # fmt: skip
     """P of the K tile at k0 as [BN, BM]: (q - zero) @ x.T. x_rows [BM, 1], q_rows [BN, 1]: row
-    pointers (q_rows into the 16-bit words); zo [BN, 1]: the zero points plus ``_offset`` in x's
-    dtype."""
+    pointers (q_rows into the 16-bit words), x_mask [BM, 1]: the rows of x there are; zo [BN, 1]:
+    the zero points plus ``_offset`` in x's dtype."""
     h = tl.load(q_rows + (k0 // 4 + tl.arange(0, BLOCK_K // 4))[None, :])  # [BN, BK / 4]
-    x0, x1, x2, x3 = _x_planes(x_rows, k0, BLOCK_K)
+    x0, x1, x2, x3 = _x_planes(x_rows, x_mask, k0, BLOCK_K)
     p = tl.dot(_plane(h, 0, zo, ASM), tl.trans(x0), input_precision=PRECISION)
     p = tl.dot(_plane(h, 1, zo, ASM), tl.trans(x1), p, input_precision=PRECISION)
     p = tl.dot(_plane(h, 2, zo, ASM), tl.trans(x2), p, input_precision=PRECISION)
@@ -155,7 +156,8 @@ def _w4a16_skinny_kernel(
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     wn = tl.minimum(rn, N - 1).to(tl.int64)  # past N: re-read the last column, store nothing
     rm = tl.arange(0, BLOCK_M)
-    x_rows = x_ptr + tl.minimum(rm, M - 1)[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    x_rows = x_ptr + rm[:, None].to(tl.int64) * stride_xm  # [BM, 1]
+    x_mask = rm[:, None] < M  # rows past M: zeros, no memory read
     q_rows = q_ptr + wn[:, None] * stride_qn  # [BN, 1], 16-bit words
     tiles = K // BLOCK_K
     per = tl.cdiv(tiles, SPLIT_K)
@@ -166,7 +168,7 @@ def _w4a16_skinny_kernel(
         sc = tl.load(s_ptr + wn * stride_sn + g).to(tl.float32)
         zp = tl.load(z_ptr + wn * stride_sn + g).to(tl.float32) + _offset(x_ptr.dtype.element_ty)
         zo = zp.to(x_ptr.dtype.element_ty)[:, None]  # exact: integer zero points
-        acc += _tile_sums(x_rows, q_rows, zo, k0, BLOCK_K, PRECISION, ASM) * sc[:, None]
+        acc += _tile_sums(x_rows, x_mask, q_rows, zo, k0, BLOCK_K, PRECISION, ASM) * sc[:, None]
     acc = tl.trans(acc)  # [BM, BN]
     omask = (rm[:, None] < M) & (rn[None, :] < N)
     if SPLIT_K > 1:
