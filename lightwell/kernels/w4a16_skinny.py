@@ -207,13 +207,13 @@ def supports(m: int, k: int, group_size: int) -> bool:
 def pick_config(n: int, k: int, m: int) -> Config:
     """The tile for an [N, K] weight and M rows (the same at every M), from an H200 sweep
     (``benchmarks/kernels/w4a16.py --skinny-sweep``: BLOCK_N 16-256, SPLIT_K 1-16, 1-8 warps,
-    3-4 stages) at llama-3-8b's TP=1 and TP=2 shapes and 16 rows: 32 columns a program on two
+    3-4 stages) at llama-3-8b's TP=1 and TP=2 shapes, 4 and 16 rows: 32 columns a program on two
     warps, K split in 4 (in 8 where K is long, > 4,096, or N narrow, < 4,096); wide weights
-    (gate_up) unsplit, one warp, N >= 16,384 at 32 columns, N >= 8,192 at 64 and K split in 2."""
+    (gate_up) 64 columns, unsplit with four stages at N >= 16,384, K split in 2 at N >= 8,192."""
     if n >= 16384:
-        return 32, 128, 1, 1, 3
+        return 64, 128, 1, 2, 4
     if n >= 8192:
-        return 64, 128, 2, 1, 3
+        return 64, 128, 2, 2, 3
     return 32, 128, 8 if k > 4096 or n < 4096 else 4, 2, 3
 
 
