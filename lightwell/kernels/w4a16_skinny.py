@@ -11,15 +11,16 @@ j-th nibbles minus the zero point, small integers in the activation dtype: exact
 first operand against x's inputs ``4h + j``.
 
 The dot holds its first operand in registers, two neighbouring 16-bit words of a row in each
-32-bit register, so plane j of both comes out of one register in three instructions (inline PTX
-on a GPU with 16-bit x): a shift by 4j, one three-input logic op that keeps the two nibbles and
-ORs in the exponent of 128 (bf16) or 1024 (fp16), whose mantissa step is 1, and one packed
-subtract of the zero point plus that offset (exact). The offset's bits are those of the zero
-point plus the offset with the low seven mantissa bits cleared (zero points are integers 0-16),
-so no constant waits in a register. fp32 x, and Triton's interpreter, build the planes from the
-same words with plain integer and float operations (fp32: the nibble in the mantissa of 2^23).
-Rows of x past M are masked (zeros, no memory read) and not stored (re-reading a real row
-instead puts many copies of one address in each asynchronous load, which is slower).
+32-bit register, so plane j of both comes out of one register in three instructions of inline
+PTX (``asm_planes``: fp16 x on an NVIDIA GPU, bf16 x on sm_90+): a shift by 4j, one
+three-input logic op that keeps the two nibbles and ORs in the exponent of 128 (bf16) or 1024
+(fp16), whose mantissa step is 1, and one packed subtract of the zero point plus that offset
+(exact). The offset's bits are those of the zero point plus the offset with the low seven
+mantissa bits cleared (zero points are integers 0-16), so no constant waits in a register.
+Otherwise (fp32 x, bf16 x before sm_90, Triton's interpreter with fp32 or fp16 x) the planes
+come from the same words through plain integer and float operations (fp32: the nibble in the
+mantissa of 2^23). Rows of x past M are masked: zeros, never read (no load carries many copies
+of one address), and not stored.
 
 Split over K (``SPLIT_K`` > 1: the narrow weights, whose columns alone give too few programs),
 each program stores its fp32 partial sums and counts itself in a per-column-tile counter; the
@@ -29,6 +30,8 @@ and CUDA graphs.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -217,6 +220,27 @@ def pick_config(n: int, k: int, m: int) -> Config:
     return 32, 128, 8 if k > 4096 or n < 4096 else 4, 2, 3
 
 
+def use_asm(dtype: torch.dtype, capability: tuple[int, int], hip: bool = False) -> bool:
+    """Whether the planes take the inline PTX for x of ``dtype`` on a GPU of compute
+    ``capability``: NVIDIA only, fp16 x, or bf16 x from sm_90 (``sub.bf16x2``)."""
+    if hip:
+        return False
+    return dtype == torch.float16 or (dtype == torch.bfloat16 and capability >= (9, 0))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def asm_planes(x: torch.Tensor) -> bool:
+    """``use_asm`` for x's dtype and GPU (never on the CPU, where Triton is its interpreter)."""
+    if x.device.type != "cuda" or envs.triton_interpret():
+        return False
+    index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return use_asm(x.dtype, _capability(index), torch.version.hip is not None)
+
+
 def w4a16_skinny(
     x: torch.Tensor,  # [M, K], 1 <= M <= MAX_M
     qweight: torch.Tensor,  # [N, K / 8] int32
@@ -245,7 +269,7 @@ def w4a16_skinny(
         part = torch.empty((split, MAX_M, n), dtype=torch.float32, device=x.device)
         cnt = split_counters(x.device, tiles_n)
     words = qweight.view(torch.int16)  # [N, K / 4]
-    asm = x.is_cuda and x.dtype != torch.float32 and not envs.triton_interpret()
+    asm = asm_planes(x)
     _w4a16_skinny_kernel[(tiles_n, split)](
         x, words, scales, zeros, bias if bias is not None else scales, out, part, cnt,
         m, n, k, x.stride(0), words.stride(0), scales.stride(0), out.stride(0),

@@ -223,11 +223,18 @@ def test_w4a16_skinny_matches_reference(m, k, n, group, sym, config):
             _check_close(out, ref, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+_BF16_ON_GPU = pytest.param(
+    torch.bfloat16, marks=pytest.mark.skipif(DEVICE != "cuda", reason="bf16: a GPU's"), id="bf16"
+)
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, _BF16_ON_GPU], ids=["fp32", "fp16", "bf16"]
+)
 def test_w4a16_skinny_is_exact_on_exact_inputs(dtype):
     """Integer x, power-of-two scales, zero points 0-16: every product and sum is exact in
     fp32, so the kernel's output equals the reference's bit for bit (each weight's q - z is
-    exact, whatever the unpacking)."""
+    exact, whatever the unpacking; on a GPU, fp16 and bf16 take the planes' inline PTX)."""
     from lightwell.kernels.w4a16_skinny import w4a16_skinny
 
     gen = torch.Generator().manual_seed(7)
@@ -240,6 +247,118 @@ def test_w4a16_skinny_is_exact_on_exact_inputs(dtype):
     ref = w4a16.w4a16_matmul_ref(x, qweight, scales, zeros, g_idx)
     out = w4a16_skinny(x, qweight, scales, zeros, None, 128, (16, 128, 2, 4, 1))
     assert torch.equal(out, ref)
+
+
+def _ptx_eval(code: str, a, z):
+    """One of w4a16_skinny's plane strings evaluated on uint32 numpy arrays ($1 = a, $2 = z; the
+    few instructions those strings use, by their PTX definitions); returns $0."""
+    import numpy as np
+
+    regs = {"$1": a, "$2": z}
+
+    def val(t):
+        return regs[t] if t in regs else np.uint32(int(t, 0))
+
+    def halves(v, dt):  # the two 16-bit floats of each register, low half first
+        return torch.from_numpy(v.view(np.int16).copy()).view(dt).float()
+
+    for stmt in filter(None, (t.strip() for t in code.strip()[1:-1].split(";"))):
+        op, *args = stmt.replace(",", " ").split()
+        if op == ".reg":
+            continue
+        if op == "mov.b32":
+            r = val(args[1])
+        elif op == "shr.b32":
+            r = val(args[1]) >> np.uint32(int(args[2]))
+        elif op == "and.b32":
+            r = val(args[1]) & val(args[2])
+        elif op == "lop3.b32":  # bit i of the table: a, b, c at index bits 2, 1, 0
+            x, y, w, table = val(args[1]), val(args[2]), val(args[3]), int(args[4], 0)
+            r = np.zeros_like(a)
+            for i in range(8):
+                if table >> i & 1:
+                    r |= (x if i & 4 else ~x) & (y if i & 2 else ~y) & (w if i & 1 else ~w)
+        elif op in ("sub.rn.bf16x2", "sub.rn.f16x2"):
+            dt = torch.bfloat16 if "bf16" in op else torch.float16
+            d = (halves(val(args[1]), dt) - halves(val(args[2]), dt)).to(dt)
+            r = d.view(torch.int16).numpy().view(np.uint32)
+        else:
+            raise AssertionError(f"no emulation of {op}")
+        regs[args[0]] = r
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_w4a16_skinny_plane_ptx_is_exact(dtype):
+    """The inline PTX of the planes (which only a GPU runs), evaluated by its instructions'
+    definitions: for every 16-bit word in both halves of a register and every zero point 0-16,
+    plane J gives (value J of the word) - zero point, exactly."""
+    import numpy as np
+
+    from lightwell.kernels import w4a16_skinny as ws
+
+    words = np.arange(1 << 16, dtype=np.uint32)
+    high = np.random.default_rng(0).permutation(words)
+    a = words | (high << np.uint32(16))  # low half: every word; high half: a permutation
+    offset = 128.0 if dtype == torch.bfloat16 else 1024.0
+    name = "BF16" if dtype == torch.bfloat16 else "F16"
+    for j in range(4):
+        code = getattr(ws, f"_{name}_{j}").value
+        want_lo = torch.from_numpy(((words >> np.uint32(4 * j)) & 15).astype(np.float32))
+        want_hi = torch.from_numpy(((high >> np.uint32(4 * j)) & 15).astype(np.float32))
+        for z in range(17):
+            zo = torch.tensor([offset + z, offset + 16 - z], dtype=dtype).view(torch.int16)
+            zbits = np.full_like(a, int(zo[0]) & 0xFFFF | (int(zo[1]) & 0xFFFF) << 16)
+            out = _ptx_eval(code, a, zbits)
+            got = torch.from_numpy(out.view(np.int16).copy()).view(dtype).float().view(-1, 2)
+            assert torch.equal(got[:, 0], want_lo - z), (j, z)
+            assert torch.equal(got[:, 1], want_hi - (16 - z)), (j, z)
+
+
+_SKINNY_PTX_SCRIPT = r"""
+import inspect, json, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from lightwell.kernels import w4a16_skinny as ws
+
+def ptx(arch, dtype, asm):
+    fn = ws._w4a16_skinny_kernel
+    consts = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, SPLIT_K=1, GROUP_SIZE=128, HAS_BIAS=False,
+                  PRECISION="tf32", ASM=asm, FENCE=True)
+    types = dict(x_ptr=dtype, q_ptr="*i16", s_ptr=dtype, z_ptr=dtype, b_ptr=dtype,
+                 out_ptr=dtype, part_ptr="*fp32", cnt_ptr="*i32")
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {n: types.get(n, "i32") for n in names if n not in consts}
+    src = triton.compiler.ASTSource(fn=fn, signature=dict(sig, **{k: "constexpr" for k in consts}),
+                                    constexprs=consts)
+    target = GPUTarget("cuda", arch, 32)  # compiled through ptxas for that GPU
+    return triton.compile(src, target=target, options=dict(num_warps=2, num_stages=3)).asm["ptx"]
+
+out = {}
+for arch in (90, 80):
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        asm = ws.use_asm(dtype, (arch // 10, 0))
+        text = ptx(arch, "*" + name, asm)
+        subs = sum(text.count(op) for op in ("sub.rn.bf16x2", "sub.rn.f16x2"))
+        out[f"{name}_sm{arch}"] = [asm, subs]
+print(json.dumps(out))
+"""
+
+
+def test_w4a16_skinny_inline_ptx_where_the_gpu_has_it():
+    """The planes' inline PTX goes where it assembles: fp16 from sm_80, bf16 from sm_90
+    (``sub.bf16x2``), never on ROCm; the kernel compiles (ptxas included) for sm_90 and sm_80
+    with the form ``use_asm`` picks, the PTX strings inside when it picks them."""
+    from lightwell.kernels.w4a16_skinny import use_asm
+    from tests.kernels.test_triton_kernels import _run_ptx_script
+
+    assert use_asm(torch.bfloat16, (9, 0)) and not use_asm(torch.bfloat16, (8, 9))
+    assert use_asm(torch.float16, (8, 0)) and not use_asm(torch.float32, (9, 0))
+    assert not use_asm(torch.float16, (9, 4), hip=True)
+    got = _run_ptx_script(_SKINNY_PTX_SCRIPT, True)
+    assert got["bf16_sm90"][0] and got["bf16_sm90"][1] > 0, got
+    assert not got["bf16_sm80"][0] and got["bf16_sm80"][1] == 0, got
+    assert got["fp16_sm90"][0] and got["fp16_sm90"][1] > 0, got
+    assert got["fp16_sm80"][0] and got["fp16_sm80"][1] > 0, got
 
 
 def test_w4a16_matmul_routes_few_rows_to_skinny(monkeypatch):
