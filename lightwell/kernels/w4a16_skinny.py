@@ -152,7 +152,7 @@ def _w4a16_skinny_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # inputs a group, a multiple of BLOCK_K (K: one group a column)
     HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-    ASM: tl.constexpr,  # the planes in inline PTX (a GPU, 16-bit x)
+    ASM: tl.constexpr,  # the planes in inline PTX (asm_planes)
     FENCE: tl.constexpr,  # compiled for a GPU: split_counters.last_to_arrive's fence
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
