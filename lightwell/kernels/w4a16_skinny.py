@@ -46,47 +46,23 @@ MAX_M = 16
 Config = tuple[int, int, int, int, int]
 
 
-def _pair_asm(shift: int, sub: str) -> str:
-    """PTX for one register of two 16-bit words: their nibbles at ``shift`` as two 16-bit floats
-    (offset + q), minus $2 (the zero points plus the offset, two of them)."""
-    take = f"shr.b32 t, $1, {shift}; " if shift else "mov.b32 t, $1; "
+@triton.constexpr_function
+def plane_ptx(j, bf16):
+    """The inline PTX of plane ``j`` for one register of two 16-bit words ($1) and two zero
+    points plus the offset ($2) in bf16 (``bf16``) or fp16: the two words' nibbles j as
+    (offset + q) floats, minus $2, into $0 (module docstring). Callable from host code too."""
+    take = f"shr.b32 t, $1, {4 * j}; " if j else "mov.b32 t, $1; "
+    sub = "sub.rn.bf16x2" if bf16 else "sub.rn.f16x2"
     return (
         "{ .reg .b32 t, e; and.b32 e, $2, 0xFF80FF80; " + take
         + f"lop3.b32 $0, t, 0x000F000F, e, 0xEA; {sub} $0, $0, $2; }}"
     )  # fmt: skip
 
 
-_BF16_0 = tl.constexpr(_pair_asm(0, "sub.rn.bf16x2"))
-_BF16_1 = tl.constexpr(_pair_asm(4, "sub.rn.bf16x2"))
-_BF16_2 = tl.constexpr(_pair_asm(8, "sub.rn.bf16x2"))
-_BF16_3 = tl.constexpr(_pair_asm(12, "sub.rn.bf16x2"))
-_F16_0 = tl.constexpr(_pair_asm(0, "sub.rn.f16x2"))
-_F16_1 = tl.constexpr(_pair_asm(4, "sub.rn.f16x2"))
-_F16_2 = tl.constexpr(_pair_asm(8, "sub.rn.f16x2"))
-_F16_3 = tl.constexpr(_pair_asm(12, "sub.rn.f16x2"))
-
-
 @triton.jit
 def _plane_asm(h, zo, J: tl.constexpr):
     """Plane J of the 16-bit words h minus zo (module docstring), in inline PTX."""
-    if zo.dtype == tl.bfloat16:
-        if J == 0:
-            code: tl.constexpr = _BF16_0
-        elif J == 1:
-            code: tl.constexpr = _BF16_1
-        elif J == 2:
-            code: tl.constexpr = _BF16_2
-        else:
-            code: tl.constexpr = _BF16_3
-    else:
-        if J == 0:
-            code: tl.constexpr = _F16_0
-        elif J == 1:
-            code: tl.constexpr = _F16_1
-        elif J == 2:
-            code: tl.constexpr = _F16_2
-        else:
-            code: tl.constexpr = _F16_3
+    code: tl.constexpr = plane_ptx(J, zo.dtype == tl.bfloat16)
     zb = tl.broadcast_to(zo, h.shape)
     return tl.inline_asm_elementwise(code, "=r,r,r", [h, zb], dtype=zo.dtype, is_pure=True,
                                      pack=2)  # fmt: skip

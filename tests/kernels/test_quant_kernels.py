@@ -301,9 +301,8 @@ def test_w4a16_skinny_plane_ptx_is_exact(dtype):
     high = np.random.default_rng(0).permutation(words)
     a = words | (high << np.uint32(16))  # low half: every word; high half: a permutation
     offset = 128.0 if dtype == torch.bfloat16 else 1024.0
-    name = "BF16" if dtype == torch.bfloat16 else "F16"
     for j in range(4):
-        code = getattr(ws, f"_{name}_{j}").value
+        code = ws.plane_ptx(j, dtype == torch.bfloat16)
         want_lo = torch.from_numpy(((words >> np.uint32(4 * j)) & 15).astype(np.float32))
         want_hi = torch.from_numpy(((high >> np.uint32(4 * j)) & 15).astype(np.float32))
         for z in range(17):
