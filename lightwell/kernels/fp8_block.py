@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from lightwell.kernels import pdl as _pdl
+from lightwell.kernels.pdl_sync import signal_then_wait
 
 GEMV_MAX_ROWS = 4  # activation rows fp8_block_gemv takes
 
@@ -98,11 +99,17 @@ def fp8_block_matmul_ref(
     block: tuple[int, int],
     out_dtype: torch.dtype,
 ) -> torch.Tensor:  # [M, N]
-    k, n = a.shape[1], b.shape[0]
-    bn, bk = block
+    k, bk = a.shape[1], block[1]
     sa = a_scale.float().repeat_interleave(bk, dim=1)[:, :k]
+    return ((a.float() * sa) @ _weight_ref(b, b_scale, block).t()).to(out_dtype)
+
+
+def _weight_ref(b: torch.Tensor, b_scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The block-scaled fp8 weight ``b`` [N, K] dequantized, fp32."""
+    n, k = b.shape
+    bn, bk = block
     sb = b_scale.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:n, :k]
-    return ((a.float() * sa) @ (b.float() * sb).t()).to(out_dtype)
+    return b.float() * sb
 
 
 @triton.jit
@@ -131,9 +138,7 @@ def _fp8_block_gemv_kernel(
         w = tl.load(w_rows + rk[None, :])
     else:
         w = tl.load(w_rows + rk[None, :], mask=rk[None, :] < K, other=0.0)
-    if GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    signal_then_wait(GDC)
     acc = w.to(tl.float32) * _scaled_x(x_row, s_row, rk, K, BK)[None, :]
     for k0 in range(BLOCK_K, K, BLOCK_K):
         k = k0 + rk
@@ -186,7 +191,4 @@ def fp8_block_gemv_ref(
     b_scale: torch.Tensor,  # [ceil(N / bn), ceil(K / bk)]
     block: tuple[int, int],
 ) -> torch.Tensor:  # [M, N] in x's dtype
-    n, k = b.shape
-    bn, bk = block
-    sb = b_scale.float().repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[:n, :k]
-    return (x.float() @ (b.float() * sb).t()).to(x.dtype)
+    return (x.float() @ _weight_ref(b, b_scale, block).t()).to(x.dtype)
