@@ -178,7 +178,7 @@ class MultiprocExecutor:
         """Every rank's step time counters, in rank order (benchmarks: stage utilisation)."""
         mine, theirs = self._call(
             StageTimes(),
-            lambda: dict(self.worker.runner.stage.times) if self.worker.runner.stage else None,
+            lambda: self.worker.runner.stage.snapshot() if self.worker.runner.stage else None,
         )
         return [mine, *theirs]
 

@@ -133,7 +133,7 @@ def _handle(worker: object, msg: Command) -> object:
     if isinstance(msg, DetermineNumBlocks):
         return worker.determine_num_blocks(msg.resolved)
     if isinstance(msg, StageTimes):
-        return dict(worker.runner.stage.times) if worker.runner.stage else None
+        return worker.runner.stage.snapshot() if worker.runner.stage else None
     if isinstance(msg, InitKVCache):
         return worker.init_kv_cache(msg.num_blocks, msg.resolved)
     raise TypeError(f"unknown command {type(msg).__name__}")

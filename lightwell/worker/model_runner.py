@@ -144,7 +144,9 @@ class ModelRunner:
         if self.stage is None:
             return self.launch(sched).result()
         t0, waited = time.perf_counter(), self.stage.times["recv_wait_s"]
-        out = self.launch(sched).result()
+        pending = self.launch(sched)
+        self.stage.end_step()
+        out = pending.result()
         if sched.total_num_scheduled_tokens:
             self.stage.count_step(time.perf_counter() - t0, waited)
         return out

@@ -1,6 +1,13 @@
 """One pipeline stage's forward: the previous stage's activations in, its own out, and the
 stage's time counters (busy and waiting) for utilisation figures.
 
+On a GPU the host's time in a step says little about the stage's work (a stage before the
+last returns once its kernels are queued; the last waits for its tokens, and so for the stages
+before it), so each step is also timed on the device: an event when the step's input is there
+(after the receive, which the stream waits for) and one after its last kernel is queued
+(``end_step``: before the send to the next stage, or after the last stage's sampling);
+``gpu_busy_s`` sums their intervals.
+
 A step runs eagerly (``forward``) or replays the stage's CUDA graph (``replay``): either way
 the point-to-point receive and send happen outside the model's forward, so a graph holds no
 communication between stages. A graph of a stage after the first reads the received
@@ -11,6 +18,7 @@ of a stage before the last returns its ``(hidden, residual)`` (in place of the f
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +39,11 @@ class PipelineStage:
         # seconds in steps (less the wait for the previous stage's activations), seconds
         # waited for them, and steps run: a stage's utilisation is busy_s over wall time
         self.times = {"busy_s": 0.0, "recv_wait_s": 0.0, "steps": 0}
+        self.on_gpu = device.type == "cuda"
+        if self.on_gpu:
+            self.times["gpu_busy_s"] = 0.0  # device time from each step's input to its end
+        self._start: torch.cuda.Event | None = None  # the current step's
+        self._timed: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     def forward(
         self,
@@ -76,17 +89,47 @@ class PipelineStage:
     def receive(self, num_tokens: int) -> torch.Tensor | None:  # [2, T, H]
         """The previous stage's ``(hidden, residual)``; None on the first stage."""
         if pp.is_first_stage():
+            self._mark_start()
             return None
         t0 = time.perf_counter()
         hidden_size = self.model.config.hidden_size
         inter = pp.recv_activations(num_tokens, hidden_size, self.dtype, self.device)
         self.times["recv_wait_s"] += time.perf_counter() - t0
+        self._mark_start()
         return inter
+
+    def _mark_start(self) -> None:
+        if self.on_gpu:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def end_step(self) -> None:
+        """The step's work is queued (sampling included): its device interval ends here."""
+        if self._start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._timed.append((self._start, end))
+        self._start = None
+        self._add_timed(wait=False)
+
+    def _add_timed(self, wait: bool) -> None:
+        """Add the finished intervals (all of them with ``wait``) to ``gpu_busy_s``."""
+        while self._timed and (wait or self._timed[0][1].query()):
+            start, end = self._timed.popleft()
+            end.synchronize()
+            self.times["gpu_busy_s"] += start.elapsed_time(end) / 1e3
+
+    def snapshot(self) -> dict:
+        """The counters, every step's device time included."""
+        self._add_timed(wait=True)
+        return dict(self.times)
 
     def deliver(self, out: StageOutput) -> torch.Tensor | None:  # [T, H] on the last stage
         """The last stage's hidden states; before it, send ``(hidden, residual)`` on."""
         if pp.is_last_stage():
             return out
+        self.end_step()  # (the send may wait for the next stage: not this stage's work)
         pp.send_activations(*out)
         return None
 
