@@ -32,6 +32,23 @@ parallelism again with NCCL_P2P_DISABLE=1. More than one call holds: split it by
         "--stages none --modes nvlink --engines tp1,pp2,tp2-auto --budget-s 560 "
         "--engine-cap-s 280 --out $OUT/multi")
 
+``--set big``: DeepSeek-V3 as shipped (FP8 128 x 128 blocks) with expert parallelism over eight
+GPUs (attention tensor-parallel), and Qwen2-72B GPTQ-Int4 (group 128) at TP=4 over NVLink and
+emulated PCIe (NCCL, the exact and the int8 host all-reduce): W1, TTFT(2,048), the batch-64
+decode step. One call each for x8 and x4; the serving runs go through workloads/w3.sh:
+
+    run(kind="nvidia-h200-x8", command="python3 -m benchmarks.workloads.tp --set big "
+        "--stages none --modes nvlink --engines v3-fp8-ep8 --budget-s 560 --engine-cap-s 540 "
+        "--out $OUT/v3")
+    TP=8 MODEL_NAME=deepseek-v3-fp8 VOCAB=129280 RATES=16,8,4,2,1 NUM_PROMPTS=100 \
+        MODEL_JSON="$(python3 -c 'from benchmarks.workloads.tp import V3_FP8; print(V3_FP8)')" \
+        SERVE_ARGS="--enable-expert-parallel --max-model-len 8192" \
+        bash benchmarks/workloads/w3.sh $OUT/w3
+    run(kind="nvidia-h200-x4", command="python3 -m benchmarks.workloads.tp --set big "
+        "--stages none --budget-s 560 --engine-cap-s 200 --engines qwen72b-gptq-tp4-auto,"
+        "pcie-emulated:qwen72b-gptq-tp4-nccl,pcie-emulated:qwen72b-gptq-tp4-hostmem-int8 "
+        "--out $OUT/q72")
+
 ``--dry-run`` runs a set's engines on the CPU with tiny configs of the same families and
 scaled-down stages (2 ranks over gloo, one thread each): the script's plumbing, not a
 measurement (its rows say ``dry_run``).
@@ -51,6 +68,7 @@ import sys
 import time
 
 from benchmarks.comm.allreduce import COMMON_ENV, MODE_ENV
+from benchmarks.workloads.moe_v3_layers import FP8_BLOCK
 
 # W1 floors: bytes streamed per token by each GPU over 4,221 GB/s. llama-3-8b at TP=1: 15.01 GB
 # (TP=2 halves it: 562 tok/s); llama-3-70b at TP=2: 69.5e9 non-embedding params x 2 B / 2 GPUs;
@@ -188,7 +206,32 @@ MULTI = {
     ],
     "pcie-emulated": [_PP2, *(_moe_tp2("mixtral", "mixtral-8x7b", ep) for ep in (False, True))],
 }
-ENGINE_SETS = {"w4": ENGINES, "multi": MULTI}
+# --set big (issue 28): DeepSeek-V3 as shipped (FP8 128 x 128 blocks) on eight GPUs with expert
+# parallelism (attention tensor-parallel), and Qwen2-72B as GPTQ-Int4 (group 128) at TP=4 (its
+# published intermediate size, 29,696, divides into 128-column groups at TP=4), over NVLink and
+# emulated PCIe with the exact and int8 host all-reduces
+GPTQ4 = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+V3_FP8 = json.dumps({"preset": "deepseek-v3", "quantization_config": FP8_BLOCK})
+QWEN72_GPTQ = json.dumps({"preset": "qwen2.5-7b", "hidden_size": 8192, "intermediate_size": 29696,
+                          "num_hidden_layers": 80, "num_attention_heads": 64,
+                          "num_key_value_heads": 8, "quantization_config": GPTQ4})  # fmt: skip
+
+
+def _qwen72(all_reduce: str) -> tuple:
+    return (f"qwen72b-gptq-tp4-{all_reduce}",
+            dict(tensor_parallel_size=4, all_reduce=all_reduce, hf_config_json=QWEN72_GPTQ),
+            ("w1", "ttft", "decode"))  # fmt: skip
+
+
+BIG = {
+    "nvlink": [
+        ("v3-fp8-ep8", dict(tensor_parallel_size=8, enable_expert_parallel=True,
+                            hf_config_json=V3_FP8, max_model_len=8192), ("w1", "ttft", "decode")),
+        _qwen72("auto"),
+    ],
+    "pcie-emulated": [_qwen72(a) for a in ("nccl", "auto", "hostmem-int8")],
+}  # fmt: skip
+ENGINE_SETS = {"w4": ENGINES, "multi": MULTI, "big": BIG}
 # --dry-run: tiny configs of the presets' families (the plumbing, on the CPU)
 TINY = {
     "llama-3-8b": dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
@@ -199,6 +242,17 @@ TINY = {
                              moe_intermediate_size=32, num_attention_heads=4, kv_lora_rank=32,
                              qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                              n_routed_experts=8, num_experts_per_tok=2),
+    # 128 x 128 FP8 blocks and 128-column GPTQ groups: dimensions of whole blocks
+    # (at TP=8: 16 heads, 2 a rank, of 128 q / kv_b columns; the shared expert 1,024 / 8)
+    "deepseek-v3": dict(num_hidden_layers=2, first_k_dense_replace=1, hidden_size=256,
+                        intermediate_size=1024, moe_intermediate_size=1024,
+                        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=128,
+                        kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                        v_head_dim=64, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+                        topk_group=1),
+    # (at TP=4: a 128-wide head and 128 MLP columns a rank)
+    "qwen2.5-7b": dict(num_hidden_layers=2, hidden_size=512, intermediate_size=512,
+                       num_attention_heads=4, num_key_value_heads=4),
 }  # fmt: skip
 ENGINE_CAP_S = 150  # one engine subprocess at most (default of --engine-cap-s)
 SHARE = {"nvlink": 0.55, "pcie-emulated": 0.45}  # of the budget; --share overrides
@@ -227,9 +281,10 @@ def make_llm(mode: str, options: dict, dual_min_tokens: int, dry_run: bool = Fal
         # labels without -g2048 compare with those that set 2,048
         cuda_graph_prefill_tokens=512,
     )
-    if options.get("tensor_parallel_size", 2) == 2:
+    tp = options.get("tensor_parallel_size", 2)
+    if tp > 1:
         kw.update(
-            tensor_parallel_size=2,
+            tensor_parallel_size=tp,
             custom_all_reduce=mode == "nvlink",
             dual_stream_min_tokens=dual_min_tokens,
         )

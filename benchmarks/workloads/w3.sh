@@ -7,7 +7,8 @@
 # TP=2 (kind nvidia-h200-x2) for two GPUs over NVLink; with MODE=pcie-emulated,
 # NCCL_P2P_DISABLE=1 and --no-custom-all-reduce, like a PCIe box without peer access (auto then
 # picks the hostmem all-reduce). Override with RATES=... NUM_PROMPTS=... INPUT_LEN=...
-# OUTPUT_LEN=... MODEL_JSON=... VOCAB=... (SKIP_WHEELS=1 where fastapi is installed).
+# OUTPUT_LEN=... MODEL_JSON=... MODEL_NAME=... (the results' model) VOCAB=... (SKIP_WHEELS=1
+# where fastapi is installed).
 # SERVE_ARGS="..." adds options to `lightwell serve` (e.g. "--all-reduce hostmem-copy-int8
 # --dual-stream") and CONFIG=... names the configuration in the results. Results land in $1:
 # w3_gpu.json (the records; reference: benchmarks/results/W3_tp1_h200.json, W3_tp2_*.json),
@@ -28,7 +29,7 @@ if [ "${MODE:-}" = pcie-emulated ]; then
   extra=(--no-custom-all-reduce)
 fi
 # the command recorded in every result: this script with the settings it ran under
-command="TP=${TP:-1} MODE=${MODE:-} RATES=${RATES:-32,8,2} NUM_PROMPTS=${NUM_PROMPTS:-500}"
+command="TP=${TP:-1} MODE=${MODE:-} MODEL_NAME=${MODEL_NAME:-llama-3-8b} RATES=${RATES:-32,8,2} NUM_PROMPTS=${NUM_PROMPTS:-500}"
 command+=" CONFIG=${CONFIG:-default} SERVE_ARGS='${SERVE_ARGS:-}' bash benchmarks/workloads/w3.sh OUT"
 set -f  # SERVE_ARGS: split into words, never glob-expanded
 $PY -m lightwell.cli serve --port "$port" --load-format dummy --hf-config-json "${MODEL_JSON:-llama-3-8b}" \
@@ -46,7 +47,7 @@ $PY -m lightwell.cli bench serve --base-url "http://127.0.0.1:$port" --token-ids
   --vocab-size "${VOCAB:-128256}" --input-len "${INPUT_LEN:-1024}" \
   --output-len "${OUTPUT_LEN:-256}" --ignore-eos \
   --num-prompts "${NUM_PROMPTS:-500}" --request-rate "${RATES:-32,8,2}" --no-progress \
-  --metadata model=llama-3-8b dtype=bfloat16 tp="${TP:-1}" mode="${MODE:-$([ "${TP:-1}" = 1 ] && echo single || echo nvlink)}" \
+  --metadata model="${MODEL_NAME:-llama-3-8b}" dtype=bfloat16 tp="${TP:-1}" mode="${MODE:-$([ "${TP:-1}" = 1 ] && echo single || echo nvlink)}" \
   config="${CONFIG:-default}" command="$command" \
   --result-json "$out/w3_gpu.json" --plot "$out/w3_gpu.png" 2>&1 | tee "$out/bench.log"
 rc=$?

@@ -233,6 +233,8 @@ def apply_overrides(config: Any, overrides: dict[str, Any]) -> Any:
     ov = dict(overrides)
     if ({"hidden_size", "num_attention_heads"} & ov.keys()) and "head_dim" not in ov:
         d.pop("head_dim", None)
+    if "num_hidden_layers" in ov and "layer_types" not in ov:  # one a layer: derived again
+        d.pop("layer_types", None)
     if isinstance(d.get("rope_parameters"), dict):  # transformers 5 folds rope_* in here
         rope = dict(d["rope_parameters"])
         if "rope_scaling" in ov:

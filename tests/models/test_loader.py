@@ -145,6 +145,17 @@ def test_qwen_preset_builds_qwen2():
     assert model.model.layers[0].self_attn.qkv_proj.bias.shape == (3584 + 2 * 512,)
 
 
+def test_layer_count_override_of_a_config_with_layer_types():
+    # Qwen2's config lists a type a layer: a new layer count derives them again (Qwen2-72B's
+    # shapes from the 28-layer Qwen2.5-7B preset)
+    config = load_hf_config(None, {"preset": "qwen2.5-7b", "num_hidden_layers": 80,
+                                   "hidden_size": 8192, "num_attention_heads": 64})  # fmt: skip
+    assert config.num_hidden_layers == 80 and len(config.layer_types) == 80
+    assert set(config.layer_types) == {"full_attention"}
+    config = load_hf_config(None, {"preset": "qwen2.5-7b", "num_hidden_layers": 2})
+    assert len(config.layer_types) == 2
+
+
 def test_override_rope_theta_and_preset_with_overrides():
     config = load_hf_config(None, {"preset": "llama-3-8b", "num_hidden_layers": 2})
     assert config.num_hidden_layers == 2 and config.hidden_size == 4096
