@@ -174,15 +174,19 @@ def _gpu_run(model: str, trace, **opts) -> tuple[list[list[int]], list[str]]:
               cuda_graph_prefill_tokens=64, kv_cache_memory_gb=1.0, async_scheduling=False,
               **opts)  # fmt: skip
     try:
+        staged = opts.get("pipeline_parallel_size", 1) > 1
+        before = llm.engine.executor.stage_times() if staged else []
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
         graphs = llm.engine.executor.worker.runner.graphs  # rank 0: the first stage's
         assert graphs is not None and len(graphs.graphs) == 7  # decode 1-8, mixed 16-64
         assert graphs.replays > 0
-        if opts.get("pipeline_parallel_size", 1) > 1:  # every stage timed its steps on the GPU
-            for t in llm.engine.executor.stage_times():
-                assert t["steps"] > 0 and 0 < t["gpu_busy_s"] < wall, (t, wall)
+        if staged:  # every stage timed this run's steps on the GPU (the counters start with
+            # the engine's warm-up steps)
+            for a, b in zip(llm.engine.executor.stage_times(), before):
+                busy = a["gpu_busy_s"] - b["gpu_busy_s"]
+                assert a["steps"] > b["steps"] and 0 < busy < wall, (a, b, wall)
     finally:
         llm.shutdown()
     paths = [json.loads(line)["path"] for line in trace.read_text().splitlines()]
