@@ -92,7 +92,8 @@ def measure(name: str, dev: torch.device) -> list[dict]:
     )
     rows = [record("w4a16_gemv_us", gemv, config=list(pick_config(n, k, 1)), rel_err=err, **base)]
     out = torch.empty(n, device=dev, dtype=torch.float32)
-    grid_out = torch.empty(n * k // 8 // 1024 + 1, device=dev, dtype=torch.int32)
+    programs = triton.cdiv(n * k // 8, min(block * iters for block, iters, _ in STREAM_TILES))
+    grid_out = torch.empty(programs, device=dev, dtype=torch.int32)
     for metric, fn, tiles, buf in (
         ("gemv_pattern_read_us", gemv_pattern_read, LOAD_TILES, out),
         ("stream_read_us", stream_read, STREAM_TILES, grid_out),

@@ -47,9 +47,15 @@ def run(pp: int, in_flight: int | None, args: argparse.Namespace) -> dict:
     finally:
         llm.engine.shutdown()
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
-    busy = [a["busy_s"] - b["busy_s"] for a, b in zip(after, before)] or [wall]
+    busy = stage_busy(before, after) or [wall]
     return {"wall_s": wall, "total_tok_s": tokens / wall, "stage_busy_s": busy,
             "stage_utilisation": [b / wall for b in busy]}  # fmt: skip
+
+
+def stage_busy(before: list[dict], after: list[dict], key: str = "busy_s") -> list[float]:
+    """Each stage's ``key`` counter between two ``stage_times`` readings (stages without it,
+    e.g. ``gpu_busy_s`` on a CPU, left out)."""
+    return [a[key] - b[key] for a, b in zip(after, before) if key in a]
 
 
 def stage_times(llm: object) -> list[dict]:

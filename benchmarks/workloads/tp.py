@@ -345,7 +345,7 @@ def stage_w2(llm, emit, requests: int = 1000, prompt_len: int = 1024, output_len
     """W2: ``requests`` prompts at once, EOS ignored: total tok/s, and each pipeline stage's
     utilisation (busy / wall, ``PipelineStage.times``) where the engine has stages: host-timed,
     and on GPUs device-timed (``gpu_busy_s``: the host's time there includes waiting)."""
-    from benchmarks.workloads.pp_cpu import stage_times
+    from benchmarks.workloads.pp_cpu import stage_busy, stage_times
     from lightwell import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
@@ -356,12 +356,13 @@ def stage_w2(llm, emit, requests: int = 1000, prompt_len: int = 1024, output_len
     wall = time.perf_counter() - t0
     after = stage_times(llm)
     tokens = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) for o in outs)
-    busy = [a["busy_s"] - b["busy_s"] for a, b in zip(after, before)]
-    gpu = [a["gpu_busy_s"] - b["gpu_busy_s"] for a, b in zip(after, before) if "gpu_busy_s" in a]
+
+    def util(key: str) -> list[float] | None:
+        return [round(b / wall, 4) for b in stage_busy(before, after, key)] or None
+
     emit("total_tok_s", tokens / wall, workload="W2", requests=requests, prompt_len=prompt_len,
-         output_len=output_len, wall_s=round(wall, 2),
-         stage_utilisation=[round(b / wall, 4) for b in busy] or None,
-         stage_gpu_utilisation=[round(b / wall, 4) for b in gpu] or None)  # fmt: skip
+         output_len=output_len, wall_s=round(wall, 2), stage_utilisation=util("busy_s"),
+         stage_gpu_utilisation=util("gpu_busy_s"))  # fmt: skip
 
 
 def _start_decoding(engine, batch: int, steps: int, tag: str) -> None:

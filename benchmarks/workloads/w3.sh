@@ -29,7 +29,8 @@ if [ "${MODE:-}" = pcie-emulated ]; then
   extra=(--no-custom-all-reduce)
 fi
 # the command recorded in every result: this script with the settings it ran under
-command="TP=${TP:-1} MODE=${MODE:-} MODEL_NAME=${MODEL_NAME:-llama-3-8b} RATES=${RATES:-32,8,2} NUM_PROMPTS=${NUM_PROMPTS:-500}"
+command="TP=${TP:-1} MODE=${MODE:-} MODEL_NAME=${MODEL_NAME:-llama-3-8b}"
+command+=" RATES=${RATES:-32,8,2} NUM_PROMPTS=${NUM_PROMPTS:-500}"
 command+=" CONFIG=${CONFIG:-default} SERVE_ARGS='${SERVE_ARGS:-}' bash benchmarks/workloads/w3.sh OUT"
 set -f  # SERVE_ARGS: split into words, never glob-expanded
 $PY -m lightwell.cli serve --port "$port" --load-format dummy --hf-config-json "${MODEL_JSON:-llama-3-8b}" \

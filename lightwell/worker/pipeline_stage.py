@@ -87,7 +87,8 @@ class PipelineStage:
         return self.model.config.hidden_size, self.dtype
 
     def receive(self, num_tokens: int) -> torch.Tensor | None:  # [2, T, H]
-        """The previous stage's ``(hidden, residual)``; None on the first stage."""
+        """The previous stage's ``(hidden, residual)``; None on the first stage. The step's
+        device interval starts once they are there."""
         if pp.is_first_stage():
             self._mark_start()
             return None
