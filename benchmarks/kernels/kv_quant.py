@@ -17,8 +17,8 @@ Checks (the script exits non-zero when one fails):
 
 Times: decode attention (one layer's launch, ``paged_attention`` with the engine's automatic
 split-KV), µs per call, median of 20 CUDA-graph replays, for the bf16, fp8 and int8 caches at
-batch 1 and 64 and contexts 1k, 4k, 8k, batch 128 at 4k and batch 256 at 1,152 (W2's decode
-steps); ``speedup`` = bf16 time / 8-bit
+batch 1 and 64 and contexts 1k, 4k, 8k, batch 8 at 8k, batch 128 at 4k and batch 256 at 1,152
+(W2's decode steps); ``speedup`` = bf16 time / 8-bit
 time; then the fp8 cache with the other decode tiles of ``SWEEP`` (``kv_cache_dtype`` "fp8
 (block_m, block_n, warps, stages)"); then 8 prompt chunks of 512 tokens after 3,584 cached
 (``prefill_attention_us``, eager calls: over an 8-bit cache they read a bf16 copy of their
@@ -55,9 +55,11 @@ SWEEP = (
     (16, 128, 4, 2),
     (16, 128, 4, 3),
     (16, 128, 8, 2),
+    (16, 128, 2, 2),
+    (16, 128, 2, 3),
     (16, 32, 2, 4),
 )
-BATCHES_TIMED = ((1, CONTEXTS), (64, CONTEXTS), (128, (4096,)), (256, (1152,)))
+BATCHES_TIMED = ((1, CONTEXTS), (8, (8192,)), (64, CONTEXTS), (128, (4096,)), (256, (1152,)))
 
 
 def _meta(qlens: list[int], ctxs: list[int], gen: torch.Generator) -> AttentionMetadata:

@@ -19,8 +19,12 @@ scales, kernels/kv_quant.py) is read as is: the two products run in fp16 for 16-
 queries convert exactly at fp16's normal magnitudes, the tiles always) and in fp32 for fp32
 queries; each key's scale multiplies its scores, and each value's scale its probabilities
 (times ``_V_LIFT``, undone at the end, so fp16 probabilities keep their precision); fp16
-operands are clamped to fp16's finite range. Launches of prompt chunks long enough read a copy
-of their blocks in the query dtype instead (kernels/kv_dequant.py).
+operands are clamped to fp16's finite range. On a GPU (``V_ASM``) a value tile is converted to
+fp16 by inline PTX in the layout it was loaded in, so its fp16 copy reaches the tensor cores
+through shared memory the way a 16-bit cache's tile does; a plain conversion lets Triton move
+the 8-bit bytes into the product's transposed operand layout one byte at a time. Launches of
+prompt chunks long enough read a copy of their blocks in the query dtype instead
+(kernels/kv_dequant.py).
 
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);
@@ -36,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lightwell import envs
 from lightwell.kernels.attention_tiles import (
     MAX_HEAD_DIM,
     AttentionConfig,
@@ -71,6 +76,35 @@ def _to_f16(x):
     return tl.minimum(tl.maximum(x, -_F16_MAX), _F16_MAX).to(tl.float16)
 
 
+# four 8-bit values of one register ($2) to fp16 in two registers ($0: values 0-1, $1: 2-3)
+_FP8_TO_F16 = tl.constexpr(
+    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+)
+# int8: each byte + 128 in the low byte of an fp16 1024 (0x64nn = 1024 + n), minus 1152
+_INT8_TO_F16 = tl.constexpr(
+    "{ .reg .b32 u, c; xor.b32 u, $2, 0x80808080; mov.b32 c, 0x64806480; "
+    "prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362; "
+    "sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }"
+)
+
+
+@triton.jit
+def _tile_to_f16(x, ASM: tl.constexpr):
+    """An 8-bit (fp8 e4m3 or int8) tile in fp16, exactly. ``ASM``: by inline PTX that Triton
+    keeps in x's own layout (not pure, so it is neither moved nor duplicated)."""
+    if ASM:
+        if x.dtype == tl.float8e4nv:
+            y = tl.inline_asm_elementwise(_FP8_TO_F16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                          dtype=tl.float16, is_pure=False, pack=4)  # fmt: skip
+        else:
+            y = tl.inline_asm_elementwise(_INT8_TO_F16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                          dtype=tl.float16, is_pure=False, pack=4)  # fmt: skip
+    else:
+        y = x.to(tl.float16)
+    return y
+
+
 @triton.jit
 def _attend_tile(
     acc,  # [BLOCK_M, HEAD_DIM_PAD] fp32
@@ -102,6 +136,7 @@ def _attend_tile(
     KV_QUANT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     F16_DOT: tl.constexpr,
+    V_ASM: tl.constexpr,
 ):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hi
@@ -134,9 +169,11 @@ def _attend_tile(
         v_scale = load_scales(vs, n_ok, MASKED) * _V_LIFT  # [BLOCK_N]
         if F16_DOT:
             pv = _to_f16(p * v_scale[None, :])
+            v = _tile_to_f16(v, V_ASM)
         else:
             pv = p * v_scale[None, :]
-        acc = acc * alpha[:, None] + tl.dot(pv, v.to(q.dtype), input_precision=DOT_PREC)
+            v = v.to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(pv, v, input_precision=DOT_PREC)
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, l_i, m_new
@@ -170,6 +207,7 @@ def _paged_attention_kernel(
     PDL_SIGNAL: tl.constexpr,  # let a PDL-launched next kernel start now (kernels/pdl.py)
     KV_QUANT: tl.constexpr,  # an 8-bit cache: rows of D values + an fp32 scale
     F16_DOT: tl.constexpr,  # KV_QUANT with 16-bit queries: the products run in fp16
+    V_ASM: tl.constexpr,  # F16_DOT on a GPU: value tiles convert by inline PTX (_tile_to_f16)
 ):  # fmt: skip
     if PDL_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
@@ -240,21 +278,21 @@ def _paged_attention_kernel(
                 acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base, ks_base, vs_base,
                 stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
                 window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
-                F16_DOT,
+                F16_DOT, V_ASM,
             )  # fmt: skip
     for start_n in range(win_end, full_end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base, ks_base, vs_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
             window, BLOCK_SIZE, BLOCK_N, False, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
-            F16_DOT,
+            F16_DOT, V_ASM,
         )  # fmt: skip
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
             acc, l_i, m_i, q, pos, start_n, hi, bt_row, k_base, v_base, ks_base, vs_base,
             stride_k_blk, stride_k_tok, stride_v_blk, stride_v_tok, qk_scale, offs_d, d_ok,
             window, BLOCK_SIZE, BLOCK_N, True, SLIDING, PAD_D, DOT_PREC, KV_QUANT, HEAD_DIM,
-            F16_DOT,
+            F16_DOT, V_ASM,
         )  # fmt: skip
 
     if KV_QUANT:
@@ -334,6 +372,7 @@ def _launch(
     gqa = num_heads // num_kv_heads
     decode = max_query_len <= 1
     quant = is_quantized(k_cache.dtype)
+    f16_dot = quant and q.dtype != torch.float32
     tok0, tok1 = meta.query_start_loc_cpu[r0], meta.query_start_loc_cpu[r1]
     if config is None:
         wide = decode and (r1 - r0) * num_kv_heads >= (device_sms(q.device) or 1 << 30)
@@ -375,7 +414,7 @@ def _launch(
         SLIDING=sliding_window is not None,
         ONE_TILE_PER_REQ=one_tile, PAD_D=d_pad != head_dim, DOT_PREC=_dot_precision(q.dtype),
         PDL_SIGNAL=decode and use_pdl(q.device), KV_QUANT=quant,
-        F16_DOT=quant and q.dtype != torch.float32,
+        F16_DOT=f16_dot, V_ASM=f16_dot and q.is_cuda and not envs.triton_interpret(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if num_splits > 1:

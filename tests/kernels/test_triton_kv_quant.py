@@ -2,7 +2,9 @@
 store (alone and fused with RoPE) writes the values and scales ``quantize_kv`` gives, in the
 block layout of quant/kv_cache.py (values, then head-major scales); paged attention over
 the 8-bit cache equals ``paged_attention_ref`` over the dequantized cache; the Triton backend
-equals the torch backend on the same 8-bit cache (outputs and cache bytes)."""
+equals the torch backend on the same 8-bit cache (outputs and cache bytes); compiled for sm_90
+(no GPU needed), the decode kernel converts value tiles in registers, not byte by byte through
+shared memory."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from lightwell.quant.kv_cache import (
     quantize_kv,
     split_blocks,
 )
-from tests.kernels.test_triton_kernels import DEVICE, _paged_batch, _randn
+from tests.kernels.test_triton_kernels import DEVICE, _paged_batch, _randn, _run_ptx_script
 
 FP8 = torch.float8_e4m3fn
 KV_DTYPES = {"fp8": FP8, "int8": torch.int8}
@@ -185,6 +187,58 @@ def test_compile_variants_reads_an_8bit_cache():
     assert pa.default_config(128, True, True, wide=True) == pa.AttentionConfig(16, 64, 2, 3)
     assert pa.default_config(128, True, True) == pa.AttentionConfig(16, 128, 4, 3)
     assert pa.default_config(128, True, False, wide=True) == pa.AttentionConfig(16, 64, 4, 3)
+
+
+# The decode kernel over an fp8 / int8 cache (llama-3-8b's heads, the wide-batch tile) compiled
+# for sm_90, V_ASM per argv[1]: its shared-memory and conversion instructions, counted.
+_DECODE_PTX_SCRIPT = r"""
+import json, re, sys, triton
+from triton.backends.compiler import GPUTarget
+from lightwell.kernels import paged_attention as pa
+
+names = list(pa._paged_attention_kernel.fn.__code__.co_varnames[
+    : pa._paged_attention_kernel.fn.__code__.co_argcount])
+out = {}
+for kv, ty in (("fp8", "*fp8e4nv"), ("int8", "*i8")):
+    consts = dict(GQA=4, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_M=16, BLOCK_Q=1,
+                  BLOCK_N=64, SPLIT_KV=False, SLIDING=False, ONE_TILE_PER_REQ=True, PAD_D=False,
+                  DOT_PREC="tf32", PDL_SIGNAL=False, KV_QUANT=True, F16_DOT=True,
+                  V_ASM=sys.argv[1] == "1")
+    types = dict(q_ptr="*bf16", out_ptr="*bf16", k_cache_ptr=ty, v_cache_ptr=ty,
+                 part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32", qsl_ptr="*i32",
+                 seq_lens_ptr="*i32", block_table_ptr="*i32", qk_scale="fp32")
+    sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n] not in ("constexpr", "fp32") and n not in ("req_base", "num_reqs",
+             "tok_base", "tile_base", "window")}
+    src = triton.compiler.ASTSource(fn=pa._paged_attention_kernel, signature=sig,
+                                    constexprs=consts, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options=dict(num_warps=2, num_stages=3)).asm["ptx"]
+    out[kv] = {
+        "byte_shared_loads": len(re.findall(r"ld\.shared\.[bsu]8\b", ptx)),
+        "transposed_ldmatrix": len(re.findall(r"ldmatrix\.[.\w]*\.trans\.", ptx)),
+        "fp8_pair_cvt": ptx.count("cvt.rn.f16x2.e4m3x2"),
+        "prmt": ptx.count("prmt.b32"),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("asm", [True, False])
+def test_decode_kernel_converts_value_tiles_in_registers(asm):
+    """A plain conversion of the value tile lets Triton carry its 8-bit bytes into the
+    product's transposed operand layout one shared-memory load each (256 in this tile); with
+    ``V_ASM`` the tile converts in registers and its fp16 copy is read with transposing
+    ldmatrix, as a 16-bit cache's is."""
+    got = _run_ptx_script(_DECODE_PTX_SCRIPT, asm)
+    for kv, ops in got.items():
+        if asm:
+            assert ops["byte_shared_loads"] == 0, (kv, ops)
+            assert ops["transposed_ldmatrix"] > 0, (kv, ops)
+        else:
+            assert ops["byte_shared_loads"] >= 64 * 128 // 64, (kv, ops)
+    assert got["fp8"]["fp8_pair_cvt"] > 0 and got["int8"]["prmt"] > 0
 
 
 def test_8bit_cache_refuses_a_head_dim_without_aligned_scales():
