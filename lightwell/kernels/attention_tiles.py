@@ -27,12 +27,12 @@ def default_config(
 ) -> AttentionConfig:
     """Tile shape for decode (query_len 1: 16 rows hold the query heads of one group) or for
     prefill (128 rows), sized for Hopper's shared memory. Decode over an 8-bit cache reads
-    128-key tiles (the bytes of a 64-key 16-bit tile) on 4 warps, or, ``wide`` (at least a
-    program per SM), 64-key tiles on 2 warps: more programs resident per SM, more bytes in
-    flight; benchmarks/kernels/kv_quant.py times the alternatives."""
+    128-key tiles (the bytes of a 64-key 16-bit tile) on 4 warps, two stages deep, or, ``wide``
+    (at least a program per SM), 64-key tiles on 2 warps: more programs resident per SM, more
+    bytes in flight; benchmarks/kernels/kv_quant.py times the alternatives."""
     if decode:
         if kv_quant and head_dim <= 128:
-            return AttentionConfig(16, 64, 2, 3) if wide else AttentionConfig(16, 128, 4, 3)
+            return AttentionConfig(16, 64, 2, 3) if wide else AttentionConfig(16, 128, 4, 2)
         return AttentionConfig(16, 64 if head_dim <= 128 else 32, 4, 3)
     if head_dim <= 128:
         return AttentionConfig(128, 64, 8, 3)

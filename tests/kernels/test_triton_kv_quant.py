@@ -185,7 +185,7 @@ def test_compile_variants_reads_an_8bit_cache():
     odd.view(torch.uint8).zero_()
     assert compile_variants(6, odd, 0.2, torch.float16) == 8
     assert pa.default_config(128, True, True, wide=True) == pa.AttentionConfig(16, 64, 2, 3)
-    assert pa.default_config(128, True, True) == pa.AttentionConfig(16, 128, 4, 3)
+    assert pa.default_config(128, True, True) == pa.AttentionConfig(16, 128, 4, 2)
     assert pa.default_config(128, True, False, wide=True) == pa.AttentionConfig(16, 64, 4, 3)
 
 
