@@ -1,5 +1,7 @@
-"""The MLA decode kernel (lightwell/kernels/mla_decode.py) on DeepSeek shapes, bf16: per step
-of one layer, µs and the latent cache's bytes read a second against the H200's 4,221 GB/s.
+"""The MLA decode kernel (lightwell/kernels/mla_decode.py) on DeepSeek shapes, bf16 queries
+over a bf16 latent cache (``--kv-cache-dtype fp8|int8``: an 8-bit one, checked against the
+reference on its dequantized copy): per step of one layer, µs and the latent cache's bytes read
+a second against the H200's 4,221 GB/s.
 Batches 1, 16 and 64 at 1,024 / 8,192-token contexts, 16 heads (DeepSeek-V2-Lite) and 128 (V3);
 split count and tile as the engine picks them, other split counts, and with ``--sweep`` the
 three fastest tiles (BLOCK_H, BLOCK_S, warps, stages) of a sweep at the picked split count.
@@ -20,8 +22,10 @@ import torch
 from benchmarks.kernels.timing import graph_replay_us
 from lightwell.bench.results import make_record, provenance, script_command, write_json
 from lightwell.kernels.mla_decode import mla_decode, mla_decode_ref, pick_config, pick_num_splits
+from lightwell.quant.kv_cache import dequantize_blocks, quantize_blocks
 
 RANK, ROPE, BLOCK = 512, 64, 16
+KV = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
 PEAK_GBPS = 4221.0
 CASES = [
     (heads, batch, ctx) for heads in (16, 128) for batch in (1, 16, 64) for ctx in (1024, 8192)
@@ -48,11 +52,13 @@ def _sweep(run, want: torch.Tensor, heads: int) -> list[tuple[float, tuple]]:
     return sorted(found)
 
 
-def bench(heads: int, batch: int, ctx: int, common: dict, sweep: bool) -> list[dict]:
+def bench(heads: int, batch: int, ctx: int, common: dict, sweep: bool, kv: str) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     blocks_per = ctx // BLOCK
     cache = torch.randn(1, batch * blocks_per, BLOCK, 1, RANK + ROPE, device="cuda",
                         dtype=torch.bfloat16, generator=gen)  # fmt: skip
+    if kv != "bf16":
+        cache = quantize_blocks(cache, KV[kv])
     table = torch.randperm(batch * blocks_per, device="cuda", generator=gen).to(torch.int32)
     table = table.view(batch, blocks_per)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
@@ -61,16 +67,17 @@ def bench(heads: int, batch: int, ctx: int, common: dict, sweep: bool) -> list[d
     auto = pick_num_splits(batch, heads, ctx)
     got = mla_decode(q, cache, table, lens, scale, RANK, auto).float()
     if batch <= 16:
-        want = mla_decode_ref(q, cache, table, lens, scale, RANK).float()
+        plain = dequantize_blocks(cache, torch.bfloat16)
+        want = mla_decode_ref(q, plain, table, lens, scale, RANK).float()
         err = ((got - want).abs().max() / want.abs().max()).item()
     else:
         want, err = got, None
-    nbytes = batch * ctx * (RANK + ROPE) * 2
+    nbytes = batch * ctx * cache.shape[-1] * cache.element_size()
     rows = []
 
     def row_of(us: float, splits: int, cfg: tuple | None) -> dict:
         gbps = nbytes / us / 1e3
-        row = dict(heads=heads, batch=batch, context=ctx, splits=splits,
+        row = dict(heads=heads, batch=batch, context=ctx, kv_cache_dtype=kv, splits=splits,
                    auto=splits == auto and cfg is None, config=cfg or pick_config(heads),
                    us=round(us, 1), gbps=round(gbps, 1), of_peak=round(gbps / PEAK_GBPS, 3),
                    rel_err_vs_torch=err)  # fmt: skip
@@ -94,11 +101,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="write the results here (JSON)")
     parser.add_argument("--sweep", action="store_true", help="also time every kernel config")
+    parser.add_argument("--kv-cache-dtype", default="bf16", choices=["bf16", *KV])
     args = parser.parse_args()
     common = {**provenance("cuda"), "command": script_command()}
     rows = []
     for heads, batch, ctx in CASES:
-        rows += bench(heads, batch, ctx, common, args.sweep)
+        rows += bench(heads, batch, ctx, common, args.sweep, args.kv_cache_dtype)
     if args.out:
         write_json(args.out, rows)
 

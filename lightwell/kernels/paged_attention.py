@@ -20,11 +20,9 @@ queries convert exactly at fp16's normal magnitudes, the tiles always) and in fp
 queries; each key's scale multiplies its scores, and each value's scale its probabilities
 (times ``_V_LIFT``, undone at the end, so fp16 probabilities keep their precision); fp16
 operands are clamped to fp16's finite range. On a GPU (``V_ASM``) a value tile is converted to
-fp16 by inline PTX in the layout it was loaded in, so its fp16 copy reaches the tensor cores
-through shared memory the way a 16-bit cache's tile does; a plain conversion lets Triton move
-the 8-bit bytes into the product's transposed operand layout one byte at a time. Launches of
-prompt chunks long enough read a copy of their blocks in the query dtype instead
-(kernels/kv_dequant.py).
+fp16 in registers (``kv_quant.tile_to_f16``), so its fp16 copy reaches the tensor cores through
+shared memory the way a 16-bit cache's tile does. Launches of prompt chunks long enough read a
+copy of their blocks in the query dtype instead (kernels/kv_dequant.py).
 
 Tiles map to requests without a host sync: virtual tile ids ``query_start_loc[i] // BLOCK_Q + i``
 are increasing in i, so a program finds its request by binary search (grid ``T // BLOCK_Q + R``);
@@ -49,7 +47,13 @@ from lightwell.kernels.attention_tiles import (
     locate_tile,
 )
 from lightwell.kernels.kv_dequant import copy_for_prefill
-from lightwell.kernels.kv_quant import SCALE_BYTES, is_quantized, load_scales, scales_offset
+from lightwell.kernels.kv_quant import (
+    SCALE_BYTES,
+    is_quantized,
+    load_scales,
+    scales_offset,
+    tile_to_f16,
+)
 from lightwell.kernels.pdl import use_pdl
 from lightwell.kernels.split_kv import (
     MAX_SPLITS,
@@ -74,35 +78,6 @@ _F16_MAX = tl.constexpr(65504.0)
 def _to_f16(x):
     """fp32 to fp16, clamped to its finite range."""
     return tl.minimum(tl.maximum(x, -_F16_MAX), _F16_MAX).to(tl.float16)
-
-
-# four 8-bit values of one register ($2) to fp16 in two registers ($0: values 0-1, $1: 2-3)
-_FP8_TO_F16 = tl.constexpr(
-    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
-)
-# int8: each byte + 128 in the low byte of an fp16 1024 (0x64nn = 1024 + n), minus 1152
-_INT8_TO_F16 = tl.constexpr(
-    "{ .reg .b32 u, c; xor.b32 u, $2, 0x80808080; mov.b32 c, 0x64806480; "
-    "prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362; "
-    "sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }"
-)
-
-
-@triton.jit
-def _tile_to_f16(x, ASM: tl.constexpr):
-    """An 8-bit (fp8 e4m3 or int8) tile in fp16, exactly. ``ASM``: by inline PTX that Triton
-    keeps in x's own layout (not pure, so it is neither moved nor duplicated)."""
-    if ASM:
-        if x.dtype == tl.float8e4nv:
-            y = tl.inline_asm_elementwise(_FP8_TO_F16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                          dtype=tl.float16, is_pure=False, pack=4)  # fmt: skip
-        else:
-            y = tl.inline_asm_elementwise(_INT8_TO_F16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                          dtype=tl.float16, is_pure=False, pack=4)  # fmt: skip
-    else:
-        y = x.to(tl.float16)
-    return y
 
 
 @triton.jit
@@ -169,7 +144,7 @@ def _attend_tile(
         v_scale = load_scales(vs, n_ok, MASKED) * _V_LIFT  # [BLOCK_N]
         if F16_DOT:
             pv = _to_f16(p * v_scale[None, :])
-            v = _tile_to_f16(v, V_ASM)
+            v = tile_to_f16(v, V_ASM)
         else:
             pv = p * v_scale[None, :]
             v = v.to(q.dtype)
@@ -207,7 +182,7 @@ def _paged_attention_kernel(
     PDL_SIGNAL: tl.constexpr,  # let a PDL-launched next kernel start now (kernels/pdl.py)
     KV_QUANT: tl.constexpr,  # an 8-bit cache: rows of D values + an fp32 scale
     F16_DOT: tl.constexpr,  # KV_QUANT with 16-bit queries: the products run in fp16
-    V_ASM: tl.constexpr,  # F16_DOT on a GPU: value tiles convert by inline PTX (_tile_to_f16)
+    V_ASM: tl.constexpr,  # F16_DOT on a GPU: value tiles convert by inline PTX (tile_to_f16)
 ):  # fmt: skip
     if PDL_SIGNAL:
         tl.extra.cuda.gdc_launch_dependents()
