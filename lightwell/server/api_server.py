@@ -211,6 +211,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(ParamError)
+    async def param_error(request: Request, exc: ParamError) -> JSONResponse:
+        err = bad_request(exc.message, exc.param)  # one found after the request's validation
+        return JSONResponse(err.body(), status_code=err.status)
+
     @app.exception_handler(TooBusy)
     async def too_busy(request: Request, exc: TooBusy) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)

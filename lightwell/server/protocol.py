@@ -164,6 +164,8 @@ class ChatMessage(_Request):
             raise ParamError("messages", "only assistant messages carry tool_calls")
         if self.role == "tool" and self.tool_call_id is None:
             raise ParamError("messages", "a tool message needs tool_call_id")
+        for call in self.tool_calls or []:
+            template_tool_call(call)  # arguments that are not JSON text: a 400 here
         return self
 
     def to_template(self) -> dict[str, Any]:

@@ -147,3 +147,26 @@ def test_two_structured_fields_are_refused():
     )
     err = _error(ChatCompletionRequest, {**CHAT, "response_format": {"type": "json_schema"}})
     assert err.param == "response_format" and "json_schema.schema" in err.message
+
+
+def test_a_param_error_raised_while_serving_is_a_400():
+    """Validation catches what it can; a ParamError found later in a handler (or a thread it
+    awaits) is still the client's 400 naming the field, not a 500."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from lightwell.server.api_server import _add_error_handlers
+    from lightwell.server.protocol_tools import ParamError
+
+    app = FastAPI()
+    _add_error_handlers(app)
+
+    @app.post("/late")
+    async def late() -> None:
+        raise ParamError("messages", "tool call arguments must be JSON text")
+
+    r = TestClient(app).post("/late")
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["param"] == "messages" and err["type"] == "invalid_request_error"
+    assert "JSON text" in err["message"]

@@ -70,6 +70,25 @@ def test_tool_modes(extra, mode):
         ({**BASE, "tools": [WEATHER, WEATHER]}, "tools", "distinct"),
         ({**BASE, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "guided_regex"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages", "tool_call_id"),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "tool_calls": [
+                            {
+                                "id": "call_1",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "{not json"},
+                            }
+                        ],
+                    },
+                    {"role": "user", "content": "x"},
+                ]
+            },
+            "messages",
+            "must be JSON text",
+        ),
     ],
 )
 def test_bad_tool_requests(body, param, message):
