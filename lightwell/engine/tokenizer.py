@@ -141,10 +141,17 @@ def _load_hf_tokenizer(files: ModelFiles) -> Any:
         if files.kind == "hf":
             return AutoTokenizer.from_pretrained(files.path, local_files_only=True)
     except (OSError, ValueError) as e:
-        raise ValueError(f"could not load a tokenizer from {files.path!r}: {e}") from e
+        reason = " ".join(str(e).split())  # (transformers' messages run over several lines)
+        if files.kind == "hf" and not any(
+            os.path.exists(os.path.join(files.path, f)) for f in _TOKENIZER_FILES
+        ):
+            reason = f"it holds none of {', '.join(_TOKENIZER_FILES)} ({reason})"
+        raise ValueError(f"could not load a tokenizer from {files.path!r}: {reason}") from e
     raise ValueError(f"unknown model files kind {files.kind!r} (expected 'hf' or 'gguf')")
 
 
+# files a folder's tokenizer is read from (one of them at least)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 _HANDOUT = threading.Lock()  # a built GGUF tokenizer goes to one engine; the others copy it
 
 

@@ -9,6 +9,7 @@ shapes of models whose weights we do not have, for dummy-weight benchmarks.
 from __future__ import annotations
 
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -184,7 +185,52 @@ def load_hf_config(files: ModelFiles | None, overrides: dict[str, Any] | str | N
         config = gguf_hf_config(files.path)
     else:
         raise ValueError(f"unknown model file kind {files.kind!r}")
-    return apply_overrides(config, ov) if ov else config
+    source = files.path if files is not None else f"preset {preset!r}"
+    if ov:
+        check_sizes(ov, f"{source} with overrides")
+        config = apply_overrides(config, ov)
+    check_sizes(config, source)
+    return config
+
+
+# sizes a model cannot be built without (> 0), and sizes that may be 0 where a model has none
+_POSITIVE_SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+_SIZES = (
+    "intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+    "num_local_experts", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+)  # fmt: skip
+
+
+def check_sizes(config: Any, source: str) -> None:
+    """One-line ValueError for a size a model cannot be built with (a negative or fractional
+    dimension, query heads not a multiple of the KV heads), before any tensor is made.
+    ``config``: a transformers config, or a dict of overrides (only the sizes it sets)."""
+    given = config if isinstance(config, dict) else None
+    for name in _POSITIVE_SIZES + _SIZES:
+        if given is not None and name not in given:
+            continue
+        v = given[name] if given is not None else getattr(config, name, None)
+        if v is None and name not in _POSITIVE_SIZES:
+            continue
+        low = 1 if name in _POSITIVE_SIZES else 0
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+            what = "a positive integer" if low else "an integer >= 0"
+            raise ValueError(f"{source}: config field {name} must be {what} (got {v!r})")
+    if given is not None:
+        return
+    heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+    if kv and heads % kv:
+        raise ValueError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads "
+            f"({kv})"
+        )
+    if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
+        raise ValueError(
+            f"{source}: hidden_size ({config.hidden_size}) is not a multiple of "
+            f"num_attention_heads ({heads}) and the config gives no head_dim"
+        )
 
 
 # model_type -> (transformers config class with the same field names, defaults of the model's
@@ -204,7 +250,10 @@ def _folder_config(path: str) -> Any:
     import transformers
 
     with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
+        try:
+            raw = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}/config.json is not valid JSON: {e}") from None
     own = OWN_CONFIGS.get(raw.get("model_type"))
     if own is not None:
         cls, defaults = own
@@ -216,14 +265,19 @@ def _folder_config(path: str) -> Any:
         return transformers.AutoConfig.from_pretrained(
             path, local_files_only=True, trust_remote_code=False
         )
-    except (ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers' own and its strict dataclasses' errors
         from lightwell.models.registry import supported_architectures
 
-        archs = ", ".join(raw.get("architectures") or [repr(raw.get("model_type"))])
-        raise ValueError(
-            f"{path}: transformers cannot read this config ({archs}): {e}\nLightwell supports: "
-            + ", ".join(supported_architectures())
-        ) from e
+        supported = supported_architectures()
+        listed = raw.get("architectures") or []
+        archs = ", ".join(listed or [repr(raw.get("model_type"))])
+        if not any(a in supported for a in listed):
+            raise ValueError(
+                f"{path}: architecture {archs} is not supported; Lightwell supports: "
+                + ", ".join(supported)
+            ) from None
+        reason = " ".join(str(e).split()).split(". ")[0]  # transformers' first sentence
+        raise ValueError(f"{path}: transformers cannot read this config ({archs}): {reason}") from e
 
 
 def apply_overrides(config: Any, overrides: dict[str, Any]) -> Any:
