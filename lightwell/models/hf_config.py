@@ -205,7 +205,8 @@ _SIZES = (
 
 def check_sizes(config: Any, source: str) -> None:
     """One-line ValueError for a size a model cannot be built with (a negative or fractional
-    dimension, query heads not a multiple of the KV heads), before any tensor is made.
+    dimension; outside latent attention, query heads not a multiple of the KV heads), before any
+    tensor is made.
     ``config``: a transformers config, or a dict of overrides (only the sizes it sets)."""
     given = config if isinstance(config, dict) else None
     for name in _POSITIVE_SIZES + _SIZES:
@@ -218,8 +219,8 @@ def check_sizes(config: Any, source: str) -> None:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
             what = "a positive integer" if low else "an integer >= 0"
             raise ValueError(f"{source}: config field {name} must be {what} (got {v!r})")
-    if given is not None:
-        return
+    if given is not None or getattr(config, "kv_lora_rank", None):
+        return  # (latent attention: heads share one latent; no KV heads, no hidden / heads)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if kv and heads % kv:
         raise ValueError(

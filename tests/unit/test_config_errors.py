@@ -81,3 +81,10 @@ def test_a_config_that_is_not_json_is_one_line(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="config.json is not valid JSON: Expecting property"):
         load_hf_config(ModelFiles("hf", str(tmp_path), "tiny"))
+
+
+def test_latent_attention_has_no_kv_head_rule():
+    """DeepSeek's heads share one latent: fewer heads than its num_key_value_heads (the
+    multi-GPU dry runs shrink the head count so) is a valid configuration."""
+    cfg = load_hf_config(None, {"preset": "deepseek-v2-lite", "num_attention_heads": 4})
+    assert cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 16
