@@ -132,17 +132,21 @@ def load_scales(ptrs, ok, MASKED: tl.constexpr):
     return s
 
 
-# four 8-bit values of one register ($2) to fp16 in two registers ($0: values 0-1, $1: 2-3)
-_FP8_TO_F16 = tl.constexpr(
-    "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
-    "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
-)
-# int8: each byte + 128 in the low byte of an fp16 1024 (0x64nn = 1024 + n), minus 1152
-_INT8_TO_F16 = tl.constexpr(
-    "{ .reg .b32 u, c; xor.b32 u, $2, 0x80808080; mov.b32 c, 0x64806480; "
-    "prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362; "
-    "sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }"
-)
+@triton.constexpr_function
+def to_f16_ptx(fp8):
+    """Inline PTX turning four 8-bit values of one register ($2) into fp16 in two ($0: values
+    0-1, $1: 2-3): fp8 e4m3 by the hardware's pair conversion; int8 by placing each byte + 128
+    in the low byte of an fp16 1024 (0x64nn = 1024 + n), minus 1152."""
+    if fp8:
+        return (
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+            "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+        )
+    return (
+        "{ .reg .b32 u, c; xor.b32 u, $2, 0x80808080; mov.b32 c, 0x64806480; "
+        "prmt.b32 $0, u, 0x64646464, 0x5140; prmt.b32 $1, u, 0x64646464, 0x7362; "
+        "sub.rn.f16x2 $0, $0, c; sub.rn.f16x2 $1, $1, c; }"
+    )
 
 
 @triton.jit
@@ -152,12 +156,9 @@ def tile_to_f16(x, ASM: tl.constexpr):
     conversion lets Triton carry the 8-bit bytes into a product's transposed operand layout one
     shared-memory load each, where the fp16 tile would take transposing ldmatrix."""
     if ASM:
-        if x.dtype == tl.float8e4nv:
-            y = tl.inline_asm_elementwise(_FP8_TO_F16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                          dtype=tl.float16, is_pure=False, pack=4)  # fmt: skip
-        else:
-            y = tl.inline_asm_elementwise(_INT8_TO_F16, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
-                                          dtype=tl.float16, is_pure=False, pack=4)  # fmt: skip
+        code: tl.constexpr = to_f16_ptx(x.dtype == tl.float8e4nv)
+        y = tl.inline_asm_elementwise(code, "=r,=r,r", [x.to(tl.uint8, bitcast=True)],
+                                      dtype=tl.float16, is_pure=False, pack=4)  # fmt: skip
     else:
         y = x.to(tl.float16)
     return y

@@ -187,7 +187,7 @@ def load_hf_config(files: ModelFiles | None, overrides: dict[str, Any] | str | N
         raise ValueError(f"unknown model file kind {files.kind!r}")
     source = files.path if files is not None else f"preset {preset!r}"
     if ov:
-        check_sizes(ov, f"{source} with overrides")
+        _check_size_values(ov, f"{source} with overrides")
         config = apply_overrides(config, ov)
     check_sizes(config, source)
     return config
@@ -206,20 +206,9 @@ _SIZES = (
 def check_sizes(config: Any, source: str) -> None:
     """One-line ValueError for a size a model cannot be built with (a negative or fractional
     dimension; outside latent attention, query heads not a multiple of the KV heads), before any
-    tensor is made.
-    ``config``: a transformers config, or a dict of overrides (only the sizes it sets)."""
-    given = config if isinstance(config, dict) else None
-    for name in _POSITIVE_SIZES + _SIZES:
-        if given is not None and name not in given:
-            continue
-        v = given[name] if given is not None else getattr(config, name, None)
-        if v is None and name not in _POSITIVE_SIZES:
-            continue
-        low = 1 if name in _POSITIVE_SIZES else 0
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
-            what = "a positive integer" if low else "an integer >= 0"
-            raise ValueError(f"{source}: config field {name} must be {what} (got {v!r})")
-    if given is not None or getattr(config, "kv_lora_rank", None):
+    tensor is made."""
+    _check_size_values({n: getattr(config, n, None) for n in _POSITIVE_SIZES + _SIZES}, source)
+    if getattr(config, "kv_lora_rank", None):
         return  # (latent attention: heads share one latent; no KV heads, no hidden / heads)
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
     if kv and heads % kv:
@@ -232,6 +221,18 @@ def check_sizes(config: Any, source: str) -> None:
             f"{source}: hidden_size ({config.hidden_size}) is not a multiple of "
             f"num_attention_heads ({heads}) and the config gives no head_dim"
         )
+
+
+def _check_size_values(values: dict[str, Any], source: str) -> None:
+    """The sizes among ``values`` (a config's, or the overrides given): positive integers, or
+    integers >= 0 (None: absent) for those a model may lack."""
+    for name in _POSITIVE_SIZES + _SIZES:
+        if name not in values or (values[name] is None and name not in _POSITIVE_SIZES):
+            continue
+        v, low = values[name], 1 if name in _POSITIVE_SIZES else 0
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+            what = "a positive integer" if low else "an integer >= 0"
+            raise ValueError(f"{source}: config field {name} must be {what} (got {v!r})")
 
 
 # model_type -> (transformers config class with the same field names, defaults of the model's
