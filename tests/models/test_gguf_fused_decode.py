@@ -22,18 +22,28 @@ LAYERS = [{name: qtype for name in ONE_TYPE} for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_
 PROMPTS = {"a": [5, 17, 33, 2, 90], "b": [(7 * i) % 290 + 5 for i in range(140)], "c": [7, 8]}
 
 
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
+def _tiny_gguf(tmp_path_factory, **extra) -> str:
     config = tiny_config(
         hidden_size=128,
         intermediate_size=96,
         num_hidden_layers=3,
         tie_word_embeddings=True,
         max_position_embeddings=256,
+        **extra,
     )  # the LM head on the Q8_0 token table, as SmolLM2's
     path = str(tmp_path_factory.mktemp("fused") / "tiny.gguf")
     write_tiny_gguf(path, hf_tiny_model(config, seed=5), layer_types=LAYERS)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return _tiny_gguf(tmp_path_factory)  # head_dim 32: the kernels' 16-lane vector loops
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_d24(tmp_path_factory):
+    return _tiny_gguf(tmp_path_factory, head_dim=24)  # not a multiple of 16: the plain loops
 
 
 class Fused:
@@ -55,10 +65,12 @@ class Fused:
         return self.logits
 
 
-def _decode(path: str, fused: bool, steps: int = 6, int8: bool = False) -> list[torch.Tensor]:
+def _decode(
+    path: str, fused: bool, steps: int = 6, int8: bool = False, threads: int = 2
+) -> list[torch.Tensor]:
     """Prefill PROMPTS layer by layer, then ``steps`` decode steps of all three (fed the
     same tokens whatever comes out); each step's logits [3, V]."""
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     model = load_ours(path, quantization="gguf", cpu_int8_activations=int8)
     runner = PagedRunner(model, block_size=4, num_blocks=64, seed=1)
     runner.step([(r, ids, 0) for r, ids in PROMPTS.items()])
@@ -75,10 +87,21 @@ def _decode(path: str, fused: bool, steps: int = 6, int8: bool = False) -> list[
     return out
 
 
-def test_fused_decode_matches_the_layer_by_layer_forward(tiny_gguf):
-    ref, got = _decode(tiny_gguf, fused=False), _decode(tiny_gguf, fused=True)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_decode_matches_the_layer_by_layer_forward(tiny_gguf, threads):
+    """Also with more threads than this machine's 2 cores: a thread the OS pauses has its
+    share of a phase's chunks taken by the others."""
+    ref = _decode(tiny_gguf, fused=False)
+    got = _decode(tiny_gguf, fused=True, threads=threads)
     for want, have in zip(ref, got):
         assert rel_err(have, want) < 5e-6  # ~5e-7: float32 sums in another order
+        assert torch.equal(have.argmax(-1), want.argmax(-1))
+
+
+def test_fused_decode_with_a_head_dim_off_the_vector_width(tiny_gguf_d24):
+    ref, got = _decode(tiny_gguf_d24, fused=False), _decode(tiny_gguf_d24, fused=True)
+    for want, have in zip(ref, got):
+        assert rel_err(have, want) < 5e-6
         assert torch.equal(have.argmax(-1), want.argmax(-1))
 
 

@@ -4,8 +4,8 @@
  * w = q * d + m) or Q8_0 (fp16 d, 32 int8: w = q * d), 32 weights a block. Low nibbles are
  * values 0..15 of a block, high nibbles 16..31. Each weight is dequantized in registers with one
  * fused multiply-add, which gives exactly gguf-py's float32 value (q * d is exact in float32),
- * and accumulated in float32. AVX2 + FMA + F16C where the compiler targets them, portable C
- * otherwise.
+ * and accumulated in float32. AVX2 + FMA + F16C where the compiler targets them (one row of x
+ * against a row of blocks: AVX-512 where it targets that too), portable C otherwise.
  */
 #ifndef GGUF_BLOCKS_H_
 #define GGUF_BLOCKS_H_
@@ -98,9 +98,54 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+#ifdef __AVX512F__
+/* One row of blocks against one row of x, 16 lanes: a Q4 block's 16 bytes widened to 16 int32
+ * lanes at once (low nibbles masked, high nibbles shifted down), Q8_0's 32 bytes as two halves. */
+static inline float row_dot_one_512(const uint8_t *wrow, int nb, int qtype, int bb,
+                                    const float *x) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(0xf);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *p = wrow + (int64_t)b * bb;
+        const float *xb = x + (int64_t)b * QK;
+        __m512 d = _mm512_set1_ps(_cvtsh_ss((uint16_t)(p[0] | p[1] << 8))), w0, w1;
+        if (qtype == Q8_0) {
+            w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(p + 2)))), d);
+            w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(p + 18)))), d);
+        } else {
+            __m512 m = qtype == Q4_1 ? _mm512_set1_ps(_cvtsh_ss((uint16_t)(p[2] | p[3] << 8)))
+                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            __m512i q = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(p + (qtype == Q4_1 ? 4 : 2))));
+            w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m);
+            w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+        }
+        a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a0);
+        a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+static inline float row_dot_one(const uint8_t *wrow, int nb, int qtype, int bb, const float *x) {
+    switch (qtype) { /* one specialised loop per type */
+    case Q4_0: return row_dot_one_512(wrow, nb, Q4_0, bb, x);
+    case Q4_1: return row_dot_one_512(wrow, nb, Q4_1, bb, x);
+    default: return row_dot_one_512(wrow, nb, Q8_0, bb, x);
+    }
+}
+#endif
+
 /* out[r * ldo] for r < R: row n of W (nb blocks) against R rows of x (stride ldx). */
 static inline void row_dot(const uint8_t *wrow, int nb, int qtype, int bb, const float *x,
                            int64_t ldx, int R, float *out, int64_t ldo) {
+#ifdef __AVX512F__
+    if (R == 1) {
+        out[0] = row_dot_one(wrow, nb, qtype, bb, x);
+        return;
+    }
+#endif
     if (R == 1) { /* one row: four independent accumulators */
         __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                        _mm256_setzero_ps()};

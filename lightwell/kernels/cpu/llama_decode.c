@@ -11,16 +11,19 @@
  * The whole step is one OpenMP parallel region of a sequence of phases (per layer: the norm,
  * qkv, RoPE + store, attention ranges, their merge, o, the norm, gate/up, down). A phase is cut
  * into chunks (the matmuls' output rows, the attention's (request, KV head, range) triples and
- * (request, head) merges; one chunk for the small vector steps) that the threads take from the
- * phase's counter; a thread starts on the next phase once every chunk of this one is done (a
- * second counter), not once every thread has arrived: a thread the OS has paused between
- * chunks holds nobody up, and when it runs again it finds the phases it missed finished. The
- * waits spin, then yield the core (on cores shared with other processes, sleeping costs a
- * scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block
+ * (request, head) merges; one chunk for the small vector steps). Each thread owns a contiguous
+ * share of a phase's chunks and takes them from its front, so each thread streams one run of
+ * weight rows; a thread whose share is used up takes chunks from the back of the others'. A
+ * thread starts on the next phase once every chunk of this one is done (a counter), not once
+ * every thread has arrived: a thread the OS has paused between chunks holds nobody up (the
+ * others take the rest of its share), and when it runs again it finds the phases it missed
+ * finished. The waits spin, then yield the core (on cores shared with other processes,
+ * sleeping costs a scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block
  * dot products; sums of norms and softmax in another order); with int8_act the matmul inputs
  * are rounded to int8 as gguf_cpu.c's gguf_mm does.
  */
 #include <math.h>
+#include <omp.h>
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -71,10 +74,15 @@ typedef struct { /* one step's inputs and the scratch rows it works in */
 #define KV_SPLITS 4     /* ranges a (request, KV head)'s keys are attended in, at most */
 #define MAX_GROUP 16    /* query heads a KV head */
 #define KEYS_AHEAD 8    /* keys ahead of the one scored whose cache lines are prefetched */
+#define RING 64         /* key rows looked up, a power of two >= KEYS_A_TILE + KEYS_AHEAD */
+
+typedef struct { /* chunks taken from one thread's share of a phase, on a line of its own */
+    _Alignas(64) _Atomic uint64_t taken; /* from its front << 32 | from its back */
+} lw_share;
 
 typedef struct { /* one phase of one call */
-    atomic_int next; /* the next chunk to take */
     atomic_int done; /* chunks finished */
+    lw_share *shares; /* [threads]: thread t's share is chunks [n t / T, n (t + 1) / T) */
 } lw_phase;
 
 /* Wait until n chunks of the phase are done (their writes visible to this thread). */
@@ -84,15 +92,30 @@ static void wait_done(lw_phase *ph, int64_t n) {
     }
 }
 
-static inline int64_t take(lw_phase *ph) {
-    return atomic_fetch_add_explicit(&ph->next, 1, memory_order_relaxed);
+/* The next chunk of [0, n) for this thread: the front of its own share while any is left, then
+ * the back of the next thread's share, and so on; n when every chunk has been taken. */
+static inline int64_t take(lw_phase *ph, int64_t n) {
+    int t = omp_get_thread_num(), T = omp_get_num_threads();
+    for (int i = 0; i < T; i++) {
+        int u = (t + i) % T;
+        int64_t start = n * u / T, end = n * (u + 1) / T;
+        _Atomic uint64_t *w = &ph->shares[u].taken;
+        uint64_t v = atomic_load_explicit(w, memory_order_relaxed);
+        while (start + (int64_t)(v >> 32) < end - (int64_t)(v & 0xffffffffu)) {
+            uint64_t next = i == 0 ? v + ((uint64_t)1 << 32) : v + 1;
+            if (atomic_compare_exchange_weak_explicit(w, &v, next, memory_order_relaxed,
+                                                      memory_order_relaxed))
+                return i == 0 ? start + (int64_t)(v >> 32) : end - 1 - (int64_t)(v & 0xffffffffu);
+        }
+    }
+    return n;
 }
 
-/* Chunk indices [0, n) for this thread, taken from the phase's counter until none is left;
- * each counted done after its body (which must not break out of the loop). */
+/* Chunk indices [0, n) for this thread, taken until none is left; each counted done after its
+ * body (which must not break out of the loop). */
 #define FOR_CHUNKS(c, n, ph)                                                                    \
-    for (int64_t c = take(ph); c < (n);                                                        \
-         atomic_fetch_add_explicit(&(ph)->done, 1, memory_order_release), c = take(ph))
+    for (int64_t c = take(ph, n); c < (n);                                                     \
+         atomic_fetch_add_explicit(&(ph)->done, 1, memory_order_release), c = take(ph, n))
 #define ROWS_A_CHUNK 16 /* a matmul's output rows a chunk, at least */
 #define MAX_CHUNKS 256  /* a matmul's chunks, at most (past 4,096 rows, chunks grow) */
 
@@ -209,11 +232,41 @@ static inline int64_t splits_of(const lw_step *s, int64_t r) {
     return k < 1 ? 1 : k > KV_SPLITS ? KV_SPLITS : k;
 }
 
-/* Token t's key for KV head kvh in a layer's cache, through the request's block table (its
- * value: the same offset in the second plane). */
-static inline const float *key_row(const float *cache, const int32_t *table, int64_t t,
-                                   int64_t B, int64_t Hkv, int64_t kvh, int64_t D) {
-    return cache + (((int64_t)table[t / B] * B + t % B) * Hkv + kvh) * D;
+/* The cache lines of D floats, into L2 (not L1: an L1 prefetch holds one of the core's few
+ * L1 miss buffers until its line arrives, and these rows come from memory). */
+static inline void prefetch_row(const float *p, int64_t D) {
+    for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(p + i, 0, 2);
+}
+
+/* a . b over D floats. */
+static inline float dot_f32(const float *a, const float *b, int64_t D) {
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+        __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        for (int64_t i = 16; i < D; i += 16)
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < D; i++) dot += a[i] * b[i];
+    return dot;
+}
+
+/* a += p * v over D floats. */
+static inline void axpy_f32(float *a, float p, const float *v, int64_t D) {
+#ifdef __AVX512F__
+    if (D % 16 == 0) {
+        __m512 vp = _mm512_set1_ps(p);
+        for (int64_t i = 0; i < D; i += 16)
+            _mm512_storeu_ps(a + i, _mm512_fmadd_ps(vp, _mm512_loadu_ps(v + i),
+                                                    _mm512_loadu_ps(a + i)));
+        return;
+    }
+#endif
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) a[i] += p * v[i];
 }
 
 /* Range sp of request r's keys against the G query heads of KV head kvh (each key and value
@@ -229,30 +282,35 @@ static void attend_range(const lw_model *m, const lw_step *s, const float *cache
     if (sp >= S) return;
     const float *q = s->qkv + r * (m->heads + 2 * Hkv) * D + kvh * G * D; /* [G, D] */
     const int32_t *table = s->block_table + r * s->ld_table;
+    const float *base = cache + kvh * D; /* token t's key: base + (block * B + t % B) * row */
+    int64_t row = Hkv * D;
     float acc[MAX_GROUP][MAX_HEAD_DIM], mx[MAX_GROUP], sum[MAX_GROUP];
     float score[MAX_GROUP][KEYS_A_TILE];
-    const float *keys[KEYS_A_TILE];
+    const float *keys[RING]; /* key t's row at keys[(t - start) % RING] */
     for (int64_t g = 0; g < G; g++) {
         mx[g] = -INFINITY, sum[g] = 0.0f;
         for (int64_t i = 0; i < D; i++) acc[g][i] = 0.0f;
     }
-    for (int64_t j0 = n * sp / S, end = n * (sp + 1) / S; j0 < end; j0 += KEYS_A_TILE) {
+    int64_t start = n * sp / S, end = n * (sp + 1) / S;
+    int64_t next = start, blk = start / B, off = start % B; /* the next key row to look up */
+    for (; next < end && next < start + KEYS_AHEAD; next++) { /* the first keys' prefetches */
+        const float *k = base + ((int64_t)table[blk] * B + off) * row;
+        prefetch_row(k, D);
+        keys[next - start] = k;
+        if (++off == B) off = 0, blk++;
+    }
+    for (int64_t j0 = start; j0 < end; j0 += KEYS_A_TILE) {
         int nj = end - j0 < KEYS_A_TILE ? (int)(end - j0) : KEYS_A_TILE;
         for (int j = 0; j < nj; j++) {
-            int64_t t = j0 + j;
-            const float *k = key_row(cache, table, t, B, Hkv, kvh, D);
-            keys[j] = k;
-            for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(k + plane + i); /* its value */
-            if (t + KEYS_AHEAD < end) { /* the key KEYS_AHEAD on */
-                const float *next = key_row(cache, table, t + KEYS_AHEAD, B, Hkv, kvh, D);
-                for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(next + i);
+            const float *k = keys[(j0 + j - start) % RING];
+            prefetch_row(k + plane, D); /* its value */
+            if (next < end) { /* the key KEYS_AHEAD on */
+                const float *ahead = base + ((int64_t)table[blk] * B + off) * row;
+                prefetch_row(ahead, D);
+                keys[(next++ - start) % RING] = ahead;
+                if (++off == B) off = 0, blk++;
             }
-            for (int64_t g = 0; g < G; g++) {
-                float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < D; i++) dot += q[g * D + i] * k[i];
-                score[g][j] = dot * m->scale;
-            }
+            for (int64_t g = 0; g < G; g++) score[g][j] = dot_f32(q + g * D, k, D) * m->scale;
         }
         for (int64_t g = 0; g < G; g++) {
             float tile_max = -INFINITY;
@@ -264,16 +322,14 @@ static void attend_range(const lw_model *m, const lw_step *s, const float *cache
                 for (int64_t i = 0; i < D; i++) acc[g][i] *= c;
                 mx[g] = tile_max;
             }
-            for (int j = 0; j < nj; j++) score[g][j] = expf(score[g][j] - mx[g]);
+            for (int j = 0; j < nj; j++) {
+                score[g][j] = expf(score[g][j] - mx[g]);
+                sum[g] += score[g][j];
+            }
         }
         for (int j = 0; j < nj; j++) {
-            const float *v = keys[j] + plane;
-            for (int64_t g = 0; g < G; g++) {
-                float p = score[g][j];
-                sum[g] += p;
-#pragma omp simd
-                for (int64_t i = 0; i < D; i++) acc[g][i] += p * v[i];
-            }
+            const float *v = keys[(j0 + j - start) % RING] + plane;
+            for (int64_t g = 0; g < G; g++) axpy_f32(acc[g], score[g][j], v, D);
         }
     }
     for (int64_t g = 0; g < G; g++) {
@@ -368,16 +424,23 @@ int lw_llama_decode(const lw_model *m, const lw_step *s, const float *x, float *
     int rc = check(m, s);
     if (rc) return rc;
     memcpy(s->partial, x, s->R * m->hidden * sizeof(float)); /* the first layer's input */
-    int64_t L = m->num_layers;
-    lw_phase *ph = calloc(L * PHASES + TAIL_PHASES, sizeof(lw_phase));
-    if (!ph) return -3;
-#pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads)
+    int64_t L = m->num_layers, P = L * PHASES + TAIL_PHASES;
+    nthreads = nthreads < 1 ? 1 : nthreads;
+    lw_phase *ph = calloc(P, sizeof(lw_phase));
+    lw_share *shares = aligned_alloc(64, P * nthreads * sizeof(lw_share));
+    if (!ph || !shares) {
+        free(ph), free(shares);
+        return -3;
+    }
+    memset(shares, 0, P * nthreads * sizeof(lw_share));
+    for (int64_t p = 0; p < P; p++) ph[p].shares = shares + p * nthreads;
+#pragma omp parallel num_threads(nthreads)
     {
         for (int64_t l = 0; l < L; l++) /* any number of threads finishes the work */
             layer_step(m, s, &m->layers[l], l == 0, ph + l * PHASES);
         tail(m, s, ph + L * PHASES);
     }
-    free(ph);
+    free(ph), free(shares);
     memcpy(out, s->normed, s->R * m->hidden * sizeof(float));
     return 0;
 }
