@@ -72,12 +72,13 @@ class ModelConfig:
         "auto",
         "Weight quantization. auto: the checkpoint's quantization_config (GPTQ, AWQ, "
         "compressed-tensors, HF fine-grained fp8); for a GGUF file on one CPU rank in float32 "
-        "whose quantized tensors are all Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K, gguf (when the CPU "
-        "kernels compile); "
+        "whose quantized tensors are all Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K, gguf (when "
+        "the CPU kernels compile); "
         "else none (a GGUF file is dequantized at load); none: refuse a quantized checkpoint "
         "(a GGUF file is dequantized at load); gptq / awq / compressed-tensors: require that "
         "checkpoint format; gguf: keep a GGUF file's linears in its quantized blocks (CPU: the "
-        "token embedding and LM head too; Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K run on C kernels "
+        "token embedding and LM head too; Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K run on C "
+        "kernels "
         "compiled at first "
         "use, faster and about half the memory of dequantized weights, same float32 values; "
         "other types are dequantized per layer as they run. CUDA: Q4_0, Q4_1, Q8_0, Q4_K, "
@@ -352,14 +353,15 @@ class DeviceConfig:
         "CPU: a decode step of 1-8 requests (one token each) of a Llama-shaped model whose "
         "linears run on GGUF blocks (--quantization gguf) with a float32 KV cache runs as one "
         "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention, and the "
-        "LM head with each row's argmax when it is a Q4_0/Q4_1/Q8_0 table, in one OpenMP "
+        "LM head with each row's argmax when its table is of one of those types, in one OpenMP "
         "region (the same float32 arithmetic, summed in another order). "
         "--no-fused-cpu-decode: layer by layer through torch. Ignored elsewhere.",
     )
     cpu_int8_activations: bool = _opt(
         False,
         "CPU, GGUF blocks (--quantization gguf): steps of up to 8 tokens round the input of "
-        "each Q4_0 / Q4_1 / Q8_0 linear to int8 by blocks of 32 (scale max|x| / 127, as "
+        "each Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 linear to int8 by blocks of 32 (scale "
+        "max|x| / 127, as "
         "llama.cpp does) and multiply with integer dot products: a faster decode, logits a "
         "few hundredths off the float32 ones (greedy text drifts from them after some "
         "tokens); the LM head's input too when its table is one of those types. K-quant "

@@ -10,7 +10,13 @@ the medians are written. About 6 minutes on 2 idle cores:
     python3 -m benchmarks.workloads.cpu_w5 --threads 2 --rounds 5 \
         --out benchmarks/results/W5_cpu.json
 
-``--rounds 1 --output-len 16`` checks the script in a minute.
+``--rounds 1 --output-len 16`` checks the script in a minute. ``--requantize q4_k_m`` (or
+another of llama.cpp's recipes) first rewrites the file with llama-cpp-python's quantizer (the
+recipe's K-quants where a row's size allows, its fallbacks, Q5_0 / Q8_0 here, elsewhere) and
+runs the engines on that file; ``--model`` runs them on another GGUF file:
+
+    python3 -m benchmarks.workloads.cpu_w5 --threads 2 --rounds 3 --requantize q4_k_m \
+        --engines lightwell-gguf,llama.cpp --out benchmarks/results/W5_q4_k_m_cpu.json
 """
 
 from __future__ import annotations
@@ -35,11 +41,12 @@ def random_prompt(vocab: int, length: int, seed: int) -> list[int]:
 
 
 def stream_lightwell(
-    quantization: str, prompt: list[int], out_len: int, threads: int, int8: bool = False
+    model: str, quantization: str, prompt: list[int], out_len: int, threads: int, int8: bool
 ):
     from lightwell import LLM, SamplingParams
 
     llm = LLM(
+        model=model,
         quantization=quantization,
         num_threads=threads,
         kv_cache_memory_gb=0.25,
@@ -60,13 +67,11 @@ def stream_lightwell(
     return t0, times
 
 
-def stream_llama_cpp(prompt: list[int], out_len: int, threads: int):
+def stream_llama_cpp(model: str, prompt: list[int], out_len: int, threads: int):
     from llama_cpp import Llama
 
-    from lightwell.model_files import default_model_path  # no torch: lightwell/model_files.py
-
     llm = Llama(
-        default_model_path(),
+        model,
         n_threads=threads,
         n_threads_batch=threads,
         n_ctx=1024,
@@ -87,19 +92,37 @@ def stream_llama_cpp(prompt: list[int], out_len: int, threads: int):
     return t0, times
 
 
+def requantize(src: str, recipe: str) -> str:
+    """``src`` rewritten by llama-cpp-python's quantizer in ``recipe`` (a temporary file)."""
+    import ctypes
+    import tempfile
+
+    import llama_cpp
+
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{recipe.upper()}", None)
+    if ftype is None:
+        raise SystemExit(f"--requantize: llama.cpp has no recipe {recipe!r}")
+    dst = os.path.join(tempfile.mkdtemp(), f"model-{recipe.lower()}.gguf")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+    if llama_cpp.llama_model_quantize(src.encode(), dst.encode(), ctypes.byref(params)):
+        raise SystemExit(f"--requantize: llama.cpp could not rewrite {src} as {recipe}")
+    return dst
+
+
 def child(engine: str, args: argparse.Namespace) -> None:
     """One engine, one run, in this process: a JSON line on stdout. llama.cpp's process
     imports neither torch nor the engine (its RSS is its own)."""
     prompt = random_prompt(49152, args.prompt_len, seed=0)
     if engine == "llama.cpp":
-        t0, times = stream_llama_cpp(prompt, args.output_len, args.threads)
+        t0, times = stream_llama_cpp(args.model, prompt, args.output_len, args.threads)
     else:
         import torch
 
         torch.set_num_threads(args.threads)
         quant = "none" if engine == "lightwell-fp32" else "gguf"
         int8 = engine == "lightwell-gguf-int8"
-        t0, times = stream_lightwell(quant, prompt, args.output_len, args.threads, int8)
+        t0, times = stream_lightwell(args.model, quant, prompt, args.output_len, args.threads, int8)
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     decode = (len(times) - 1) / (times[-1] - times[0])
     row = {"ttft_ms": (times[0] - t0) * 1e3, "decode_tok_s": decode, "peak_rss_mb": rss_mb}
@@ -109,7 +132,7 @@ def child(engine: str, args: argparse.Namespace) -> None:
 def run_child(engine: str, args: argparse.Namespace) -> dict | None:
     cmd = [sys.executable, "-m", "benchmarks.workloads.cpu_w5", "--child", engine]
     cmd += ["--threads", str(args.threads), "--prompt-len", str(args.prompt_len)]
-    cmd += ["--output-len", str(args.output_len), "--out", "-"]
+    cmd += ["--output-len", str(args.output_len), "--out", "-", "--model", args.model]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -127,10 +150,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated, in turn")
     ap.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
+    ap.add_argument("--model", help="a GGUF file (default: SmolLM2-135M-Instruct's Q4_1)")
+    ap.add_argument("--requantize", help="a llama.cpp recipe to rewrite it in (q4_k_m, ...)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    label = "SmolLM2-135M-Instruct Q4_1 GGUF" if args.model is None else args.model
+    if args.model is None:
+        from lightwell.model_files import default_model_path  # no torch: model_files.py
+
+        args.model = default_model_path()
     if args.child:
         return child(args.child, args)
+    if args.requantize:
+        args.model = requantize(args.model, args.requantize)
+        label += f", requantized {args.requantize} by llama.cpp"
+    args.label = label
     engines = args.engines.split(",")
     runs: dict[str, list[dict]] = {e: [] for e in engines}
     for r in range(args.rounds):
@@ -159,7 +193,7 @@ def _records(runs: dict[str, list[dict]], args: argparse.Namespace) -> list[dict
             continue
         common = dict(
             workload="W5",
-            model="SmolLM2-135M-Instruct Q4_1 GGUF",
+            model=args.label,
             engine=engine,
             batch=1,
             threads=args.threads,

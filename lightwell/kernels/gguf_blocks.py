@@ -3,10 +3,12 @@
 ``gguf_dequantize_ref`` (gguf-py's arithmetic on torch tensors, rounded in its order). No Triton:
 the CPU kernels (``kernels/cpu/gguf_cpu.py``) use it too.
 
-Q4_0, Q4_1, Q8_0: blocks of 32 values; Q4_K, Q5_K, Q6_K: super-blocks of 256 in sub-blocks of
-32 (Q6_K: 16) sharing a scale. Layouts:
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 values; Q4_K, Q5_K, Q6_K: super-blocks of 256 in
+sub-blocks of 32 (Q6_K: 16) sharing a scale. Layouts:
   Q4_0 (18 B): d f16, qs[16]: value i = (qs[i % 16] >> 4 * (i // 16) & 15) - 8, w = d * q
   Q4_1 (20 B): d f16, m f16, qs[16]: q as Q4_0 without the -8, w = d * q + m
+  Q5_0 (22 B): d f16, qh u32, qs[16]: q = (qs nibble as Q4_1 | (qh >> i & 1) << 4) - 16, w = d * q
+  Q5_1 (24 B): d f16, m f16, qh u32, qs[16]: q as Q5_0 without the -16, w = d * q + m
   Q8_0 (34 B): d f16, qs[32] int8: w = d * q
   Q4_K (144 B): d, dmin f16, scales[12] (eight 6-bit scales and mins), qs[128]: sub-block j,
     value i: q = qs[32 * (j // 2) + i] >> 4 * (j % 2) & 15, w = (d * sc[j]) * q - dmin * mn[j]
@@ -20,17 +22,18 @@ from __future__ import annotations
 
 import torch
 
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # ggml type ids
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # ggml type ids
 # type -> (values, bytes) per block
-BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176),
-          Q6_K: (256, 210)}  # fmt: skip
-SUPPORTED = tuple(BLOCKS)
+BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+          Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}  # fmt: skip
+# the types the Triton kernels (kernels/gguf_dequant.py) read; the CPU's: kernels/cpu/gguf_cpu.py
+SUPPORTED = (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)
 
 
 def check_blocks(w: torch.Tensor, qtype: int) -> int:
     """K (values per row) of the blocks w, after checking them."""
     if qtype not in BLOCKS:
-        raise ValueError(f"GGUF kernels take types {SUPPORTED}, got {qtype}")
+        raise ValueError(f"GGUF block layouts known: types {tuple(BLOCKS)}, got {qtype}")
     values, nbytes = BLOCKS[qtype]
     if w.dtype != torch.uint8 or w.dim() != 2 or w.stride(1) != 1 or w.shape[1] % nbytes:
         raise ValueError(f"GGUF blocks must be uint8 [N, B] rows of {nbytes}-byte blocks")
@@ -55,8 +58,16 @@ def _ref_32(blk: torch.Tensor, qtype: int) -> torch.Tensor:  # [n, nb, bytes] ->
         return _i8_ref(blk[..., 2:]) * d
     if qtype == Q4_0:
         return d * (_nibbles(blk[..., 2:].int(), 2).flatten(2) - 8).float()
-    q = _nibbles(blk[..., 4:].int(), 2).flatten(2).float()
-    return d * q + _f16_ref(blk[..., 2:4])[..., None]
+    with_min = qtype in (Q4_1, Q5_1)
+    first = (4 if with_min else 2) + (4 if qtype in (Q5_0, Q5_1) else 0)
+    q = _nibbles(blk[..., first:].int(), 2).flatten(2)
+    if qtype in (Q5_0, Q5_1):
+        qh = blk[..., first - 4 : first].int()  # [n, nb, 4] little-endian bytes
+        bits = torch.arange(32, dtype=torch.int32, device=blk.device)
+        q = q | ((qh[..., bits // 8] >> (bits % 8)) & 1) << 4
+    if not with_min:  # Q5_0
+        return d * (q - 16).float()
+    return d * q.float() + _f16_ref(blk[..., 2:4])[..., None]
 
 
 def _scale_min_ref(sb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [.., 12] -> [.., 8]

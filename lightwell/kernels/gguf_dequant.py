@@ -157,6 +157,13 @@ def _subs(k: int, most: int) -> int:
     return min(most, n & -n)
 
 
+def _check(w: torch.Tensor, qtype: int) -> int:
+    """K of the blocks w, of a type these kernels read."""
+    if qtype not in SUPPORTED:
+        raise ValueError(f"the GGUF Triton kernels read types {SUPPORTED}, got {qtype}")
+    return check_blocks(w, qtype)
+
+
 def gguf_dequantize(
     w: torch.Tensor,  # [N, B] uint8 blocks
     qtype: int,
@@ -164,7 +171,7 @@ def gguf_dequantize(
     out: torch.Tensor | None = None,  # [N, K] (rows contiguous) to write into
 ) -> torch.Tensor:  # [N, K] in dtype (out's)
     """The blocks' values (``out``: written there, any row stride)."""
-    k = check_blocks(w, qtype)
+    k = _check(w, qtype)
     n = w.shape[0]
     if out is None:
         out = torch.empty((n, k), dtype=dtype, device=w.device)
@@ -201,7 +208,7 @@ def gguf_gemv(
 ) -> torch.Tensor:  # [M, N] in x.dtype (out's)
     """``x @ W.T`` with W dequantized in registers, fp32 sums; ``out`` may be a column slice
     of a wider buffer (a fused layer's shard)."""
-    k = check_blocks(w, qtype)
+    k = _check(w, qtype)
     m, n = x.shape[0], w.shape[0]
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"gguf_gemv: x must be [M, {k}] with contiguous rows, got {x.shape}")

@@ -56,7 +56,8 @@ def _block(qtype: int) -> tuple[int, int]:
 class GGUFLinearMethod:
     """Per layer: ``gguf_parts``, one ``(qtype or None, tensor)`` per output shard.
     ``int8_act`` (``--cpu-int8-activations``): the CPU kernels' small steps round the inputs of
-    Q4_0 / Q4_1 / Q8_0 linears and LM head to int8 (this model's layers only)."""
+    linears and LM head in blocks of 32 (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0) to int8 (this
+    model's layers only)."""
 
     checkpoint_tensors = ("weight (GGUF blocks)",)
 

@@ -1,10 +1,10 @@
 """The CPU side of ``--quantization gguf``: linears, the token embedding and the LM head run on
-the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
-Q6_K), float32 activations, every weight dequantized in registers to gguf-py's exact float32
-value. With ``int8_act`` (``--cpu-int8-activations``, a model's setting: the model's
-``GGUFLinearMethod`` passes it to ``apply_cpu``, ``quantize_embeddings`` stores it on the LM
-head) the direct steps of Q4_0 / Q4_1 / Q8_0 linears
-and LM head round their inputs to int8 by blocks of 32 and use integer dot products.
+the file's blocks through ``lightwell.kernels.cpu.gguf_cpu`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K, Q6_K), float32 activations, every weight dequantized in registers to gguf-py's
+exact float32 value. With ``int8_act`` (``--cpu-int8-activations``, a model's setting: the
+model's ``GGUFLinearMethod`` passes it to ``apply_cpu``, ``quantize_embeddings`` stores it on
+the LM head) the direct steps of linears and LM head in blocks of 32 (Q4_0 / Q4_1 / Q5_0 /
+Q5_1 / Q8_0) round their inputs to int8 by blocks of 32 and use integer dot products.
 
 A layer's parts (one per fused shard) that share one supported type are joined into one block
 tensor at load (parts of different supported types stay segments of the output). A step of at
@@ -38,7 +38,7 @@ def blocks_matmul(
     blocks: torch.Tensor,  # [N, bytes per row] uint8
     qtype: int,
     out: torch.Tensor,  # [T, N] float32, possibly a column slice of a wider output
-    int8_act: bool = False,  # a direct step rounds x to int8 by blocks of 32 (Q4_0/Q4_1/Q8_0)
+    int8_act: bool = False,  # a direct step rounds x to int8 by blocks of 32 (32-value types)
 ) -> None:
     K, N = x.shape[1], blocks.shape[0]
     if x.shape[0] <= DIRECT_MAX_ROWS:

@@ -2,12 +2,14 @@
 
 ``CpuDecode.build`` takes a model whose every layer is the plain Llama block (``LlamaAttention``
 without biases, sliding window or q/k norm; ``LlamaMLP``; RMSNorms) with all four linears on
-one GGUF block tensor each (``quant/gguf_cpu.py``), neox RoPE over the whole head, a float32
+GGUF blocks the CPU kernels read (``quant/gguf_cpu.py``'s segments: a fused linear whose parts
+have different types, as q, k and v often do in a K-quant file, is up to ``MAX_SEGMENTS`` runs
+of rows), neox RoPE over the whole head, a float32
 KV cache, one rank; anything else keeps the layer-by-layer forward (``build`` returns None).
 A step of 1..``MAX_ROWS`` requests that each bring one token then runs through
 ``kernels/cpu/llama_decode``: the token embeddings, then every layer and the final norm in one
 call, and in the same call the LM head with each row's argmax where the model's LM head is a
-Q4_0 / Q4_1 / Q8_0 block table whose logits the model does not transform (the runner then
+block table of a type the kernels read whose logits the model does not transform (the runner then
 samples from those logits, or takes the argmax where every row is plain greedy).
 """
 
@@ -22,8 +24,10 @@ from lightwell.kernels.cpu import gguf_cpu
 from lightwell.kernels.cpu.llama_decode import (
     MAX_GROUP,
     MAX_ROWS,
+    MAX_SEGMENTS,
     LayerWeights,
     LlamaDecoder,
+    Segments,
     Shape,
 )
 from lightwell.layers.norm import RMSNorm
@@ -107,8 +111,8 @@ def _f32(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu"
 
 
-def _lm_head(model: nn.Module) -> tuple[int, torch.Tensor] | None:
-    """(ggml type, blocks [V, bytes]) of an LM head the fused call runs: a block table of a
+def _lm_head(model: nn.Module) -> Segments | None:
+    """[(ggml type, blocks [V, bytes])] of an LM head the fused call runs: a block table of a
     type it reads, on a model that takes its logits as the head gives them."""
     head = getattr(model, "lm_head", None)
     if type(head) is not GGUFLMHead or not isinstance(model, LlamaForCausalLM):
@@ -116,18 +120,19 @@ def _lm_head(model: nn.Module) -> tuple[int, torch.Tensor] | None:
     if type(model).compute_logits is not LlamaForCausalLM.compute_logits:
         return None
     qtype, blocks = head.weight.gguf_type, head.weight.data
-    ok = qtype in gguf_cpu.BLOCK32 and blocks.is_contiguous()
-    return (qtype, blocks) if ok and blocks.shape[0] == head.org_vocab_size else None
+    ok = qtype in gguf_cpu.SUPPORTED and blocks.is_contiguous()
+    return [(qtype, blocks)] if ok and blocks.shape[0] == head.org_vocab_size else None
 
 
-def _one_part(linear: nn.Module) -> tuple[int, torch.Tensor] | None:
-    """(ggml type, blocks) of a linear held as one GGUF block tensor of a type the fused kernel
-    reads (Q4_0, Q4_1, Q8_0), without a bias."""
+def _segments(linear: nn.Module) -> Segments | None:
+    """[(ggml type, blocks)] of a linear held as GGUF blocks of types the fused kernel reads,
+    its output rows in order, in at most MAX_SEGMENTS runs, without a bias."""
     parts = getattr(linear, "gguf_cpu", None)
-    if parts is None or len(parts) != 1 or getattr(linear, "bias", None) is not None:
+    if not parts or len(parts) > MAX_SEGMENTS or getattr(linear, "bias", None) is not None:
         return None
-    qtype, blocks, _ = parts[0]
-    return (qtype, blocks) if qtype in gguf_cpu.BLOCK32 else None
+    if not all(qtype in gguf_cpu.SUPPORTED for qtype, _, _ in parts):
+        return None
+    return [(qtype, blocks) for qtype, blocks, _ in sorted(parts, key=lambda p: p[2])]
 
 
 def _plain(layer: nn.Module) -> bool:
@@ -144,7 +149,7 @@ def _plain(layer: nn.Module) -> bool:
         return False
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     cache = attn.attn.kv_cache
-    return all(_one_part(x) is not None for x in linears) and cache is not None and _f32(cache)
+    return all(_segments(x) is not None for x in linears) and cache is not None and _f32(cache)
 
 
 def _shape_of(layer: LlamaDecoderLayer) -> Shape:
@@ -165,9 +170,9 @@ def _weights(layer: LlamaDecoderLayer) -> LayerWeights:
     return LayerWeights(
         in_norm=layer.input_layernorm.weight.data,
         post_norm=layer.post_attention_layernorm.weight.data,
-        qkv=_one_part(attn.qkv_proj),
-        o=_one_part(attn.o_proj),
-        gate_up=_one_part(mlp.gate_up_proj),
-        down=_one_part(mlp.down_proj),
+        qkv=_segments(attn.qkv_proj),
+        o=_segments(attn.o_proj),
+        gate_up=_segments(mlp.gate_up_proj),
+        down=_segments(mlp.down_proj),
         kv_cache=attn.attn.kv_cache,
     )

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from lightwell.kernels.gguf_blocks import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from lightwell.kernels.gguf_blocks import BLOCKS, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 # where each type keeps its fp16 scales (d, and m / dmin where it has one)
-SCALES = {Q4_0: (0,), Q4_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,)}
+SCALES = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2),
+          Q5_K: (0, 2), Q6_K: (208,)}  # fmt: skip
 
 
 def random_blocks(n: int, k: int, qtype: int, seed: int = 0) -> torch.Tensor:  # [n, B] uint8

@@ -14,18 +14,18 @@ from lightwell.kernels.gguf_blocks import BLOCKS, gguf_dequantize_ref
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not gguf_cpu.available(), reason="no C compiler with OpenMP")
 
-TYPES = [2, 3, 8]  # Q4_0, Q4_1, Q8_0
+TYPES = [2, 3, 6, 7, 8]  # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
 
 
 def random_blocks(rows: int, cols: int, qtype: int, seed: int = 0) -> torch.Tensor:
-    """[rows, cols / 32 * block bytes] uint8: random bytes, fp16 scales (and Q4_1 minimums) of
-    sane sizes, signs included."""
+    """[rows, cols / 32 * block bytes] uint8: random bytes, fp16 scales (and Q4_1 / Q5_1
+    minimums) of sane sizes, signs included."""
     values, nbytes = BLOCKS[qtype]
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (rows, cols // values, nbytes), dtype=torch.uint8, generator=g)
     d = (torch.rand(rows, cols // values, 1, generator=g) - 0.3) * 0.02
     raw[..., :2] = d.half().view(torch.uint8)
-    if qtype == 3:
+    if qtype in (3, 7):
         m = torch.randn(rows, cols // values, 1, generator=g) * 0.01
         raw[..., 2:4] = m.half().view(torch.uint8)
     return raw.reshape(rows, -1).contiguous()

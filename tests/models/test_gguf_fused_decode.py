@@ -1,5 +1,6 @@
 """The fused CPU decode (``worker/cpu_decode.py`` over ``kernels/cpu/llama_decode.c``) against
-the model's own layer-by-layer forward: a tiny Llama GGUF (Q4_1, Q4_0 and Q8_0 layers, GQA,
+the model's own layer-by-layer forward: a tiny Llama GGUF (Q4_1, Q4_0 and Q8_0 layers; K-quant
+and Q5 layers mixed within a layer; GQA,
 block tables out of order, a NaN-poisoned cache), three requests of different lengths decoding
 together; float32 activations and int8 ones; and through the engine."""
 
@@ -22,17 +23,24 @@ LAYERS = [{name: qtype for name in ONE_TYPE} for qtype in (Q.Q4_1, Q.Q4_0, Q.Q8_
 PROMPTS = {"a": [5, 17, 33, 2, 90], "b": [(7 * i) % 290 + 5 for i in range(140)], "c": [7, 8]}
 
 
-def _tiny_gguf(tmp_path_factory, **extra) -> str:
+# K-quant and Q5 layers, as llama.cpp's Q4_K_M / Q5_K_M recipes mix them: q, k and v of three
+# types (three runs of rows in the fused qkv), of two (Q5_0 q and k, a Q8_0 v), gate and up apart
+MIXED = [
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q5_0, "attn_v": Q.Q6_K, "attn_output": Q.Q5_1,
+     "ffn_gate": Q.Q5_K, "ffn_up": Q.Q5_K, "ffn_down": Q.Q6_K},
+    {"attn_q": Q.Q5_0, "attn_k": Q.Q5_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_K,
+     "ffn_gate": Q.Q5_0, "ffn_up": Q.Q5_1, "ffn_down": Q.Q4_K},
+]  # fmt: skip
+
+
+def _tiny_gguf(tmp_path_factory, layers=LAYERS, make=None, embed=Q.Q8_0, **extra) -> str:
+    shape = dict(hidden_size=128, intermediate_size=96, num_hidden_layers=3)
     config = tiny_config(
-        hidden_size=128,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        tie_word_embeddings=True,
-        max_position_embeddings=256,
-        **extra,
-    )  # the LM head on the Q8_0 token table, as SmolLM2's
+        tie_word_embeddings=True, max_position_embeddings=256, **{**shape, **extra}
+    )  # the LM head on the token table, as SmolLM2's
     path = str(tmp_path_factory.mktemp("fused") / "tiny.gguf")
-    write_tiny_gguf(path, hf_tiny_model(config, seed=5), layer_types=LAYERS)
+    kw = {"make": make} if make is not None else {}
+    write_tiny_gguf(path, hf_tiny_model(config, seed=5), layer_types=layers, embed_type=embed, **kw)
     return path
 
 
@@ -44,6 +52,18 @@ def tiny_gguf(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_gguf_d24(tmp_path_factory):
     return _tiny_gguf(tmp_path_factory, head_dim=24)  # not a multiple of 16: the plain loops
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf_mixed(tmp_path_factory):
+    """MIXED layers (K-quant rows: random blocks with sane scales) and a Q6_K token table as
+    the LM head; K-quants need rows of 256 values."""
+    from tests.models.test_gguf_quantized import random_blocks
+
+    return _tiny_gguf(
+        tmp_path_factory, layers=MIXED, make=random_blocks, embed=Q.Q6_K, hidden_size=256,
+        intermediate_size=256, num_hidden_layers=2, head_dim=64,
+    )  # fmt: skip
 
 
 class Fused:
@@ -103,6 +123,22 @@ def test_fused_decode_with_a_head_dim_off_the_vector_width(tiny_gguf_d24):
     for want, have in zip(ref, got):
         assert rel_err(have, want) < 5e-6
         assert torch.equal(have.argmax(-1), want.argmax(-1))
+
+
+def test_fused_decode_runs_k_quant_and_q5_layers(tiny_gguf_mixed):
+    """Matrices in runs of rows of different types, K-quant rows (float32 inputs also under
+    int8 activations) and a K-quant LM head, in the one call."""
+    ref = _decode(tiny_gguf_mixed, fused=False)
+    got = _decode(tiny_gguf_mixed, fused=True)
+    for want, have in zip(ref, got):
+        assert rel_err(have, want) < 5e-6
+        assert torch.equal(have.argmax(-1), want.argmax(-1))
+    layerwise = _decode(tiny_gguf_mixed, False, int8=True)
+    fused = _decode(tiny_gguf_mixed, True, int8=True)
+    for want, a, b in zip(ref, layerwise, fused):
+        assert 1e-4 < rel_err(a, want) < 4e-2  # the blocks of 32's inputs rounded
+        rows = [rel_err(b[i : i + 1], a[i : i + 1]) for i in range(a.shape[0])]
+        assert max(rows) < 2e-2 and min(rows) < 1e-5, rows
 
 
 def test_int8_activations_stay_near_float32(tiny_gguf):

@@ -102,19 +102,3 @@ def test_smollm2_kept_quantized_holds_a_fraction_of_the_bytes(smollm2_gguf):
     table = ours.model.embed_tokens.weight
     assert ours.lm_head.weight is table and table.dtype == torch.uint8  # Q8_0: 34 B / 32
     assert table.gguf_type == Q.Q8_0 and table.numel() == 49152 * 576 // 32 * 34
-
-
-def test_single_type_k_quant_layers_keep_the_layer_by_layer_decode(tmp_path):
-    """A file whose fused linears are each one K-quant type: the fused CPU decode (Q4_0, Q4_1,
-    Q8_0 only) declines the model instead of refusing it at start-up."""
-    from lightwell.worker.cpu_decode import CpuDecode
-    from tests.models.paged import PagedRunner
-
-    config = tiny_config("base", hidden_size=256, intermediate_size=512, head_dim=64,
-                         num_hidden_layers=1)  # fmt: skip
-    one_type = [{name: Q.Q4_K for name in K_TYPES[0]}]
-    path = str(tmp_path / "q4k.gguf")
-    write_tiny_gguf(path, hf_tiny_model(config, seed=3), layer_types=one_type, make=random_blocks)
-    ours = load_ours(path, quantization="gguf")
-    PagedRunner(ours)
-    assert CpuDecode.build(ours, torch.float32) is None

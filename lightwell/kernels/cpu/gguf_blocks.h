@@ -1,8 +1,10 @@
 /* GGUF blocks in registers: the helpers shared by gguf_cpu.c, gguf_kquant.c and llama_decode.c.
  *
  * Q4_0 (fp16 d, 16 bytes of nibbles: w = (q - 8) * d), Q4_1 (fp16 d, fp16 m, 16 bytes:
- * w = q * d + m) or Q8_0 (fp16 d, 32 int8: w = q * d), 32 weights a block. Low nibbles are
- * values 0..15 of a block, high nibbles 16..31. Each weight is dequantized in registers with one
+ * w = q * d + m), Q5_0 (fp16 d, 4 bytes qh, 16 bytes of nibbles: w = (q - 16) * d), Q5_1 (fp16
+ * d, fp16 m, qh, nibbles: w = q * d + m) or Q8_0 (fp16 d, 32 int8: w = q * d), 32 weights a
+ * block. Low nibbles are values 0..15 of a block, high nibbles 16..31; a Q5 value's fifth bit
+ * is bit i of the little-endian 32-bit qh. Each weight is dequantized in registers with one
  * fused multiply-add, which gives exactly gguf-py's float32 value (q * d is exact in float32),
  * and accumulated in float32. AVX2 + FMA + F16C where the compiler targets them (one row of x
  * against a row of blocks: AVX-512 where it targets that too), portable C otherwise.
@@ -18,7 +20,7 @@
 #define GGUF_AVX2 1
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
 #define QK 32
 
 static inline float fp16_to_fp32(uint16_t h) {
@@ -46,7 +48,29 @@ static inline float fp16_to_fp32(uint16_t h) {
 }
 
 static inline int block_bytes(int qtype) {
-    return qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q8_0 ? 34 : 0;
+    switch (qtype) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* A Q4 / Q5 block's layout: whether it has an offset m (else m = -8 d or -16 d), where its
+ * nibbles start, and its qh (Q5; 0 for Q4). */
+static inline int has_min(int qtype) { return qtype == Q4_1 || qtype == Q5_1; }
+static inline int is_q5(int qtype) { return qtype == Q5_0 || qtype == Q5_1; }
+static inline int nibbles_at(int qtype) { return (has_min(qtype) ? 4 : 2) + (is_q5(qtype) ? 4 : 0); }
+static inline uint32_t qh_of(const uint8_t *b, int qtype) {
+    uint32_t qh = 0;
+    if (is_q5(qtype)) memcpy(&qh, b + (has_min(qtype) ? 4 : 2), 4);
+    return qh;
+}
+static inline float min_of(const uint8_t *b, int qtype, float d) {
+    if (has_min(qtype)) return fp16_to_fp32((uint16_t)(b[2] | b[3] << 8));
+    return (is_q5(qtype) ? -16.0f : -8.0f) * d;
 }
 
 /* One block's 32 weights as float32, exactly as gguf-py dequantizes them. */
@@ -57,16 +81,27 @@ static inline void dequant_block(const uint8_t *b, int qtype, float *w) {
         for (int j = 0; j < QK; j++) w[j] = (float)q[j] * d;
         return;
     }
-    float m = qtype == Q4_1 ? fp16_to_fp32((uint16_t)(b[2] | b[3] << 8)) : -8.0f * d;
-    const uint8_t *q = b + (qtype == Q4_1 ? 4 : 2);
+    float m = min_of(b, qtype, d);
+    const uint8_t *q = b + nibbles_at(qtype);
+    uint32_t qh = qh_of(b, qtype);
     for (int j = 0; j < 16; j++) {
-        w[j] = (float)(q[j] & 0xf) * d + m;
-        w[j + 16] = (float)(q[j] >> 4) * d + m;
+        w[j] = (float)((q[j] & 0xf) | ((qh >> j & 1) << 4)) * d + m;
+        w[j + 16] = (float)((q[j] >> 4) | ((qh >> (j + 16) & 1) << 4)) * d + m;
     }
 }
 
 #ifdef GGUF_AVX2
 static inline __m256 u8x8_to_ps(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
+
+/* Byte i of the result: 16 where bit i of qh is set, else 0 (a Q5 block's fifth bits). */
+static inline __m256i q5_high_bits(uint32_t qh) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2,
+                                            2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)qh), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(16));
+}
 
 /* A block's 32 weights in four vectors of 8. */
 static inline void dequant_block_avx2(const uint8_t *b, int qtype, __m256 w[4]) {
@@ -79,12 +114,17 @@ static inline void dequant_block_avx2(const uint8_t *b, int qtype, __m256 w[4]) 
         }
         return;
     }
-    __m256 vm = qtype == Q4_1 ? _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[2] | b[3] << 8)))
-                              : _mm256_mul_ps(vd, _mm256_set1_ps(-8.0f));
-    __m128i raw = _mm_loadu_si128((const __m128i *)(b + (qtype == Q4_1 ? 4 : 2)));
+    __m256 vm = has_min(qtype) ? _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[2] | b[3] << 8)))
+                               : _mm256_mul_ps(vd, _mm256_set1_ps(is_q5(qtype) ? -16.0f : -8.0f));
+    __m128i raw = _mm_loadu_si128((const __m128i *)(b + nibbles_at(qtype)));
     const __m128i mask = _mm_set1_epi8(0xf);
     __m128i lo = _mm_and_si128(raw, mask);
     __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    if (is_q5(qtype)) {
+        __m256i high = q5_high_bits(qh_of(b, qtype));
+        lo = _mm_or_si128(lo, _mm256_castsi256_si128(high));
+        hi = _mm_or_si128(hi, _mm256_extracti128_si256(high, 1));
+    }
     w[0] = _mm256_fmadd_ps(u8x8_to_ps(lo), vd, vm);
     w[1] = _mm256_fmadd_ps(u8x8_to_ps(_mm_unpackhi_epi64(lo, lo)), vd, vm);
     w[2] = _mm256_fmadd_ps(u8x8_to_ps(hi), vd, vm);
@@ -99,12 +139,13 @@ static inline float hsum(__m256 v) {
 }
 
 #ifdef __AVX512F__
-/* One row of blocks against one row of x, 16 lanes: a Q4 block's 16 bytes widened to 16 int32
- * lanes at once (low nibbles masked, high nibbles shifted down), Q8_0's 32 bytes as two halves. */
+/* One row of blocks against one row of x, 16 lanes: a Q4 / Q5 block's 16 bytes widened to 16
+ * int32 lanes at once (low nibbles masked, high nibbles shifted down; Q5's fifth bits ORed in
+ * under qh's halves as lane masks), Q8_0's 32 bytes as two halves. */
 static inline float row_dot_one_512(const uint8_t *wrow, int nb, int qtype, int bb,
                                     const float *x) {
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(0xf);
+    const __m512i low = _mm512_set1_epi32(0xf), sixteen = _mm512_set1_epi32(16);
     for (int b = 0; b < nb; b++) {
         const uint8_t *p = wrow + (int64_t)b * bb;
         const float *xb = x + (int64_t)b * QK;
@@ -115,12 +156,19 @@ static inline float row_dot_one_512(const uint8_t *wrow, int nb, int qtype, int 
             w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                    _mm_loadu_si128((const __m128i *)(p + 18)))), d);
         } else {
-            __m512 m = qtype == Q4_1 ? _mm512_set1_ps(_cvtsh_ss((uint16_t)(p[2] | p[3] << 8)))
-                                     : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+            __m512 m = has_min(qtype)
+                           ? _mm512_set1_ps(_cvtsh_ss((uint16_t)(p[2] | p[3] << 8)))
+                           : _mm512_mul_ps(d, _mm512_set1_ps(is_q5(qtype) ? -16.0f : -8.0f));
             __m512i q = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(p + (qtype == Q4_1 ? 4 : 2))));
-            w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, low)), d, m);
-            w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
+                _mm_loadu_si128((const __m128i *)(p + nibbles_at(qtype))));
+            __m512i q0 = _mm512_and_si512(q, low), q1 = _mm512_srli_epi32(q, 4);
+            if (is_q5(qtype)) {
+                uint32_t qh = qh_of(p, qtype);
+                q0 = _mm512_mask_or_epi32(q0, (__mmask16)qh, q0, sixteen);
+                q1 = _mm512_mask_or_epi32(q1, (__mmask16)(qh >> 16), q1, sixteen);
+            }
+            w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
+            w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
         }
         a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a0);
         a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), a1);
@@ -132,6 +180,8 @@ static inline float row_dot_one(const uint8_t *wrow, int nb, int qtype, int bb, 
     switch (qtype) { /* one specialised loop per type */
     case Q4_0: return row_dot_one_512(wrow, nb, Q4_0, bb, x);
     case Q4_1: return row_dot_one_512(wrow, nb, Q4_1, bb, x);
+    case Q5_0: return row_dot_one_512(wrow, nb, Q5_0, bb, x);
+    case Q5_1: return row_dot_one_512(wrow, nb, Q5_1, bb, x);
     default: return row_dot_one_512(wrow, nb, Q8_0, bb, x);
     }
 }
@@ -198,7 +248,8 @@ static inline void row_dot(const uint8_t *wrow, int nb, int qtype, int bb, const
 /* ---- int8 activations (llama.cpp's Q8_1 rows) --------------------------------------------
  * A float32 row quantized by blocks of 32: q = round(x / d) in [-127, 127], d = max|x| / 127,
  * kept with s = d * sum(q). A block of weights against it is one integer dot product:
- * Q4_1: d_w * d * sum(q_w q) + m_w * s; Q4_0: m_w = -8 d_w; Q8_0: d_w * d * sum(q_w q). */
+ * Q4_1 / Q5_1: d_w * d * sum(q_w q) + m_w * s; Q4_0: m_w = -8 d_w; Q5_0: m_w = -16 d_w;
+ * Q8_0: d_w * d * sum(q_w q). */
 typedef struct {
     const int8_t *q; /* [R, ldq] */
     const float *ds; /* [R, ldd]: (d, s) of each block */
@@ -224,8 +275,9 @@ static inline void quantize_row_q8(const float *x, int64_t K, int8_t *q, float *
 }
 
 #ifdef GGUF_AVX2
-/* One block's weights as bytes for maddubs: Q4 values 0..15 (unsigned), Q8_0's |w|; *sw: the
- * signs to put on x (Q8_0), *dw / *mw: the block's scale and offset (Q4_0: -8 d). */
+/* One block's weights as bytes for maddubs: Q4 values 0..15 and Q5 values 0..31 (unsigned),
+ * Q8_0's |w|; *sw: the signs to put on x (Q8_0), *dw / *mw: the block's scale and offset
+ * (Q4_0: -8 d, Q5_0: -16 d). */
 static inline __attribute__((always_inline)) __m256i q8_weights(const uint8_t *blk, int qtype,
                                                                 __m256i *sw, float *dw,
                                                                 float *mw) {
@@ -235,10 +287,12 @@ static inline __attribute__((always_inline)) __m256i q8_weights(const uint8_t *b
         *mw = 0.0f;
         return _mm256_sign_epi8(*sw, *sw);
     }
-    *mw = qtype == Q4_1 ? _cvtsh_ss((uint16_t)(blk[2] | blk[3] << 8)) : -8.0f * *dw;
-    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2)));
+    *mw = has_min(qtype) ? _cvtsh_ss((uint16_t)(blk[2] | blk[3] << 8))
+                         : (is_q5(qtype) ? -16.0f : -8.0f) * *dw;
+    __m128i raw = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(qtype)));
     __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
-    return _mm256_and_si256(both, _mm256_set1_epi8(0xf));
+    both = _mm256_and_si256(both, _mm256_set1_epi8(0xf));
+    return is_q5(qtype) ? _mm256_or_si256(both, q5_high_bits(qh_of(blk, qtype))) : both;
 }
 
 /* sum(w * x) of a block as 8 float lanes (exact integer sums converted). */
@@ -335,6 +389,8 @@ static inline void row_dot_q8(const uint8_t *wrow, int nb, int qtype, int bb, co
     switch (qtype) { /* one specialised loop per type */
     case Q4_0: row_dot_q8_typed(wrow, nb, Q4_0, bb, x, R, out, ldo); break;
     case Q4_1: row_dot_q8_typed(wrow, nb, Q4_1, bb, x, R, out, ldo); break;
+    case Q5_0: row_dot_q8_typed(wrow, nb, Q5_0, bb, x, R, out, ldo); break;
+    case Q5_1: row_dot_q8_typed(wrow, nb, Q5_1, bb, x, R, out, ldo); break;
     default: row_dot_q8_typed(wrow, nb, Q8_0, bb, x, R, out, ldo); break;
     }
 }
@@ -344,14 +400,18 @@ static inline void row_dot_q8(const uint8_t *wrow, int nb, int qtype, int bb, co
     float acc[4] = {0};
     for (int b = 0; b < nb; b++) {
         const uint8_t *blk = wrow + (int64_t)b * bb;
-        float dw = fp16_to_fp32((uint16_t)(blk[0] | blk[1] << 8)), mw = -8.0f * dw;
+        float dw = fp16_to_fp32((uint16_t)(blk[0] | blk[1] << 8)), mw = 0.0f;
         int wq[QK];
         if (qtype == Q8_0) {
             for (int j = 0; j < QK; j++) wq[j] = ((const int8_t *)(blk + 2))[j];
         } else {
-            if (qtype == Q4_1) mw = fp16_to_fp32((uint16_t)(blk[2] | blk[3] << 8));
-            const uint8_t *n = blk + (qtype == Q4_1 ? 4 : 2);
-            for (int j = 0; j < 16; j++) wq[j] = n[j] & 0xf, wq[j + 16] = n[j] >> 4;
+            mw = min_of(blk, qtype, dw);
+            const uint8_t *n = blk + nibbles_at(qtype);
+            uint32_t qh = qh_of(blk, qtype);
+            for (int j = 0; j < 16; j++) {
+                wq[j] = (n[j] & 0xf) | (qh >> j & 1) << 4;
+                wq[j + 16] = (n[j] >> 4) | (qh >> (j + 16) & 1) << 4;
+            }
         }
         for (int r = 0; r < R; r++) {
             const int8_t *q = x->q + r * x->ldq + b * QK;

@@ -1,6 +1,6 @@
-"""GGUF blocks times float32 activations on the CPU, in their file layout: Q4_0, Q4_1, Q8_0
-(``gguf_cpu.c``, blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (``gguf_kquant.c``,
-super-blocks of 256), one entry point for all six types.
+"""GGUF blocks times float32 activations on the CPU, in their file layout: Q4_0, Q4_1, Q5_0,
+Q5_1, Q8_0 (``gguf_cpu.c``, blocks of 32) and the K-quants Q4_K, Q5_K, Q6_K (``gguf_kquant.c``,
+super-blocks of 256), one entry point for all eight types.
 
 ``gguf_mm(x, w, qtype)`` is ``x @ dequantize(w).T`` without the float32 weights: each block is
 dequantized in registers (bit-exact with gguf-py's float32 values) and accumulated in float32;
@@ -28,13 +28,23 @@ import tempfile
 
 import torch
 
-from lightwell.kernels.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, gguf_dequantize_ref
+from lightwell.kernels.gguf_blocks import (
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_0,
+    Q5_1,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    gguf_dequantize_ref,
+)
 
 logger = logging.getLogger(__name__)
 _HERE = os.path.dirname(__file__)
 SOURCES = [os.path.join(_HERE, f) for f in ("gguf_cpu.c", "gguf_kquant.c", "llama_decode.c")]
 HEADERS = [os.path.join(_HERE, "gguf_blocks.h")]
-BLOCK32 = frozenset((Q4_0, Q4_1, Q8_0))  # gguf_cpu.c's types (and llama_decode.c's, int8_act)
+BLOCK32 = frozenset((Q4_0, Q4_1, Q5_0, Q5_1, Q8_0))  # gguf_cpu.c's types (int8_act applies)
 KQUANT = frozenset((Q4_K, Q5_K, Q6_K))  # gguf_kquant.c's
 SUPPORTED = BLOCK32 | KQUANT
 

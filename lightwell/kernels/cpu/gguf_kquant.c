@@ -184,6 +184,15 @@ static void kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const
 }
 #endif
 
+/* For llama_decode.c: a type's super-block bytes (0: not a K-quant), and out[r * ldo] for
+ * r < R (<= 4): one row of nb super-blocks against R rows of x (stride ldx). */
+int gguf_kq_block_bytes(int qtype) { return kq_block_bytes(qtype); }
+
+void gguf_kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, const float *x, int64_t ldx,
+                     int R, float *out, int64_t ldo) {
+    kq_row_dot(wrow, nb, qtype, kq_block_bytes(qtype), x, ldx, R, out, ldo);
+}
+
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ W.T, W [N, K / 256 blocks]. */
 int gguf_kq_mm(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *w, int64_t N,
                int64_t w_row_bytes, int qtype, float *out, int64_t ldo, int nthreads) {

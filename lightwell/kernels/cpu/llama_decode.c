@@ -1,7 +1,8 @@
 /* A Llama-shaped model's decode step in one call, for lightwell/kernels/cpu/llama_decode.py.
  *
  * R requests (R <= 8), one new token each: for every layer, the residual add + RMSNorm, the
- * fused QKV matmul on GGUF blocks (gguf_blocks.h), RoPE (neox halves, from the model's cos/sin
+ * fused QKV matmul on GGUF blocks (blocks of 32 in gguf_blocks.h, K-quant super-blocks in
+ * gguf_kquant.c; a matrix may be up to MAX_SEGMENTS runs of rows of different types), RoPE (neox halves, from the model's cos/sin
  * table), the K/V store into the paged float32 cache, attention over each request's cached keys
  * (its block table; the query heads of a KV head together, the keys in up to KV_SPLITS ranges
  * whose softmax partials are merged), the output matmul, the residual add + RMSNorm, the
@@ -18,9 +19,10 @@
  * every thread has arrived: a thread the OS has paused between chunks holds nobody up (the
  * others take the rest of its share), and when it runs again it finds the phases it missed
  * finished. The waits spin, then yield the core (on cores shared with other processes,
- * sleeping costs a scheduler wake-up each time). Arithmetic is float32 as in the torch layers (the same block
- * dot products; sums of norms and softmax in another order); with int8_act the matmul inputs
- * are rounded to int8 as gguf_cpu.c's gguf_mm does.
+ * sleeping costs a scheduler wake-up each time). Arithmetic is float32 as in the torch layers
+ * (the same block dot products; sums of norms and softmax in another order); with int8_act the
+ * inputs of blocks of 32 are rounded to int8 as gguf_cpu.c's gguf_mm does (K-quant rows take
+ * the float32 inputs, as gguf_kq_mm does).
  */
 #include <math.h>
 #include <omp.h>
@@ -30,10 +32,22 @@
 
 #include "gguf_blocks.h"
 
+#define MAX_SEGMENTS 3 /* runs of rows of one type a matrix (q, k and v of three types) */
+
 typedef struct {
     const uint8_t *w; /* [rows, row_bytes] GGUF blocks */
     int64_t rows, row_bytes, qtype;
+} lw_segment;
+
+typedef struct { /* a matrix's rows: the segments' rows, in order */
+    lw_segment seg[MAX_SEGMENTS];
+    int64_t nseg, rows;
 } lw_linear;
+
+/* gguf_kquant.c's: a K-quant type's super-block bytes (0: not one), and one row's products. */
+int gguf_kq_block_bytes(int qtype);
+void gguf_kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, const float *x, int64_t ldx,
+                     int R, float *out, int64_t ldo);
 
 typedef struct {
     const float *in_norm, *post_norm; /* [H] */
@@ -133,15 +147,22 @@ static lw_input input_of(const lw_model *m, const float *x, const int8_t *q, con
     return in;
 }
 
-/* out[r] = in rows m..m+R (R <= 4) against row wrow of W. */
-static inline void dot_rows(const lw_linear *L, const uint8_t *wrow, const lw_input *in,
-                            int64_t m, int R, float *out, int64_t ldo) {
-    int bb = block_bytes((int)L->qtype), nb = (int)(L->row_bytes / bb);
-    if (in->int8) {
+/* out[r] = in rows m..m+R (R <= 4) against row n of W. */
+static inline void dot_rows(const lw_linear *L, int64_t n, const lw_input *in, int64_t m, int R,
+                            float *out, int64_t ldo) {
+    const lw_segment *sg = L->seg;
+    while (n >= sg->rows) n -= sg->rows, sg++;
+    const uint8_t *wrow = sg->w + n * sg->row_bytes;
+    int qtype = (int)sg->qtype, bb = block_bytes(qtype);
+    if (bb == 0) { /* a K-quant row */
+        int64_t nb = sg->row_bytes / gguf_kq_block_bytes(qtype);
+        gguf_kq_row_dot(wrow, nb, qtype, in->x + m * in->K, in->K, R, out, ldo);
+    } else if (in->int8) {
         q8_rows q = {in->q.q + m * in->q.ldq, in->q.ds + m * in->q.ldd, in->q.ldq, in->q.ldd};
-        row_dot_q8(wrow, nb, (int)L->qtype, bb, &q, R, out, ldo);
+        row_dot_q8(wrow, (int)(sg->row_bytes / bb), qtype, bb, &q, R, out, ldo);
     } else {
-        row_dot(wrow, nb, (int)L->qtype, bb, in->x + m * in->K, in->K, R, out, ldo);
+        row_dot(wrow, (int)(sg->row_bytes / bb), qtype, bb, in->x + m * in->K, in->K, R, out,
+                ldo);
     }
 }
 
@@ -156,7 +177,7 @@ static int64_t matmul(const lw_linear *L, const lw_input *in, int64_t R, float *
         for (int64_t n = c * per; n < end; n++) {
             for (int64_t m = 0; m < R; m += 4) {
                 int rows = R - m < 4 ? (int)(R - m) : 4;
-                dot_rows(L, L->w + n * L->row_bytes, in, m, rows, out + m * ldo + n, ldo);
+                dot_rows(L, n, in, m, rows, out + m * ldo + n, ldo);
             }
         }
     }
@@ -173,8 +194,8 @@ static int64_t gate_up_silu(const lw_linear *L, const lw_input *in, const lw_ste
             float g[MAX_ROWS], u[MAX_ROWS];
             for (int64_t m = 0; m < R; m += 4) {
                 int rows = R - m < 4 ? (int)(R - m) : 4;
-                dot_rows(L, L->w + i * L->row_bytes, in, m, rows, g + m, 1);
-                dot_rows(L, L->w + (I + i) * L->row_bytes, in, m, rows, u + m, 1);
+                dot_rows(L, i, in, m, rows, g + m, 1);
+                dot_rows(L, I + i, in, m, rows, u + m, 1);
             }
             for (int64_t r = 0; r < R; r++) s->act[r * I + i] = g[r] / (1.0f + expf(-g[r])) * u[r];
         }
@@ -401,8 +422,16 @@ static void tail(const lw_model *m, const lw_step *s, lw_phase *ph) {
 
 /* A block table whose rows are not whole blocks of a type this file reads. */
 static int bad_linear(const lw_linear *L) {
-    int bb = block_bytes((int)L->qtype);
-    return bb == 0 || L->row_bytes % bb;
+    int64_t rows = 0;
+    if (L->nseg < 1 || L->nseg > MAX_SEGMENTS) return 1;
+    for (int64_t i = 0; i < L->nseg; i++) {
+        const lw_segment *sg = &L->seg[i];
+        int qtype = (int)sg->qtype, bb = block_bytes(qtype);
+        bb = bb ? bb : gguf_kq_block_bytes(qtype);
+        if (bb == 0 || sg->row_bytes % bb || sg->rows < 1) return 1;
+        rows += sg->rows;
+    }
+    return rows != L->rows;
 }
 
 static int check(const lw_model *m, const lw_step *s) {

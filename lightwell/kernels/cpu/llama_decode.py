@@ -1,5 +1,7 @@
 """A Llama-shaped model's decode step (up to ``MAX_ROWS`` requests, one token each) in one C call
-(``llama_decode.c``, compiled with ``gguf_cpu.c``): every layer's norms, GGUF-block matmuls,
+(``llama_decode.c``, compiled with ``gguf_cpu.c``): every layer's norms, GGUF-block matmuls (any
+type of ``gguf_cpu.SUPPORTED``; a matrix may be up to ``MAX_SEGMENTS`` runs of rows of
+different types),
 RoPE, paged float32 KV-cache store and attention, the final norm and, optionally, the LM head on
 GGUF blocks with each row's greedy token, in one OpenMP region.
 
@@ -19,14 +21,19 @@ from lightwell.kernels.cpu import gguf_cpu
 from lightwell.kernels.gguf_blocks import BLOCKS
 
 MAX_ROWS = 8  # requests a step (llama_decode.c's MAX_ROWS)
+MAX_SEGMENTS = 3  # runs of rows of one type a matrix (llama_decode.c's MAX_SEGMENTS)
 MAX_HEAD_DIM = 256
 MAX_GROUP = 16  # query heads a KV head (llama_decode.c's MAX_GROUP)
 KV_SPLITS = 4  # llama_decode.c's: key ranges of a (request, KV head) in the attention
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-class _Linear(ctypes.Structure):
+class _Segment(ctypes.Structure):
     _fields_ = [("w", _ptr), ("rows", _i64), ("row_bytes", _i64), ("qtype", _i64)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("seg", _Segment * MAX_SEGMENTS), ("nseg", _i64), ("rows", _i64)]
 
 
 class _Layer(ctypes.Structure):
@@ -58,14 +65,17 @@ class _Step(ctypes.Structure):
     _fields_ += [("logits", _ptr), ("tokens", _ptr)]
 
 
+Segments = list[tuple[int, torch.Tensor]]  # a matrix's runs of rows: (ggml type, uint8 blocks)
+
+
 @dataclass
 class LayerWeights:
     in_norm: torch.Tensor  # [H] float32
     post_norm: torch.Tensor  # [H] float32
-    qkv: tuple[int, torch.Tensor]  # (ggml type, [(Hq + 2 Hkv) D, bytes] uint8 blocks)
-    o: tuple[int, torch.Tensor]  # [H, bytes]
-    gate_up: tuple[int, torch.Tensor]  # [2 I, bytes]: gate rows, then up rows
-    down: tuple[int, torch.Tensor]  # [H, bytes]
+    qkv: Segments  # [(Hq + 2 Hkv) D, H] in 1..MAX_SEGMENTS runs of rows
+    o: Segments  # [H, Hq D]
+    gate_up: Segments  # [2 I, H]: gate rows, then up rows
+    down: Segments  # [H, I]
     kv_cache: torch.Tensor  # [2, N, B, Hkv, D] float32
 
 
@@ -80,14 +90,21 @@ class Shape:
     scale: float
 
 
-def _linear(part: tuple[int, torch.Tensor], rows: int, cols: int) -> _Linear:
-    qtype, blocks = part
-    values, nbytes = BLOCKS[qtype] if qtype in gguf_cpu.BLOCK32 else (0, 0)
-    ok = values and blocks.dtype == torch.uint8 and blocks.is_contiguous()
-    if not ok or tuple(blocks.shape) != (rows, cols // values * nbytes) or cols % values:
-        raise ValueError(f"llama_decode: blocks of type {qtype} {tuple(blocks.shape)} do not "
-                         f"hold a [{rows}, {cols}] matrix")  # fmt: skip
-    return _Linear(blocks.data_ptr(), rows, blocks.shape[1], qtype)
+def _linear(parts: Segments, rows: int, cols: int) -> _Linear:
+    if not 1 <= len(parts) <= MAX_SEGMENTS:
+        raise ValueError(f"llama_decode: {len(parts)} segments, 1 to {MAX_SEGMENTS} a matrix")
+    segments = (_Segment * MAX_SEGMENTS)()
+    for i, (qtype, blocks) in enumerate(parts):
+        values, nbytes = BLOCKS[qtype] if qtype in gguf_cpu.SUPPORTED else (0, 0)
+        ok = values and blocks.dtype == torch.uint8 and blocks.is_contiguous() and blocks.dim() == 2
+        if not ok or blocks.shape[1] != cols // values * nbytes or cols % values:
+            raise ValueError(f"llama_decode: blocks of type {qtype} {tuple(blocks.shape)} do "
+                             f"not hold rows of {cols} values")  # fmt: skip
+        segments[i] = _Segment(blocks.data_ptr(), blocks.shape[0], blocks.shape[1], qtype)
+    total = sum(blocks.shape[0] for _, blocks in parts)
+    if total != rows:
+        raise ValueError(f"llama_decode: segments of {total} rows for a [{rows}, {cols}] matrix")
+    return _Linear(segments, len(parts), rows)
 
 
 def _f32(t: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
@@ -104,7 +121,7 @@ class LlamaDecoder:
         cos_sin: torch.Tensor,  # [positions, D] float32: D / 2 cosines, then D / 2 sines
         shape: Shape,
         int8_act: bool = False,  # the matmuls' (and LM head's) inputs rounded to int8 by 32s
-        lm_head: tuple[int, torch.Tensor] | None = None,  # (ggml type, [V, bytes] uint8 blocks)
+        lm_head: Segments | None = None,  # [V, H] blocks
     ):
         s = self.shape = shape
         H, D, Hq, Hkv, inter = s.hidden, s.head_dim, s.heads, s.kv_heads, s.inter
@@ -117,8 +134,8 @@ class LlamaDecoder:
                 f"llama_decode: KV cache {list(cache_shape)} is not [2, N, B, {Hkv}, {D}]"
             )
         self.max_positions = cos_sin.shape[0]
-        self.vocab = lm_head[1].shape[0] if lm_head is not None else 0
-        head = _linear(lm_head, self.vocab, H) if lm_head is not None else _Linear(0, 0, 0, 0)
+        self.vocab = sum(b.shape[0] for _, b in lm_head) if lm_head is not None else 0
+        head = _linear(lm_head, self.vocab, H) if lm_head is not None else _Linear()
         self._keep = [final_norm, _f32(cos_sin, (cos_sin.shape[0], D), "cos_sin"), layers, lm_head]
         table = (_Layer * len(layers))()
         for i, w in enumerate(layers):
