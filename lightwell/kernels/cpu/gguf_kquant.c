@@ -9,7 +9,8 @@
  * Every product here is exact in float32 (fp16 d: 11 bits, 6- or 8-bit scales, 6-bit q), so
  * the one rounding of q * D + M gives exactly gguf-py's float32 value. Up to 4 rows of x share
  * one unpacking; output rows are split over OpenMP threads. AVX2 + FMA + F16C where the
- * compiler targets them, portable C otherwise.
+ * compiler targets them (one row of x: AVX-512 where it targets that too), portable C
+ * otherwise.
  */
 #include "gguf_blocks.h" /* fp16_to_fp32, the AVX2 + FMA + F16C test (GGUF_AVX2) */
 
@@ -155,8 +156,43 @@ static inline __attribute__((always_inline)) void kq_row_dot_r(
     for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
+#ifdef __AVX512F__
+/* One row of x: each 16 values sharing a scale dequantized in one 16-lane vector. */
+static inline __attribute__((always_inline)) float kq_row_dot_one_512(const uint8_t *wrow,
+                                                                      int64_t nb, int qtype,
+                                                                      int bb, const float *x) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    unpacked u;
+    for (int64_t b = 0; b < nb; b++) {
+        unpack(wrow + b * bb, qtype, &u);
+        const float *xb = x + b * QK_K;
+        for (int t = 0; t < 16; t += 2) {
+            __m512 q0 = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u.q + 16 * t))));
+            __m512 q1 = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(u.q + 16 * t + 16))));
+            __m512 w0 = _mm512_fmadd_ps(q0, _mm512_set1_ps(u.d[t]), _mm512_set1_ps(u.m[t]));
+            __m512 w1 =
+                _mm512_fmadd_ps(q1, _mm512_set1_ps(u.d[t + 1]), _mm512_set1_ps(u.m[t + 1]));
+            a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb + 16 * t), a0);
+            a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16 * t + 16), a1);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+#endif
+
 static void kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
                     int64_t ldx, int R, float *out, int64_t ldo) {
+#ifdef __AVX512F__
+    if (R == 1) { /* one specialised loop per type */
+        switch (qtype) {
+        case Q4_K: out[0] = kq_row_dot_one_512(wrow, nb, Q4_K, bb, x); return;
+        case Q5_K: out[0] = kq_row_dot_one_512(wrow, nb, Q5_K, bb, x); return;
+        default: out[0] = kq_row_dot_one_512(wrow, nb, Q6_K, bb, x); return;
+        }
+    }
+#endif
     switch (R) {
     case 1: kq_row_dot_r(wrow, nb, qtype, bb, x, ldx, 1, out, ldo); break;
     case 2: kq_row_dot_r(wrow, nb, qtype, bb, x, ldx, 2, out, ldo); break;
