@@ -350,7 +350,8 @@ class DeviceConfig:
     )
     fused_cpu_decode: bool = _opt(
         True,
-        "CPU: a decode step of 1-8 requests (one token each) of a Llama-shaped model whose "
+        "CPU: a decode step of 1-8 requests (one token each) of a model of Llama, Qwen2 or "
+        "Qwen3 blocks (no sliding window) whose "
         "linears run on GGUF blocks (--quantization gguf) with a float32 KV cache runs as one "
         "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention, and the "
         "LM head with each row's argmax when its table is of one of those types, in one OpenMP "

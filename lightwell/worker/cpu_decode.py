@@ -1,7 +1,8 @@
 """Decode steps of a Llama-shaped GGUF model on the CPU as one C call (``--fused-cpu-decode``).
 
 ``CpuDecode.build`` takes a model whose every layer is the plain Llama block (``LlamaAttention``
-without biases, sliding window or q/k norm; ``LlamaMLP``; RMSNorms) with all four linears on
+without sliding window, output or MLP biases; or Qwen2's, with its q/k/v bias, or Qwen3's, with
+its per-head q/k RMSNorms; ``LlamaMLP``; RMSNorms) with all four linears on
 GGUF blocks the CPU kernels read (``quant/gguf_cpu.py``'s segments: a fused linear whose parts
 have different types, as q, k and v often do in a K-quant file, is up to ``MAX_SEGMENTS`` runs
 of rows), neox RoPE over the whole head, a float32
@@ -38,7 +39,11 @@ from lightwell.models.llama import (
     LlamaMLP,
     LlamaModel,
 )
+from lightwell.models.qwen2 import Qwen2Attention
+from lightwell.models.qwen3 import Qwen3Attention
 from lightwell.quant.gguf_cpu import GGUFLMHead
+
+ATTENTIONS = (LlamaAttention, Qwen2Attention, Qwen3Attention)  # the attention blocks it runs
 
 
 class CpuDecode:
@@ -75,6 +80,7 @@ class CpuDecode:
             inter=mlp.gate_up_proj.gguf_out // 2,
             eps=layers[0].input_layernorm.eps,
             scale=inner_attn.scale,
+            qk_eps=_qk_eps(attn),
         )
         if any(_shape_of(layer) != shape for layer in layers) or inner.norm.eps != shape.eps:
             return None
@@ -124,11 +130,18 @@ def _lm_head(model: nn.Module) -> Segments | None:
     return [(qtype, blocks)] if ok and blocks.shape[0] == head.org_vocab_size else None
 
 
-def _segments(linear: nn.Module) -> Segments | None:
+def _qk_eps(attn: nn.Module) -> float:
+    """The eps of the layer's q / k head norms (Qwen3's), else Shape's default."""
+    return attn.q_norm.eps if isinstance(attn, Qwen3Attention) else Shape.qk_eps
+
+
+def _segments(linear: nn.Module, bias: bool = False) -> Segments | None:
     """[(ggml type, blocks)] of a linear held as GGUF blocks of types the fused kernel reads,
-    its output rows in order, in at most MAX_SEGMENTS runs, without a bias."""
+    its output rows in order, in at most MAX_SEGMENTS runs; without a bias, or (``bias``) with
+    a float32 one."""
     parts = getattr(linear, "gguf_cpu", None)
-    if not parts or len(parts) > MAX_SEGMENTS or getattr(linear, "bias", None) is not None:
+    b = getattr(linear, "bias", None)
+    if not parts or len(parts) > MAX_SEGMENTS or (b is not None and not (bias and _f32(b))):
         return None
     if not all(qtype in gguf_cpu.SUPPORTED for qtype, _, _ in parts):
         return None
@@ -140,14 +153,20 @@ def _plain(layer: nn.Module) -> bool:
     if type(layer) is not LlamaDecoderLayer:
         return False
     attn, mlp = layer.self_attn, layer.mlp
-    if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+    if type(attn) not in ATTENTIONS or type(mlp) is not LlamaMLP:
         return False
-    if type(attn).norm_qk is not LlamaAttention.norm_qk or attn.attn.sliding_window is not None:
+    if attn.attn.sliding_window is not None:
         return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if not all(type(n) is RMSNorm and _f32(n.weight) and n.eps == norms[0].eps for n in norms):
         return False
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if isinstance(attn, Qwen3Attention):  # per-head norms over the whole head
+        qk = (attn.q_norm, attn.k_norm)
+        if not all(type(n) is RMSNorm and _f32(n.weight) and n.eps == qk[0].eps for n in qk):
+            return False
+    linears = (attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if _segments(attn.qkv_proj, bias=True) is None:
+        return False
     cache = attn.attn.kv_cache
     return all(_segments(x) is not None for x in linears) and cache is not None and _f32(cache)
 
@@ -162,6 +181,7 @@ def _shape_of(layer: LlamaDecoderLayer) -> Shape:
         inter=layer.mlp.gate_up_proj.gguf_out // 2,
         eps=layer.input_layernorm.eps,
         scale=attn.attn.scale,
+        qk_eps=_qk_eps(attn),
     )
 
 
@@ -170,9 +190,12 @@ def _weights(layer: LlamaDecoderLayer) -> LayerWeights:
     return LayerWeights(
         in_norm=layer.input_layernorm.weight.data,
         post_norm=layer.post_attention_layernorm.weight.data,
-        qkv=_segments(attn.qkv_proj),
+        qkv=_segments(attn.qkv_proj, bias=True),
         o=_segments(attn.o_proj),
         gate_up=_segments(mlp.gate_up_proj),
         down=_segments(mlp.down_proj),
         kv_cache=attn.attn.kv_cache,
+        qkv_bias=None if attn.qkv_proj.bias is None else attn.qkv_proj.bias.data,
+        q_norm=attn.q_norm.weight.data if isinstance(attn, Qwen3Attention) else None,
+        k_norm=attn.k_norm.weight.data if isinstance(attn, Qwen3Attention) else None,
     )

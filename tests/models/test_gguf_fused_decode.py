@@ -141,6 +141,27 @@ def test_fused_decode_runs_k_quant_and_q5_layers(tiny_gguf_mixed):
         assert max(rows) < 2e-2 and min(rows) < 1e-5, rows
 
 
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def qwen_gguf(request, tmp_path_factory):
+    """Qwen2 (q/k/v biases, an untied Q8_0 LM head) and Qwen3 (per-head q/k norms, head_dim
+    24, the tied Q8_0 table) on blocks the kernels read."""
+    from tests.models.test_gguf_qwen import hf_qwen, write_qwen_gguf
+
+    types = {"attn_q": Q.Q5_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
+             "ffn_gate": Q.Q5_1, "ffn_up": Q.Q5_1, "ffn_down": Q.Q8_0}  # fmt: skip
+    hf = hf_qwen(request.param, seed=6, max_position_embeddings=256)
+    path = str(tmp_path_factory.mktemp(request.param) / "tiny.gguf")
+    write_qwen_gguf(path, hf, request.param, layer_types=types, output_type=Q.Q8_0)
+    return path
+
+
+def test_fused_decode_runs_qwen_layers(qwen_gguf):
+    ref, got = _decode(qwen_gguf, fused=False), _decode(qwen_gguf, fused=True)
+    for want, have in zip(ref, got):
+        assert rel_err(have, want) < 5e-6
+        assert torch.equal(have.argmax(-1), want.argmax(-1))
+
+
 def test_int8_activations_stay_near_float32(tiny_gguf):
     """Both int8 paths round the same blocks the same way, so their rows agree to float32
     rounding (~5e-7). Their float sums run in different orders (the fused norm's vector width

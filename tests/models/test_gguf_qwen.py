@@ -56,20 +56,24 @@ def vocabulary() -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
-def hf_qwen(arch: str, seed: int):
+def hf_qwen(arch: str, seed: int, **extra):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+    shape = {**SMALL, **extra}
     if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**SMALL, tie_word_embeddings=False))
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=False))
     else:  # head_dim 24 != 64 / 4: read from attention.key_length
-        model = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=True))
+        model = Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=24, tie_word_embeddings=True))
     randomize(model.eval(), seed)
     return model
 
 
-def write_qwen_gguf(path: str, hf, arch: str) -> dict[str, torch.Tensor]:
-    """``hf`` as a llama.cpp ``arch`` GGUF with a tokenizer; returns the weights a perfect
-    loader produces (HF names, dequantized)."""
+def write_qwen_gguf(
+    path: str, hf, arch: str, layer_types: dict = TYPES, output_type=Q.F16
+) -> dict[str, torch.Tensor]:
+    """``hf`` as a llama.cpp ``arch`` GGUF with a tokenizer (the matrices in ``layer_types``,
+    an untied LM head in ``output_type``); returns the weights a perfect loader produces (HF
+    names, dequantized)."""
     cfg = hf.config
     sd = {k: v.detach().numpy().astype(np.float32) for k, v in hf.state_dict().items()}
     w = gguf.GGUFWriter(path, arch)
@@ -108,11 +112,11 @@ def write_qwen_gguf(path: str, hf, arch: str) -> dict[str, torch.Tensor]:
             for suffix in ("weight", "bias"):
                 hf_name = f"model.layers.{i}.{hf_short}.{suffix}"
                 if hf_name in sd:  # qwen2: q/k/v biases; qwen3: q/k norms
-                    qtype = TYPES.get(short, Q.F32) if suffix == "weight" else Q.F32
+                    qtype = layer_types.get(short, Q.F32) if suffix == "weight" else Q.F32
                     put(f"blk.{i}.{short}.{suffix}", hf_name, qtype)
     put("output_norm.weight", "model.norm.weight", Q.F32)
     if not cfg.tie_word_embeddings:
-        put("output.weight", "lm_head.weight", Q.F16)
+        put("output.weight", "lm_head.weight", output_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -2,7 +2,8 @@
  *
  * R requests (R <= 8), one new token each: for every layer, the residual add + RMSNorm, the
  * fused QKV matmul on GGUF blocks (blocks of 32 in gguf_blocks.h, K-quant super-blocks in
- * gguf_kquant.c; a matrix may be up to MAX_SEGMENTS runs of rows of different types), RoPE (neox halves, from the model's cos/sin
+ * gguf_kquant.c; a matrix may be up to MAX_SEGMENTS runs of rows of different types), the q/k/v
+ * bias and per-head q/k RMSNorms where the layer has them (Qwen2, Qwen3), RoPE (neox halves, from the model's cos/sin
  * table), the K/V store into the paged float32 cache, attention over each request's cached keys
  * (its block table; the query heads of a KV head together, the keys in up to KV_SPLITS ranges
  * whose softmax partials are merged), the output matmul, the residual add + RMSNorm, the
@@ -51,6 +52,8 @@ void gguf_kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, const float *x,
 
 typedef struct {
     const float *in_norm, *post_norm; /* [H] */
+    const float *qkv_bias;            /* [(Hq + 2 Hkv) D], or NULL (Qwen2's q/k/v biases) */
+    const float *q_norm, *k_norm;     /* [D] each, or NULL: RMSNorm of each q / k head (Qwen3) */
     lw_linear qkv, o, gate_up, down;  /* [(Hq + 2 Hkv) D, H], [H, Hq D], [2 I, H], [H, I] */
     float *kv_cache;                  /* [2, num_blocks, block_size, Hkv, D] */
 } lw_layer;
@@ -58,7 +61,7 @@ typedef struct {
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
     int64_t int8_act; /* the matmuls' (and LM head's) inputs rounded to int8 by blocks */
-    float eps, scale;
+    float eps, scale, qk_eps; /* the layer norms', the attention's, the q / k norms' */
     const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
     const float *final_norm; /* [H] */
     const lw_layer *layers;  /* [num_layers] */
@@ -226,13 +229,30 @@ static void add_norm(const lw_model *m, const lw_step *s, const float *w, int fi
     }
 }
 
-/* RoPE on each request's q and k heads (neox halves), then k and v into the cache. */
-static void rope_store(const lw_model *m, const lw_step *s, float *cache) {
+/* x[0..D) = rmsnorm(x) * w. */
+static void head_norm(float *x, const float *w, int64_t D, float eps) {
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < D; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) x[i] = x[i] * inv * w[i];
+}
+
+/* Each request's q, k, v row: the layer's bias added, its q and k heads normalised (where the
+ * layer has either), RoPE on the q and k heads (neox halves), then k and v into the cache. */
+static void rope_store(const lw_model *m, const lw_step *s, const lw_layer *L) {
     int64_t D = m->head_dim, half = D / 2, Hq = m->heads, Hkv = m->kv_heads;
     int64_t width = (Hq + 2 * Hkv) * D, plane = m->num_blocks * m->block_size * Hkv * D;
+    float *cache = L->kv_cache;
     for (int64_t r = 0; r < s->R; r++) {
         float *row = s->qkv + r * width;
         const float *cs = m->cos_sin + s->positions[r] * D;
+        if (L->qkv_bias)
+            for (int64_t i = 0; i < width; i++) row[i] += L->qkv_bias[i];
+        if (L->q_norm)
+            for (int64_t h = 0; h < Hq; h++) head_norm(row + h * D, L->q_norm, D, m->qk_eps);
+        if (L->k_norm)
+            for (int64_t h = Hq; h < Hq + Hkv; h++) head_norm(row + h * D, L->k_norm, D, m->qk_eps);
         for (int64_t h = 0; h < Hq + Hkv; h++) {
             float *x = row + h * D;
             for (int64_t i = 0; i < half; i++) {
@@ -387,7 +407,7 @@ static void layer_step(const lw_model *m, const lw_step *s, const lw_layer *L, i
     FOR_CHUNKS(c, 1, &ph[0]) add_norm(m, s, L->in_norm, first);
     wait_done(&ph[0], 1);
     wait_done(&ph[1], matmul(&L->qkv, &normed, R, s->qkv, L->qkv.rows, &ph[1]));
-    FOR_CHUNKS(c, 1, &ph[2]) rope_store(m, s, L->kv_cache);
+    FOR_CHUNKS(c, 1, &ph[2]) rope_store(m, s, L);
     wait_done(&ph[2], 1);
     int64_t Hkv = m->kv_heads, ranges = R * Hkv * KV_SPLITS;
     FOR_CHUNKS(t, ranges, &ph[3]) {

@@ -37,7 +37,7 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", _ptr), ("post_norm", _ptr)]
+    _fields_ = [(n, _ptr) for n in ("in_norm", "post_norm", "qkv_bias", "q_norm", "k_norm")]
     _fields_ += [(n, _Linear) for n in ("qkv", "o", "gate_up", "down")]
     _fields_ += [("kv_cache", _ptr)]
 
@@ -48,7 +48,7 @@ class _Model(ctypes.Structure):
         for n in ("num_layers", "hidden", "heads", "kv_heads", "head_dim", "inter")
         + ("num_blocks", "block_size", "int8_act")
     ]
-    _fields_ += [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+    _fields_ += [(n, ctypes.c_float) for n in ("eps", "scale", "qk_eps")]
     _fields_ += [("cos_sin", _ptr), ("final_norm", _ptr), ("layers", ctypes.POINTER(_Layer))]
     _fields_ += [("lm_head", _Linear)]
 
@@ -77,6 +77,9 @@ class LayerWeights:
     gate_up: Segments  # [2 I, H]: gate rows, then up rows
     down: Segments  # [H, I]
     kv_cache: torch.Tensor  # [2, N, B, Hkv, D] float32
+    qkv_bias: torch.Tensor | None = None  # [(Hq + 2 Hkv) D] float32 (Qwen2)
+    q_norm: torch.Tensor | None = None  # [D] float32: RMSNorm of each q head (Qwen3)
+    k_norm: torch.Tensor | None = None  # [D] float32: of each k head
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class Shape:
     inter: int
     eps: float
     scale: float
+    qk_eps: float = 1e-6  # the q / k head norms' (where the layers have them)
 
 
 def _linear(parts: Segments, rows: int, cols: int) -> _Linear:
@@ -111,6 +115,10 @@ def _f32(t: torch.Tensor, shape: tuple[int, ...], what: str) -> torch.Tensor:
     if t.dtype != torch.float32 or tuple(t.shape) != shape or not t.is_contiguous():
         raise ValueError(f"llama_decode: {what} must be contiguous float32 {list(shape)}")
     return t
+
+
+def _optional(t: torch.Tensor | None, shape: tuple[int, ...], what: str) -> int:
+    return 0 if t is None else _f32(t, shape, what).data_ptr()
 
 
 class LlamaDecoder:
@@ -142,6 +150,9 @@ class LlamaDecoder:
             table[i] = _Layer(
                 _f32(w.in_norm, (H,), "in_norm").data_ptr(),
                 _f32(w.post_norm, (H,), "post_norm").data_ptr(),
+                _optional(w.qkv_bias, ((Hq + 2 * Hkv) * D,), "qkv_bias"),
+                _optional(w.q_norm, (D,), "q_norm"),
+                _optional(w.k_norm, (D,), "k_norm"),
                 _linear(w.qkv, (Hq + 2 * Hkv) * D, H),
                 _linear(w.o, H, Hq * D),
                 _linear(w.gate_up, 2 * inter, H),
@@ -151,7 +162,7 @@ class LlamaDecoder:
         self._table = table
         self._model = _Model(
             len(layers), H, Hq, Hkv, D, inter, cache_shape[1], cache_shape[2], int(int8_act),
-            s.eps, s.scale,
+            s.eps, s.scale, s.qk_eps,
             cos_sin.data_ptr(), _f32(final_norm, (H,), "final_norm").data_ptr(), table,
             head,
         )  # fmt: skip
