@@ -43,3 +43,24 @@ def smollm2_gguf() -> str:
     from lightwell.model_files import default_model_path
 
     return default_model_path()
+
+
+# instruction sets the CPU GGUF kernels are also compiled for in the tests (this machine's own
+# build runs everywhere else): AVX2 without AVX-512 (most x86 desktops), and portable C (ARM)
+CPU_ISAS = {"avx2": ("-mavx2", "-mfma", "-mf16c"), "portable": ()}
+
+
+@pytest.fixture(scope="session", params=list(CPU_ISAS))
+def gguf_isa_lib(request, tmp_path_factory):
+    """(name, the GGUF CPU kernels compiled for that instruction set): patch it in as
+    ``gguf_cpu._lib`` to run a test through it."""
+    import platform
+
+    from lightwell.kernels.cpu import gguf_cpu
+
+    if not gguf_cpu.available():
+        pytest.skip("no C compiler with OpenMP")
+    if request.param == "avx2" and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("AVX2 is x86")
+    target = str(tmp_path_factory.mktemp("isa") / f"gguf_cpu_{request.param}.so")
+    return request.param, gguf_cpu.compile_for(CPU_ISAS[request.param], target)

@@ -112,3 +112,29 @@ def test_mm_with_int8_activations_matches_its_reference(qtype, rows):
     assert (out.double() - expected).abs().max().item() < 2e-6 * scale
     exact = x.double() @ gguf_dequantize_ref(w, qtype).double().T
     assert (out.double() - exact).abs().max().item() > 1e-4 * scale  # really rounded
+
+
+def test_each_instruction_set_matches_the_reference(gguf_isa_lib, monkeypatch):
+    """Every type the kernels read, through the AVX2 and the portable builds: dequantized rows
+    bit-exact, products (1 and 3 rows of x; int8 activations for blocks of 32) as above."""
+    _, lib = gguf_isa_lib
+    monkeypatch.setattr(gguf_cpu, "_lib", lambda: lib)
+    torch.set_num_threads(2)
+    from tests.kernels.gguf_random import random_blocks as kq_blocks
+
+    for qtype in sorted(gguf_cpu.SUPPORTED):
+        k = 512 if qtype in gguf_cpu.KQUANT else 160
+        w = random_blocks(37, k, qtype, seed=qtype) if qtype in TYPES else kq_blocks(37, k, qtype)
+        ref = gguf_dequantize_ref(w, qtype)
+        ids = torch.tensor([5, 0, 36])
+        assert torch.equal(gguf_cpu.gguf_dequant_rows(w, qtype, k, ids), ref[ids]), qtype
+        for rows in (1, 3):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+            expected = x.double() @ ref.double().T
+            scale = expected.abs().max().item()
+            out = gguf_cpu.gguf_mm(x, w, qtype)
+            assert (out.double() - expected).abs().max().item() < 1e-5 * scale, (qtype, rows)
+            if qtype in TYPES:
+                q8 = gguf_cpu.quantize_q8_ref(x).double() @ ref.double().T
+                out = gguf_cpu.gguf_mm(x, w, qtype, int8_act=True)
+                assert (out.double() - q8).abs().max().item() < 2e-6 * scale, (qtype, rows)

@@ -162,6 +162,16 @@ def test_fused_decode_runs_qwen_layers(qwen_gguf):
         assert torch.equal(have.argmax(-1), want.argmax(-1))
 
 
+def test_fused_decode_on_each_instruction_set(tiny_gguf_mixed, gguf_isa_lib, monkeypatch):
+    """The mixed-type model through the AVX2 and the portable builds of the kernels."""
+    ref = _decode(tiny_gguf_mixed, fused=False, steps=3)
+    monkeypatch.setattr(kernels, "_lib", lambda: gguf_isa_lib[1])
+    got = _decode(tiny_gguf_mixed, fused=True, steps=3)
+    for want, have in zip(ref, got):
+        assert rel_err(have, want) < 5e-6
+        assert torch.equal(have.argmax(-1), want.argmax(-1))
+
+
 def test_int8_activations_stay_near_float32(tiny_gguf):
     """Both int8 paths round the same blocks the same way, so their rows agree to float32
     rounding (~5e-7). Their float sums run in different orders (the fused norm's vector width

@@ -60,11 +60,14 @@ def _cpu_key() -> str:
     return platform.machine() + flags
 
 
-def _compile(target: str) -> None:
+NATIVE = ("-march=native",)  # what the library is compiled for: this CPU
+
+
+def _compile(target: str, arch: tuple[str, ...] = NATIVE) -> None:
     os.makedirs(os.path.dirname(target), exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target))
     os.close(fd)
-    cmd = ["cc", "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *SOURCES, "-o", tmp]
+    cmd = ["cc", "-O3", *arch, "-fopenmp", "-shared", "-fPIC", *SOURCES, "-o", tmp]
     try:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)  # atomic: a concurrent process loads a whole library or none
@@ -86,7 +89,7 @@ def _lib() -> ctypes.CDLL | None:
     try:
         if not os.path.exists(target):
             _compile(target)
-        lib = ctypes.CDLL(target)
+        return _load(target)
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", b"") or b""
         tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else []
@@ -97,6 +100,18 @@ def _lib() -> ctypes.CDLL | None:
             f"; {tail[0]}" if tail else "",
         )
         return None
+
+
+def compile_for(arch: tuple[str, ...], target: str) -> ctypes.CDLL:
+    """The kernels compiled with ``arch`` flags instead of this CPU's (e.g. ``()``: the portable
+    C, ``("-mavx2", "-mfma", "-mf16c")``: AVX2 without AVX-512) into ``target``, loaded: the
+    tests run each code path of the sources on one machine through it."""
+    _compile(target, arch)
+    return _load(target)
+
+
+def _load(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     c_int = ctypes.c_int
     lib.gguf_mm.argtypes = [ptr, i64, i64, i64, ptr, i64, i64, c_int, ptr, i64, c_int, c_int]
