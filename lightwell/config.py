@@ -354,7 +354,8 @@ class DeviceConfig:
         "Qwen3 blocks (no sliding window) whose "
         "linears run on GGUF blocks (--quantization gguf) with a float32 KV cache runs as one "
         "C call: every layer's norms, matmuls, RoPE, KV-cache store and attention, and the "
-        "LM head with each row's argmax when its table is of one of those types, in one OpenMP "
+        "LM head with each row's argmax when its table is of a type the CPU kernels read, in "
+        "one OpenMP "
         "region (the same float32 arithmetic, summed in another order). "
         "--no-fused-cpu-decode: layer by layer through torch. Ignored elsewhere.",
     )

@@ -149,7 +149,8 @@ def qwen_gguf(request, tmp_path_factory):
 
     types = {"attn_q": Q.Q5_0, "attn_k": Q.Q8_0, "attn_v": Q.Q4_1, "attn_output": Q.Q4_0,
              "ffn_gate": Q.Q5_1, "ffn_up": Q.Q5_1, "ffn_down": Q.Q8_0}  # fmt: skip
-    hf = hf_qwen(request.param, seed=6, max_position_embeddings=256)
+    # eps 1e-2: the q/k norms' eps (not the default) is what the call uses
+    hf = hf_qwen(request.param, seed=6, max_position_embeddings=256, rms_norm_eps=1e-2)
     path = str(tmp_path_factory.mktemp(request.param) / "tiny.gguf")
     write_qwen_gguf(path, hf, request.param, layer_types=types, output_type=Q.Q8_0)
     return path
@@ -230,6 +231,24 @@ def test_build_declines_what_the_kernel_does_not_run(tiny_gguf, tmp_path):
     assert CpuDecode.build(model, torch.float32) is not None
     PagedRunner(model, kv_cache_dtype="int8")
     assert CpuDecode.build(model, torch.float32) is None  # an 8-bit cache
+
+
+def test_build_declines_layers_it_would_get_wrong(tiny_gguf):
+    """An output-projection or MLP bias, a sliding window: the layer-by-layer forward."""
+    model = load_ours(tiny_gguf, quantization="gguf")
+    PagedRunner(model)
+    assert CpuDecode.build(model, torch.float32) is not None
+    layer = model.model.layers[1]
+    for module, attr, value in (
+        (layer.self_attn.o_proj, "bias", torch.nn.Parameter(torch.zeros(128))),
+        (layer.mlp.down_proj, "bias", torch.nn.Parameter(torch.zeros(128))),
+        (layer.self_attn.attn, "sliding_window", 8),
+    ):
+        before = getattr(module, attr)
+        setattr(module, attr, value)
+        assert CpuDecode.build(model, torch.float32) is None, attr
+        setattr(module, attr, before)
+    assert CpuDecode.build(model, torch.float32) is not None
 
 
 def test_the_decoder_refuses_values_outside_the_cache(tiny_gguf):

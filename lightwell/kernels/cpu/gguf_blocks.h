@@ -18,6 +18,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define GGUF_AVX2 1
+#ifdef __AVX512F__
+#define GGUF_AVX512 1 /* AVX-512 on top of AVX2 + FMA + F16C */
+#endif
 #endif
 
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8 };
@@ -138,7 +141,7 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-#ifdef __AVX512F__
+#ifdef GGUF_AVX512
 /* One row of blocks against one row of x, 16 lanes: a Q4 / Q5 block's 16 bytes widened to 16
  * int32 lanes at once (low nibbles masked, high nibbles shifted down; Q5's fifth bits ORed in
  * under qh's halves as lane masks), Q8_0's 32 bytes as two halves. */
@@ -190,7 +193,7 @@ static inline float row_dot_one(const uint8_t *wrow, int nb, int qtype, int bb, 
 /* out[r * ldo] for r < R: row n of W (nb blocks) against R rows of x (stride ldx). */
 static inline void row_dot(const uint8_t *wrow, int nb, int qtype, int bb, const float *x,
                            int64_t ldx, int R, float *out, int64_t ldo) {
-#ifdef __AVX512F__
+#ifdef GGUF_AVX512
     if (R == 1) {
         out[0] = row_dot_one(wrow, nb, qtype, bb, x);
         return;

@@ -1,4 +1,5 @@
-/* GGUF K-quant blocks x float32 activations on the CPU, for lightwell/kernels/cpu/gguf_cpu.py.
+/* GGUF K-quant blocks x float32 activations on the CPU, for lightwell/kernels/cpu/gguf_cpu.py
+ * (gguf_kq_mm, gguf_kq_dequant_rows) and llama_decode.c (gguf_kq_row_dot: one row of W).
  *
  * out[m, n] = sum_k x[m, k] * W[n, k], W kept as a GGUF file stores it: row n is K / 256
  * super-blocks of Q4_K (144 B), Q5_K (176 B) or Q6_K (210 B), laid out as
@@ -8,7 +9,7 @@
  *   Q6_K:        D = d * scales[t], M = -32 * D     (group t of 16 values)
  * Every product here is exact in float32 (fp16 d: 11 bits, 6- or 8-bit scales, 6-bit q), so
  * the one rounding of q * D + M gives exactly gguf-py's float32 value. Up to 4 rows of x share
- * one unpacking; output rows are split over OpenMP threads. AVX2 + FMA + F16C where the
+ * one unpacking; gguf_kq_mm splits output rows over OpenMP threads. AVX2 + FMA + F16C where the
  * compiler targets them (one row of x: AVX-512 where it targets that too), portable C
  * otherwise.
  */
@@ -156,7 +157,7 @@ static inline __attribute__((always_inline)) void kq_row_dot_r(
     for (int r = 0; r < R; r++) out[r * ldo] = hsum(_mm256_add_ps(acc[r][0], acc[r][1]));
 }
 
-#ifdef __AVX512F__
+#ifdef GGUF_AVX512
 /* One row of x: each 16 values sharing a scale dequantized in one 16-lane vector. */
 static inline __attribute__((always_inline)) float kq_row_dot_one_512(const uint8_t *wrow,
                                                                       int64_t nb, int qtype,
@@ -184,7 +185,7 @@ static inline __attribute__((always_inline)) float kq_row_dot_one_512(const uint
 
 static void kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const float *x,
                     int64_t ldx, int R, float *out, int64_t ldo) {
-#ifdef __AVX512F__
+#ifdef GGUF_AVX512
     if (R == 1) { /* one specialised loop per type */
         switch (qtype) {
         case Q4_K: out[0] = kq_row_dot_one_512(wrow, nb, Q4_K, bb, x); return;

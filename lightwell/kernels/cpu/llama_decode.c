@@ -60,7 +60,7 @@ typedef struct {
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size;
-    int64_t int8_act; /* the matmuls' (and LM head's) inputs rounded to int8 by blocks */
+    int64_t int8_act; /* the inputs of blocks of 32 (matmuls, LM head) rounded to int8 */
     float eps, scale, qk_eps; /* the layer norms', the attention's, the q / k norms' */
     const float *cos_sin;    /* [positions, D]: the D / 2 cosines, then the D / 2 sines */
     const float *final_norm; /* [H] */
@@ -281,7 +281,7 @@ static inline void prefetch_row(const float *p, int64_t D) {
 
 /* a . b over D floats. */
 static inline float dot_f32(const float *a, const float *b, int64_t D) {
-#ifdef __AVX512F__
+#ifdef GGUF_AVX512
     if (D % 16 == 0) {
         __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
         for (int64_t i = 16; i < D; i += 16)
@@ -297,7 +297,7 @@ static inline float dot_f32(const float *a, const float *b, int64_t D) {
 
 /* a += p * v over D floats. */
 static inline void axpy_f32(float *a, float p, const float *v, int64_t D) {
-#ifdef __AVX512F__
+#ifdef GGUF_AVX512
     if (D % 16 == 0) {
         __m512 vp = _mm512_set1_ps(p);
         for (int64_t i = 0; i < D; i += 16)
@@ -440,15 +440,17 @@ static void tail(const lw_model *m, const lw_step *s, lw_phase *ph) {
     FOR_CHUNKS(r, s->R, &ph[2]) s->tokens[r] = argmax(s->logits + r * lm->rows, lm->rows);
 }
 
-/* A block table whose rows are not whole blocks of a type this file reads. */
-static int bad_linear(const lw_linear *L) {
+/* A matrix whose rows are not whole blocks of a type these kernels read, of cols values each,
+ * or whose segments' rows do not add up to its rows. */
+static int bad_linear(const lw_linear *L, int64_t cols) {
     int64_t rows = 0;
     if (L->nseg < 1 || L->nseg > MAX_SEGMENTS) return 1;
     for (int64_t i = 0; i < L->nseg; i++) {
         const lw_segment *sg = &L->seg[i];
-        int qtype = (int)sg->qtype, bb = block_bytes(qtype);
-        bb = bb ? bb : gguf_kq_block_bytes(qtype);
-        if (bb == 0 || sg->row_bytes % bb || sg->rows < 1) return 1;
+        int qtype = (int)sg->qtype, bb = block_bytes(qtype), values = QK;
+        if (bb == 0) bb = gguf_kq_block_bytes(qtype), values = 256;
+        if (bb == 0 || sg->row_bytes % bb || sg->row_bytes / bb * values != cols) return 1;
+        if (sg->rows < 1) return 1;
         rows += sg->rows;
     }
     return rows != L->rows;
@@ -458,13 +460,14 @@ static int check(const lw_model *m, const lw_step *s) {
     if (s->R < 1 || s->R > MAX_ROWS || m->head_dim > MAX_HEAD_DIM || m->head_dim % 2) return -1;
     if (m->heads % m->kv_heads || m->heads / m->kv_heads > MAX_GROUP) return -1;
     if (m->hidden % QK || m->inter % QK || (m->int8_act && m->head_dim % QK)) return -1;
+    int64_t H = m->hidden;
     for (int64_t l = 0; l < m->num_layers; l++) {
-        const lw_linear *ls[4] = {&m->layers[l].qkv, &m->layers[l].o, &m->layers[l].gate_up,
-                                  &m->layers[l].down};
-        for (int i = 0; i < 4; i++)
-            if (bad_linear(ls[i])) return -2;
+        const lw_layer *L = &m->layers[l];
+        if (bad_linear(&L->qkv, H) || bad_linear(&L->o, m->heads * m->head_dim) ||
+            bad_linear(&L->gate_up, H) || bad_linear(&L->down, m->inter))
+            return -2;
     }
-    return m->lm_head.rows && bad_linear(&m->lm_head) ? -2 : 0;
+    return m->lm_head.rows && bad_linear(&m->lm_head, H) ? -2 : 0;
 }
 
 /* out [R, H] = the final norm of the last layer's output; x [R, H]: the token embeddings. */

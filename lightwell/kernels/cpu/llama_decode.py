@@ -1,13 +1,13 @@
 """A Llama-shaped model's decode step (up to ``MAX_ROWS`` requests, one token each) in one C call
-(``llama_decode.c``, compiled with ``gguf_cpu.c``): every layer's norms, GGUF-block matmuls (any
-type of ``gguf_cpu.SUPPORTED``; a matrix may be up to ``MAX_SEGMENTS`` runs of rows of
-different types),
-RoPE, paged float32 KV-cache store and attention, the final norm and, optionally, the LM head on
-GGUF blocks with each row's greedy token, in one OpenMP region.
+(``llama_decode.c``, compiled with ``gguf_cpu.c`` and ``gguf_kquant.c``): every layer's norms,
+GGUF-block matmuls (any type of ``gguf_cpu.SUPPORTED``; a matrix may be up to ``MAX_SEGMENTS``
+runs of rows of different types), the q/k/v bias and per-head q/k norms where the layers have
+them, RoPE, paged float32 KV-cache store and attention, the final norm and, optionally, the LM
+head on GGUF blocks with each row's greedy token, in one OpenMP region.
 
 ``LlamaDecoder`` holds the ctypes description of the model (built once, the tensors it points
 into kept alive) and scratch rows for ``MAX_ROWS`` requests; calling it runs one step. Its torch
-reference is the model's own forward (``tests/kernels/test_llama_decode_cpu.py``).
+reference is the model's own forward (``tests/models/test_gguf_fused_decode.py``).
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class LlamaDecoder:
         final_norm: torch.Tensor,  # [H] float32
         cos_sin: torch.Tensor,  # [positions, D] float32: D / 2 cosines, then D / 2 sines
         shape: Shape,
-        int8_act: bool = False,  # the matmuls' (and LM head's) inputs rounded to int8 by 32s
+        int8_act: bool = False,  # blocks of 32's inputs (matmuls, LM head) rounded to int8
         lm_head: Segments | None = None,  # [V, H] blocks
     ):
         s = self.shape = shape
