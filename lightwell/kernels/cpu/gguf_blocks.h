@@ -117,8 +117,7 @@ static inline void dequant_block_avx2(const uint8_t *b, int qtype, __m256 w[4]) 
         }
         return;
     }
-    __m256 vm = has_min(qtype) ? _mm256_set1_ps(_cvtsh_ss((uint16_t)(b[2] | b[3] << 8)))
-                               : _mm256_mul_ps(vd, _mm256_set1_ps(is_q5(qtype) ? -16.0f : -8.0f));
+    __m256 vm = _mm256_set1_ps(min_of(b, qtype, _mm256_cvtss_f32(vd)));
     __m128i raw = _mm_loadu_si128((const __m128i *)(b + nibbles_at(qtype)));
     const __m128i mask = _mm_set1_epi8(0xf);
     __m128i lo = _mm_and_si128(raw, mask);
@@ -159,9 +158,7 @@ static inline float row_dot_one_512(const uint8_t *wrow, int nb, int qtype, int 
             w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                                    _mm_loadu_si128((const __m128i *)(p + 18)))), d);
         } else {
-            __m512 m = has_min(qtype)
-                           ? _mm512_set1_ps(_cvtsh_ss((uint16_t)(p[2] | p[3] << 8)))
-                           : _mm512_mul_ps(d, _mm512_set1_ps(is_q5(qtype) ? -16.0f : -8.0f));
+            __m512 m = _mm512_set1_ps(min_of(p, qtype, _mm512_cvtss_f32(d)));
             __m512i q = _mm512_cvtepu8_epi32(
                 _mm_loadu_si128((const __m128i *)(p + nibbles_at(qtype))));
             __m512i q0 = _mm512_and_si512(q, low), q1 = _mm512_srli_epi32(q, 4);
@@ -290,8 +287,7 @@ static inline __attribute__((always_inline)) __m256i q8_weights(const uint8_t *b
         *mw = 0.0f;
         return _mm256_sign_epi8(*sw, *sw);
     }
-    *mw = has_min(qtype) ? _cvtsh_ss((uint16_t)(blk[2] | blk[3] << 8))
-                         : (is_q5(qtype) ? -16.0f : -8.0f) * *dw;
+    *mw = min_of(blk, qtype, *dw);
     __m128i raw = _mm_loadu_si128((const __m128i *)(blk + nibbles_at(qtype)));
     __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
     both = _mm256_and_si256(both, _mm256_set1_epi8(0xf));

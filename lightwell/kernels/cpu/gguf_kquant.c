@@ -222,12 +222,13 @@ static void kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, int bb, const
 #endif
 
 /* For llama_decode.c: a type's super-block bytes (0: not a K-quant), and out[r * ldo] for
- * r < R (<= 4): one row of nb super-blocks against R rows of x (stride ldx). */
+ * r < R (<= 4): one row of row_bytes of super-blocks against R rows of x (stride ldx). */
 int gguf_kq_block_bytes(int qtype) { return kq_block_bytes(qtype); }
 
-void gguf_kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, const float *x, int64_t ldx,
-                     int R, float *out, int64_t ldo) {
-    kq_row_dot(wrow, nb, qtype, kq_block_bytes(qtype), x, ldx, R, out, ldo);
+void gguf_kq_row_dot(const uint8_t *wrow, int64_t row_bytes, int qtype, const float *x,
+                     int64_t ldx, int R, float *out, int64_t ldo) {
+    int bb = kq_block_bytes(qtype);
+    kq_row_dot(wrow, row_bytes / bb, qtype, bb, x, ldx, R, out, ldo);
 }
 
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ W.T, W [N, K / 256 blocks]. */

@@ -47,8 +47,8 @@ typedef struct { /* a matrix's rows: the segments' rows, in order */
 
 /* gguf_kquant.c's: a K-quant type's super-block bytes (0: not one), and one row's products. */
 int gguf_kq_block_bytes(int qtype);
-void gguf_kq_row_dot(const uint8_t *wrow, int64_t nb, int qtype, const float *x, int64_t ldx,
-                     int R, float *out, int64_t ldo);
+void gguf_kq_row_dot(const uint8_t *wrow, int64_t row_bytes, int qtype, const float *x,
+                     int64_t ldx, int R, float *out, int64_t ldo);
 
 typedef struct {
     const float *in_norm, *post_norm; /* [H] */
@@ -158,8 +158,7 @@ static inline void dot_rows(const lw_linear *L, int64_t n, const lw_input *in, i
     const uint8_t *wrow = sg->w + n * sg->row_bytes;
     int qtype = (int)sg->qtype, bb = block_bytes(qtype);
     if (bb == 0) { /* a K-quant row */
-        int64_t nb = sg->row_bytes / gguf_kq_block_bytes(qtype);
-        gguf_kq_row_dot(wrow, nb, qtype, in->x + m * in->K, in->K, R, out, ldo);
+        gguf_kq_row_dot(wrow, sg->row_bytes, qtype, in->x + m * in->K, in->K, R, out, ldo);
     } else if (in->int8) {
         q8_rows q = {in->q.q + m * in->q.ldq, in->q.ds + m * in->q.ldd, in->q.ldq, in->q.ldd};
         row_dot_q8(wrow, (int)(sg->row_bytes / bb), qtype, bb, &q, R, out, ldo);
